@@ -1,0 +1,48 @@
+"""The newcomer's first run: start the daemon on the bundled model, stream a completion, stop.
+
+    make run        (or: .venv/bin/python scripts/quickstart.py)
+
+Uses the `tpserve` command exactly as a user would: `tpserve start`, `tpserve generate`
+(streams to the terminal), `tpserve status`, `tpserve stop`, on a private runtime directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROMPT = "def fibonacci(n):\n"
+
+
+def tpserve(*args: str, env: dict) -> int:
+    exe = Path(sys.executable).with_name("tpserve")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tpserve"]
+    print(f"$ tpserve {' '.join(a if ' ' not in a and chr(10) not in a else repr(a) for a in args)}",
+          flush=True)
+    return subprocess.call(cmd + list(args), env=env)
+
+
+def main() -> int:
+    runtime = tempfile.mkdtemp(prefix="tpserve-quickstart-")
+    env = dict(os.environ, TPSERVE_RUNTIME_DIR=runtime)
+    try:
+        if tpserve("start", env=env) != 0:
+            log = Path(runtime, "tpserve.log")
+            if log.exists():
+                print(log.read_text()[-4000:], file=sys.stderr)
+            return 1
+        rc = tpserve("generate", PROMPT, "--max-tokens", "96", "--temperature", "0", env=env)
+        rc |= tpserve("status", env=env)
+        return rc
+    finally:
+        rc_stop = tpserve("stop", env=env)
+        shutil.rmtree(runtime, ignore_errors=True)
+        if rc_stop != 0:
+            print("tpserve stop failed", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

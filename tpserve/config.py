@@ -1,0 +1,125 @@
+"""EngineConfig: the options shared by the offline API, `tpserve start/serve` and workers.
+
+Validation happens here, at the boundary, and raises ConfigError naming the field. Nothing in
+this module imports torch or transformers: the scheduler side reads it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from tpserve.errors import ConfigError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
+ATTENTION_BACKENDS = ("auto", "flash", "triton", "torch")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. ``model`` None means the bundled default model.
+
+    ``num_kv_blocks`` overrides the KV pool size (tests, capacity planning); otherwise the
+    runner sizes the pool from ``kv_cache_memory_gb`` (CPU) or ``gpu_memory_utilization`` (GPU).
+    ``max_model_len`` None means the model's ``max_position_embeddings``.
+    """
+
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    # Filled in by resolve() from the model directory.
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate(self) -> None:
+        def pos_int(name, lo=1):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(name, f"must be an integer >= {lo}, got {v!r}")
+
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            pos_int(name)
+        if self.max_model_len is not None:
+            pos_int("max_model_len")
+        if self.num_kv_blocks is not None:
+            pos_int("num_kv_blocks")
+        if self.seed is not None:
+            pos_int("seed", 0)
+        if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
+            raise ConfigError("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization",
+                              f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError("attention_backend",
+                              f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ConfigError("model", f"must be a path, got {type(self.model).__name__}")
+
+    # ---- model directory -----------------------------------------------------------------
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model is not None else DEFAULT_MODEL_DIR
+
+    def resolve(self) -> "EngineConfig":
+        """Read config.json (and generation_config.json) of the model; fill derived fields."""
+        path = self.model_path
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError("model", f"{path} is not a Hugging Face model directory (no config.json)")
+        self.hf_config = json.loads(cfg_file.read_text())
+        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise ConfigError("max_model_len",
+                              f"{self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
+        if not self.eos_token_ids:
+            self.eos_token_ids = _eos_ids(path, self.hf_config)
+        tp = self.tensor_parallel_size
+        heads = int(self.hf_config.get("num_attention_heads", tp))
+        if heads % tp:
+            raise ConfigError("tensor_parallel_size",
+                              f"{tp} does not divide num_attention_heads={heads}")
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("hf_config")
+        return d
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name not in ("eos_token_ids", "hf_config")]
+
+
+def _eos_ids(path: Path, hf_config: dict) -> list[int]:
+    ids = []
+    gen = path / "generation_config.json"
+    for source in ([json.loads(gen.read_text())] if gen.is_file() else []) + [hf_config]:
+        eos = source.get("eos_token_id")
+        if eos is None:
+            continue
+        ids = list(eos) if isinstance(eos, list) else [eos]
+        break
+    return [int(i) for i in ids]

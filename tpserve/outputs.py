@@ -1,0 +1,52 @@
+"""What the engine reports back per request and step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request.
+
+    ``new_token_ids``/``new_text`` hold only what is new since the last output of this request
+    (text is detokenized incrementally; a matched stop string and anything after it is removed).
+    ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
+    max_model_len) or "abort", and is set only when ``finished``.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """The final result of one prompt in the offline API (vLLM's shape)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class GenerateOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
