@@ -1,0 +1,67 @@
+import torch
+
+from tpserve.workers.sampler import Sampler, apply_top_k_top_p, uniform
+
+
+def args(n, temp=1.0, k=-1, p=1.0, seeds=None, steps=None):
+    return (torch.full((n,), temp), torch.full((n,), k, dtype=torch.int32), torch.full((n,), p),
+            torch.arange(n) if seeds is None else seeds,
+            torch.zeros(n, dtype=torch.int32) if steps is None else steps)
+
+
+def test_uniform_is_in_range_and_depends_on_seed_and_step():
+    u = uniform(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 5000)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.02
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    again = uniform(torch.tensor([1]), torch.tensor([0]), 5000)
+    assert torch.equal(u[0], again[0])
+
+
+def test_greedy_rows_take_argmax():
+    logits = torch.randn(6, 50)
+    out = Sampler()(logits, *args(6, temp=0.0))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 8)
+    n = 20000
+    out = Sampler()(logits.expand(n, 8), *args(n))
+    freq = torch.bincount(out, minlength=8).float() / n
+    assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.015)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    n = 4000
+    out = Sampler()(logits.expand(n, 5), *args(n, k=2))
+    assert set(out.tolist()) == {0, 1}
+    probs = logits.softmax(-1)[0]  # ~[.64, .24, .09, .03, .01]
+    out = Sampler()(logits.expand(n, 5), *args(n, p=0.8))
+    assert set(out.tolist()) == {0, 1}
+    masked = apply_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([0.5]))
+    assert torch.isinf(masked[0, 1:]).all() and masked[0, 0] == 4.0
+    assert probs[0] > 0.5
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 100)
+    seeds = torch.tensor([11, 22, 33, 44, 55])
+    steps = torch.tensor([0, 3, 1, 7, 2], dtype=torch.int32)
+    full = Sampler()(logits, *args(5, temp=0.9, seeds=seeds, steps=steps))
+    for i in range(5):
+        one = Sampler()(logits[i:i + 1], *args(1, temp=0.9, seeds=seeds[i:i + 1], steps=steps[i:i + 1]))
+        assert one.item() == full[i].item()
+    shuffled = torch.tensor([3, 0, 4, 1, 2])
+    out = Sampler()(logits[shuffled], *args(5, temp=0.9, seeds=seeds[shuffled], steps=steps[shuffled]))
+    assert torch.equal(out, full[shuffled])
+
+
+def test_mixed_greedy_and_sampled_rows():
+    logits = torch.randn(4, 30)
+    temps = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    out = Sampler()(logits, temps, *args(4)[1:])
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()

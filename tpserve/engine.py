@@ -1,0 +1,159 @@
+"""Engine: the step loop that joins the scheduler (rank 0) and the runners of every rank.
+
+    add_request ─▶ Scheduler.add            (admission control, raises AdmissionError)
+    step():  Scheduler.schedule ─▶ build_plan ─▶ executor.execute (all ranks) ─▶ tokens
+             ─▶ Scheduler.postprocess ─▶ detokenize, stop strings ─▶ RequestOutputs
+
+The engine is used in-process by the offline ``LLM`` API and by the daemon's server loop.
+With ``tensor_parallel_size`` > 1 the executor publishes each plan to worker processes.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpserve.config import EngineConfig
+from tpserve.detokenizer import IncrementalDetokenizer
+from tpserve.errors import ConfigError
+from tpserve.outputs import RequestOutput
+from tpserve.sampling import SamplingParams
+from tpserve.scheduler import Scheduler, Sequence
+from tpserve.workers.executor import make_executor
+
+log = logging.getLogger("tpserve.engine")
+
+MAX_PROMPT_CHARS = 1 << 22
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    sent_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config.resolve()
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.executor = make_executor(self.config)
+        self.config.num_kv_blocks = self.executor.num_blocks
+        self.scheduler = Scheduler(self.config)
+        self.requests: dict[str, _Request] = {}
+        self._rng = random.Random(self.config.seed)
+        self._start = time.monotonic()
+        self._recent: deque[tuple[float, int]] = deque(maxlen=64)
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise ConfigError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise ConfigError("prompt", "must be a string or a list of token ids")
+        vocab = int(self.config.hf_config.get("vocab_size", 1 << 31))
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError("prompt", f"token id {bad[0]} outside [0, {vocab})")
+        return [int(t) for t in prompt]
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    detokenize: bool = True) -> None:
+        """Queue a request. Raises AdmissionError if it can never fit, ValueError on bad input.
+
+        ``detokenize`` False skips per-step text (the offline API decodes once at the end);
+        requests with stop strings are always detokenized.
+        """
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ConfigError("request_id", f"{request_id!r} is already in use")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ConfigError("prompt", "is empty")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq = Sequence(request_id, ids, params, seed=seed)
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) \
+            if detokenize or params.stop else None
+        self.requests[request_id] = _Request(seq, detok)
+
+    def abort_request(self, request_id: str) -> bool:
+        if self.requests.pop(request_id, None) is None:
+            return False
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        plan = self.scheduler.build_plan(batch)
+        plan.step_id = self.num_steps
+        tokens = self.executor.execute(plan)
+        self.num_steps += 1
+        seqs = self.scheduler.postprocess(batch, tokens)
+        self._recent.append((time.monotonic(), len(tokens)))
+        return [self._output(seq) for seq in seqs]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        completion = seq.completion_token_ids
+        new_ids = completion[req.sent_tokens:]
+        finished, reason = seq.is_finished, seq.finish_reason
+        text = ""
+        if req.detok is not None:
+            req.detok.add(new_ids)
+            if not finished and req.detok.find_stop():
+                self.scheduler.finish(seq, "stop")
+                finished, reason = True, "stop"
+            text = req.detok.take_new_text(final=finished)
+        req.sent_tokens = len(completion)
+        if finished:
+            del self.requests[seq.request_id]
+        return RequestOutput(seq.request_id, list(new_ids), text, finished,
+                             reason if finished else None, seq.num_prompt_tokens, len(completion))
+
+    # ---- control -------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        s = dict(self.scheduler.stats())
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent if now - t < 10.0]
+        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        hits, computed = s.get("prefix_cache_hit_tokens", 0), s.get("prompt_tokens_computed", 0)
+        s.update(prompt_tokens=hits + computed, generation_tokens=s.get("decode_tokens", 0),
+                 prefix_cache_hit_rate=hits / (hits + computed) if hits + computed else 0.0)
+        s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
+                 uptime_s=now - self._start, num_steps=self.num_steps,
+                 tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)
+        return s
+
+    def shutdown(self) -> None:
+        ex = getattr(self, "executor", None)
+        if ex is not None:
+            ex.shutdown()
+            self.executor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,125 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, named as in vLLM."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence as Seq
+
+from tpserve.config import EngineConfig
+from tpserve.engine import Engine
+from tpserve.errors import ConfigError
+from tpserve.outputs import CompletionOutput, GenerateOutput
+from tpserve.sampling import SamplingParams
+
+
+class LLM:
+    """Runs the serving engine in this process (TP workers, if any, as child processes).
+
+    Keyword options are those of :class:`tpserve.config.EngineConfig`
+    (``tensor_parallel_size``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``kv_cache_memory_gb``, ``num_kv_blocks``, ``dtype``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **options):
+        unknown = set(options) - set(EngineConfig.option_names())
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], "is not an engine option; known: "
+                              + ", ".join(EngineConfig.option_names()))
+        self.engine = Engine(EngineConfig(model=None if model is None else str(model), **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerateOutput]:
+        """Generate for every prompt; returns outputs in input order.
+
+        ``prompts`` is a string, a list of token ids, or a list of either. ``sampling_params``
+        is one SamplingParams for all, or one per prompt.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
+            else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError("sampling_params", f"got {len(params)} for {len(prompts)} prompts")
+
+        engine = self.engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        results: dict[str, GenerateOutput] = {}
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, sp, detokenize=False)
+                token_ids = engine.requests[rid].seq.prompt_token_ids
+                results[rid] = GenerateOutput(rid, prompt if isinstance(prompt, str) else None,
+                                              list(token_ids), [CompletionOutput("", [], None)])
+        except BaseException:
+            for rid in results:
+                engine.abort_request(rid)
+            raise
+        bar = _progress(len(prompts)) if use_tqdm else None
+        prefill = decode = 0
+        t0 = time.perf_counter()
+        try:
+            while any(not results[r].outputs[0].finish_reason for r in ids):
+                outs = engine.step()
+                if not outs and not engine.has_unfinished():
+                    break
+                for out in outs:
+                    comp = results[out.request_id].outputs[0]
+                    comp.token_ids.extend(out.new_token_ids)
+                    comp.text += out.new_text
+                    if out.finished:
+                        comp.finish_reason = out.finish_reason
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    st = engine.scheduler.stats()
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    prefill, decode = st["prompt_tokens_computed"], st["decode_tokens"]
+                    bar.set_postfix_str(f"prefill {prefill / dt:.0f} tok/s, decode {decode / dt:.0f} tok/s")
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        for rid, sp in zip(ids, params):
+            comp = results[rid].outputs[0]
+            if not sp.stop:
+                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+        return [results[r] for r in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="Generating", dynamic_ncols=True)

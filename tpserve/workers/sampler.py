@@ -1,0 +1,86 @@
+"""Sampler: turns a batch of logits into one token per row, on the logits' device.
+
+Every row has its own temperature, top-k, top-p and seed. Random draws come from a
+counter-based generator: the uniform number for (seed, step, token) is a hash of those three
+integers. A seeded request therefore samples the same tokens whatever else shares the batch,
+and the whole batch is sampled in a few tensor ops with no per-row Python.
+
+Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) draws i with
+probability p_i, so no cumulative sums or multinomial calls are needed.
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    c &= _MASK
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_C1 = _signed(0xBF58476D1CE4E5B9)
+_C2 = _signed(0x94D049BB133111EB)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit finalizer (splitmix64's); int64 multiplication wraps like uint64."""
+    x = x ^ _shr(x, 30)
+    x = x * _C1
+    x = x ^ _shr(x, 27)
+    x = x * _C2
+    return x ^ _shr(x, 31)
+
+
+def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) float64 of shape [S, vocab], a pure function of (seed, step, index)."""
+    base = mix64(mix64(seeds.long() * _GOLDEN + steps.long()) + 1)          # [S]
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
+    bits = mix64(base[:, None] ^ idx[None, :])
+    return (_shr(bits, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. logits: [S, V] float32."""
+    vocab = logits.shape[1]
+    k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab)).long()
+    need_k = bool((k < vocab).any())
+    need_p = bool((top_ps < 1.0).any())
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    if need_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep a token if the mass before it is below top_p: the top token always survives.
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= top_ps[:, None].to(probs.dtype)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row; rows with temperature 0 are greedy."""
+
+    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                 top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        greedy = temperatures <= 0
+        if bool(greedy.all()):
+            return greedy_tokens
+        temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+        scaled = apply_top_k_top_p(logits / temps[:, None], top_ks, top_ps)
+        logp = torch.log_softmax(scaled.double(), dim=-1)
+        # argmax(p / E) == argmax(log p - log E), E = -log U.
+        noise = torch.log(-torch.log(uniform(seeds, steps, logits.shape[1])))
+        sampled = (logp - noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
