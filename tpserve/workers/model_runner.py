@@ -23,23 +23,13 @@ import torch.distributed as dist
 from tpserve.config import EngineConfig
 from tpserve.kernels.backend import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
-from tpserve.models.loader import load_model
+from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.sampler import Sampler
 
 log = logging.getLogger("tpserve.runner")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, hf_config: dict) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"),
-                       torch.float32)
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext, device: torch.device | str = "cpu"):
@@ -48,7 +38,7 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(config.dtype, config.hf_config)
+        self.dtype = resolve_dtype(config.dtype, load_config(config.model_path))
         self.backend = get_backend(config.attention_backend, self.device, config.block_size)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
                                 device=self.device)

@@ -1,0 +1,158 @@
+"""The decoder-only transformer shared by Qwen3, Llama and Qwen2, tensor-parallel.
+
+Module tree (names match Hugging Face checkpoints, except the packed ``qkv_proj`` and
+``gate_up_proj``, see :attr:`CausalLM.packed_modules_mapping`)::
+
+    CausalLM
+    ├─ model: DecoderModel
+    │   ├─ embed_tokens: VocabParallelEmbedding
+    │   ├─ layers[i]: DecoderLayer
+    │   │   ├─ input_layernorm, post_attention_layernorm: RMSNorm
+    │   │   ├─ self_attn: SelfAttention (qkv_proj, [q_norm, k_norm], o_proj)
+    │   │   └─ mlp: MLP (gate_up_proj, down_proj)
+    │   └─ norm: RMSNorm
+    └─ lm_head: ParallelLMHead (shares embed_tokens.weight when tie_word_embeddings)
+
+The runner calls exactly: ``forward(input_ids, positions, meta)``, ``compute_logits(hidden)``,
+``set_kv_caches(caches)`` and reads ``num_layers``, ``num_kv_heads_per_rank``, ``head_dim``,
+``vocab_size``, ``dtype``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tpserve.models.activation import SiluAndMul
+from tpserve.models.attention import SelfAttention
+from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
+from tpserve.models.norm import RMSNorm
+from tpserve.models.parallel import TPContext
+from tpserve.models.rotary import RotaryEmbedding
+from tpserve.models.spec import ModelSpec, check_tp_size
+
+if TYPE_CHECKING:
+    from tpserve.kernels.metadata import AttentionMetadata
+
+
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: column-parallel gate/up, row-parallel down (one all-reduce)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPContext, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp, bias=bias)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual stream travels separately (fused adds)."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, rotary: RotaryEmbedding, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = SelfAttention(
+            spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, tp, rotary, backend,
+            qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp, bias=spec.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm: ids -> last hidden states."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, backend):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        # One rotary table shared by every layer (positions are the same for all of them).
+        rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, spec.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp, rotary, backend) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """A tensor-parallel shard of a decoder-only causal LM (one per rank).
+
+    Build it with uninitialised weights, then fill them with :func:`tpserve.models.loader.load_model`
+    (or call each parameter's ``weight_loader``).
+    """
+
+    # checkpoint module name -> (packed module name, shard id passed to its weight_loader)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, backend):
+        super().__init__()
+        check_tp_size(spec, tp.size)
+        self.spec = spec
+        self.tp = tp
+        self.model = DecoderModel(spec, tp, backend)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
+        if spec.tie_word_embeddings:
+            # Same vocabulary split as the embedding, so the shards coincide and can be shared.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.num_layers = spec.num_layers
+        self.head_dim = spec.head_dim
+        self.vocab_size = spec.vocab_size
+        self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` (flat rows of all sequences) -> hidden ``[T, hidden_size]``.
+
+        Identical on every rank (the last op of each layer is an all-reduce).
+        """
+        return self.model(input_ids, positions, meta)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden [S, hidden_size]`` -> float32 logits ``[S, vocab_size]`` on rank 0, None elsewhere.
+
+        Every rank must call it (it gathers across the group).
+        """
+        logits = self.lm_head(hidden)
+        return logits.float() if logits is not None else None
+
+    def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give layer i its ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"set_kv_caches: got {len(kv_caches)} (k, v) pairs, the model has {self.num_layers} layers")
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            layer.self_attn.k_cache = k_cache
+            layer.self_attn.v_cache = v_cache

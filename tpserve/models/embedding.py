@@ -1,0 +1,69 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is padded up to a multiple of the TP size and split into equal contiguous
+slices: rank r owns token ids ``[r * V_local, (r + 1) * V_local)``. Rows past the real vocabulary
+(padding) are zero and never leave the layer: the embedding never looks them up and the LM head
+drops their logits.
+
+Invariant: an embedding and an LM head built with the same ``num_embeddings`` and TPContext have
+identically shaped and placed shards, which is what lets tied embeddings share one parameter.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.models.parallel import TPContext
+from tpserve.models.weights import attach_loader, check_shape, new_param
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows are split across ranks.
+
+    ``forward(ids [T]) -> [T, embedding_dim]`` on every rank: each rank embeds the ids that fall
+    in its slice (others give zero rows) and an all-reduce sums the slices.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = -(-num_embeddings // tp.size) * tp.size
+        self.num_embeddings_per_rank = self.num_embeddings_padded // tp.size
+        self.vocab_start = tp.rank * self.num_embeddings_per_rank
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
+        self.weight = attach_loader(new_param(self.num_embeddings_per_rank, embedding_dim), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
+        real = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
+        with torch.no_grad():
+            param[:real].copy_(loaded_weight.narrow(0, self.vocab_start, real))
+            param[real:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(mine, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight)
+        out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to vocabulary logits, sharded like :class:`VocabParallelEmbedding`.
+
+    ``forward(hidden [S, H])`` computes this rank's slice of the logits and gathers the slices
+    to rank 0, which returns ``[S, num_embeddings]`` (padding columns dropped); every other rank
+    returns None. Only rank 0 samples, so the others never need the full logits.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        logits = self.tp.gather_to_rank0(logits, dim=-1)
+        if logits is None:
+            return None
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,202 @@
+"""Build a tensor-parallel model shard from a Hugging Face checkpoint directory.
+
+A checkpoint directory holds ``config.json`` and safetensors weights: one ``model.safetensors``,
+or several shards listed by ``model.safetensors.index.json``. Every rank reads the full tensors
+(memory-mapped) and keeps its own slice through each parameter's ``weight_loader``.
+
+Checkpoint names map 1:1 onto module names except packed modules (``q/k/v_proj`` ->
+``qkv_proj`` with shard ids "q"/"k"/"v", ``gate/up_proj`` -> ``gate_up_proj`` with 0/1). With
+``tie_word_embeddings`` the LM head shares the embedding and ``lm_head.weight`` is not needed
+(and ignored if present). Every parameter (and every part of a packed one) must be loaded
+exactly from the checkpoint, and every checkpoint tensor must land somewhere: otherwise
+:class:`CheckpointError` lists the offending names.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from tpserve.kernels.backend import get_backend
+from tpserve.models.decoder import CausalLM
+from tpserve.models.errors import CheckpointError, UnsupportedModelError
+from tpserve.models.parallel import TPContext
+from tpserve.models.spec import model_spec
+from tpserve.models.weights import default_weight_loader
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# Buffers some older checkpoints saved; derived from config here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MAX_LISTED = 10
+
+
+def resolve_dtype(dtype: torch.dtype | str, config=None) -> torch.dtype:
+    """``"auto"`` -> the config's ``dtype``/``torch_dtype`` (float32 if it names none); else parse."""
+    if dtype == "auto":
+        found = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+        if found is None:
+            return torch.float32
+        dtype = found
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype: {dtype!r} is not supported; allowed: 'auto', {', '.join(repr(k) for k in _DTYPES)} "
+                     f"or the matching torch dtypes")
+
+
+def load_config(path: str | Path):
+    """Read ``path/config.json`` with transformers' AutoConfig (config classes only, no code)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as e:  # unknown model_type and friends
+        raise UnsupportedModelError("model_type", f"config.json in {path} cannot be read: {e}") from None
+
+
+def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype | str = "auto",
+               backend=None, device: str | torch.device = "cpu", progress: bool | None = None,
+               block_size: int = 16) -> CausalLM:
+    """Build this rank's shard of the model in ``path`` and load its weights.
+
+    ``backend`` is the attention backend shared by all layers (default:
+    ``get_backend("auto", device=device, block_size=block_size)``; ``block_size`` is used for
+    nothing else). ``dtype``: "auto" (config.json's), a name such as "bfloat16", or a torch
+    dtype. ``progress``: show a tqdm bar over checkpoint tensors; None shows it on rank 0 for
+    multi-file checkpoints. Raises UnsupportedModelError or CheckpointError (both ValueError).
+    """
+    tp = tp or TPContext()
+    path = Path(path)
+    config = load_config(path)
+    spec = model_spec(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    if backend is None:
+        backend = get_backend("auto", device=device, block_size=block_size)
+    with _default_dtype(torch_dtype), device:
+        model = CausalLM(spec, tp, backend)
+    files = checkpoint_files(path)
+    show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
+    load_weights(model, iter_safetensors(files, show))
+    return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    # Parameters are created with torch.empty in the default dtype: building them directly in the
+    # target dtype avoids materialising a float32 copy of a large model first.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in index order (or the single file)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: has no 'weight_map' object of tensor name -> file")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f.name) for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} lists files that do not exist: {absent}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{path}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    return found
+
+
+def iter_safetensors(files: list[Path], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor on CPU)`` for every tensor of every file."""
+    total = None
+    if progress:  # headers only: cheap, and gives the bar a length
+        total = 0
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                total += len(list(st.keys()))
+    with tqdm(total=total, unit="tensor", desc="loading weights", disable=not progress) as bar:
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+                    bar.update(1)
+
+
+def _target(key: str, mapping: dict) -> tuple[str, object]:
+    """Checkpoint name -> (parameter name, shard id or None)."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in mapping:
+            packed, shard = mapping[part]
+            parts[i] = packed
+            return ".".join(parts), shard
+    return key, None
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load full checkpoint tensors into the model's (sharded) parameters; raise on any mismatch."""
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
+    needed: dict[str, set] = {}
+    for name in params:
+        module = name.split(".")[-2] if "." in name else ""
+        needed[name] = {shard for packed, shard in model.packed_modules_mapping.values() if packed == module} or {None}
+    loaded: dict[str, set] = defaultdict(set)
+    unexpected = []
+    for key, tensor in weights:
+        if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and model.spec.tie_word_embeddings):
+            continue
+        name, shard = _target(key, model.packed_modules_mapping)
+        param = params.get(name)
+        if param is None:
+            unexpected.append(key)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor) if shard is None else loader(param, tensor, shard)
+        except CheckpointError as e:
+            raise CheckpointError(f"{key}: {e}") from None
+        loaded[name].add(shard)
+    checkpoint_name = {(packed, shard): module for module, (packed, shard) in model.packed_modules_mapping.items()}
+    missing = []
+    for name, shards in needed.items():
+        for shard in shards - loaded[name]:
+            if shard is None:
+                missing.append(name)
+            else:  # report the name the checkpoint should have had
+                *prefix, packed, leaf = name.split(".")
+                missing.append(".".join([*prefix, checkpoint_name[(packed, shard)], leaf]))
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights (no such parameter in {model.spec.architecture}): {_listing(unexpected)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match config.json: " + "; ".join(problems))

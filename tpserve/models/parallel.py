@@ -1,0 +1,74 @@
+"""The tensor-parallel context every parallel layer is built with.
+
+A :class:`TPContext` names this process's place in the tensor-parallel group (``rank`` of
+``size``) and the ``torch.distributed`` group that carries its collectives. It is passed to each
+layer's constructor explicitly: there is no module-level "current group", so two models with
+different TP layouts can live in one process (the tests build a TP=1 reference next to a shard).
+
+Invariants:
+- ``0 <= rank < size``.
+- With ``size == 1`` every collective returns its input unchanged and no process group is
+  needed (``group`` may be None and ``torch.distributed`` need not be initialised).
+- With ``size > 1`` the caller has initialised ``torch.distributed``; ``group=None`` then means
+  the default (world) group, whose ranks must coincide with TP ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """This process's rank within a tensor-parallel group of ``size`` ranks."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup, or None for the default group
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"TPContext.size: must be an int >= 1, got {self.size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"TPContext.rank: must be an int in [0, {self.size}), got {self.rank!r}")
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank that receives gathered results (logits)."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns ``x``."""
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim`` (rank order); every rank gets the result."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather_to_rank0(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` along ``dim`` on rank 0; other ranks get None.
+
+        Cheaper than :meth:`all_gather` when only rank 0 consumes the result (sampling).
+        """
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, group=self.group, group_dst=0)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def shard_range(self, total: int) -> tuple[int, int]:
+        """``[start, end)`` of this rank's equal slice of ``total`` items (``total % size == 0``)."""
+        assert total % self.size == 0, (total, self.size)
+        per = total // self.size
+        return self.rank * per, (self.rank + 1) * per
