@@ -39,14 +39,15 @@ class ModelRunner:
         self.tp = tp
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, load_config(config.model_path))
-        self.backend = get_backend(config.attention_backend, self.device, config.block_size)
+        self.backend = get_backend(config.attention_backend, self.device, config.block_size,
+                                   dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
                                 device=self.device)
         self.sampler = Sampler()
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
             self.graphs.capture()
 

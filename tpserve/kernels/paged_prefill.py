@@ -1,0 +1,184 @@
+"""Prefill attention Triton kernel: query tiles x key tiles, causal with a context offset.
+
+Grid ``(cdiv(max_seqlen_q, BLOCK_M), B, Hq)``: a program owns ``BLOCK_M`` consecutive new
+tokens of one sequence and one query head. Query row ``i`` of sequence ``b`` sits at absolute
+position ``ctx + i`` with ``ctx = k_len - q_len`` (the new tokens are the sequence's last
+ones), and attends to keys ``0 .. ctx + i``. The program walks key tiles of ``BLOCK_N`` only up
+to the tile's last query position (keys later than that are masked for every row), with an
+online softmax in fp32.
+
+Keys come from one of two places, fixed at compile time by ``PAGED``:
+
+* ``PAGED=True`` (prefill with context): the paged cache, through the block table, after the
+  new tokens were stored; ``BLOCK_N`` divides the block size, so a tile is one lookup.
+* ``PAGED=False`` (prefill without context, or any run without a cache): the new tokens'
+  own flat ``k``/``v`` rows ``cu_seqlens_q[b] + j``; the keys are exactly the new tokens.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.kernels.checks import check_paged_args, check_tensor
+from tpserve.kernels.tiles import LOG2E, dot_options, max_tile, tile_for_block_size
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+                    block_tables_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Without PAGED, k_ptr/v_ptr are [T, Hkv, D] and stride_kb is unused, stride_ks the token
+    # stride; with PAGED, they are caches [N, BLOCK_SIZE, Hkv, D] (block, slot, head strides).
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    if PAGED:
+        k_len = tl.load(context_lens_ptr + b)
+    else:
+        k_len = q_len
+    ctx = k_len - q_len
+    kvh = h // GROUP
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    m_mask = m < q_len
+    d_mask = d < HEAD_DIM
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qpos = ctx + m  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_end = tl.minimum(k_len, ctx + (tile + 1) * BLOCK_M)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for start in range(0, k_end, BLOCK_N):
+        kpos = start + n
+        if PAGED:
+            block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+            key_rows = block * stride_kb + (start % BLOCK_SIZE + n) * stride_ks
+        else:
+            key_rows = (q_start + kpos).to(tl.int64) * stride_ks
+        k_mask = kpos < k_len
+        offs = key_rows[:, None] + kvh * stride_kh + d[None, :]
+        tile_mask = k_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + offs, mask=tile_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where((kpos[None, :] <= qpos[:, None]) & k_mask[None, :], s, float("-inf"))
+        # Key 0 is visible to every row, so after the first tile m_new is finite everywhere.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs, mask=tile_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _block_m(max_seqlen_q: int, dtype: torch.dtype) -> int:
+    # Small tiles for short chunks waste less of the tile on padding rows.
+    return 16 if max_seqlen_q <= 16 else max_tile(dtype)
+
+
+def _check_cu(cu_seqlens_q, num_seqs: int, device) -> None:
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, torch.int32, device)
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(f"cu_seqlens_q: expected {num_seqs + 1} entries (B+1), "
+                         f"got {cu_seqlens_q.shape[0]}")
+
+
+def _check_max(max_seqlen_q) -> None:
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q: expected an int >= 0, got {max_seqlen_q!r}")
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            block_tables: torch.Tensor, max_seqlen_q: int,
+                            scale: float) -> torch.Tensor:
+    """Prefill with context: the new tokens attend to all their sequence's keys in the cache.
+
+    q ``[T, Hq, D]`` flat (rows cu_seqlens_q[b]:cu_seqlens_q[b+1] are sequence b's last
+    tokens, already stored); caches ``[num_blocks, block_size, Hkv, D]`` contiguous with
+    block_size % 16 == 0; cu_seqlens_q int32 ``[B+1]``; context_lens int32 ``[B]`` (keys per
+    sequence, new tokens included); block_tables int32 ``[B, W]``; max_seqlen_q bounds the
+    query lengths. Returns ``[T, Hq, D]`` in q's dtype.
+    """
+    check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
+    b = context_lens.shape[0]
+    _check_cu(cu_seqlens_q, b, q.device)
+    _check_max(max_seqlen_q)
+    return _launch(q, k_cache, v_cache, cu_seqlens_q, context_lens.contiguous(), block_tables,
+                   max_seqlen_q, scale, paged=True, block_size=k_cache.shape[1],
+                   k_strides=k_cache.stride()[:3])
+
+
+def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                             scale: float) -> torch.Tensor:
+    """Prefill without context: each sequence's new tokens attend causally to themselves.
+
+    q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` flat over sequences (head_dim axis contiguous, any
+    token/head strides, so slices of a fused qkv projection work); cu_seqlens_q int32
+    ``[B+1]``. Returns ``[T, Hq, D]`` in q's dtype.
+    """
+    check_tensor("q", q, 3)
+    check_tensor("k", k, 3, q.dtype, q.device)
+    check_tensor("v", v, 3, q.dtype, q.device)
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: expected shape [{q.shape[0]}, Hkv, {q.shape[2]}], got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"k: num_kv_heads={k.shape[1]} must divide q's num_heads={q.shape[1]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(2) != 1:
+            raise ValueError(f"{name}: the head_dim axis must be contiguous, got strides {x.stride()}")
+    if k.stride() != v.stride():
+        raise ValueError(f"v: strides {v.stride()} differ from k's {k.stride()}")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, torch.int32, q.device)
+    _check_max(max_seqlen_q)
+    # The kernel reads no context lengths or block tables when PAGED is off: any int32
+    # tensor stands in for those pointers.
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q[None], max_seqlen_q, scale,
+                   paged=False, block_size=16, k_strides=(0, k.stride(0), k.stride(1)))
+
+
+def _launch(q, k, v, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, *,
+            paged: bool, block_size: int, k_strides) -> torch.Tensor:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    t, hq, d = q.shape
+    b = cu_seqlens_q.shape[0] - 1
+    if t == 0 or b == 0 or max_seqlen_q == 0:
+        return out
+    block_m = _block_m(max_seqlen_q, q.dtype)
+    cap = max_tile(q.dtype)
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), b, hq)](
+        q, k, v, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_strides[0], k_strides[1], k_strides[2], block_tables.stride(0),
+        GROUP=hq // k.shape[2 if paged else 1], HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
+        BLOCK_N=tile_for_block_size(block_size, cap) if paged else cap, BLOCK_SIZE=block_size,
+        PAGED=paged, **dot_options(q))
+    return out

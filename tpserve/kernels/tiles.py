@@ -1,0 +1,31 @@
+"""Tile sizes and tl.dot options shared by the paged Triton kernels' wrappers (host side)."""
+from __future__ import annotations
+
+import torch
+
+# Kernels compute softmax with exp2; folding log2(e) into the scale saves a multiply per score.
+LOG2E = 1.4426950408889634
+
+
+def max_tile(dtype: torch.dtype) -> int:
+    """Largest key/query tile: fp32 tiles take twice the shared memory of bf16/fp16 ones, and
+    64 x 128 fp32 K and V tiles over the pipeline's stages would not fit an SM's shared memory."""
+    return 32 if dtype == torch.float32 else 64
+
+
+def tile_for_block_size(block_size: int, cap: int = 64) -> int:
+    """The largest power of two <= cap that divides block_size (block_size % 16 == 0), so a
+    key tile never straddles two cache blocks."""
+    tile = cap
+    while block_size % tile:
+        tile //= 2
+    return tile
+
+
+def dot_options(q: torch.Tensor) -> dict:
+    """tl.dot settings: exact fp32 products for fp32 inputs (tf32 would cost ~1e-3 accuracy);
+    and on CPU, upcast to fp32 before tl.dot, because the Triton interpreter multiplies
+    bf16 operands as their raw uint16 bit patterns."""
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    exact = q.dtype == torch.float32 or upcast
+    return dict(DOT_PRECISION="ieee" if exact else "tf32", UPCAST=upcast)
