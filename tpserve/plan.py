@@ -9,7 +9,9 @@ never go through pickle: they are encoded as
     +------------+------------+-----------------+-----+----------+-----+----------+
                                 each array starts on an 8-byte boundary
 
-The header holds the scalar fields and, per array, ``[name, dtype, shape, offset]``.
+The header holds the scalar fields and, per array, ``[name, shape, offset]`` with the offset
+counted from the start of the array area (the first 8-byte boundary after the header); dtypes
+are fixed per name (ARRAY_FIELDS).
 ``StepPlan.read_from`` returns numpy views into the buffer (no copy).
 
 Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this step):
@@ -27,6 +29,13 @@ Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this st
     top_ps        float32 [S]   1.0 = disabled
     seeds         int64 [S]     per-request seed of the counter-based sampler
     sample_steps  int32 [S]     index of the token being sampled within its request's output
+
+Notes for runners:
+    * A token row with slot -1 already has its K/V in the cache (a prompt fully covered by the
+      prefix cache recomputes only its last token); such plans set ``has_context``, so attention
+      reads keys through the block tables.
+    * ``has_context`` is always False for decode plans (decode always reads the cache).
+    * Decode plans may share read-only arrays between consecutive steps: copy, never write.
 """
 from __future__ import annotations
 
@@ -189,7 +198,9 @@ class StepPlan:
         plan = cls(cmd=Command(h["cmd"]), is_prefill=h["is_prefill"], has_context=h["has_context"],
                    max_seqlen_q=h["max_seqlen_q"], max_seqlen_k=h["max_seqlen_k"],
                    step_id=h["step_id"], args=h["args"])
+        base = -(-(_PREFIX.size + hlen) // _ALIGN) * _ALIGN
         for name, shape, off in h["arrays"]:
+            off += base
             dtype = ARRAY_FIELDS[name]
             count = int(np.prod(shape)) if shape else 1
             arr = np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)

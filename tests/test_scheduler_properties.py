@@ -1,0 +1,247 @@
+"""Property tests: random workloads against a fake runner with a checkable KV cache.
+
+The fake runner executes each StepPlan on a fake KV cache that stores, per slot, a digest of
+the whole token prefix up to that position (as real KV depends on the whole prefix). It reads
+context only through the plan's block tables and writes only through its slot mapping, and the
+next token is a pseudo-random function of the last digest. A wrong block table, slot, position,
+prefix-cache hit or preemption recovery therefore changes the tokens; the outputs must equal a
+plain sequential reference, whatever the block size, pool size, chunking or preemption.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from tpserve.config import EngineConfig
+from tpserve.errors import AdmissionError
+from tpserve.sampling import SamplingParams
+from tpserve.scheduler import Scheduler, Sequence, SequenceStatus
+
+MOD = (1 << 61) - 1
+EOS = 0
+
+
+def digest(prev: int, tok: int) -> int:
+    return (prev * 1_000_003 + tok + 7) % MOD
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab: int, salt: int):
+        self.bs = block_size
+        self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.vocab = vocab
+        self.salt = salt
+
+    def next_token(self, d: int) -> int:
+        return ((d * 0x9E3779B97F4A7C15 + self.salt) % MOD) % self.vocab
+
+    def run(self, plan) -> np.ndarray:
+        plan.validate()
+        bs = self.bs
+        cu_q, cu_k = plan.cu_seqlens_q.tolist(), plan.cu_seqlens_k.tolist()
+        pos, toks, sm = plan.positions.tolist(), plan.input_ids.tolist(), plan.slot_mapping.tolist()
+        row_digest = [0] * plan.num_tokens
+        assert cu_q[0] == 0 and cu_q[-1] == plan.num_tokens
+        for i in range(plan.num_seqs):
+            table = plan.block_tables[i].tolist()
+            ctx = int(plan.context_lens[i])
+            assert cu_k[i + 1] - cu_k[i] == ctx
+
+            def slot_of(p):
+                b = table[p // bs]
+                assert b >= 0, f"position {p} has no block"
+                return b * bs + p % bs
+
+            q0, q1 = cu_q[i], cu_q[i + 1]
+            assert q1 > q0
+            assert pos[q0:q1] == list(range(pos[q0], pos[q0] + q1 - q0)), "positions not contiguous"
+            assert pos[q1 - 1] + 1 == ctx
+            if not plan.is_prefill:
+                assert q1 - q0 == 1
+            for j in range(q0, q1):
+                p = pos[j]
+                prev = int(self.kv[slot_of(p - 1)]) if p else 0
+                assert prev >= 0, f"reading unwritten KV at position {p - 1}"
+                d = digest(prev, toks[j])
+                if sm[j] >= 0:
+                    assert sm[j] == slot_of(p)
+                    self.kv[sm[j]] = d
+                else:
+                    assert int(self.kv[slot_of(p)]) == d, "skipped write but the cache differs"
+                row_digest[j] = d
+        assert plan.max_seqlen_q == (max(b - a for a, b in zip(cu_q, cu_q[1:])) if plan.num_seqs else 0)
+        return np.array([self.next_token(row_digest[r]) for r in plan.logits_indices.tolist()],
+                        dtype=np.int64)
+
+
+def reference(runner: FakeRunner, prompt, sp: SamplingParams, eos, max_model_len):
+    stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos))
+    d = 0
+    for t in prompt:
+        d = digest(d, t)
+    out = []
+    while True:
+        t = runner.next_token(d)
+        out.append(t)
+        if t in stops:
+            return out, "stop"
+        if len(out) >= sp.max_tokens or len(prompt) + len(out) >= max_model_len:
+            return out, "length"
+        d = digest(d, t)
+
+
+class Harness:
+    def __init__(self, bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab, salt):
+        self.cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+                                enable_prefix_caching=prefix, eos_token_ids=[EOS])
+        self.s = Scheduler(self.cfg)
+        self.runner = FakeRunner(blocks, bs, vocab, salt)
+        self.seqs: dict[str, Sequence] = {}
+        self.aborted: set[str] = set()
+        self.n = 0
+
+    def add(self, prompt, max_tokens, ignore_eos=False, stop_token_ids=()):
+        rid = f"r{self.n}"
+        self.n += 1
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                            stop_token_ids=list(stop_token_ids))
+        seq = Sequence(rid, prompt, sp, seed=self.n)
+        bs, cfg = self.cfg.block_size, self.cfg
+        total = len(prompt) + max_tokens
+        expect = ("max_model_len" if total > cfg.max_model_len else
+                  "num_kv_blocks" if -(-(total - 1) // bs) > cfg.num_kv_blocks else None)
+        try:
+            self.s.add(seq)
+        except AdmissionError as e:
+            assert e.limit == expect, (e.limit, expect)
+            return None
+        assert expect is None
+        self.seqs[rid] = seq
+        return seq
+
+    def step(self):
+        had_work = self.s.has_unfinished()
+        batch = self.s.schedule()
+        assert bool(batch) == had_work, "nothing scheduled although work is runnable"
+        plan = self.s.build_plan(batch)
+        if plan.is_prefill:
+            assert plan.has_context == any(q.num_cached_tokens > 0 for q in batch.seqs)
+        tokens = self.runner.run(plan)
+        assert len(tokens) == plan.num_samples
+        out = self.s.postprocess(batch, tokens)
+        assert len(out) == len(tokens)
+        self.s.check_integrity()
+        return batch
+
+    def abort(self, k):
+        live = [rid for rid, q in self.seqs.items() if not q.is_finished]
+        if live:
+            rid = live[k % len(live)]
+            assert self.s.abort(rid)
+            self.aborted.add(rid)
+            self.s.check_integrity()
+
+    def preempt(self, k):
+        running = [q for q in self.s.running if not q.is_prefill]
+        if running:
+            self.s.preempt(running[k % len(running)])
+            self.s.check_integrity()
+
+    def drain(self, limit=5000):
+        for _ in range(limit):
+            if not self.s.has_unfinished():
+                break
+            self.step()
+        assert not self.s.has_unfinished(), "requests did not finish"
+        bm = self.s.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not bm.used_block_ids
+        assert self.s.table.num_free_slots == self.s.table.num_slots
+        assert not self.s.waiting and not self.s.running
+
+    def check_outputs(self):
+        for rid, q in self.seqs.items():
+            assert q.status is SequenceStatus.FINISHED
+            ref, reason = reference(self.runner, q.prompt_token_ids, q.sampling_params, [EOS],
+                                    self.cfg.max_model_len)
+            if rid in self.aborted:
+                assert q.finish_reason == "abort"
+                assert q.completion_token_ids == ref[:len(q.completion_token_ids)]
+            else:
+                assert (q.completion_token_ids, q.finish_reason) == (ref, reason), rid
+
+
+# ---- hypothesis: random interleavings -------------------------------------------------------
+
+# Prompts share prefixes of BASE often, so prefix-cache hits are common.
+BASE = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 1, 2]
+prompt_st = st.builds(lambda k, tail: (BASE[:k] + tail) or BASE[:1], st.integers(0, 12),
+                      st.lists(st.integers(0, 5), max_size=4))
+# The last field: 0 submits max_tokens as drawn (may be rejected), else it is clamped so the
+# request fits the engine's limits.
+add_st = st.tuples(st.just("add"), prompt_st, st.integers(1, 12), st.booleans(),
+                   st.lists(st.integers(1, 5), max_size=2), st.integers(0, 4))
+op_st = st.one_of(
+    add_st, add_st,
+    st.tuples(st.just("step")), st.tuples(st.just("step")), st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("preempt"), st.integers(0, 50)),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(6, 32),
+       max_num_seqs=st.sampled_from([1, 2, 3, 4, 4]), max_batched=st.integers(1, 16),
+       max_model_len=st.integers(12, 40), prefix=st.booleans(), salt=st.integers(0, 1000),
+       initial=st.lists(add_st, min_size=1, max_size=6), ops=st.lists(op_st, max_size=40))
+def test_random_interleavings_keep_invariants(bs, pool_tokens, max_num_seqs, max_batched,
+                                              max_model_len, prefix, salt, initial, ops):
+    blocks = -(-pool_tokens // bs)
+    h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=6, salt=salt)
+    for op in initial + ops:
+        if op[0] == "add":
+            _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
+            if clamp:
+                max_tokens = min(max_tokens, max_model_len - len(prompt), blocks * bs + 1 - len(prompt))
+                if max_tokens < 1:
+                    continue
+            h.add(prompt, max_tokens, ignore_eos, stop_ids)
+        elif op[0] == "step":
+            h.step()
+        elif op[0] == "abort":
+            h.abort(op[1])
+        else:
+            h.preempt(op[1])
+    h.drain()
+    h.check_outputs()
+    st_ = h.s.stats()
+    event(f"preempted: {st_['num_preemptions'] > 0}")
+    event(f"prefix hit: {st_['prefix_cache_hit_tokens'] > 0}")
+    event(f"finished: {sum(not q.finish_reason == 'abort' for q in h.seqs.values()) > 0}")
+
+
+# ---- block sizes, with preemption, chunking and prefix hits ---------------------------------
+
+@pytest.mark.parametrize("bs", [1, 2, 16, 256])
+def test_outputs_match_reference_across_block_sizes(bs):
+    rng = np.random.default_rng(bs)
+    scale = bs if bs > 2 else 8
+    longest = 4 * scale + 4                   # prompt + max_tokens of the largest request
+    blocks = -(-3 * longest // (2 * bs))      # room for about 1.5 of them: forces preemption
+    h = Harness(bs, blocks, max_num_seqs=4, max_batched=3 * scale, max_model_len=4 * scale * 8,
+                prefix=True, vocab=50, salt=bs)
+    base = rng.integers(1, 50, size=2 * scale).tolist()
+    for i in range(8):
+        shared = base[:int(rng.integers(scale // 2, 2 * scale))]
+        tail = rng.integers(1, 50, size=int(rng.integers(1, scale))).tolist()
+        h.add(shared + tail, max_tokens=int(rng.integers(scale // 2, scale + 4)), ignore_eos=True)
+        if i % 4 == 3:
+            h.step()
+    h.drain()
+    h.check_outputs()
+    st_ = h.s.stats()
+    assert st_["prefix_cache_hit_tokens"] > 0
+    assert st_["num_preemptions"] > 0
+    assert all(q.finish_reason == "length" for q in h.seqs.values())

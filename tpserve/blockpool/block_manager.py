@@ -1,0 +1,331 @@
+"""BlockManager: the pool of KV-cache blocks, their ref counts and the chained-hash prefix cache.
+
+The manager is the sole owner of block state. It works on any object shaped like a scheduler
+``Sequence`` (``token_ids``, ``block_table``, ``num_cached_tokens``, ``num_prefix_hit_tokens``,
+``num_hashed_blocks``, ``block_hashes``); it never imports the scheduler.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from itertools import chain
+
+import xxhash
+
+from tpserve.blockpool.block import Block
+
+
+class BlockManager:
+    """A fixed pool of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Invariants (checked by :meth:`check_integrity`):
+
+    - ``free_block_ids`` and ``used_block_ids`` partition ``range(num_blocks)``.
+    - ``blocks[b].ref_count`` equals the number of live block tables holding ``b``; free blocks
+      have ref_count 0, used blocks at least 1. The manager tracks the live sequences itself:
+      a sequence is live from :meth:`allocate` until :meth:`deallocate`.
+    - ``hash_to_block_id[h] == b`` implies ``blocks[b].hash == h``. Only full blocks whose KV
+      has been written are hashed (:meth:`hash_blocks`); freeing a block keeps its entry, so a
+      preempted or finished sequence can find its blocks again until they are reused.
+
+    Eviction order (the order of ``free_block_ids``, which is exactly the allocation order):
+
+    1. free blocks that carry no reachable hash (never hashed, or their entry was dropped or
+       taken over by another block), in the order they were freed;
+    2. then free blocks still in the prefix cache, least recently freed first.
+
+    So a fresh allocation destroys a cached prefix only when no worthless block is left, and
+    then the one unused for longest. A cache hit on a free block takes it back out of the free
+    list (whatever its position); a hit on a used block shares it (ref_count += 1).
+
+    A cache hit compares the block's token ids and the identity (serial) of the block before
+    it, so even a collision of the chained hash can never hand out a block with other KV.
+
+    ``deallocate`` walks a block table in reverse, so a sequence's tail blocks are freed before
+    its head: among equally old cached blocks the tail (least likely to be shared) goes first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks >= 1 and block_size >= 1
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.used_block_ids: set[int] = set()
+        # Free blocks, split by eviction class; free_block_ids presents them concatenated.
+        self._free_plain: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        # Live sequences (allocated, not yet deallocated), keyed by identity.
+        self._live: dict[object, None] = {}
+        self._next_serial = 0
+
+    # ---- views ---------------------------------------------------------------------------
+    @property
+    def free_block_ids(self) -> deque[int]:
+        """Free block ids in the order they will be allocated (a fresh copy: O(num_free))."""
+        return deque(chain(self._free_plain, self._free_cached))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.used_block_ids)
+
+    def live_sequences(self) -> list:
+        """Sequences holding blocks: allocated and not yet deallocated."""
+        return list(self._live)
+
+    # ---- hashing -------------------------------------------------------------------------
+    @classmethod
+    def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
+        """xxh64 over the previous full block's hash (if any) and this block's token ids,
+        each as a 64-bit unsigned integer (token ids are non-negative)."""
+        if prefix == -1:
+            return xxhash.xxh64_intdigest(array("Q", token_ids))
+        return xxhash.xxh64_intdigest(array("Q", [prefix, *token_ids]))
+
+    def _block_tokens(self, seq, i: int) -> list[int]:
+        bs = self.block_size
+        return seq.token_ids[i * bs:(i + 1) * bs]
+
+    def _block_hash(self, seq, i: int) -> int:
+        """Chained hash of full block ``i`` of ``seq``, memoised on the sequence."""
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            j = len(hashes)
+            hashes.append(self.compute_hash(self._block_tokens(seq, j), hashes[j - 1] if j else -1))
+        return hashes[i]
+
+    def _lookup(self, seq, i: int, parent_serial: int) -> int:
+        """The cached block holding full block ``i`` of ``seq`` after the given parent, or -1."""
+        block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
+        if block_id == -1:
+            return -1
+        block = self.blocks[block_id]
+        if block.parent_serial != parent_serial or block.token_ids != self._block_tokens(seq, i):
+            return -1
+        return block_id
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _allocate_block(self) -> int:
+        """Take the next free block for fresh contents, dropping its (stale) cache entry."""
+        if self._free_plain:
+            block_id = self._free_plain.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset(self._next_serial)
+        self._next_serial += 1
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _take_cached_block(self, block_id: int) -> None:
+        """Take a cached block back out of the free list, keeping its contents and hash."""
+        del self._free_cached[block_id]
+        self.blocks[block_id].ref_count = 1
+        self.used_block_ids.add(block_id)
+
+    def _deallocate_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        self.used_block_ids.remove(block_id)
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            self._free_cached[block_id] = None
+        else:
+            self._free_plain.append(block_id)
+
+    def can_allocate(self, seq) -> int:
+        """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
+        blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
+        blocks sitting in the free list are taken back and so count against the free blocks."""
+        bs = self.block_size
+        num_new_blocks = (len(seq.token_ids) + bs - 1) // bs
+        num_cached_blocks = 0
+        if self.enable_prefix_caching:
+            parent_serial = -1
+            for i in range(len(seq.token_ids) // bs):
+                block_id = self._lookup(seq, i, parent_serial)
+                if block_id == -1:
+                    break
+                num_cached_blocks += 1
+                block = self.blocks[block_id]
+                if block.ref_count > 0:
+                    num_new_blocks -= 1
+                parent_serial = block.serial
+        if self.num_free_blocks < num_new_blocks:
+            return -1
+        return num_cached_blocks
+
+    def allocate(self, seq, num_cached_blocks: int) -> None:
+        """Give ``seq`` blocks for all its tokens; the first ``num_cached_blocks`` come from the
+        prefix cache (as reported by :meth:`can_allocate`). Sets ``num_cached_tokens``."""
+        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        bs = self.block_size
+        table = seq.block_table
+        parent_serial = -1
+        for i in range(num_cached_blocks):
+            block_id = self._lookup(seq, i, parent_serial)
+            assert block_id != -1, f"cached block {i} vanished between can_allocate and allocate"
+            block = self.blocks[block_id]
+            if block.ref_count > 0:
+                block.ref_count += 1
+            else:
+                self._take_cached_block(block_id)
+            table.append(block_id)
+            parent_serial = block.serial
+        for _ in range(num_cached_blocks, (len(seq.token_ids) + bs - 1) // bs):
+            table.append(self._allocate_block())
+        seq.num_cached_tokens = num_cached_blocks * bs
+        seq.num_prefix_hit_tokens = num_cached_blocks * bs
+        seq.num_hashed_blocks = num_cached_blocks
+        self._live[seq] = None
+
+    def deallocate(self, seq) -> None:
+        """Release every block of ``seq`` (tail first); hash entries stay for later hits."""
+        blocks = self.blocks
+        for block_id in reversed(seq.block_table):
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._deallocate_block(block_id)
+        seq.num_cached_tokens = 0
+        seq.num_prefix_hit_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.block_table.clear()
+        self._live.pop(seq, None)
+
+    # ---- decode --------------------------------------------------------------------------
+    def needs_block(self, seq) -> bool:
+        """True when the next decode step writes the first token of a new block.
+
+        ``len(seq)`` includes the just-sampled token whose KV is not yet written, at position
+        ``len(seq) - 1``; it starts a block when that position is a multiple of block_size.
+        """
+        return (len(seq.token_ids) - 1) % self.block_size == 0
+
+    def can_append(self, seq) -> bool:
+        return self.num_free_blocks >= self.needs_block(seq)
+
+    def may_append(self, seq) -> int:
+        """Add a block to ``seq`` if its next decode step needs one; returns it, or -1."""
+        if (len(seq.token_ids) - 1) % self.block_size:
+            return -1
+        assert len(seq.block_table) == (len(seq.token_ids) - 1) // self.block_size, \
+            "block table out of step with the sequence length"
+        block_id = self._allocate_block()
+        seq.block_table.append(block_id)
+        return block_id
+
+    def append_blocks(self, seqs) -> list[int]:
+        """``may_append`` for sequences that are all on a block boundary, in order; the caller
+        has checked that enough blocks are free. Returns the new block ids."""
+        assert len(seqs) <= self.num_free_blocks
+        allocate = self._allocate_block
+        new = []
+        for seq in seqs:
+            block_id = allocate()
+            seq.block_table.append(block_id)
+            new.append(block_id)
+        return new
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def hash_blocks(self, seq) -> None:
+        """Enter every full block of ``seq`` whose KV is written (the first
+        ``num_cached_tokens // block_size``) into the prefix cache; a no-op when disabled.
+
+        A newer block with the same contents takes the hash entry over; if the previous
+        holder is free it loses its hash and becomes first in line for reuse.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_cached_tokens // bs
+        i = seq.num_hashed_blocks
+        if i >= num_full:
+            return
+        blocks, table, index = self.blocks, seq.block_table, self.hash_to_block_id
+        tokens, hashes = seq.token_ids, seq.block_hashes
+        # Blocks before i are hashed (by hits or earlier calls), so hashes[i - 1] exists.
+        prev = hashes[i - 1] if i else -1
+        while i < num_full:
+            block_tokens = tokens[i * bs:(i + 1) * bs]
+            if i < len(hashes):
+                h = hashes[i]
+            else:
+                h = self.compute_hash(block_tokens, prev)
+                hashes.append(h)
+            block_id = table[i]
+            blocks[block_id].update(h, block_tokens, blocks[table[i - 1]].serial if i else -1)
+            old = index.get(h, -1)
+            if old != -1 and old != block_id and old in self._free_cached:
+                del self._free_cached[old]
+                blocks[old].hash = -1
+                self._free_plain.append(old)
+            index[h] = block_id
+            prev = h
+            i += 1
+        seq.num_hashed_blocks = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that is free (e.g. after the weights changed).
+
+        Returns True when the cache is now empty; False when blocks held by live sequences
+        are still registered (call again once they are gone).
+        """
+        for block_id in self._free_cached:
+            block = self.blocks[block_id]
+            del self.hash_to_block_id[block.hash]
+            block.hash = -1
+            self._free_plain.append(block_id)
+        self._free_cached.clear()
+        return not self.hash_to_block_id
+
+    # ---- checking ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError describing the first violated invariant."""
+        n = self.num_blocks
+        plain, cached = list(self._free_plain), list(self._free_cached)
+        free = plain + cached
+        assert len(free) == len(set(free)), f"a block is twice in the free list: {free}"
+        free_set = set(free)
+        overlap = free_set & self.used_block_ids
+        assert not overlap, f"blocks both free and used: {sorted(overlap)}"
+        missing = set(range(n)) - free_set - self.used_block_ids
+        assert not missing, f"blocks neither free nor used: {sorted(missing)}"
+        assert len(free_set) + len(self.used_block_ids) == n, "free + used != num_blocks"
+
+        expected = [0] * n
+        for seq in self._live:
+            table = seq.block_table
+            assert len(table) == len(set(table)), f"{seq!r} holds a block twice: {table}"
+            for block_id in table:
+                expected[block_id] += 1
+        for block in self.blocks:
+            b = block.block_id
+            assert block.ref_count == expected[b], (
+                f"block {b}: ref_count {block.ref_count} but {expected[b]} live block tables hold it")
+            if b in free_set:
+                assert block.ref_count == 0, f"free block {b} has ref_count {block.ref_count}"
+            else:
+                assert block.ref_count > 0, f"used block {b} has ref_count 0"
+
+        for h, b in self.hash_to_block_id.items():
+            assert 0 <= b < n, f"hash entry {h} points at invalid block {b}"
+            assert self.blocks[b].hash == h, (
+                f"hash entry {h} points at block {b} whose hash is {self.blocks[b].hash}")
+            assert len(self.blocks[b].token_ids) == self.block_size, \
+                f"hashed block {b} is not full"
+        for b in cached:
+            h = self.blocks[b].hash
+            assert h != -1 and self.hash_to_block_id.get(h) == b, \
+                f"block {b} is in the cached free list but not reachable from the cache"
+        for b in plain:
+            h = self.blocks[b].hash
+            assert h == -1 or self.hash_to_block_id.get(h) != b, \
+                f"block {b} is reachable from the cache but in the plain free list"

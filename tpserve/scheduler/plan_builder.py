@@ -1,0 +1,214 @@
+"""Turning a scheduled batch into a StepPlan, from persistent per-slot numpy arrays.
+
+Every admitted sequence owns one *slot*, a row of the :class:`SlotTable`, from admission until
+it is preempted, finished or aborted. The scheduler keeps the rows current incrementally (a
+block appended here, a length bumped there), so a decode plan is a handful of vectorized
+gathers over the batch's slot indices -- no Python loop over sequences or tokens. Prefill
+plans loop over the batch's sequences once (to slice their token ids) and compute the rest
+vectorized.
+
+Row contents (``s`` a slot):
+
+- ``block_tables[s, :num_blocks[s]]`` mirrors ``seq.block_table``; the rest is -1.
+  ``tail_blocks[s]`` is its last block (where a decoding sequence writes its next KV).
+- ``seq_lens[s] == len(seq)`` and ``last_tokens[s] == seq.last_token`` while decoding (they are
+  written when the prefill completes and bumped by every decode step).
+- ``prompt_lens[s]``, ``stop_lens[s]`` (the length at which the sequence finishes with
+  "length"), sampling parameters, and ``stop_ids[k, s]`` for k < K: the token ids that finish
+  it with "stop" (EOS unless ignore_eos, plus stop_token_ids), padded with -1. Stored one
+  contiguous row per k, so the check is K vectorized compares over the batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tpserve.plan import StepPlan
+
+
+class SlotTable:
+    """Per-slot arrays of the sequences that hold blocks (RUNNING ones)."""
+
+    def __init__(self, num_slots: int, max_blocks_per_seq: int, block_size: int):
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.block_tables = np.full((num_slots, max_blocks_per_seq), -1, dtype=np.int32)
+        self.num_blocks = np.zeros(num_slots, dtype=np.int32)
+        self.tail_blocks = np.full(num_slots, -1, dtype=np.int32)
+        self.seq_lens = np.zeros(num_slots, dtype=np.int32)
+        self.prompt_lens = np.zeros(num_slots, dtype=np.int32)
+        self.last_tokens = np.zeros(num_slots, dtype=np.int32)
+        self.stop_lens = np.zeros(num_slots, dtype=np.int32)
+        self.temperatures = np.zeros(num_slots, dtype=np.float32)
+        self.top_ks = np.zeros(num_slots, dtype=np.int32)
+        self.top_ps = np.ones(num_slots, dtype=np.float32)
+        self.seeds = np.zeros(num_slots, dtype=np.int64)
+        self.stop_ids = np.full((1, num_slots), -1, dtype=np.int32)
+        # Lowest slot first, so small batches touch few cache lines.
+        self._free = list(range(num_slots - 1, -1, -1))
+        # (slots array, its per-batch constant plan arrays): decode batches over an unchanged
+        # running set reuse the same slots object, whose rows' sampling options cannot change.
+        self._constant_cache: tuple[np.ndarray, dict] | None = None
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self, seq, stop_ids: list[int], stop_len: int) -> int:
+        """Give ``seq`` a slot and fill its row (blocks, prompt length, sampling options)."""
+        slot = self._free.pop()
+        sp = seq.sampling_params
+        self.prompt_lens[slot] = seq.num_prompt_tokens
+        self.stop_lens[slot] = stop_len
+        self.temperatures[slot] = sp.temperature
+        self.top_ks[slot] = sp.top_k
+        self.top_ps[slot] = sp.top_p
+        self.seeds[slot] = seq.seed
+        if len(stop_ids) > len(self.stop_ids):
+            wider = np.full((len(stop_ids), self.num_slots), -1, dtype=np.int32)
+            wider[:len(self.stop_ids)] = self.stop_ids
+            self.stop_ids = wider
+        self.stop_ids[:, slot] = -1
+        self.stop_ids[:len(stop_ids), slot] = stop_ids
+        self.set_blocks(slot, seq.block_table)
+        seq.slot = slot
+        return slot
+
+    def release(self, seq) -> None:
+        slot = seq.slot
+        self.block_tables[slot, :self.num_blocks[slot]] = -1
+        self.num_blocks[slot] = 0
+        self.tail_blocks[slot] = -1
+        self._free.append(slot)
+        seq.slot = -1
+
+    def set_blocks(self, slot: int, block_table: list[int]) -> None:
+        n = len(block_table)
+        self.block_tables[slot, n:self.num_blocks[slot]] = -1
+        self.block_tables[slot, :n] = block_table
+        self.num_blocks[slot] = n
+        self.tail_blocks[slot] = block_table[-1] if n else -1
+
+    def append_block(self, slot: int, block_id: int) -> None:
+        n = self.num_blocks[slot]
+        self.block_tables[slot, n] = block_id
+        self.num_blocks[slot] = n + 1
+        self.tail_blocks[slot] = block_id
+
+    def append_blocks(self, slots: np.ndarray, block_ids: list[int]) -> None:
+        """``append_block`` for several distinct slots at once."""
+        self.block_tables[slots, self.num_blocks[slots]] = block_ids
+        self.num_blocks[slots] += 1
+        self.tail_blocks[slots] = block_ids
+
+    def stop_hits(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Which ``tokens[i]`` is a stop token of ``slots[i]`` (bool array)."""
+        rows = self.stop_ids
+        hit = rows[0][slots] == tokens
+        for k in range(1, len(rows)):
+            hit |= rows[k][slots] == tokens
+        return hit
+
+    def constant_arrays(self, slots: np.ndarray) -> dict:
+        """Plan arrays of a decode batch that depend only on which slots it holds (read-only;
+        shared by consecutive plans over the same running set)."""
+        cache = self._constant_cache
+        if cache is not None and cache[0] is slots:
+            return cache[1]
+        n = len(slots)
+        arrays = dict(cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
+                      logits_indices=np.arange(n, dtype=np.int32),
+                      temperatures=self.temperatures[slots], top_ks=self.top_ks[slots],
+                      top_ps=self.top_ps[slots], seeds=self.seeds[slots])
+        for arr in arrays.values():
+            arr.flags.writeable = False
+        self._constant_cache = (slots, arrays)
+        return arrays
+
+    def start_decoding(self, seq) -> None:
+        """The prefill of ``seq`` completed and its first (or next) token was sampled."""
+        slot = seq.slot
+        self.seq_lens[slot] = len(seq.token_ids)
+        self.last_tokens[slot] = seq.token_ids[-1]
+
+
+def build_plan(batch, block_size: int | None = None) -> StepPlan:
+    """The StepPlan for ``batch`` (a ``ScheduledBatch``); an empty plan for an empty batch."""
+    bs = block_size if block_size is not None else batch.table.block_size
+    assert bs == batch.table.block_size, "block_size differs from the scheduler's"
+    if not batch.seqs:
+        return StepPlan(step_id=batch.step_id)
+    if batch.is_prefill:
+        return _build_prefill(batch, bs)
+    return _build_decode(batch, bs)
+
+
+def _build_decode(batch, bs: int) -> StepPlan:
+    t = batch.table
+    idx = batch.slots
+    n = len(idx)
+    lens = t.seq_lens[idx]
+    pos = lens - 1
+    # A decoding sequence's next KV always goes to the last block of its table.
+    slot_mapping = t.tail_blocks[idx] * bs + pos % bs
+    width = int(t.num_blocks[idx].max())
+    cu_k = np.zeros(n + 1, dtype=np.int32)
+    np.add.accumulate(lens, out=cu_k[1:])
+    return StepPlan(
+        is_prefill=False, has_context=False, max_seqlen_q=1, max_seqlen_k=int(lens.max()),
+        step_id=batch.step_id,
+        input_ids=t.last_tokens[idx],
+        positions=pos,
+        slot_mapping=slot_mapping,
+        cu_seqlens_k=cu_k,
+        context_lens=lens,
+        block_tables=t.block_tables[idx, :width],
+        sample_steps=lens - t.prompt_lens[idx],
+        **t.constant_arrays(idx),
+    )
+
+
+def _build_prefill(batch, bs: int) -> StepPlan:
+    t = batch.table
+    seqs = batch.seqs
+    idx = batch.slots
+    n = len(seqs)
+    starts = np.fromiter((s.num_cached_tokens for s in seqs), dtype=np.int32, count=n)
+    qlens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int32, count=n)
+    lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int32, count=n)
+    hits = np.fromiter((s.num_prefix_hit_tokens for s in seqs), dtype=np.int32, count=n)
+    ids: list[int] = []
+    for s, a, q in zip(seqs, starts.tolist(), qlens.tolist()):
+        ids += s.token_ids[a:a + q]
+    ends = starts + qlens
+    cu_q = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(qlens, out=cu_q[1:])
+    cu_k = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(ends, out=cu_k[1:])
+    num_tokens = int(cu_q[-1])
+    row = np.repeat(np.arange(n), qlens)
+    positions = (np.arange(num_tokens, dtype=np.int32) - cu_q[row] + starts[row]).astype(np.int32)
+    slot_mapping = t.block_tables[idx[row], positions // bs] * bs + positions % bs
+    # Tokens inside blocks taken from the prefix cache are only recomputed to get logits (a
+    # fully cached prompt); their KV is already there and the block may be shared: skip.
+    slot_mapping[positions < hits[row]] = -1
+    width = int(t.num_blocks[idx].max())
+    sampled = ends == lens
+    sidx = idx[sampled]
+    return StepPlan(
+        is_prefill=True, has_context=bool((starts > 0).any()),
+        max_seqlen_q=int(qlens.max()), max_seqlen_k=int(ends.max()),
+        step_id=batch.step_id,
+        input_ids=np.array(ids, dtype=np.int32),
+        positions=positions,
+        slot_mapping=slot_mapping.astype(np.int32, copy=False),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        context_lens=ends,
+        block_tables=t.block_tables[idx, :width],
+        logits_indices=(cu_q[1:][sampled] - 1).astype(np.int32, copy=False),
+        temperatures=t.temperatures[sidx],
+        top_ks=t.top_ks[sidx],
+        top_ps=t.top_ps[sidx],
+        seeds=t.seeds[sidx],
+        sample_steps=(lens[sampled] - t.prompt_lens[sidx]).astype(np.int32, copy=False),
+    )

@@ -1,0 +1,489 @@
+"""Scheduler: admission, prefill/decode batching and recompute preemption over the block pool.
+
+One ``schedule()`` call picks one batch, either all prefill or all decode (prefill first):
+
+- **Prefill.** First the sequence whose chunked prefill is under way (there is at most one),
+  then sequences from the front of ``waiting`` while ``can_allocate`` finds room (prefix-cache
+  aware), ``running`` stays within ``max_num_seqs`` and the ``max_num_batched_tokens`` budget
+  lasts. Chunking rule: the first sequence whose remaining prompt does not fit the remaining
+  budget gets a chunk of exactly the remaining budget and ends the batch; it stays in
+  ``running`` with ``is_prefill`` set and continues first in the next step. A sequence is
+  sampled only in the step that computes its last prompt token. Admission stops at the first
+  waiting sequence that does not fit (first come, first served). ``max_num_seqs`` bounds all
+  of ``running`` (admitted sequences hold a slot until they leave), so a decode batch is the
+  whole of ``running`` unless some of it is preempted.
+- **Decode** (only when nothing could be prefilled): every running sequence advances one
+  token. A sequence whose next token starts a block needs a free block; on shortage the seed's
+  ``while ... else`` applies: preempt the tail of ``running`` (the latest admitted) until it
+  fits, or preempt the sequence itself when nothing is left behind it. A preempted sequence
+  loses its blocks (their hash entries survive for prefix-cache recovery), goes back to
+  prefill and to the *front* of ``waiting``.
+
+A prompt fully covered by cached blocks still computes its last token (for logits): that
+token's KV is already in a shared cached block, so its slot in the plan is -1.
+
+Admission control replaces the seed's ``assert scheduled_seqs``: ``add()`` rejects a request
+that could never run (longer than ``max_model_len``, or needing more blocks than the whole
+pool). Hence whenever work is runnable, ``schedule()`` returns a non-empty batch; an empty
+batch (falsy) only means there is nothing to do.
+
+Host cost of a decode step is O(batch) in numpy: the decode fast path computes which running
+sequences start a block from the per-slot length array and, when the free blocks cover them
+all, allocates just for those (exactly what the per-sequence loop would do, since no
+``can_append`` can fail); otherwise it runs the seed loop. ``postprocess`` updates lengths
+and checks EOS / stop tokens / length limits vectorized.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tpserve.blockpool import BlockManager
+from tpserve.config import EngineConfig
+from tpserve.errors import AdmissionError, ConfigError
+from tpserve.plan import StepPlan
+from tpserve.scheduler.plan_builder import SlotTable, build_plan
+from tpserve.scheduler.sequence import Sequence, SequenceStatus
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+FINISHED = SequenceStatus.FINISHED
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs. ``seqs`` in plan order; ``slots[i]`` is ``seqs[i].slot``.
+
+    ``sampled[i]`` says whether ``seqs[i]`` gets a token this step (always for decode; for
+    prefill only when its last prompt token is computed). Falsy when empty.
+    """
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    slots: np.ndarray
+    table: SlotTable
+    step_id: int = 0
+    sampled: list[bool] = field(default_factory=list)
+    # Decode fast path: each sequence's token_ids list, in batch order (saves a lookup each).
+    token_lists: list | None = None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sampled) if self.is_prefill else len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs) if self.is_prefill else len(self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting/running queues, the BlockManager and the per-slot arrays."""
+
+    def __init__(self, config: EngineConfig):
+        if config.num_kv_blocks is None:
+            raise ConfigError("num_kv_blocks", "must be set before the scheduler is built "
+                              "(the engine fills it from the KV-cache memory budget)")
+        self.config = config
+        self.block_size = bs = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # None: only the pool bounds a sequence.
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = [int(t) for t in config.eos_token_ids]
+        self.block_manager = BlockManager(config.num_kv_blocks, bs, config.enable_prefix_caching)
+        max_len = self.max_model_len or config.num_kv_blocks * bs
+        max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
+        self.table = SlotTable(self.max_num_seqs, max_blocks, bs)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self._requests: dict[str, Sequence] = {}
+        self._prefilling: Sequence | None = None
+        # Slots and token lists of `running`, in order; None when running changed since.
+        self._running_slots_cache: np.ndarray | None = None
+        self._running_token_lists: list | None = None
+        self._dropped_in_flight = False
+        self._step_id = 0
+        # Counters (see stats()).
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prompt_tokens_computed = 0
+        self.decode_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, or raise if it could never be scheduled."""
+        rid = seq.request_id
+        if not isinstance(rid, str) or not rid:
+            raise ConfigError("request_id", f"must be a non-empty string, got {rid!r}")
+        if rid in self._requests:
+            raise ConfigError("request_id", f"{rid!r} is already used by an unfinished request; "
+                              "ids must be unique among unfinished requests")
+        prompt_len = seq.num_prompt_tokens
+        if prompt_len == 0:
+            raise ConfigError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
+        if min(seq.token_ids) < 0:
+            raise ConfigError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
+                              f"got {min(seq.token_ids)}")
+        assert seq.status is WAITING and not seq.block_table and len(seq) == prompt_len, \
+            "add() takes a fresh sequence"
+        max_tokens = seq.sampling_params.max_tokens
+        total = prompt_len + max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise AdmissionError(rid, "max_model_len", total, self.max_model_len,
+                                 f"prompt of {prompt_len} tokens + max_tokens {max_tokens}")
+        # The last sampled token's KV is never written, hence total - 1.
+        blocks = -(-(total - 1) // self.block_size)
+        pool = self.block_manager.num_blocks
+        if blocks > pool:
+            raise AdmissionError(rid, "num_kv_blocks", blocks, pool,
+                                 f"prompt of {prompt_len} tokens + max_tokens {max_tokens} needs "
+                                 f"{blocks} blocks of {self.block_size} tokens; the KV pool has {pool}")
+        seq.block_size = self.block_size
+        self._requests[rid] = seq
+        self.waiting.append(seq)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next batch: prefill if anything can be prefilled, else decode."""
+        self._step_id += 1
+        self._dropped_in_flight = False
+        batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        return batch
+
+    def _batch(self, seqs: list[Sequence], is_prefill: bool, slots=None, sampled=None,
+               token_lists=None):
+        if slots is None:
+            slots = np.fromiter((s.slot for s in seqs), dtype=np.intp, count=len(seqs))
+        return ScheduledBatch(seqs, is_prefill, slots, self.table, self._step_id, sampled or [],
+                              token_lists)
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        partial = self._prefilling
+        if partial is not None:
+            remaining = len(partial) - partial.num_cached_tokens
+            n = min(remaining, budget)
+            partial.num_scheduled_tokens = n
+            budget -= n
+            seqs.append(partial)
+            if n == remaining:
+                self._prefilling = None
+        bm = self.block_manager
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_cached_blocks = bm.can_allocate(seq)
+            if num_cached_blocks < 0:
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, num_cached_blocks)
+            if seq.num_cached_tokens == len(seq):
+                # Fully cached: recompute the last token for its logits (slot -1, see build_plan).
+                seq.num_cached_tokens = len(seq) - 1
+            self.prefix_cache_hit_tokens += seq.num_cached_tokens
+            remaining = len(seq) - seq.num_cached_tokens
+            n = min(remaining, budget)
+            seq.num_scheduled_tokens = n
+            budget -= n
+            seq.status = RUNNING
+            seq.is_prefill = True
+            self.table.acquire(seq, self._stop_ids(seq), self._stop_len(seq))
+            self.running.append(seq)
+            self._running_slots_cache = None
+            seqs.append(seq)
+            if n < remaining:
+                self._prefilling = seq
+        if not seqs:
+            return None
+        self.prompt_tokens_computed += self.max_num_batched_tokens - budget
+        sampled = [s.num_cached_tokens + s.num_scheduled_tokens == len(s) for s in seqs]
+        return self._batch(seqs, True, sampled=sampled)
+
+    def _running_slots(self) -> np.ndarray:
+        if self._running_slots_cache is None:
+            self._running_slots_cache = np.fromiter(
+                (s.slot for s in self.running), dtype=np.intp, count=len(self.running))
+            self._running_token_lists = [s.token_ids for s in self.running]
+        return self._running_slots_cache
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        """Decode fast path; identical in effect to :meth:`_schedule_decode_slow`."""
+        if not self.running:
+            return self._batch([], False)
+        # A chunked prefill under way is always continued by the prefill branch first.
+        assert self._prefilling is None
+        bm, t = self.block_manager, self.table
+        slots = self._running_slots()
+        if len(slots) > self.max_num_seqs:
+            return self._schedule_decode_slow()
+        need = np.flatnonzero((t.seq_lens[slots] - 1) % self.block_size == 0)
+        if len(need) > bm.num_free_blocks:
+            return self._schedule_decode_slow()
+        seqs = list(self.running)
+        if len(need):
+            # In running order, as the seed loop would: same blocks to the same sequences.
+            t.append_blocks(slots[need], bm.append_blocks([seqs[p] for p in need.tolist()]))
+        return self._batch(seqs, False, slots, token_lists=self._running_token_lists)
+
+    def _schedule_decode_slow(self) -> ScheduledBatch:
+        """The seed's per-sequence decode loop with its ``while ... else`` preemption."""
+        bm, t = self.block_manager, self.table
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                block_id = bm.may_append(seq)
+                if block_id != -1:
+                    t.append_block(seq.slot, block_id)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        self._running_slots_cache = None
+        return self._batch(scheduled, False)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence (removing it from ``running``)."""
+        assert seq.status is RUNNING, f"preempt() of a {seq.status.name} sequence"
+        self.running.remove(seq)
+        self._preempt(seq)
+        self._dropped_in_flight = True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """The seed's four actions, for a sequence already taken out of ``running``."""
+        seq.status = WAITING
+        seq.is_prefill = True
+        self.block_manager.deallocate(seq)
+        self.table.release(seq)
+        self.waiting.appendleft(seq)
+        if self._prefilling is seq:
+            self._prefilling = None
+        self._running_slots_cache = None
+        self.num_preemptions += 1
+
+    # ---- results -------------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
+        """Apply one step's sampled tokens (one per sampled sequence, in batch order).
+
+        Advances prefill progress, appends tokens, enters blocks that became full into the
+        prefix cache, and finishes sequences on a stop token or a length limit (their blocks
+        are freed). Returns the sequences that received a token, finished ones included.
+        One batch is in flight at a time: call it once per ``schedule()``, before the next.
+        Sequences aborted, finished or preempted while the batch ran are skipped.
+        """
+        if not batch.seqs:
+            return []
+        toks = np.asarray(token_ids).reshape(-1)
+        if batch.is_prefill:
+            return self._postprocess_prefill(batch, toks)
+        return self._postprocess_decode(batch, toks)
+
+    def _postprocess_prefill(self, batch: ScheduledBatch, toks: np.ndarray) -> list[Sequence]:
+        assert len(toks) == sum(batch.sampled), \
+            f"got {len(toks)} tokens for {sum(batch.sampled)} sampled sequences"
+        bm, t = self.block_manager, self.table
+        out: list[Sequence] = []
+        done: list[tuple[Sequence, str]] = []
+        tok_list = toks.tolist()
+        ti = 0
+        for seq, sampled in zip(batch.seqs, batch.sampled):
+            if sampled:
+                tok = tok_list[ti]
+                ti += 1
+            if seq.status is not RUNNING:  # aborted while the step ran
+                continue
+            seq.num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if sampled:
+                seq.token_ids.append(tok)
+                seq.start_decoding()
+                t.start_decoding(seq)
+                out.append(seq)
+            bm.hash_blocks(seq)
+            if sampled:
+                if (t.stop_ids[:, seq.slot] == tok).any():
+                    done.append((seq, "stop"))
+                elif len(seq) >= t.stop_lens[seq.slot]:
+                    done.append((seq, "length"))
+        self._finish_many(done)
+        return out
+
+    def _postprocess_decode(self, batch: ScheduledBatch, toks: np.ndarray) -> list[Sequence]:
+        seqs, slots = batch.seqs, batch.slots
+        assert len(toks) == len(seqs), f"got {len(toks)} tokens for {len(seqs)} sequences"
+        token_lists = batch.token_lists
+        if self._dropped_in_flight:
+            keep = np.fromiter((s.status is RUNNING for s in seqs), dtype=bool, count=len(seqs))
+            seqs = [s for s, k in zip(seqs, keep.tolist()) if k]
+            slots, toks = slots[keep], toks[keep]
+            token_lists = None
+        if token_lists is None:
+            token_lists = [s.token_ids for s in seqs]
+        t, bm = self.table, self.block_manager
+        toks32 = toks.astype(np.int32, copy=False)
+        lens = t.seq_lens[slots] + 1
+        t.seq_lens[slots] = lens
+        t.last_tokens[slots] = toks32
+        # Append each token to its sequence without a Python-level loop body.
+        deque(map(list.append, token_lists, toks.tolist()), maxlen=0)
+        self.decode_tokens += len(seqs)
+        if bm.enable_prefix_caching:
+            # A block became full exactly when the KV just written ended it.
+            for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist():
+                bm.hash_blocks(seqs[p])
+        stop = t.stop_hits(slots, toks32)
+        ended = np.flatnonzero(stop | (lens >= t.stop_lens[slots]))
+        if len(ended):
+            stop_list = stop.tolist()
+            self._finish_many([(seqs[p], "stop" if stop_list[p] else "length")
+                               for p in ended.tolist()])
+        return seqs
+
+    # ---- finishing -----------------------------------------------------------------------
+    def finish(self, seq_or_request_id: Sequence | str, reason: str = "stop") -> bool:
+        """Finish an unfinished request now (e.g. a stop string matched) and free its blocks.
+
+        Returns False when the request is unknown or already finished (nothing changes).
+        """
+        if reason not in FINISH_REASONS:
+            raise ConfigError("finish_reason", f"must be one of {FINISH_REASONS}, got {reason!r}")
+        if isinstance(seq_or_request_id, Sequence):
+            seq = seq_or_request_id
+            if self._requests.get(seq.request_id) is not seq:
+                return False
+        else:
+            seq = self._requests.get(seq_or_request_id)
+            if seq is None:
+                return False
+        self._dropped_in_flight = True
+        self._finish_many([(seq, reason)])
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if unknown or already finished."""
+        return self.finish(request_id, "abort")
+
+    def _finish_many(self, items: list[tuple[Sequence, str]]) -> None:
+        if not items:
+            return
+        bm, t = self.block_manager, self.table
+        left_running = 0
+        for seq, reason in items:
+            was = seq.status
+            seq.status = FINISHED
+            seq.finish_reason = reason
+            del self._requests[seq.request_id]
+            if was is RUNNING:
+                bm.deallocate(seq)
+                t.release(seq)
+                left_running += 1
+                if self._prefilling is seq:
+                    self._prefilling = None
+            else:
+                self.waiting.remove(seq)
+        if left_running == 1 and len(items) == 1:
+            self.running.remove(items[0][0])
+        elif left_running:
+            keep = [s for s in self.running if s.status is RUNNING]
+            self.running.clear()
+            self.running.extend(keep)
+        if left_running:
+            self._running_slots_cache = None
+
+    # ---- plans, cache, stats -------------------------------------------------------------
+    def build_plan(self, batch: ScheduledBatch) -> StepPlan:
+        return build_plan(batch, self.block_size)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    def _stop_ids(self, seq: Sequence) -> list[int]:
+        sp = seq.sampling_params
+        ids = [] if sp.ignore_eos else list(self.eos_token_ids)
+        return ids + [t for t in sp.stop_token_ids if t not in ids]
+
+    def _stop_len(self, seq: Sequence) -> int:
+        limit = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len)
+        return limit
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.block_manager.num_blocks
+
+    def stats(self) -> dict:
+        """Counters since construction. ``prompt_tokens_computed`` counts prefill tokens run
+        (recomputation after preemption included); ``prefix_cache_hit_tokens`` the prompt
+        tokens whose KV came from the cache at admission."""
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "decode_tokens": self.decode_tokens,
+            "kv_blocks_used": self.kv_blocks_used,
+            "kv_blocks_total": self.kv_blocks_total,
+        }
+
+    def check_integrity(self) -> None:
+        """Block-pool invariants plus queue/slot consistency; raises AssertionError.
+
+        Meant for between steps (after ``postprocess``, before the next ``schedule``)."""
+        bm, t, bs = self.block_manager, self.table, self.block_size
+        bm.check_integrity()
+        assert len(self.running) <= self.max_num_seqs, "more running sequences than max_num_seqs"
+        ids = [s.request_id for s in self.running] + [s.request_id for s in self.waiting]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        assert set(ids) == set(self._requests), "queues and request index disagree"
+        assert set(map(id, self.running)) == set(map(id, bm.live_sequences())), \
+            "running != sequences holding blocks"
+        partial = [s for s in self.running if s.is_prefill]
+        assert partial == ([self._prefilling] if self._prefilling is not None else []), \
+            f"unexpected partial prefills {partial}"
+        slots = [s.slot for s in self.running]
+        assert len(set(slots)) == len(slots) and all(0 <= x < t.num_slots for x in slots)
+        assert t.num_free_slots + len(slots) == t.num_slots, "slot leak"
+        for s in self.running:
+            assert s.status is RUNNING, f"{s!r} in running"
+            # A decoding sequence gets the block for its last token when scheduled.
+            lo = -(-(len(s) - (0 if s.is_prefill else 1)) // bs)
+            hi = -(-len(s) // bs)
+            assert lo <= len(s.block_table) <= hi, \
+                f"{s!r}: {len(s.block_table)} blocks for {len(s)} tokens"
+            row = t.block_tables[s.slot]
+            n = t.num_blocks[s.slot]
+            assert n == len(s.block_table) and row[:n].tolist() == s.block_table and (row[n:] == -1).all(), \
+                f"{s!r}: slot row {row[:n + 1].tolist()} differs from its block table"
+            if not s.is_prefill:
+                assert t.seq_lens[s.slot] == len(s) and t.last_tokens[s.slot] == s.last_token, \
+                    f"{s!r}: slot length/last token out of date"
+        for s in self.waiting:
+            assert s.status is WAITING and not s.block_table and s.slot == -1, f"{s!r} in waiting"
+            assert s.num_cached_tokens == 0 and s.is_prefill, f"{s!r} in waiting"
