@@ -40,6 +40,7 @@ Notes for runners:
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -195,17 +196,14 @@ class StepPlan:
         if magic != MAGIC:
             raise ValueError(f"not a StepPlan buffer (magic {magic:#x})")
         h = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + hlen], strict_map_key=False)
-        plan = cls(cmd=Command(h["cmd"]), is_prefill=h["is_prefill"], has_context=h["has_context"],
-                   max_seqlen_q=h["max_seqlen_q"], max_seqlen_k=h["max_seqlen_k"],
-                   step_id=h["step_id"], args=h["args"])
         base = -(-(_PREFIX.size + hlen) // _ALIGN) * _ALIGN
+        arrays = {}
         for name, shape, off in h["arrays"]:
-            off += base
-            dtype = ARRAY_FIELDS[name]
-            count = int(np.prod(shape)) if shape else 1
-            arr = np.frombuffer(mv, dtype=dtype, count=count, offset=off).reshape(shape)
-            setattr(plan, name, arr)
-        return plan
+            arrays[name] = np.frombuffer(mv, dtype=ARRAY_FIELDS[name], count=math.prod(shape),
+                                         offset=base + off).reshape(shape)
+        return cls(cmd=Command(h["cmd"]), is_prefill=h["is_prefill"], has_context=h["has_context"],
+                   max_seqlen_q=h["max_seqlen_q"], max_seqlen_k=h["max_seqlen_k"],
+                   step_id=h["step_id"], args=h["args"], **arrays)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepPlan":
