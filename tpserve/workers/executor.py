@@ -1,0 +1,210 @@
+"""Executors: how rank 0 runs a plan on every rank.
+
+``UniProcExecutor``   tensor_parallel_size 1: the runner lives in this process.
+``MultiProcExecutor`` N > 1: rank 0's runner lives here; ranks 1..N-1 are worker processes
+                      (spawned here, or started by torchrun). Each plan is published on the
+                      plan channel first, then run locally; the collectives inside the forward
+                      keep the ranks in step.
+
+Faults: a watchdog thread waits on the workers' process sentinels. When one exits, the
+executor records which rank and its exit code; the next (or current) execute raises
+WorkerDiedError naming them, and the remaining workers are torn down.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from multiprocessing.connection import wait
+
+import numpy as np
+
+from tpserve.config import EngineConfig
+from tpserve.errors import WorkerDiedError
+from tpserve.models.parallel import TPContext
+from tpserve.plan import Command, StepPlan
+from tpserve.workers.process_group import destroy_tp, device_for, free_port, init_tp, torchrun_env
+
+log = logging.getLogger("tpserve.executor")
+
+STARTUP_TIMEOUT_S = float(os.environ.get("TPSERVE_STARTUP_TIMEOUT", "300"))
+
+
+def make_executor(config: EngineConfig):
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(config)
+    return MultiProcExecutor(config)
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig):
+        from tpserve.workers.model_runner import ModelRunner
+        self.runner = ModelRunner(config, TPContext(), device_for(0))
+        self.num_blocks = self.runner.num_blocks
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        return self.runner.execute(plan)
+
+    def control(self, cmd: Command, **args) -> None:
+        self.runner.handle(StepPlan.command(cmd, **args))
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+class MultiProcExecutor:
+    def __init__(self, config: EngineConfig):
+        from tpserve.workers.channel import PlanWriter
+        from tpserve.workers.shm_ring import cleanup_stale_segments
+        from tpserve.workers.model_runner import ModelRunner
+
+        self.world = config.tensor_parallel_size
+        self.procs: list[mp.Process] = []
+        self.channel = None
+        self.dead: tuple[int, int | None] | None = None
+        self._closing = threading.Event()
+        env = torchrun_env()
+        try:
+            if env is not None:
+                self._init_torchrun(config, env)
+            else:
+                cleanup_stale_segments()
+                self.channel = PlanWriter.create(num_readers=self.world - 1)
+                init_method = f"tcp://127.0.0.1:{free_port()}"
+                ctx = mp.get_context("spawn")
+                conns = []
+                for rank in range(1, self.world):
+                    parent, child = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_worker_entry, name=f"tpserve-worker-{rank}",
+                                    args=(rank, self.world, config.to_dict(), init_method,
+                                          self.channel.name, child), daemon=True)
+                    p.start()
+                    child.close()
+                    self.procs.append(p)
+                    conns.append(parent)
+                self._watch()
+                tp = init_tp(0, self.world, init_method, timeout_s=STARTUP_TIMEOUT_S)
+                self.runner = ModelRunner(config, tp, device_for(0))
+                self._wait_ready(conns)
+        except BaseException:
+            self.shutdown()
+            if self.dead is not None:
+                raise WorkerDiedError(*self.dead)
+            raise
+        self.num_blocks = self.runner.num_blocks
+
+    def _init_torchrun(self, config: EngineConfig, env) -> None:
+        """Rank 0 under torchrun: workers already exist; share the channel's address with them."""
+        import torch.distributed as dist
+        from tpserve.workers.broadcast_channel import BroadcastPlanChannel
+        from tpserve.workers.channel import PlanWriter
+        from tpserve.workers.model_runner import ModelRunner
+
+        rank, world, local_rank, local_world = env
+        assert rank == 0 and world == self.world, "torchrun world size must equal --tp"
+        tp = init_tp(0, world, None, timeout_s=STARTUP_TIMEOUT_S)
+        if local_world == world:
+            self.channel = PlanWriter.create(num_readers=world - 1)
+            dist.broadcast_object_list([self.channel.name], src=0)
+        else:
+            dist.broadcast_object_list([None], src=0)
+            self.channel = BroadcastPlanChannel(dist.new_group(backend="gloo"), src=0)
+        self.runner = ModelRunner(config, tp, device_for(local_rank))
+
+    # ---- health --------------------------------------------------------------------------
+    def _watch(self) -> None:
+        def watchdog():
+            sentinels = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
+            while sentinels and not self._closing.is_set():
+                for s in wait(list(sentinels), timeout=0.5):
+                    rank = sentinels.pop(s)
+                    if self._closing.is_set():
+                        return
+                    proc = self.procs[rank - 1]
+                    proc.join(timeout=2.0)  # the sentinel fires before the exit status is reaped
+                    self.dead = (rank, proc.exitcode)
+                    log.error("tensor-parallel worker rank %d exited with code %s", *self.dead)
+                    # Tear the others down: peers blocked in a collective with the dead rank
+                    # then fail fast instead of waiting for a timeout.
+                    for p in self.procs:
+                        if p.is_alive():
+                            p.kill()
+                    return
+        threading.Thread(target=watchdog, name="tpserve-watchdog", daemon=True).start()
+
+    def _wait_ready(self, conns) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        pending = {c: r for r, c in enumerate(conns, start=1)}
+        while pending:
+            if self.dead is not None:
+                raise WorkerDiedError(*self.dead)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"tensor-parallel ranks {sorted(pending.values())} did not become "
+                                   f"ready within {STARTUP_TIMEOUT_S:.0f} s")
+            for c in wait(list(pending), timeout=min(left, 0.5)):
+                rank = pending.pop(c)
+                try:
+                    kind, payload = c.recv()
+                except EOFError:
+                    kind, payload = "error", "exited before reporting"
+                if kind != "ready":
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {payload}")
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise WorkerDiedError(*self.dead)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def _publish(self, plan: StepPlan) -> None:
+        self.check_health()
+        self.channel.publish(plan)
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        self._publish(plan)
+        try:
+            out = self.runner.execute(plan)
+        except Exception:
+            # Give the watchdog a moment: a collective usually fails just before the sentinel fires.
+            for _ in range(50):
+                if self.dead is not None:
+                    break
+                time.sleep(0.1)
+            self.check_health()
+            raise
+        return out
+
+    def control(self, cmd: Command, **args) -> None:
+        plan = StepPlan.command(cmd, **args)
+        self._publish(plan)
+        self.runner.handle(plan)
+
+    def shutdown(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self.channel is not None and self.dead is None:
+            try:
+                self.channel.publish(StepPlan.command(Command.SHUTDOWN), timeout=5.0)
+            except Exception as e:  # workers that cannot take it are killed below
+                log.warning("could not send shutdown to workers: %s", e)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        destroy_tp()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.runner = None
+
+
+def _worker_entry(*args) -> None:
+    from tpserve.workers.worker import worker_main
+    worker_main(*args)
