@@ -40,6 +40,15 @@ class IncrementalDetokenizer:
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
 
+    def flush(self) -> None:
+        """At the end of a request: release held-back bytes even if they are not valid UTF-8,
+        so the streamed text equals a plain decode of all completion tokens."""
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+
     def find_stop(self) -> bool:
         """If a stop string occurs in the text, cut the text before it and return True."""
         if not self.stop:

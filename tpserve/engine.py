@@ -30,8 +30,17 @@ log = logging.getLogger("tpserve.engine")
 MAX_PROMPT_CHARS = 1 << 22
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path):
+    """The model directory's tokenizer, or None when it ships none (token-id prompts only)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        log.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
+        return None
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -58,6 +67,8 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("prompt", "this model has no tokenizer: send token ids")
             if len(prompt) > MAX_PROMPT_CHARS:
                 raise ConfigError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -86,8 +97,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(request_id, ids, params, seed=seed)
         self.scheduler.add(seq)
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop", "stop strings need a tokenizer; this model has none")
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) \
-            if detokenize or params.stop else None
+            if (detokenize or params.stop) and self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, detok)
 
     def abort_request(self, request_id: str) -> bool:
@@ -122,6 +135,8 @@ class Engine:
             if not finished and req.detok.find_stop():
                 self.scheduler.finish(seq, "stop")
                 finished, reason = True, "stop"
+            elif finished:
+                req.detok.flush()
             text = req.detok.take_new_text(final=finished)
         req.sent_tokens = len(completion)
         if finished:

@@ -94,7 +94,7 @@ class LLM:
                 bar.close()
         for rid, sp in zip(ids, params):
             comp = results[rid].outputs[0]
-            if not sp.stop:
+            if not sp.stop and self.tokenizer is not None:
                 comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
         return [results[r] for r in ids]
 

@@ -31,6 +31,26 @@ from tpserve.workers.sampler import Sampler
 
 log = logging.getLogger("tpserve.runner")
 
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> torch.dtype:
+    """The dtype the model runs in. With dtype "auto", a half-precision checkpoint runs in
+    float32 on a CPU without native bf16: emulated bf16 matmuls are ~30x slower than fp32 there."""
+    if (not explicit and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and not cpu_has_fast_bf16()):
+        log.info("CPU has no native bf16: running the %s checkpoint in float32", dtype)
+        return torch.float32
+    return dtype
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPContext, device: torch.device | str = "cpu"):
         if not config.hf_config:
@@ -38,7 +58,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(config.dtype, load_config(config.model_path))
+        self.dtype = compute_dtype(resolve_dtype(config.dtype, load_config(config.model_path)),
+                                   self.device, explicit=config.dtype != "auto")
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,

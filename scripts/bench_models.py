@@ -1,0 +1,47 @@
+"""Benchmark models: Qwen3-architecture checkpoints with random weights, built locally.
+
+    build_bench_model(path) -> path    the ~40M-parameter model of the throughput benchmarks:
+                                        hidden 512, 8 layers, 8 heads, 4 KV heads, head_dim 64,
+                                        intermediate 1536, vocab 32768, bf16.
+No tokenizer is needed: benchmarks send token ids.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BENCH_CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, intermediate_size=1536, vocab_size=32768,
+                    max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                    rope_theta=1_000_000.0, bos_token_id=1, eos_token_id=2)
+
+
+def build_bench_model(path: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides) -> Path:
+    """Write the benchmark checkpoint into ``path`` (skipped if it is already there)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    cfg_dict = dict(BENCH_CONFIG, **overrides)
+    marker = path / "bench_config.json"
+    if marker.exists() and json.loads(marker.read_text()) == dict(cfg_dict, seed=seed, dtype=dtype):
+        return path
+    torch.manual_seed(seed)
+    config = Qwen3Config(**cfg_dict, torch_dtype=dtype)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    marker.write_text(json.dumps(dict(cfg_dict, seed=seed, dtype=dtype)))
+    return path
+
+
+def count_params(path: str | Path) -> dict:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return {"layers": n * per_layer, "lm_head": h * v, "embedding": h * v}
