@@ -1,0 +1,245 @@
+"""Wire protocol: a round trip per message type, and a typed error for every bad field."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from tpserve.daemon import protocol as P
+from tpserve.sampling import SamplingParams
+
+
+def raw(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def base(type_, **fields):
+    return {"v": 1, "type": type_, **fields}
+
+
+ROUND_TRIP = [
+    ("request", P.GenerateRequest("r1", "Hello", SamplingParams(temperature=0.0, max_tokens=5), stream=True)),
+    ("request", P.GenerateRequest("r2", [1, 2, 3], SamplingParams(temperature=0.7, top_p=0.9, top_k=40,
+                                                                   seed=2**62, max_tokens=3, stop=["\n", "x"],
+                                                                   stop_token_ids=[7], ignore_eos=True),
+                                  stream=False)),
+    ("request", P.AbortRequest("r1")),
+    ("request", P.StatusRequest()),
+    ("request", P.StatusRequest(id="s")),
+    ("request", P.PingRequest()),
+    ("request", P.PingRequest(id="p" * 128)),
+    ("reply", P.DeltaReply("r1", "wörld", [5, 6])),
+    ("reply", P.DeltaReply("r1", "", [])),
+    ("reply", P.DoneReply("r1", "length", 3, 5)),
+    ("reply", P.DoneReply("r1", "stop", 3, 2, text="ab", token_ids=[1, 2])),
+    ("reply", P.DoneReply("r1", "abort", 3, 0, text="", token_ids=[], abort_reason="shutting_down")),
+    ("reply", P.ErrorReply(P.BAD_MESSAGE, "not msgpack")),
+    ("reply", P.ErrorReply(P.ADMISSION, "too long", id="r1", field="prompt", limit="max_model_len",
+                           requested=600, allowed=512)),
+    ("reply", P.StatusReply({"pid": 1, "model": "m", "rate": 0.5, "ok": True, "none": None}, id="s")),
+    ("reply", P.PongReply()),
+    ("reply", P.PongReply(id="x")),
+]
+
+
+@pytest.mark.parametrize("direction,msg", ROUND_TRIP, ids=lambda x: getattr(x, "TYPE", x))
+def test_round_trip(direction, msg):
+    frame = P.encode(msg)
+    obj = msgpack.unpackb(frame, raw=False)
+    assert obj["v"] == P.PROTOCOL_VERSION and obj["type"] == msg.TYPE
+    back = P.decode(frame, direction)
+    assert type(back) is type(msg)
+    assert back == msg
+
+
+def test_every_type_has_a_round_trip_case():
+    covered = {(d, type(m)) for d, m in ROUND_TRIP}
+    assert {("request", c) for c in P.REQUESTS.values()} | {("reply", c) for c in P.REPLIES.values()} <= covered
+
+
+def test_optional_fields_are_left_out_and_defaulted():
+    obj = msgpack.unpackb(P.encode(P.DoneReply("a", "stop", 1, 2)), raw=False)
+    assert set(obj) == {"v", "type", "id", "finish_reason", "prompt_tokens", "completion_tokens"}
+    msg = P.decode(raw(base("generate", id="a", prompt="hi")))
+    assert msg.stream is True and msg.params == SamplingParams()
+    sp = msgpack.unpackb(P.encode(P.GenerateRequest("a", "x", SamplingParams())), raw=False)["params"]
+    assert "seed" not in sp  # None seeds are omitted, not sent as nil
+
+
+def test_status_type_string_names_request_and_reply():
+    assert isinstance(P.decode(raw(base("status")), "request"), P.StatusRequest)
+    assert isinstance(P.decode(raw(base("status", stats={})), "reply"), P.StatusReply)
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(raw(base("delta", id="a", text="", token_ids=[])), "request")
+    assert e.value.code == P.UNKNOWN_TYPE
+
+
+# ---- frame-level faults --------------------------------------------------------------------
+@pytest.mark.parametrize("frame,code,field", [
+    (b"", P.BAD_MESSAGE, None),
+    (b"\xc1", P.BAD_MESSAGE, None),                       # never-used msgpack byte
+    (b"\x92\x01", P.BAD_MESSAGE, None),                   # truncated array
+    (raw([1, 2]), P.BAD_MESSAGE, None),                   # not a map
+    (raw("generate"), P.BAD_MESSAGE, None),
+    (raw({"v": 1, "type": "ping"}) + b"\x00", P.BAD_MESSAGE, None),  # trailing bytes
+    (raw({1: 2}), P.BAD_MESSAGE, None),                   # non-string keys
+    (b"\xd4\x01\x00", P.BAD_MESSAGE, None),               # ext type
+    (b"\xff\xfe", P.BAD_MESSAGE, None),
+    (raw({"type": "ping"}), P.MISSING_FIELD, "v"),
+    (raw({"v": 2, "type": "ping"}), P.UNSUPPORTED_VERSION, "v"),
+    (raw({"v": "1", "type": "ping"}), P.UNSUPPORTED_VERSION, "v"),
+    (raw({"v": True, "type": "ping"}), P.UNSUPPORTED_VERSION, "v"),
+    (raw({"v": 1}), P.MISSING_FIELD, "type"),
+    (raw({"v": 1, "type": "shutdown"}), P.UNKNOWN_TYPE, "type"),
+    (raw({"v": 1, "type": 5}), P.UNKNOWN_TYPE, "type"),
+    (raw({"v": 1, "type": "ping", "extra": 1}), P.UNKNOWN_FIELD, "extra"),
+    (raw({"v": 1, "type": "ping", b"bin": 1}), P.UNKNOWN_FIELD, "b'bin'"),
+])
+def test_bad_frames(frame, code, field):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frame, "request")
+    assert e.value.code == code
+    assert e.value.field == field
+    assert e.value.message
+
+
+def test_deeply_nested_frame_is_rejected_not_crashing():
+    frame = b"\x91" * 100_000 + b"\x00"
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frame)
+    assert e.value.code == P.BAD_MESSAGE
+
+
+def test_frame_over_the_size_limit():
+    with pytest.raises(P.ProtocolError) as e:
+        P.unpack_frame(b"\x00" * (P.MAX_MESSAGE_BYTES + 1))
+    assert e.value.code == P.BAD_MESSAGE and "exceeds" in e.value.message
+
+
+# ---- field validation ----------------------------------------------------------------------
+GOOD_GENERATE = dict(id="r", prompt="hi", params={"max_tokens": 2}, stream=True)
+
+
+@pytest.mark.parametrize("override,code,field", [
+    (dict(id=""), P.INVALID_FIELD, "id"),
+    (dict(id="x" * 129), P.INVALID_FIELD, "id"),
+    (dict(id=5), P.INVALID_FIELD, "id"),
+    (dict(id=None), P.INVALID_FIELD, "id"),
+    (dict(prompt=""), P.INVALID_FIELD, "prompt"),
+    (dict(prompt=[]), P.INVALID_FIELD, "prompt"),
+    (dict(prompt="x" * (P.MAX_PROMPT_CHARS + 1)), P.INVALID_FIELD, "prompt"),
+    (dict(prompt=[1, -1]), P.INVALID_FIELD, "prompt[1]"),
+    (dict(prompt=[1, 2**31]), P.INVALID_FIELD, "prompt[1]"),
+    (dict(prompt=[1, "a"]), P.INVALID_FIELD, "prompt[1]"),
+    (dict(prompt=[1, True]), P.INVALID_FIELD, "prompt[1]"),
+    (dict(prompt=[1.5]), P.INVALID_FIELD, "prompt[0]"),
+    (dict(prompt={"a": 1}), P.INVALID_FIELD, "prompt"),
+    (dict(prompt=7), P.INVALID_FIELD, "prompt"),
+    (dict(stream=1), P.INVALID_FIELD, "stream"),
+    (dict(stream="yes"), P.INVALID_FIELD, "stream"),
+    (dict(params=[1]), P.INVALID_FIELD, "params"),
+    (dict(params={"temperatur": 1.0}), P.UNKNOWN_FIELD, "params.temperatur"),
+    (dict(params={"temperature": -1}), P.INVALID_FIELD, "params.temperature"),
+    (dict(params={"temperature": "hot"}), P.INVALID_FIELD, "params.temperature"),
+    (dict(params={"temperature": float("nan")}), P.INVALID_FIELD, "params.temperature"),
+    (dict(params={"top_p": 0.0}), P.INVALID_FIELD, "params.top_p"),
+    (dict(params={"top_p": 1.5}), P.INVALID_FIELD, "params.top_p"),
+    (dict(params={"top_k": -2}), P.INVALID_FIELD, "params.top_k"),
+    (dict(params={"top_k": 1.5}), P.INVALID_FIELD, "params.top_k"),
+    (dict(params={"seed": -1}), P.INVALID_FIELD, "params.seed"),
+    (dict(params={"seed": 2**63}), P.INVALID_FIELD, "params.seed"),
+    (dict(params={"max_tokens": 0}), P.INVALID_FIELD, "params.max_tokens"),
+    (dict(params={"max_tokens": "5"}), P.INVALID_FIELD, "params.max_tokens"),
+    (dict(params={"stop_token_ids": [-1]}), P.INVALID_FIELD, "params.stop_token_ids"),
+    (dict(params={"stop_token_ids": list(range(P.MAX_STOP_TOKEN_IDS + 1))}), P.INVALID_FIELD,
+     "params.stop_token_ids"),
+    (dict(params={"stop": [""]}), P.INVALID_FIELD, "params.stop"),
+    (dict(params={"stop": [1]}), P.INVALID_FIELD, "params.stop"),
+    (dict(params={"stop": ["a"] * (P.MAX_STOP_STRINGS + 1)}), P.INVALID_FIELD, "params.stop"),
+    (dict(params={"stop": ["a" * (P.MAX_STOP_CHARS + 1)]}), P.INVALID_FIELD, "params.stop[0]"),
+    (dict(params={"stop": "a" * (P.MAX_STOP_CHARS + 1)}), P.INVALID_FIELD, "params.stop"),
+    (dict(params={"ignore_eos": 1}), P.INVALID_FIELD, "params.ignore_eos"),
+    (dict(extra=1), P.UNKNOWN_FIELD, "extra"),
+])
+def test_generate_bad_fields(override, code, field):
+    fields = {**GOOD_GENERATE, **override}
+    P.decode(raw(base("generate", **GOOD_GENERATE)))  # the baseline is valid
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(raw(base("generate", **fields)))
+    assert (e.value.code, e.value.field) == (code, field)
+
+
+@pytest.mark.parametrize("missing", ["id", "prompt"])
+def test_generate_missing_fields(missing):
+    fields = {k: v for k, v in GOOD_GENERATE.items() if k != missing}
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(raw(base("generate", **fields)))
+    assert (e.value.code, e.value.field) == (P.MISSING_FIELD, missing)
+
+
+def test_prompt_limits_are_inclusive():
+    assert len(P.decode(raw(base("generate", id="i" * 128, prompt=[0, P.MAX_TOKEN_ID]))).prompt) == 2
+    P.decode(raw(base("generate", id="a", prompt="x" * P.MAX_PROMPT_CHARS)))
+
+
+@pytest.mark.parametrize("type_,fields,code,field", [
+    ("abort", {}, P.MISSING_FIELD, "id"),
+    ("abort", {"id": ""}, P.INVALID_FIELD, "id"),
+    ("abort", {"id": "a", "reason": "x"}, P.UNKNOWN_FIELD, "reason"),
+    ("status", {"id": 3}, P.INVALID_FIELD, "id"),
+    ("status", {"verbose": True}, P.UNKNOWN_FIELD, "verbose"),
+    ("ping", {"id": "x" * 129}, P.INVALID_FIELD, "id"),
+    ("ping", {"payload": b"x"}, P.UNKNOWN_FIELD, "payload"),
+])
+def test_other_request_bad_fields(type_, fields, code, field):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(raw(base(type_, **fields)))
+    assert (e.value.code, e.value.field) == (code, field)
+
+
+@pytest.mark.parametrize("type_,fields,code,field", [
+    ("delta", {"id": "a", "text": 1, "token_ids": []}, P.INVALID_FIELD, "text"),
+    ("delta", {"id": "a", "text": "", "token_ids": [-1]}, P.INVALID_FIELD, "token_ids[0]"),
+    ("delta", {"id": "a", "text": ""}, P.MISSING_FIELD, "token_ids"),
+    ("done", {"id": "a", "finish_reason": "eos", "prompt_tokens": 1, "completion_tokens": 1},
+     P.INVALID_FIELD, "finish_reason"),
+    ("done", {"id": "a", "finish_reason": "stop", "prompt_tokens": -1, "completion_tokens": 1},
+     P.INVALID_FIELD, "prompt_tokens"),
+    ("done", {"id": "a", "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1.0},
+     P.INVALID_FIELD, "completion_tokens"),
+    ("done", {"id": "a", "finish_reason": "abort", "prompt_tokens": 1, "completion_tokens": 1,
+              "abort_reason": "bored"}, P.INVALID_FIELD, "abort_reason"),
+    ("error", {"message": "m"}, P.MISSING_FIELD, "code"),
+    ("error", {"code": "", "message": "m"}, P.INVALID_FIELD, "code"),
+    ("error", {"code": "x", "message": "m" * (P.MAX_MESSAGE_CHARS + 1)}, P.INVALID_FIELD, "message"),
+    ("error", {"code": "x", "message": "m", "requested": "5"}, P.INVALID_FIELD, "requested"),
+    ("status", {"stats": []}, P.INVALID_FIELD, "stats"),
+    ("status", {"stats": {"a": [1]}}, P.INVALID_FIELD, "stats.a"),
+    ("status", {}, P.MISSING_FIELD, "stats"),
+    ("pong", {"extra": 1}, P.UNKNOWN_FIELD, "extra"),
+])
+def test_reply_bad_fields(type_, fields, code, field):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(raw(base(type_, **fields)), "reply")
+    assert (e.value.code, e.value.field) == (code, field)
+
+
+def test_encode_validates_too():
+    with pytest.raises(P.ProtocolError) as e:
+        P.encode(P.GenerateRequest("", "hi"))
+    assert e.value.field == "id"
+    with pytest.raises(P.ProtocolError) as e:
+        P.encode(P.DoneReply("a", "finished", 0, 0))
+    assert e.value.field == "finish_reason"
+
+
+def test_readable_id():
+    assert P.readable_id({"id": "abc"}) == "abc"
+    assert P.readable_id({"id": ""}) is None
+    assert P.readable_id({"id": 5}) is None
+    assert P.readable_id([1]) is None
+    assert P.readable_id(None) is None
+
+
+def test_error_codes_are_distinct_strings():
+    assert len(set(P.ERROR_CODES)) == len(P.ERROR_CODES)
+    assert all(isinstance(c, str) and c == c.lower() for c in P.ERROR_CODES)

@@ -1,0 +1,430 @@
+"""`tpserve` command line: start/serve/stop/status the daemon, generate through it, make keys.
+
+Every option can also come from the environment as ``TPSERVE_<OPTION>`` (e.g. TPSERVE_MODEL,
+TPSERVE_RUNTIME_DIR, TPSERVE_ADDRESS). Bad values exit with status 2 and name the option;
+operational failures (no daemon, daemon refused a request) exit with status 1.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from tpserve.daemon import protocol as P
+from tpserve.daemon.client import Client, ClientTimeout, RequestError
+from tpserve.daemon.daemon import run_daemon, torchrun_rank
+from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
+from tpserve.daemon.options import config_from_options, engine_options, options_argv
+from tpserve.daemon.runtime import (LOG_NAME, InsecureAddressError, RuntimeDirError, check_address,
+                                    cleanup_stale, connect_address, descendants, ensure_runtime_dir, kill_tree,
+                                    live_daemon_pid, pid_alive, read_pid, read_ready, resolve_address,
+                                    resolve_runtime_dir, wait_gone)
+from tpserve.daemon.server import ServerOptions
+from tpserve.errors import TpserveError
+from tpserve.sampling import SamplingParams
+
+CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
+
+
+@click.group(context_settings=CONTEXT)
+def main():
+    """tpserve: a tensor-parallel LLM serving daemon.
+
+    Start a daemon with `tpserve start --model DIR`, send it prompts with
+    `tpserve generate "..."` (or the Python `tpserve.Client`), watch it with `tpserve status`
+    and stop it with `tpserve stop`. By default the daemon listens on an ipc socket in the
+    runtime dir ($TPSERVE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/tpserve, else ~/.tpserve).
+    """
+
+
+# ---- shared options ----------------------------------------------------------------------
+def runtime_dir_option(f):
+    return click.option("--runtime-dir", type=click.Path(file_okay=False), show_envvar=True, envvar="TPSERVE_RUNTIME_DIR",
+                        help="directory of the socket, pid file and log "
+                             "[default: $XDG_RUNTIME_DIR/tpserve or ~/.tpserve]")(f)
+
+
+def address_option(f):
+    return click.option("--address", show_envvar=True, envvar="TPSERVE_ADDRESS", metavar="ADDR",
+                        help="ZMQ endpoint: ipc://PATH or tcp://HOST:PORT "
+                             "[default: ipc://RUNTIME_DIR/tpserve.sock]")(f)
+
+
+def daemon_options(f):
+    opts = [
+        address_option,
+        runtime_dir_option,
+        click.option("--curve-secret-key", type=click.Path(dir_okay=False), show_envvar=True, envvar="TPSERVE_CURVE_SECRET_KEY",
+                     metavar="FILE", help="server .key_secret file from `tpserve keys`: encrypt with "
+                     "CurveZMQ (required for a non-loopback tcp address)"),
+        click.option("--curve-client-keys", type=click.Path(file_okay=False), show_envvar=True, envvar="TPSERVE_CURVE_CLIENT_KEYS",
+                     metavar="DIR", help="accept only clients whose public key (*.key) is in DIR "
+                     "[default: any client that has the server's public key]"),
+        click.option("--client-timeout", type=float, default=30.0, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_CLIENT_TIMEOUT",
+                     help="abort the requests of a client that has not read its replies for this many seconds"),
+        click.option("--shutdown-grace", type=float, default=0.0, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_SHUTDOWN_GRACE",
+                     help="on SIGTERM, let running requests finish for up to this many seconds before aborting them"),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+                     show_default=True, show_envvar=True, envvar="TPSERVE_LOG_LEVEL"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def client_options(timeout: float):
+    """Options of commands that talk to a running daemon; ``timeout`` is the --timeout default."""
+    def decorate(f):
+        return _client_options(f, timeout)
+    return decorate
+
+
+def _client_options(f, timeout: float):
+    opts = [
+        address_option,
+        runtime_dir_option,
+        click.option("--timeout", type=float, default=timeout, show_default=True, show_envvar=True, envvar="TPSERVE_TIMEOUT",
+                     help="seconds to wait for each reply"),
+        click.option("--server-key", show_envvar=True, envvar="TPSERVE_SERVER_KEY", metavar="FILE",
+                     help="the daemon's public key file (.key) when it uses CurveZMQ"),
+        click.option("--client-key", type=click.Path(dir_okay=False), show_envvar=True, envvar="TPSERVE_CLIENT_KEY",
+                     metavar="FILE", help="this client's .key_secret file [default: a fresh key pair]"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _server_options(kw: dict) -> ServerOptions:
+    for name in ("client_timeout", "shutdown_grace"):
+        if kw[name] < 0:
+            raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
+    opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"])
+    if kw["curve_secret_key"]:
+        try:
+            opts.curve_public_key, opts.curve_secret_key = load_secret_keys(kw["curve_secret_key"])
+        except KeyFileError as e:
+            raise click.BadParameter(str(e), param_hint="'--curve-secret-key'") from None
+    if kw["curve_client_keys"]:
+        if not kw["curve_secret_key"]:
+            raise click.BadParameter("needs --curve-secret-key (client keys only apply to CurveZMQ)",
+                                     param_hint="'--curve-client-keys'")
+        try:
+            public_keys_in(kw["curve_client_keys"])
+        except KeyFileError as e:
+            raise click.BadParameter(str(e), param_hint="'--curve-client-keys'") from None
+        opts.curve_client_keys_dir = os.path.abspath(kw["curve_client_keys"])
+    return opts
+
+
+def _check_address(address: str, opts: ServerOptions) -> None:
+    try:
+        check_address(address, opts.curve_secret_key is not None)
+    except (InsecureAddressError, RuntimeDirError) as e:
+        raise click.BadParameter(str(e), param_hint="'--address'") from None
+
+
+def _runtime_dir(path) -> Path:
+    try:
+        return ensure_runtime_dir(path)
+    except (OSError, RuntimeDirError) as e:
+        raise click.BadParameter(str(e), param_hint="'--runtime-dir'") from None
+
+
+def _client(kw: dict) -> Client:
+    address = resolve_address(kw["address"], kw["runtime_dir"])
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        _fail(f"no tpserve daemon at {address} (the socket does not exist); start one with `tpserve start`")
+    server_key = client_keys = None
+    try:
+        if kw.get("server_key"):
+            server_key = load_public_key(kw["server_key"])
+        if kw.get("client_key"):
+            client_keys = load_secret_keys(kw["client_key"])
+    except KeyFileError as e:
+        raise click.BadParameter(str(e)) from None
+    return Client(address, timeout=kw["timeout"],
+                  runtime_dir=kw["runtime_dir"], server_public_key=server_key, client_keys=client_keys)
+
+
+def _live_pid(rd: Path) -> int | None:
+    try:
+        return live_daemon_pid(rd)
+    except RuntimeDirError as e:
+        _fail(str(e))
+
+
+def _fail(message: str) -> None:
+    click.echo(f"tpserve: {message}", err=True)
+    sys.exit(1)
+
+
+# ---- serve / start -----------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@daemon_options
+@engine_options
+def serve(**kw):
+    """Run the daemon in the foreground (for torchrun and service managers).
+
+    Under torchrun (RANK/WORLD_SIZE set) rank 0 becomes the daemon and every other rank a
+    tensor-parallel worker. SIGTERM/SIGINT stop it gracefully; a second one stops it at once.
+    """
+    config = config_from_options(kw)
+    rank = torchrun_rank()
+    if rank is not None and rank != 0:
+        from tpserve.workers.launch import run_torchrun_worker
+        sys.exit(run_torchrun_worker(config) or 0)
+    logging.basicConfig(level=kw["log_level"].upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = _server_options(kw)
+    rd = _runtime_dir(kw["runtime_dir"])
+    address = resolve_address(kw["address"], rd)
+    _check_address(address, opts)
+    try:
+        code = run_daemon(config, address, rd, opts)
+    except (RuntimeDirError, OSError, TpserveError) as e:
+        _fail(str(e))
+    except Exception as e:  # the traceback goes to the log; the last line says why in one line
+        logging.getLogger("tpserve.daemon").exception("the daemon failed")
+        _fail(f"the daemon failed: {type(e).__name__}: {e}")
+    sys.exit(code)
+
+
+@main.command(context_settings=CONTEXT)
+@daemon_options
+@click.option("--startup-timeout", type=float, default=600.0, show_default=True,
+              show_envvar=True, envvar="TPSERVE_STARTUP_TIMEOUT", help="seconds to wait for the model to load")
+@engine_options
+def start(**kw):
+    """Start the daemon in the background and wait until it is ready.
+
+    The daemon runs in a new session with its output appended to RUNTIME_DIR/tpserve.log;
+    `start` prints its address once it answers, or the end of the log if it failed.
+    """
+    config = config_from_options(kw)
+    opts = _server_options(kw)
+    rd = _runtime_dir(kw["runtime_dir"])
+    address = resolve_address(kw["address"], rd)
+    _check_address(address, opts)
+    pid = _live_pid(rd)
+    if pid is not None:
+        _fail(f"a daemon (pid {pid}) is already running with runtime dir {rd}; `tpserve stop` it first")
+    cleanup_stale(rd)
+
+    argv = [sys.executable, "-m", "tpserve", "serve", "--runtime-dir", str(rd.absolute()),
+            "--address", address, "--client-timeout", str(kw["client_timeout"]),
+            "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"]]
+    if kw["curve_secret_key"]:
+        argv += ["--curve-secret-key", os.path.abspath(kw["curve_secret_key"])]
+    if opts.curve_client_keys_dir:
+        argv += ["--curve-client-keys", opts.curve_client_keys_dir]
+    argv += options_argv(config)
+
+    log_path = rd / LOG_NAME
+    with open(log_path, "ab") as log_file:
+        offset = log_file.tell()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + kw["startup_timeout"]
+    while True:
+        code = proc.poll()
+        if code is not None:
+            _fail(f"the daemon exited with status {code} while starting; from {log_path}:\n"
+                  + _log_tail(log_path, offset))
+        ready = read_ready(rd)
+        if ready and ready.get("pid") == proc.pid:
+            break
+        if time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            proc.wait()
+            _fail(f"the daemon was not ready within {kw['startup_timeout']:g} s (killed); from {log_path}:\n"
+                  + _log_tail(log_path, offset))
+        time.sleep(0.1)
+    # The ready file says the engine is loaded; a ping proves the socket answers. With a client
+    # allow-list this process holds no allowed key, so the ready file has to do.
+    if opts.curve_client_keys_dir is None:
+        client = Client(connect_address(address), timeout=30.0, server_public_key=opts.curve_public_key)
+        try:
+            client.ping()
+        except ClientTimeout as e:
+            _fail(f"the daemon (pid {proc.pid}) is up but did not answer a ping: {e}")
+        finally:
+            client.close()
+    click.echo(address)
+
+
+def _log_tail(path: Path, offset: int, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(the log is empty)"
+
+
+# ---- stop --------------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@runtime_dir_option
+@click.option("--timeout", type=float, default=30.0, show_default=True, show_envvar=True, envvar="TPSERVE_STOP_TIMEOUT",
+              help="seconds to wait for a graceful exit before killing the daemon and its workers")
+def stop(runtime_dir, timeout):
+    """Stop the daemon: SIGTERM, then SIGKILL of its whole process tree after --timeout."""
+    rd = resolve_runtime_dir(runtime_dir)
+    pid = _live_pid(rd) if rd.is_dir() else None
+    if pid is None:
+        _fail(f"no tpserve daemon is running with runtime dir {rd}")
+    tree = [pid] + descendants(pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    if wait_gone([pid], timeout):
+        # Workers normally exit with the daemon; give stragglers a moment, then make sure.
+        if not wait_gone(tree, 5.0):
+            for p in tree:
+                if pid_alive(p):
+                    kill_tree(p)
+        click.echo(f"stopped tpserve daemon (pid {pid})")
+    else:
+        tree += [p for p in descendants(pid) if p not in tree]
+        click.echo(f"the daemon (pid {pid}) did not exit within {timeout:g} s; killing it and its workers",
+                   err=True)
+        kill_tree(pid)
+        for p in tree:
+            kill_tree(p)
+        wait_gone(tree, 10.0)
+        click.echo(f"killed tpserve daemon (pid {pid})")
+    cleanup_stale(rd)
+
+
+# ---- status ------------------------------------------------------------------------------
+_STATUS_LINES = [
+    ("pid", "pid", "{}"),
+    ("model", "model", "{}"),
+    ("tensor parallel", "tensor_parallel_size", "{}"),
+    ("uptime", "uptime_s", "{:.0f} s"),
+    ("state", "state", "{}"),
+    ("requests running", "num_running", "{}"),
+    ("requests waiting", "num_waiting", "{}"),
+    ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),
+    ("prefix cache hits", "prefix_cache_hit_rate", "{:.1%}"),
+    ("preemptions", "num_preemptions", "{}"),
+    ("tokens/s", "tokens_per_s", "{:.1f}"),
+    ("prompt tokens", "prompt_tokens", "{}"),
+    ("generated tokens", "generation_tokens", "{}"),
+]
+
+
+@main.command(context_settings=CONTEXT)
+@client_options(timeout=5.0)
+@click.option("--json", "as_json", is_flag=True, help="print the raw status map as JSON")
+def status(as_json, **kw):
+    """Show the running daemon's model, load and KV-cache use (asks the daemon itself)."""
+    with _client(kw) as client:
+        try:
+            stats = client.status()
+        except ClientTimeout as e:
+            rd = resolve_runtime_dir(kw["runtime_dir"])
+            pid = read_pid(rd) if rd.is_dir() else None
+            hint = f" (pid file {rd}/tpserve.pid names pid {pid})" if pid else ""
+            _fail(f"{e}: is it running?{hint}")
+    if as_json:
+        click.echo(json.dumps(stats, indent=2, sort_keys=True))
+        return
+    click.echo(f"tpserve daemon at {client.address}")
+    for label, keys, fmt in _STATUS_LINES:
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        if all(stats.get(k) is not None for k in keys):
+            try:
+                value = fmt.format(*(stats[k] for k in keys))
+            except (ValueError, TypeError):
+                value = " / ".join(str(stats[k]) for k in keys)
+            click.echo(f"  {label:<18} {value}")
+
+
+# ---- generate ----------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("prompt")
+@click.option("--max-tokens", type=int, default=SamplingParams.max_tokens, show_default=True,
+              help="most tokens to generate")
+@click.option("--temperature", type=float, default=SamplingParams.temperature, show_default=True,
+              help="0 for greedy decoding")
+@click.option("--top-p", type=float, default=SamplingParams.top_p, show_default=True,
+              help="nucleus sampling: smallest token set with this probability mass (1 disables)")
+@click.option("--top-k", type=int, default=SamplingParams.top_k, show_default=True,
+              help="sample among the k most likely tokens (-1 disables)")
+@click.option("--seed", type=int, default=None, help="make the sampled output reproducible")
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--stop-token-id", type=int, multiple=True, help="stop token id (repeatable)")
+@click.option("--ignore-eos", is_flag=True, help="keep generating past the end-of-sequence token")
+@click.option("--no-stream", is_flag=True, help="print the completion once it is finished")
+@click.option("--show-finish", is_flag=True, help="print finish reason and token counts to stderr")
+@client_options(timeout=30.0)
+def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id, ignore_eos,
+             no_stream, show_finish, **kw):
+    """Send PROMPT ('-' reads standard input) to the daemon and print the completion as it streams."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    from tpserve.errors import ConfigError
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_id),
+                                ignore_eos=ignore_eos)
+    except ConfigError as e:
+        option = {"stop_token_ids": "stop-token-id"}.get(e.field, e.field.replace("_", "-"))
+        raise click.BadParameter(e.reason, param_hint=f"'--{option}'") from None
+    with _client(kw) as client:
+        try:
+            if no_stream:
+                result = client.generate(prompt, params)
+                click.echo(result.text)
+            else:
+                with client.stream(prompt, params) as stream:  # Ctrl-C aborts the request
+                    for delta in stream:
+                        click.echo(delta.text, nl=False)
+                        sys.stdout.flush()
+                click.echo()
+                result = stream.result
+        except ClientTimeout as e:
+            _fail(str(e))
+        except (RequestError, P.ProtocolError) as e:
+            _fail(f"request failed: {e}")
+    if show_finish:
+        click.echo(f"[finish_reason={result.finish_reason} prompt_tokens={result.prompt_tokens} "
+                   f"completion_tokens={result.completion_tokens}]", err=True)
+    if result.finish_reason == "abort":
+        _fail(f"the request was aborted ({result.abort_reason or 'by the daemon'})")
+
+
+# ---- keys --------------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="tpserve", show_default=True, help="file name stem: NAME.key, NAME.key_secret")
+@click.option("--force", is_flag=True, help="overwrite existing key files")
+def keys(directory, name, force):
+    """Generate a CurveZMQ key pair into DIRECTORY.
+
+    NAME.key holds the public key (give it to the other side); NAME.key_secret holds both keys
+    (mode 0600; pass it to `tpserve start --curve-secret-key`, or a client's --client-key).
+    """
+    try:
+        public_path, secret_path = generate_keypair(directory, name, force)
+    except (KeyFileError, OSError) as e:
+        _fail(str(e))
+    click.echo(f"public key: {public_path}")
+    click.echo(f"secret key: {secret_path}")
+    click.echo(f"public key (Z85): {load_public_key(public_path).decode()}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

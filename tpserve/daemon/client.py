@@ -1,0 +1,462 @@
+"""Client library for the tpserve daemon: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+Both talk protocol version 1 (docs/protocol.md) over one DEALER socket. Request ids are
+generated here (uuid4 hex) unless given; replies are routed by id, so several streams may be
+open on one client at once. Every wait is bounded by ``timeout`` seconds (None waits forever):
+``ClientTimeout`` names the address and the limit instead of hanging. A reply of type
+``error`` raises ``RequestError`` with the daemon's code and message.
+
+A non-streaming ``generate`` waits up to ``timeout`` for the whole completion; a stream waits up
+to ``timeout`` for each piece. When a wait times out, the request is aborted on a best-effort
+basis, so the daemon frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from tpserve.daemon import protocol as P
+from tpserve.daemon.keys import load_public_key, load_secret_keys
+from tpserve.daemon.runtime import resolve_address
+from tpserve.errors import TpserveError
+from tpserve.sampling import SamplingParams
+
+_DEFAULT = object()
+
+
+class ClientTimeout(TpserveError, TimeoutError):
+    """No reply from the daemon in time (not running, wrong address, wrong CurveZMQ key...)."""
+
+    def __init__(self, address: str, timeout: float):
+        self.address = address
+        self.timeout = timeout
+        super().__init__(f"no reply from tpserve daemon at {address} within {timeout:g} s")
+
+
+class RequestError(TpserveError, RuntimeError):
+    """The daemon answered with an ``error`` message."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None, field: str | None = None,
+                 limit: str | None = None, requested: int | None = None, allowed: int | None = None):
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.field = field
+        self.limit = limit
+        self.requested = requested
+        self.allowed = allowed
+        super().__init__(f"{code}: {field + ': ' if field else ''}{message}")
+
+    @classmethod
+    def from_reply(cls, msg: P.ErrorReply) -> "RequestError":
+        return cls(msg.code, msg.message, msg.id, msg.field, msg.limit, msg.requested, msg.allowed)
+
+
+@dataclass
+class Delta:
+    """A piece of a streamed completion."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class GenerateResult:
+    """A finished request. ``abort_reason`` is set when finish_reason is "abort"."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    abort_reason: str | None = None
+
+
+def _make_params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
+    if params is not None and sampling:
+        raise TypeError("pass either params=SamplingParams(...) or sampling keywords, not both")
+    return params if params is not None else SamplingParams(**sampling)
+
+
+def _configure(sock: zmq.Socket, server_public_key, client_keys) -> None:
+    sock.setsockopt(zmq.LINGER, 200)
+    sock.setsockopt(zmq.MAXMSGSIZE, -1)
+    if server_public_key is None:
+        return
+    if isinstance(client_keys, (str, os.PathLike)):
+        public, secret = load_secret_keys(client_keys)
+    elif client_keys is not None:
+        public, secret = client_keys
+    else:
+        public, secret = zmq.curve_keypair()  # an anonymous client identity
+    sock.curve_serverkey = load_public_key(server_public_key)
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+
+
+class _Common:
+    def __init__(self, address, timeout, runtime_dir):
+        self.address = resolve_address(address, runtime_dir)
+        self.timeout = timeout
+
+    def _timeout(self, timeout):
+        return self.timeout if timeout is _DEFAULT else timeout
+
+
+class Client(_Common):
+    """Blocking client. Not thread-safe: use one per thread (they are cheap).
+
+    ``server_public_key`` (Z85 key or key file) enables CurveZMQ; ``client_keys`` is this
+    client's identity (a ``.key_secret`` file or a (public, secret) pair; default: a fresh pair).
+    """
+
+    def __init__(self, address: str | None = None, timeout: float | None = 30.0,
+                 runtime_dir: str | os.PathLike | None = None, server_public_key=None,
+                 client_keys=None, context: zmq.Context | None = None):
+        super().__init__(address, timeout, runtime_dir)
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        _configure(self._sock, server_public_key, client_keys)
+        self._sock.connect(self.address)
+        self._open: dict[str, deque] = {}  # replies received for ids being waited on
+
+    # ---- public API --------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                 request_id: str | None = None, timeout=_DEFAULT, **sampling) -> GenerateResult:
+        """Generate a completion and return it whole."""
+        rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=False)
+        try:
+            msg = self._next(rid, self._timeout(timeout))
+        except ClientTimeout:
+            self._send_abort_quietly(rid)
+            raise
+        finally:
+            self._open.pop(rid, None)
+        if isinstance(msg, P.ErrorReply):
+            raise RequestError.from_reply(msg)
+        assert isinstance(msg, P.DoneReply), msg
+        return GenerateResult(rid, msg.text or "", msg.token_ids or [], msg.finish_reason,
+                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None, timeout=_DEFAULT, **sampling) -> "Stream":
+        """Start a streaming request; iterate the result for ``Delta``s (see ``Stream``)."""
+        rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=True)
+        return Stream(self, rid, self._timeout(timeout))
+
+    def abort(self, request_id: str, timeout=_DEFAULT) -> bool:
+        """Abort a request sent by this client. True if it was aborted, False if it had
+        already finished (or was never in flight). An open stream of it ends with
+        finish_reason "abort"."""
+        temporary = request_id not in self._open
+        if temporary:
+            self._open[request_id] = deque()
+        try:
+            self._sock.send(P.encode(P.AbortRequest(request_id)))
+            msg = self._next(request_id, self._timeout(timeout), peek=True)
+            if temporary:
+                self._open[request_id].popleft()
+            return isinstance(msg, P.DoneReply) and msg.finish_reason == "abort"
+        finally:
+            if temporary:
+                self._open.pop(request_id, None)
+
+    def status(self, timeout=_DEFAULT) -> dict:
+        """The daemon's status map (engine counters, pid, uptime...)."""
+        msg = self._call(P.StatusRequest(id=self._new_id()), timeout)
+        return msg.stats
+
+    def ping(self, timeout=_DEFAULT) -> float:
+        """Round-trip time in seconds; raises ClientTimeout if the daemon does not answer."""
+        start = time.perf_counter()
+        self._call(P.PingRequest(id=self._new_id()), timeout)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _new_id() -> str:
+        return uuid.uuid4().hex
+
+    def _submit(self, prompt, params, request_id, stream) -> str:
+        rid = request_id or self._new_id()
+        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream))  # validates locally first
+        if rid in self._open:
+            raise ValueError(f"request id {rid!r} is already in use on this client")
+        self._open[rid] = deque()
+        self._sock.send(frame)
+        return rid
+
+    def _call(self, msg, timeout):
+        self._open[msg.id] = deque()
+        try:
+            self._sock.send(P.encode(msg))
+            reply = self._next(msg.id, self._timeout(timeout))
+        finally:
+            self._open.pop(msg.id, None)
+        if isinstance(reply, P.ErrorReply):
+            raise RequestError.from_reply(reply)
+        return reply
+
+    def _send_abort_quietly(self, rid: str) -> None:
+        try:
+            self._sock.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _next(self, rid: str, timeout: float | None, peek: bool = False) -> P.Message:
+        """The next reply for ``rid`` (with ``peek``: the first terminal one, left queued)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        queue = self._open[rid]
+        while True:
+            if peek:
+                for msg in queue:
+                    if isinstance(msg, (P.DoneReply, P.ErrorReply)):
+                        return msg
+            elif queue:
+                return queue.popleft()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if wait is not None and wait <= 0.0:
+                raise ClientTimeout(self.address, timeout)
+            if not self._sock.poll(None if wait is None else int(wait * 1000) + 1, zmq.POLLIN):
+                continue
+            msg = P.decode(self._sock.recv(), "reply")
+            target = self._open.get(msg.id) if msg.id is not None else queue
+            if target is not None:  # replies to ids nobody waits for any more are dropped
+                target.append(msg)
+
+
+class Stream:
+    """Iterator over the ``Delta``s of one streaming request.
+
+    After the last delta, ``result`` holds the ``GenerateResult`` (whose text/token_ids are the
+    concatenation of all deltas). Closing the stream early (``close()``, ``break`` in a ``with``
+    block, or garbage collection) aborts the request.
+    """
+
+    def __init__(self, client: Client, request_id: str, timeout: float | None):
+        self.client = client
+        self.request_id = request_id
+        self.timeout = timeout
+        self.result: GenerateResult | None = None
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+        self._closed = False
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self
+
+    def __next__(self) -> Delta:
+        if self._closed:
+            raise StopIteration
+        try:
+            msg = self.client._next(self.request_id, self.timeout)
+        except ClientTimeout:
+            self.close()
+            raise
+        if isinstance(msg, P.DeltaReply):
+            self._text.append(msg.text)
+            self._tokens.extend(msg.token_ids)
+            return Delta(msg.id, msg.text, msg.token_ids)
+        self._finish()
+        if isinstance(msg, P.ErrorReply):
+            raise RequestError.from_reply(msg)
+        assert isinstance(msg, P.DoneReply), msg
+        self.result = GenerateResult(self.request_id, "".join(self._text), self._tokens, msg.finish_reason,
+                                     msg.prompt_tokens, msg.completion_tokens, msg.abort_reason)
+        raise StopIteration
+
+    def _finish(self) -> None:
+        self._closed = True
+        self.client._open.pop(self.request_id, None)
+
+    def close(self) -> None:
+        """Stop listening; aborts the request on the daemon if it is still running."""
+        if not self._closed:
+            self._finish()
+            self.client._send_abort_quietly(self.request_id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class AsyncClient(_Common):
+    """asyncio client with the same API; safe to use from many tasks of one event loop.
+
+    A reader task routes replies by id to per-request queues; it starts with the first call.
+    """
+
+    def __init__(self, address: str | None = None, timeout: float | None = 30.0,
+                 runtime_dir: str | os.PathLike | None = None, server_public_key=None,
+                 client_keys=None, context: zmq.asyncio.Context | None = None):
+        super().__init__(address, timeout, runtime_dir)
+        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        _configure(self._sock, server_public_key, client_keys)
+        self._sock.connect(self.address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._abort_waiters: dict[str, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._reader_error: BaseException | None = None
+
+    async def generate(self, prompt, params: SamplingParams | None = None, *, request_id=None,
+                       timeout=_DEFAULT, **sampling) -> GenerateResult:
+        rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=False)
+        try:
+            msg = await self._get(rid, self._timeout(timeout))
+        finally:
+            self._queues.pop(rid, None)
+        if isinstance(msg, P.ErrorReply):
+            raise RequestError.from_reply(msg)
+        return GenerateResult(rid, msg.text or "", msg.token_ids or [], msg.finish_reason,
+                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason)
+
+    async def stream(self, prompt, params: SamplingParams | None = None, *, request_id=None,
+                     timeout=_DEFAULT, **sampling) -> AsyncIterator[Delta]:
+        """Async generator of ``Delta``s; closing it early aborts the request."""
+        rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=True)
+        done = False
+        try:
+            while True:
+                msg = await self._get(rid, self._timeout(timeout))
+                if isinstance(msg, P.DeltaReply):
+                    yield Delta(msg.id, msg.text, msg.token_ids)
+                    continue
+                done = True
+                if isinstance(msg, P.ErrorReply):
+                    raise RequestError.from_reply(msg)
+                return
+        finally:
+            self._queues.pop(rid, None)
+            if not done:
+                self._send_abort_nowait(rid)
+
+    async def abort(self, request_id: str, timeout=_DEFAULT) -> bool:
+        """True if the request was aborted, False if it was not in flight."""
+        fut = asyncio.get_running_loop().create_future()
+        self._abort_waiters[request_id] = fut
+        self._ensure_reader()
+        try:
+            await self._sock.send(P.encode(P.AbortRequest(request_id)))
+            return await self._wait(fut, self._timeout(timeout))
+        finally:
+            self._abort_waiters.pop(request_id, None)
+
+    async def status(self, timeout=_DEFAULT) -> dict:
+        return (await self._call(P.StatusRequest(id=uuid.uuid4().hex), timeout)).stats
+
+    async def ping(self, timeout=_DEFAULT) -> float:
+        start = time.perf_counter()
+        await self._call(P.PingRequest(id=uuid.uuid4().hex), timeout)
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._sock.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+    async def _submit(self, prompt, params, request_id, stream) -> str:
+        rid = request_id or uuid.uuid4().hex
+        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream))
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use on this client")
+        self._queues[rid] = asyncio.Queue()
+        self._ensure_reader()
+        await self._sock.send(frame)
+        return rid
+
+    async def _call(self, msg, timeout):
+        self._queues[msg.id] = asyncio.Queue()
+        self._ensure_reader()
+        try:
+            await self._sock.send(P.encode(msg))
+            reply = await self._get(msg.id, self._timeout(timeout))
+        finally:
+            self._queues.pop(msg.id, None)
+        if isinstance(reply, P.ErrorReply):
+            raise RequestError.from_reply(reply)
+        return reply
+
+    async def _get(self, rid: str, timeout):
+        try:
+            return await self._wait(self._queues[rid].get(), timeout)
+        except ClientTimeout:
+            self._send_abort_nowait(rid)
+            raise
+
+    async def _wait(self, awaitable, timeout):
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            if self._reader_error is not None:
+                raise self._reader_error from None
+            raise ClientTimeout(self.address, timeout) from None
+
+    def _send_abort_nowait(self, rid: str) -> None:
+        try:
+            self._sock.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = P.decode(await self._sock.recv(), "reply")
+                rid = msg.id
+                if rid is None:
+                    continue  # only sent for frames this client never produces
+                terminal = isinstance(msg, (P.DoneReply, P.ErrorReply))
+                fut = self._abort_waiters.get(rid)
+                if terminal and fut is not None and not fut.done():
+                    aborted = isinstance(msg, P.DoneReply) and msg.finish_reason == "abort"
+                    fut.set_result(aborted)
+                    if isinstance(msg, P.ErrorReply) and msg.code == P.UNKNOWN_ID:
+                        continue  # the answer to the abort itself, not to a stream
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # undecodable reply: fail waiters instead of leaving them hanging
+            self._reader_error = e
+            raise

@@ -1,0 +1,128 @@
+"""The daemon's life cycle around one Server: what `tpserve serve` runs (and `start` detaches).
+
+Order of events, each step undone in reverse on the way out:
+
+1. runtime dir (0700), address policy check, pid-file lock (refuses a second daemon);
+2. bind the socket (fails fast on a busy address, before the slow model load);
+3. load the engine (spawns tensor-parallel workers); SIGTERM/SIGINT here abort the start-up;
+4. write the ready file -- `tpserve start` waits for it -- then serve;
+5. first SIGTERM/SIGINT: stop admitting, abort in-flight requests (each client gets ``done``
+   with finish_reason "abort"; see ServerOptions.shutdown_grace), engine.shutdown(), exit 0.
+   A second signal kills the workers and exits at once (status 1).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from tpserve.config import EngineConfig
+from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, descendants,
+                                    ensure_runtime_dir, resolve_address, write_ready)
+from tpserve.daemon.server import Server, ServerOptions
+
+log = logging.getLogger("tpserve.daemon")
+
+
+class _StartupInterrupted(Exception):
+    """A stop signal arrived while the engine was loading."""
+
+
+def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.PathLike | None,
+               options: ServerOptions, engine_factory=None) -> int:
+    """Serve until stopped; returns the process exit status. Must run on the main thread."""
+    rd = ensure_runtime_dir(runtime_dir)
+    address = resolve_address(address, rd)
+    check_address(address, options.curve_secret_key is not None)
+    pidfile = PidFile(rd)
+    pidfile.acquire()
+    engine = server = None
+    shutting_down = threading.Event()
+
+    def startup_signal(signum, frame):
+        raise _StartupInterrupted(signal.Signals(signum).name)
+
+    def first_signal(signum, frame):
+        log.info("received %s: shutting down (send it again to exit at once)", signal.Signals(signum).name)
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, second_signal)
+        server.request_shutdown()
+
+    def second_signal(signum, frame):
+        log.warning("received %s again: killing workers and exiting now", signal.Signals(signum).name)
+        _force_exit(engine, shutting_down, pidfile)
+
+    old_handlers = {s: signal.signal(s, startup_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
+    try:
+        server = Server(None, address, options)
+        if engine_factory is None:
+            from tpserve.engine import Engine
+            engine_factory = Engine
+        engine = engine_factory(config)
+        server.engine = engine
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, first_signal)
+        old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
+        write_ready(rd, address)
+        log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %d)", address, os.getpid(),
+                 engine.config.model_path, engine.config.tensor_parallel_size)
+        try:
+            code = server.run()
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+    except _StartupInterrupted as e:
+        log.info("received %s while starting: exiting", e)
+        if engine is None:  # workers of a half-built engine have nobody to shut them down
+            for pid in descendants(os.getpid()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, second_signal)
+        (rd / READY_NAME).unlink(missing_ok=True)
+        if server is not None:
+            server.close()
+        if engine is not None:
+            shutting_down.set()
+            engine.shutdown()
+        if address == f"ipc://{(rd / SOCKET_NAME).absolute()}":
+            (rd / SOCKET_NAME).unlink(missing_ok=True)
+        pidfile.release()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    log.info("tpserve stopped (exit status %d)", code)
+    return code
+
+
+def _force_exit(engine, shutting_down: threading.Event, pidfile: PidFile) -> None:
+    """Kill every descendant, give engine.shutdown() two seconds to free shared memory, exit 1."""
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if engine is not None and not shutting_down.is_set():
+        # In a thread: the main thread may be inside the engine right now.
+        t = threading.Thread(target=_quiet_shutdown, args=(engine,), daemon=True)
+        t.start()
+        t.join(2.0)
+    pidfile.release()
+    os._exit(1)
+
+
+def _quiet_shutdown(engine) -> None:
+    try:
+        engine.shutdown()
+    except Exception:
+        pass
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when started by torchrun (RANK and WORLD_SIZE set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None

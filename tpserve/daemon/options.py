@@ -1,0 +1,120 @@
+"""The engine options of the CLI as one click decorator, and their mapping to EngineConfig.
+
+``@engine_options`` adds --model, --tp/--tensor-parallel-size, --block-size, ... to a command;
+each option also reads ``TPSERVE_<NAME>`` from the environment (e.g. TPSERVE_NUM_KV_BLOCKS).
+Defaults come from EngineConfig itself, so the CLI and the Python API cannot drift apart.
+``config_from_options`` pops those keyword arguments and builds a validated EngineConfig,
+turning ConfigError into click.BadParameter naming the option.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+import click
+
+from tpserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from tpserve.errors import ConfigError
+
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in EngineConfig.option_names()}
+
+# (EngineConfig field, option declarations, click kwargs). Flags map to booleans in _to_config.
+_OPTIONS = [
+    ("model", ("--model",), dict(type=str, default=None, metavar="PATH",
+                                 help="Hugging Face model directory [default: the bundled default model]")),
+    ("tensor_parallel_size", ("--tp", "--tensor-parallel-size"),
+     dict(type=int, envvar=["TPSERVE_TENSOR_PARALLEL_SIZE", "TPSERVE_TP"],
+          help="number of tensor-parallel ranks (GPUs, or CPU processes without a GPU)")),
+    ("block_size", ("--block-size",), dict(type=int, help="tokens per KV-cache block")),
+    ("max_num_seqs", ("--max-num-seqs",), dict(type=int, help="most sequences in one batch")),
+    ("max_num_batched_tokens", ("--max-num-batched-tokens",),
+     dict(type=int, help="most tokens in one engine step (prefill chunks included)")),
+    ("max_model_len", ("--max-model-len",),
+     dict(type=int, help="longest prompt + completion [default: the model's max_position_embeddings]")),
+    ("kv_cache_memory_gb", ("--kv-cache-memory-gb",), dict(type=float, help="KV-cache size on CPU, GiB")),
+    ("gpu_memory_utilization", ("--gpu-memory-utilization",),
+     dict(type=float, help="fraction of GPU memory the engine may use (GPU only)")),
+    ("num_kv_blocks", ("--num-kv-blocks",),
+     dict(type=int, help="KV-cache blocks, overriding the memory-based size")),
+    ("dtype", ("--dtype",), dict(type=click.Choice(DTYPES), help="model weight and activation dtype")),
+    ("attention_backend", ("--attention-backend",),
+     dict(type=click.Choice(ATTENTION_BACKENDS), help="attention kernels")),
+    ("enforce_eager", ("--enforce-eager",), dict(is_flag=True, help="disable CUDA graphs")),
+    ("enable_prefix_caching", ("--no-prefix-caching",),
+     dict(is_flag=True, help="disable the prefix cache (reuse of full KV blocks across requests)")),
+    ("seed", ("--seed",), dict(type=int, help="engine seed (sampling of requests without their own seed)")),
+]
+
+
+def _param_name(decls: tuple[str, ...]) -> str:
+    return decls[-1].lstrip("-").replace("-", "_")
+
+
+def engine_options(f):
+    """Decorator adding every engine option (with TPSERVE_* environment defaults) to a command."""
+    for field_name, decls, kwargs in reversed(_OPTIONS):
+        kwargs = dict(kwargs)
+        name = _param_name(decls)
+        kwargs.setdefault("envvar", f"TPSERVE_{name.upper()}")
+        kwargs.setdefault("show_envvar", True)
+        if "default" not in kwargs:
+            if kwargs.get("is_flag"):
+                kwargs["default"] = False
+            else:
+                kwargs["default"] = _DEFAULTS[field_name]
+                kwargs["show_default"] = True
+        f = click.option(*decls, name, **kwargs)(f)
+    return f
+
+
+ENGINE_PARAM_NAMES = tuple(_param_name(decls) for _, decls, _ in _OPTIONS)
+
+
+def config_from_options(kwargs: dict, resolve: bool = True) -> EngineConfig:
+    """Pop the engine options out of a command's ``kwargs`` and build an EngineConfig.
+
+    With ``resolve`` the model directory is read too (so a bad --model fails here, before any
+    process is started). Raises click.BadParameter naming the offending option.
+    """
+    values = {name: kwargs.pop(name) for name in ENGINE_PARAM_NAMES if name in kwargs}
+    cfg_kwargs = {}
+    for field_name, decls, _ in _OPTIONS:
+        name = _param_name(decls)
+        if name not in values:
+            continue
+        value = values[name]
+        if field_name == "enable_prefix_caching":
+            value = not value
+        if field_name == "model" and value is not None:
+            value = os.path.abspath(os.path.expanduser(value))
+        cfg_kwargs[field_name] = value
+    try:
+        config = EngineConfig(**cfg_kwargs)
+        if resolve:
+            config.resolve()
+    except ConfigError as e:
+        raise click.BadParameter(e.reason, param_hint=_hint(e.field)) from None
+    return config
+
+
+def _hint(field_name: str) -> str:
+    for name, decls, _ in _OPTIONS:
+        if name == field_name:
+            return "/".join(f"'{d}'" for d in decls)
+    return field_name
+
+
+def options_argv(config: EngineConfig) -> list[str]:
+    """Command-line arguments that rebuild ``config``'s options in a child ``tpserve serve``."""
+    argv = []
+    for field_name, decls, kwargs in _OPTIONS:
+        value = getattr(config, field_name)
+        if field_name == "enable_prefix_caching":
+            if not value:
+                argv.append(decls[0])
+        elif kwargs.get("is_flag"):
+            if value:
+                argv.append(decls[0])
+        elif value is not None:
+            argv += [decls[-1], str(value)]
+    return argv

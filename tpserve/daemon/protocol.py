@@ -1,0 +1,416 @@
+"""The wire protocol between tpserve clients and the daemon (version 1).
+
+Transport: the daemon binds a ZMQ ROUTER socket, clients connect DEALER sockets. Every message
+is exactly one frame holding one msgpack map with at least ``v`` (protocol version, 1) and
+``type``. docs/protocol.md is the normative description; this module is its executable form.
+
+One dataclass per message type. Each class lists its fields once, in ``FIELDS``: field name ->
+(validator, required). ``encode`` and ``decode`` both run the validators, so a message that
+encodes also decodes, and whatever decodes has fields of the documented types and ranges.
+Any violation raises ``ProtocolError(code, field, message)``; the daemon turns it into an
+``error`` reply.
+
+Type strings are looked up per direction: ``REQUESTS`` (client -> daemon) and ``REPLIES``
+(daemon -> client). ``status`` names both a request and its reply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields as dc_fields
+from typing import Any, Callable, ClassVar
+
+import msgpack
+
+from tpserve.errors import ConfigError, TpserveError
+from tpserve.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+# ---- limits ------------------------------------------------------------------------------
+#: Frames larger than this are dropped by ZMQ (MAXMSGSIZE) and the sending peer is disconnected.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_ID_CHARS = 128
+MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGE_CHARS = 4096  # error messages
+MAX_STATUS_ENTRIES = 64
+MAX_CODE_CHARS = 64
+
+FINISH_REASONS = ("stop", "length", "abort")
+ABORT_REASONS = ("client", "shutting_down")
+
+# ---- error codes -------------------------------------------------------------------------
+BAD_MESSAGE = "bad_message"                  # not one frame of msgpack holding a map
+UNSUPPORTED_VERSION = "unsupported_version"  # v is not PROTOCOL_VERSION
+UNKNOWN_TYPE = "unknown_type"
+UNKNOWN_FIELD = "unknown_field"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"              # wrong type, out of range, too long
+DUPLICATE_ID = "duplicate_id"                # id already in flight on this connection
+UNKNOWN_ID = "unknown_id"                    # abort of an id not in flight on this connection
+ADMISSION = "admission"                      # the engine can never schedule this request
+INVALID_REQUEST = "invalid_request"          # well-formed, but the engine refused it (e.g. empty after tokenizing)
+SHUTTING_DOWN = "shutting_down"              # daemon is stopping; no new requests
+INTERNAL = "internal"                        # engine failure; the daemon is going down
+ERROR_CODES = (BAD_MESSAGE, UNSUPPORTED_VERSION, UNKNOWN_TYPE, UNKNOWN_FIELD, MISSING_FIELD,
+               INVALID_FIELD, DUPLICATE_ID, UNKNOWN_ID, ADMISSION, INVALID_REQUEST, SHUTTING_DOWN, INTERNAL)
+
+
+class ProtocolError(TpserveError, ValueError):
+    """A frame that is not a valid protocol message. ``field`` is None for frame-level faults."""
+
+    def __init__(self, code: str, field: str | None, message: str):
+        self.code = code
+        self.field = field
+        self.message = message
+        super().__init__(f"{code}: {field}: {message}" if field else f"{code}: {message}")
+
+
+# ---- field validators: (field name, value) -> normalized value, or ProtocolError -------------
+Validator = Callable[[str, Any], Any]
+
+
+def _bad(name: str, message: str) -> ProtocolError:
+    return ProtocolError(INVALID_FIELD, name, message)
+
+
+def _field_name(key) -> str:
+    """A map key as it appears in an error's ``field`` (keys may be bytes or absurdly long)."""
+    return (key if isinstance(key, str) else repr(key))[:128]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def text(max_chars: int, min_chars: int = 0) -> Validator:
+    def check(name, v):
+        if not isinstance(v, str):
+            raise _bad(name, f"must be a string, got {type(v).__name__}")
+        if not min_chars <= len(v) <= max_chars:
+            raise _bad(name, f"length must be in [{min_chars}, {max_chars}] characters, got {len(v)}")
+        return v
+    return check
+
+
+def integer(lo: int, hi: int) -> Validator:
+    def check(name, v):
+        if not _is_int(v):
+            raise _bad(name, f"must be an integer, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise _bad(name, f"must be in [{lo}, {hi}], got {v}")
+        return v
+    return check
+
+
+def boolean(name, v):
+    if not isinstance(v, bool):
+        raise _bad(name, f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
+def one_of(choices: tuple[str, ...]) -> Validator:
+    def check(name, v):
+        if v not in choices:
+            raise _bad(name, f"must be one of {', '.join(choices)}, got {v!r}")
+        return v
+    return check
+
+
+def token_ids(max_len: int, min_len: int = 0) -> Validator:
+    def check(name, v):
+        if not isinstance(v, (list, tuple)):
+            raise _bad(name, f"must be an array of token ids, got {type(v).__name__}")
+        if not min_len <= len(v) <= max_len:
+            raise _bad(name, f"length must be in [{min_len}, {max_len}], got {len(v)}")
+        for i, t in enumerate(v):
+            if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+                raise _bad(f"{name}[{i}]", f"must be an integer in [0, {MAX_TOKEN_ID}], got {t!r}")
+        return list(v)
+    return check
+
+
+def nullable(inner: Validator) -> Validator:
+    def check(name, v):
+        return None if v is None else inner(name, v)
+    return check
+
+
+request_id = text(MAX_ID_CHARS, min_chars=1)
+count = integer(0, 2**63 - 1)
+
+
+def prompt(name, v):
+    """A prompt is a non-empty string or a non-empty array of token ids."""
+    if isinstance(v, str):
+        return text(MAX_PROMPT_CHARS, min_chars=1)(name, v)
+    if isinstance(v, (list, tuple)):
+        return token_ids(MAX_PROMPT_TOKENS, min_len=1)(name, v)
+    raise _bad(name, f"must be a string or an array of token ids, got {type(v).__name__}")
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dc_fields(SamplingParams))
+
+
+def sampling_params(name, v):
+    """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults)."""
+    if isinstance(v, SamplingParams):
+        v = params_to_wire(v)
+    if not isinstance(v, dict):
+        raise _bad(name, f"must be a map of sampling parameters, got {type(v).__name__}")
+    for key in v:
+        if key not in SAMPLING_FIELDS:
+            raise ProtocolError(UNKNOWN_FIELD, f"{name}.{_field_name(key)}",
+                                f"unknown sampling parameter; allowed: {', '.join(SAMPLING_FIELDS)}")
+    # Bounds the wire adds on top of SamplingParams' own validation (which has no length caps).
+    stop = v.get("stop")
+    if isinstance(stop, (list, tuple)):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad(f"{name}.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        for i, s in enumerate(stop):
+            if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+                raise _bad(f"{name}.stop[{i}]", f"at most {MAX_STOP_CHARS} characters, got {len(s)}")
+    elif isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+        raise _bad(f"{name}.stop", f"at most {MAX_STOP_CHARS} characters, got {len(stop)}")
+    stop_ids = v.get("stop_token_ids")
+    if isinstance(stop_ids, (list, tuple)) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise _bad(f"{name}.stop_token_ids",
+                   f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_ids)}")
+    try:
+        return SamplingParams(**v)
+    except ConfigError as e:
+        raise _bad(f"{name}.{e.field}", e.reason) from None
+    except (TypeError, ValueError) as e:  # e.g. a list where a number belongs, compared with <
+        raise _bad(name, str(e)) from None
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    """SamplingParams as its wire map (a None seed is left out)."""
+    d = {f: getattr(params, f) for f in SAMPLING_FIELDS}
+    if d["seed"] is None:
+        del d["seed"]
+    return d
+
+
+def status_map(name, v):
+    if not isinstance(v, dict):
+        raise _bad(name, f"must be a map, got {type(v).__name__}")
+    if len(v) > MAX_STATUS_ENTRIES:
+        raise _bad(name, f"at most {MAX_STATUS_ENTRIES} entries, got {len(v)}")
+    for key, value in v.items():
+        if not isinstance(key, str):
+            raise _bad(name, f"keys must be strings, got {type(key).__name__}")
+        if not (value is None or isinstance(value, (str, int, float, bool))):
+            raise _bad(f"{name}.{key}", f"must be a string, number, boolean or nil, got {type(value).__name__}")
+    return dict(v)
+
+
+# ---- messages ----------------------------------------------------------------------------
+class Message:
+    """Base of all wire messages. Subclasses set TYPE, DIRECTION and FIELDS."""
+
+    TYPE: ClassVar[str]
+    DIRECTION: ClassVar[str]  # "request" (client -> daemon) or "reply"
+    FIELDS: ClassVar[dict[str, tuple[Validator, bool]]]
+
+
+@dataclass
+class GenerateRequest(Message):
+    """Start generating for ``prompt``. Replies: ``delta``* then ``done``, or one ``error``."""
+
+    TYPE = "generate"
+    DIRECTION = "request"
+    FIELDS = {"id": (request_id, True), "prompt": (prompt, True),
+              "params": (sampling_params, False), "stream": (boolean, False)}
+    id: str
+    prompt: str | list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = True
+
+
+@dataclass
+class AbortRequest(Message):
+    """Stop request ``id``. Reply: ``done`` with finish_reason "abort", or ``error`` unknown_id."""
+
+    TYPE = "abort"
+    DIRECTION = "request"
+    FIELDS = {"id": (request_id, True)}
+    id: str
+
+
+@dataclass
+class StatusRequest(Message):
+    """Ask for the daemon's status. Reply: ``status`` echoing ``id``."""
+
+    TYPE = "status"
+    DIRECTION = "request"
+    FIELDS = {"id": (nullable(request_id), False)}
+    id: str | None = None
+
+
+@dataclass
+class PingRequest(Message):
+    """Liveness check. Reply: ``pong`` echoing ``id``."""
+
+    TYPE = "ping"
+    DIRECTION = "request"
+    FIELDS = {"id": (nullable(request_id), False)}
+    id: str | None = None
+
+
+@dataclass
+class DeltaReply(Message):
+    """New output of a streaming request since its previous delta."""
+
+    TYPE = "delta"
+    DIRECTION = "reply"
+    FIELDS = {"id": (request_id, True), "text": (text(2**31), True),
+              "token_ids": (token_ids(2**31), True)}
+    id: str
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class DoneReply(Message):
+    """The last message of a request. ``text``/``token_ids`` are the whole completion when the
+    request was not streamed and are absent (None) when it was."""
+
+    TYPE = "done"
+    DIRECTION = "reply"
+    FIELDS = {"id": (request_id, True), "finish_reason": (one_of(FINISH_REASONS), True),
+              "prompt_tokens": (count, True), "completion_tokens": (count, True),
+              "text": (nullable(text(2**31)), False), "token_ids": (nullable(token_ids(2**31)), False),
+              "abort_reason": (nullable(one_of(ABORT_REASONS)), False)}
+    id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str | None = None
+    token_ids: list[int] | None = None
+    abort_reason: str | None = None
+
+
+@dataclass
+class ErrorReply(Message):
+    """A request failed or a frame was invalid. ``id`` is set when the request id was readable.
+    ``limit``/``requested``/``allowed`` are set for admission errors."""
+
+    TYPE = "error"
+    DIRECTION = "reply"
+    FIELDS = {"code": (text(MAX_CODE_CHARS, 1), True), "message": (text(MAX_MESSAGE_CHARS), True),
+              "id": (nullable(request_id), False), "field": (nullable(text(256)), False),
+              "limit": (nullable(text(64)), False), "requested": (nullable(integer(-2**63, 2**63 - 1)), False),
+              "allowed": (nullable(integer(-2**63, 2**63 - 1)), False)}
+    code: str
+    message: str
+    id: str | None = None
+    field: str | None = None
+    limit: str | None = None
+    requested: int | None = None
+    allowed: int | None = None
+
+
+@dataclass
+class StatusReply(Message):
+    """Daemon and engine counters (see docs/protocol.md for the keys)."""
+
+    TYPE = "status"
+    DIRECTION = "reply"
+    FIELDS = {"stats": (status_map, True), "id": (nullable(request_id), False)}
+    stats: dict
+    id: str | None = None
+
+
+@dataclass
+class PongReply(Message):
+    TYPE = "pong"
+    DIRECTION = "reply"
+    FIELDS = {"id": (nullable(request_id), False)}
+    id: str | None = None
+
+
+REQUESTS: dict[str, type[Message]] = {c.TYPE: c for c in
+                                      (GenerateRequest, AbortRequest, StatusRequest, PingRequest)}
+REPLIES: dict[str, type[Message]] = {c.TYPE: c for c in
+                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply)}
+
+
+# ---- encode / decode ---------------------------------------------------------------------
+def _check_fields(cls: type[Message], values: dict) -> dict:
+    for key in values:
+        if key not in cls.FIELDS:
+            raise ProtocolError(UNKNOWN_FIELD, _field_name(key),
+                                f"not a field of {cls.TYPE!r}; allowed: {', '.join(cls.FIELDS) or '(none)'}")
+    out = {}
+    for name, (check, required) in cls.FIELDS.items():
+        if name not in values:
+            if required:
+                raise ProtocolError(MISSING_FIELD, name, f"required by {cls.TYPE!r}")
+            continue
+        out[name] = check(name, values[name])
+    return out
+
+
+def encode(msg: Message) -> bytes:
+    """Validate ``msg`` and pack it into one frame. Optional fields that are None are left out."""
+    values = {}
+    for name, (_, required) in msg.FIELDS.items():
+        value = getattr(msg, name)
+        if value is None and not required:
+            continue
+        values[name] = value
+    checked = _check_fields(type(msg), values)
+    if "params" in checked:
+        checked["params"] = params_to_wire(checked["params"])
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **checked}, use_bin_type=True)
+
+
+def unpack_frame(frame: bytes) -> dict:
+    """msgpack-decode one frame into a map, with limits that keep a hostile frame cheap."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(BAD_MESSAGE, None, f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                              max_str_len=MAX_MESSAGE_BYTES, max_bin_len=MAX_MESSAGE_BYTES,
+                              max_array_len=MAX_PROMPT_TOKENS, max_map_len=MAX_STATUS_ENTRIES,
+                              max_ext_len=0)
+    except Exception as e:  # msgpack raises many types (ExtraData, ValueError, StackError, ...)
+        raise ProtocolError(BAD_MESSAGE, None, f"not a msgpack frame: {type(e).__name__}: {e}"[:512]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_MESSAGE, None, f"a message must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def decode(frame: bytes | dict, direction: str = "request") -> Message:
+    """Decode and validate one frame (or an already unpacked map) sent in ``direction``."""
+    table = REQUESTS if direction == "request" else REPLIES
+    obj = unpack_frame(frame) if isinstance(frame, (bytes, bytearray, memoryview)) else frame
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_MESSAGE, None, f"a message must be a map, got {type(obj).__name__}")
+    if "v" not in obj:
+        raise ProtocolError(MISSING_FIELD, "v", f"every message carries the protocol version v={PROTOCOL_VERSION}")
+    if not _is_int(obj["v"]) or obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(UNSUPPORTED_VERSION, "v",
+                            f"this daemon speaks protocol version {PROTOCOL_VERSION}, got {obj['v']!r}")
+    if "type" not in obj:
+        raise ProtocolError(MISSING_FIELD, "type", f"one of {', '.join(table)}")
+    cls = table.get(obj["type"]) if isinstance(obj["type"], str) else None
+    if cls is None:
+        raise ProtocolError(UNKNOWN_TYPE, "type",
+                            f"{obj['type']!r} is not a {direction} type; allowed: {', '.join(table)}"[:512])
+    values = {k: v for k, v in obj.items() if k not in ("v", "type")}
+    return cls(**_check_fields(cls, values))
+
+
+def readable_id(obj) -> str | None:
+    """The request id of a (possibly invalid) unpacked message, if it is a valid id; else None."""
+    if isinstance(obj, dict):
+        try:
+            return request_id("id", obj.get("id"))
+        except ProtocolError:
+            return None
+    return None
