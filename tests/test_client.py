@@ -203,7 +203,11 @@ def test_async_client_concurrent_requests(srv):
     asyncio.run(main())
 
 
-def test_async_abort(srv):
+def test_async_abort():
+    # Slow steps: a fast fake engine would queue so many deltas before the abort arrives that
+    # draining them dominates the test on a loaded machine.
+    srv = ServerThread(FakeEngine(step_delay=0.002))
+
     async def main():
         async with AsyncClient(srv.address, timeout=10) as c:
             agen = c.stream("abc", max_tokens=10**6, request_id="long")
@@ -214,5 +218,8 @@ def test_async_abort(srv):
             assert await c.abort("long") is False
             assert (await c.status())["kv_blocks_used"] == 0
 
-    asyncio.run(main())
-    assert client_ids(srv.engine.aborted) == ["long"]
+    try:
+        asyncio.run(main())
+        assert client_ids(srv.engine.aborted) == ["long"]
+    finally:
+        assert srv.stop() == 0
