@@ -303,6 +303,9 @@ def stop(runtime_dir, timeout):
         for p in tree:
             kill_tree(p)
         wait_gone(tree, 10.0)
+        # A killed daemon could not unlink its plan-channel segments; their names carry its pid.
+        from tpserve.workers.shm_ring import cleanup_stale_segments
+        cleanup_stale_segments()
         click.echo(f"killed tpserve daemon (pid {pid})")
     cleanup_stale(rd)
 
