@@ -156,3 +156,27 @@ def test_quick_training_run_writes_loadable_reproducible_model(tmp_path):
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, ids.size(1), model.config.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+def test_tpserve_greedy_equals_transformers_on_the_bundled_model():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tpserve import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):"]
+    # fp32 on both sides: the bf16 checkpoint is upcast the same way, so logits agree closely.
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = tok(p, return_tensors="pt").input_ids
+            out = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+            refs.append(out[0, ids.shape[1]:].tolist())
+    with LLM(dtype="float32", num_kv_blocks=64) as llm:  # model=None: the bundled model
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for ref, out in zip(refs, got):
+        # transformers stops at EOS too; its output includes the EOS token, as ours does.
+        assert out.token_ids == ref
+        assert out.text == tok.decode(ref, skip_special_tokens=True)
