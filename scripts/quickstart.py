@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROMPT = "def fibonacci(n):\n"
+PROMPT = "def fibonacci(n):"
 
 
 def tpserve(*args: str, env: dict) -> int:
@@ -34,7 +34,9 @@ def main() -> int:
             if log.exists():
                 print(log.read_text()[-4000:], file=sys.stderr)
             return 1
-        rc = tpserve("generate", PROMPT, "--max-tokens", "96", "--temperature", "0", env=env)
+        # A 1.3M-parameter model loops under greedy decoding; light seeded sampling reads better.
+        rc = tpserve("generate", PROMPT, "--max-tokens", "96", "--temperature", "0.7", "--top-k", "40",
+                     "--seed", "1", env=env)
         rc |= tpserve("status", env=env)
         return rc
     finally:
