@@ -7,11 +7,12 @@ never go through pickle: they are encoded as
     +------------+------------+-----------------+-----+----------+-----+----------+
     | magic  u32 | hlen   u32 | msgpack header  | pad | array 0  | pad | array 1  | ...
     +------------+------------+-----------------+-----+----------+-----+----------+
-                                each array starts on an 8-byte boundary
+                                                      `- array area: int32 words
 
-The header holds the scalar fields and, per array, ``[name, shape, offset]`` with the offset
-counted from the start of the array area (the first 8-byte boundary after the header); dtypes
-are fixed per name (ARRAY_FIELDS).
+The header is a msgpack list of the scalar fields and the four sizes (tokens T, sequences B,
+samples S, block-table width W). Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
+offsets follow from the sizes: the array area starts at the first 8-byte boundary after the
+header, and each array starts on an 8-byte boundary within it.
 ``StepPlan.read_from`` returns numpy views into the buffer (no copy).
 
 Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this step):
@@ -40,6 +41,7 @@ Notes for runners:
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from dataclasses import dataclass, field
@@ -79,6 +81,29 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "seeds": np.dtype(np.int64),
     "sample_steps": np.dtype(np.int32),
 }
+
+
+_NOT_INT32 = frozenset(n for n, d in ARRAY_FIELDS.items() if d != np.int32)
+
+
+def _shapes(t: int, b: int, s: int, w: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the arrays, in ARRAY_FIELDS order, from (tokens, seqs, samples, table width)."""
+    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (s,), (s,), (s,), (s,), (s,))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(t: int, b: int, s: int, w: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """((offset, length) in int32 words per array, total words); every array starts 8-aligned."""
+    out, pos = [], 0
+    for dtype, shape in zip(ARRAY_FIELDS.values(), _shapes(t, b, s, w)):
+        n = math.prod(shape) * dtype.itemsize // 4
+        out.append((pos, n))
+        pos += n + (n & 1)
+    return tuple(out), pos
+
+
+def _area_offset(header_len: int) -> int:
+    return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
 
 
 def _empty(name: str, shape=(0,)) -> np.ndarray:
@@ -148,39 +173,39 @@ class StepPlan:
                              f"{self.block_tables.shape}")
 
     # ---- encoding ------------------------------------------------------------------------
-    def _layout(self) -> tuple[bytes, list[tuple[np.ndarray, int]], int]:
-        arrays = [np.ascontiguousarray(getattr(self, n)) for n in ARRAY_FIELDS]
-        # Offsets depend on the header length, which depends on the offsets: encode the
-        # header once with offsets relative to the array area, then shift by its size.
-        rel, entries, pos = [], [], 0
-        for name, arr in zip(ARRAY_FIELDS, arrays):
-            pos = -(-pos // _ALIGN) * _ALIGN
-            entries.append([name, arr.shape, pos])
-            rel.append((arr, pos))
-            pos += arr.nbytes
-        header = msgpack.packb({
-            "cmd": int(self.cmd), "is_prefill": self.is_prefill, "has_context": self.has_context,
-            "max_seqlen_q": self.max_seqlen_q, "max_seqlen_k": self.max_seqlen_k,
-            "step_id": self.step_id, "args": self.args,
-            "arrays": [[n, list(shape), off] for n, shape, off in entries],
-        })
-        base = -(-(_PREFIX.size + len(header)) // _ALIGN) * _ALIGN
-        return header, [(a, base + off) for a, off in rel], base + pos
+    def _dims(self) -> tuple[int, int, int, int]:
+        return (self.num_tokens, self.num_seqs, self.num_samples,
+                int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0)
+
+    def _header(self) -> bytes:
+        return msgpack.packb([int(self.cmd), self.is_prefill, self.has_context, self.max_seqlen_q,
+                              self.max_seqlen_k, self.step_id, self.args, *self._dims()])
 
     def nbytes(self) -> int:
-        return self._layout()[2]
+        return _area_offset(len(self._header())) + 4 * _layout(*self._dims())[1]
 
     def write_into(self, buf) -> int:
         """Encode into the writable buffer ``buf``; returns the number of bytes written."""
-        header, placed, total = self._layout()
+        header = self._header()
+        dims = self._dims()
+        offsets, words = _layout(*dims)
+        base = _area_offset(len(header))
+        total = base + 4 * words
         mv = memoryview(buf).cast("B")
         if len(mv) < total:
             raise ValueError(f"buffer of {len(mv)} bytes is too small for a {total}-byte plan")
         _PREFIX.pack_into(mv, 0, MAGIC, len(header))
         mv[_PREFIX.size:_PREFIX.size + len(header)] = header
-        for arr, off in placed:
-            if arr.nbytes:
-                mv[off:off + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        area = np.frombuffer(mv, dtype=np.int32, count=words, offset=base)
+        for (name, dtype), (off, n), shape in zip(ARRAY_FIELDS.items(), offsets, _shapes(*dims)):
+            arr = getattr(self, name)
+            if arr.shape != shape:
+                raise ValueError(f"plan field {name}: expected shape {shape}, got {arr.shape}")
+            if n:
+                dst = area[off:off + n]
+                if name in _NOT_INT32:
+                    dst = dst.view(dtype)
+                dst[:] = arr if arr.ndim == 1 else arr.reshape(-1)
         return total
 
     def to_bytes(self) -> bytes:
@@ -195,15 +220,20 @@ class StepPlan:
         magic, hlen = _PREFIX.unpack_from(mv, 0)
         if magic != MAGIC:
             raise ValueError(f"not a StepPlan buffer (magic {magic:#x})")
-        h = msgpack.unpackb(mv[_PREFIX.size:_PREFIX.size + hlen], strict_map_key=False)
-        base = -(-(_PREFIX.size + hlen) // _ALIGN) * _ALIGN
+        cmd, is_prefill, has_context, max_q, max_k, step_id, args, *dims = msgpack.unpackb(
+            mv[_PREFIX.size:_PREFIX.size + hlen], strict_map_key=False)
+        offsets, words = _layout(*dims)
+        # One frombuffer for the whole array area, then slices: a numpy slice costs a fraction
+        # of a frombuffer call, and a plan is decoded on every rank at every step.
+        area = np.frombuffer(mv, dtype=np.int32, count=words, offset=_area_offset(hlen))
         arrays = {}
-        for name, shape, off in h["arrays"]:
-            arrays[name] = np.frombuffer(mv, dtype=ARRAY_FIELDS[name], count=math.prod(shape),
-                                         offset=base + off).reshape(shape)
-        return cls(cmd=Command(h["cmd"]), is_prefill=h["is_prefill"], has_context=h["has_context"],
-                   max_seqlen_q=h["max_seqlen_q"], max_seqlen_k=h["max_seqlen_k"],
-                   step_id=h["step_id"], args=h["args"], **arrays)
+        for name, (off, n), shape in zip(ARRAY_FIELDS, offsets, _shapes(*dims)):
+            arr = area[off:off + n]
+            if name in _NOT_INT32:
+                arr = arr.view(ARRAY_FIELDS[name])
+            arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
+        return cls(cmd=Command(cmd), is_prefill=is_prefill, has_context=has_context, max_seqlen_q=max_q,
+                   max_seqlen_k=max_k, step_id=step_id, args=args, **arrays)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepPlan":
