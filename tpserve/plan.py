@@ -106,6 +106,35 @@ def _area_offset(header_len: int) -> int:
     return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
 
 
+def _views(mv: memoryview, hlen: int, dims: tuple[int, int, int, int]) -> dict[str, np.ndarray]:
+    """Numpy views of every array of a plan laid out in ``mv`` (one frombuffer, then slices)."""
+    offsets, words = _layout(*dims)
+    area = np.frombuffer(mv, dtype=np.int32, count=words, offset=_area_offset(hlen))
+    out = {}
+    for name, (off, n), shape in zip(ARRAY_FIELDS, offsets, _shapes(*dims)):
+        arr = area[off:off + n]
+        if name in _NOT_INT32:
+            arr = arr.view(ARRAY_FIELDS[name])
+        out[name] = arr if len(shape) == 1 else arr.reshape(shape)
+    return out
+
+
+# Distinct plan layouts a reused buffer remembers before its cache starts over.
+_CACHE_LIMIT = 64
+
+
+def _cached_views(cache: dict | None, mv: memoryview, hlen: int, dims) -> dict[str, np.ndarray]:
+    if cache is None:
+        return _views(mv, hlen, dims)
+    key = (hlen, *dims)
+    views = cache.get(key)
+    if views is None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        views = cache[key] = _views(mv, hlen, dims)
+    return views
+
+
 def _empty(name: str, shape=(0,)) -> np.ndarray:
     return np.zeros(shape, dtype=ARRAY_FIELDS[name])
 
@@ -173,7 +202,7 @@ class StepPlan:
                              f"{self.block_tables.shape}")
 
     # ---- encoding ------------------------------------------------------------------------
-    def _dims(self) -> tuple[int, int, int, int]:
+    def _dims(self) -> tuple[int, int, int, int]:  # (T, B, S, W)
         return (self.num_tokens, self.num_seqs, self.num_samples,
                 int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0)
 
@@ -184,28 +213,28 @@ class StepPlan:
     def nbytes(self) -> int:
         return _area_offset(len(self._header())) + 4 * _layout(*self._dims())[1]
 
-    def write_into(self, buf) -> int:
-        """Encode into the writable buffer ``buf``; returns the number of bytes written."""
+    def write_into(self, buf, cache: dict | None = None) -> int:
+        """Encode into the writable buffer ``buf``; returns the number of bytes written.
+
+        ``cache``: a dict kept by a caller that writes into the same buffer again and again (a
+        ring slot); it remembers the array views per layout so repeated plans skip building them.
+        """
         header = self._header()
         dims = self._dims()
-        offsets, words = _layout(*dims)
-        base = _area_offset(len(header))
-        total = base + 4 * words
+        hlen = len(header)
+        total = _area_offset(hlen) + 4 * _layout(*dims)[1]
         mv = memoryview(buf).cast("B")
         if len(mv) < total:
             raise ValueError(f"buffer of {len(mv)} bytes is too small for a {total}-byte plan")
-        _PREFIX.pack_into(mv, 0, MAGIC, len(header))
-        mv[_PREFIX.size:_PREFIX.size + len(header)] = header
-        area = np.frombuffer(mv, dtype=np.int32, count=words, offset=base)
-        for (name, dtype), (off, n), shape in zip(ARRAY_FIELDS.items(), offsets, _shapes(*dims)):
+        _PREFIX.pack_into(mv, 0, MAGIC, hlen)
+        mv[_PREFIX.size:_PREFIX.size + hlen] = header
+        dsts = _cached_views(cache, mv, hlen, dims)
+        for name, shape in zip(ARRAY_FIELDS, _shapes(*dims)):
             arr = getattr(self, name)
             if arr.shape != shape:
                 raise ValueError(f"plan field {name}: expected shape {shape}, got {arr.shape}")
-            if n:
-                dst = area[off:off + n]
-                if name in _NOT_INT32:
-                    dst = dst.view(dtype)
-                dst[:] = arr if arr.ndim == 1 else arr.reshape(-1)
+            if arr.size:
+                dsts[name][...] = arr
         return total
 
     def to_bytes(self) -> bytes:
@@ -214,24 +243,19 @@ class StepPlan:
         return bytes(out)
 
     @classmethod
-    def read_from(cls, buf) -> "StepPlan":
-        """Decode a plan; arrays are read-only views into ``buf`` (copy them to keep them)."""
+    def read_from(cls, buf, cache: dict | None = None) -> "StepPlan":
+        """Decode a plan; arrays are read-only views into ``buf`` (copy them to keep them).
+
+        ``cache``: as for ``write_into``, for a reader that decodes from the same buffer again
+        and again; the views then stay valid only until the buffer is written again.
+        """
         mv = memoryview(buf).cast("B")
         magic, hlen = _PREFIX.unpack_from(mv, 0)
         if magic != MAGIC:
             raise ValueError(f"not a StepPlan buffer (magic {magic:#x})")
         cmd, is_prefill, has_context, max_q, max_k, step_id, args, *dims = msgpack.unpackb(
             mv[_PREFIX.size:_PREFIX.size + hlen], strict_map_key=False)
-        offsets, words = _layout(*dims)
-        # One frombuffer for the whole array area, then slices: a numpy slice costs a fraction
-        # of a frombuffer call, and a plan is decoded on every rank at every step.
-        area = np.frombuffer(mv, dtype=np.int32, count=words, offset=_area_offset(hlen))
-        arrays = {}
-        for name, (off, n), shape in zip(ARRAY_FIELDS, offsets, _shapes(*dims)):
-            arr = area[off:off + n]
-            if name in _NOT_INT32:
-                arr = arr.view(ARRAY_FIELDS[name])
-            arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
+        arrays = _cached_views(cache, mv, hlen, tuple(dims))
         return cls(cmd=Command(cmd), is_prefill=is_prefill, has_context=has_context, max_seqlen_q=max_q,
                    max_seqlen_k=max_k, step_id=step_id, args=args, **arrays)
 

@@ -201,6 +201,8 @@ class PlanWriter:
         self._seg = seg
         self._ctrl = seg.buf[:layout.control_bytes].cast("Q")
         self._next_seq = 1
+        # Per slot: numpy views of the last plan layouts written there (see StepPlan.write_into).
+        self._slot_views: list[dict] = [{} for _ in range(layout.num_slots)]
         self._overflow: collections.deque[tuple[int, str]] = collections.deque()
         self._ringer = DoorbellRinger(seg.name, layout.num_readers)
         self._sleeping_words = [layout.reader_word(r, R_SLEEPING)
@@ -308,7 +310,7 @@ class PlanWriter:
         _fence()  # the readers' releases are seen before the slot is overwritten
         off = lay.payload_offset(slot)
         try:
-            nbytes = plan.write_into(self._seg.buf[off:off + lay.slot_bytes])
+            nbytes = plan.write_into(self._seg.buf[off:off + lay.slot_bytes], self._slot_views[slot])
             overflow = 0
         except ValueError:
             nbytes = plan.nbytes()
@@ -343,6 +345,7 @@ class PlanWriter:
             return
         self._closed = True
         self._finalizer()
+        self._slot_views = []
         self._ctrl.release()
         self._seg.close()
 
@@ -374,6 +377,8 @@ class PlanReader:
         self._writer_pid = self._ctrl[H_WRITER_PID]
         self._last = self._ctrl[self._released_word]
         self._held: Segment | None = None  # overflow segment of the plan last returned
+        # Per slot: numpy views of the plan layouts read there (see StepPlan.read_from).
+        self._slot_views: list[dict] = [{} for _ in range(layout.num_slots)]
         self._closed = False
 
     @classmethod
@@ -448,10 +453,11 @@ class PlanReader:
                 raise ChannelClosed(f"overflow segment of plan {seq} on {self.name!r} is gone "
                                     f"(writer closed)") from None
             view = self._held.buf[:nbytes]
+            plan = StepPlan.read_from(view.toreadonly())
         else:
             off = lay.payload_offset(slot)
-            view = self._seg.buf[off:off + nbytes]
-        plan = StepPlan.read_from(view.toreadonly())
+            plan = StepPlan.read_from(self._seg.buf[off:off + nbytes].toreadonly(),
+                                      self._slot_views[slot])
         if ctrl[seq_word] != seq:
             raise ChannelError(f"slot {slot} of {self.name!r} was overwritten while plan {seq} "
                                f"was read: is there a second writer?")
@@ -507,6 +513,7 @@ class PlanReader:
     def _unmap(self) -> None:
         self._closed = True
         self._held = None
+        self._slot_views = []
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None
