@@ -84,3 +84,24 @@ def test_torchrun_launch_generates_and_exits_zero(tiny_models_root):  # noqa: F8
         capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"token_ids={ref}" in proc.stdout
+
+
+def test_torchrun_two_nodes_use_the_broadcast_channel(tiny_models_root):  # noqa: F811
+    """Two single-process 'nodes' on loopback: plans cross over the gloo broadcast channel."""
+    path = make_tiny_model(tiny_models_root, arch="qwen3")
+    ref = hf_greedy(path, [PROMPTS[1]], max_tokens=6)[0]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tpserve.workers.launch",
+         "--model", str(path), "--num-kv-blocks", "64", "--max-tokens", "6", "--dtype", "float32",
+         "--ignore-eos", "--token-ids", ",".join(map(str, PROMPTS[1]))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert f"token_ids={ref}" in outs[0][0]
