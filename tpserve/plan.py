@@ -5,12 +5,12 @@ to its device once, and runs the forward. Runners never see ``Sequence`` objects
 never go through pickle: they are encoded as
 
     +------------+------------+-----------------+-----+----------+-----+----------+
-    | magic  u32 | hlen   u32 | msgpack header  | pad | array 0  | pad | array 1  | ...
+    | magic  u32 | hlen   u32 | header          | pad | array 0  | pad | array 1  | ...
     +------------+------------+-----------------+-----+----------+-----+----------+
                                                       `- array area: int32 words
 
-The header is a msgpack list of the scalar fields and the four sizes (tokens T, sequences B,
-samples S, block-table width W). Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
+The header is a fixed struct of the scalar fields and the four sizes (tokens T, sequences B,
+samples S, block-table width W), followed by the msgpack-encoded ``args`` when there are any. Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
 offsets follow from the sizes: the array area starts at the first 8-byte boundary after the
 header, and each array starts on an 8-byte boundary within it.
 ``StepPlan.read_from`` returns numpy views into the buffer (no copy).
@@ -51,6 +51,8 @@ import numpy as np
 
 MAGIC = 0x7470_5331  # "tpS1"
 _PREFIX = struct.Struct("<II")
+# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, T, B, S, W
+_FIXED = struct.Struct("<B??xiiqiiii")
 _ALIGN = 8
 
 
@@ -207,8 +209,11 @@ class StepPlan:
                 int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0)
 
     def _header(self) -> bytes:
-        return msgpack.packb([int(self.cmd), self.is_prefill, self.has_context, self.max_seqlen_q,
-                              self.max_seqlen_k, self.step_id, self.args, *self._dims()])
+        # Fixed fields in a struct (packing them costs a fraction of msgpack's per-step price);
+        # the free-form args of control commands follow as msgpack, only when present.
+        extra = msgpack.packb(self.args) if self.args else b""
+        return _FIXED.pack(int(self.cmd), self.is_prefill, self.has_context, self.max_seqlen_q,
+                           self.max_seqlen_k, self.step_id, *self._dims()) + extra
 
     def nbytes(self) -> int:
         return _area_offset(len(self._header())) + 4 * _layout(*self._dims())[1]
@@ -253,8 +258,9 @@ class StepPlan:
         magic, hlen = _PREFIX.unpack_from(mv, 0)
         if magic != MAGIC:
             raise ValueError(f"not a StepPlan buffer (magic {magic:#x})")
-        cmd, is_prefill, has_context, max_q, max_k, step_id, args, *dims = msgpack.unpackb(
-            mv[_PREFIX.size:_PREFIX.size + hlen], strict_map_key=False)
+        cmd, is_prefill, has_context, max_q, max_k, step_id, *dims = _FIXED.unpack_from(mv, _PREFIX.size)
+        args = (msgpack.unpackb(mv[_PREFIX.size + _FIXED.size:_PREFIX.size + hlen], strict_map_key=False)
+                if hlen > _FIXED.size else {})
         arrays = _cached_views(cache, mv, hlen, tuple(dims))
         return cls(cmd=Command(cmd), is_prefill=is_prefill, has_context=has_context, max_seqlen_q=max_q,
                    max_seqlen_k=max_k, step_id=step_id, args=args, **arrays)
