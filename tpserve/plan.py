@@ -234,12 +234,11 @@ class StepPlan:
         _PREFIX.pack_into(mv, 0, MAGIC, hlen)
         mv[_PREFIX.size:_PREFIX.size + hlen] = header
         dsts = _cached_views(cache, mv, hlen, dims)
-        for name, shape in zip(ARRAY_FIELDS, _shapes(*dims)):
+        for name, dst in dsts.items():
             arr = getattr(self, name)
-            if arr.shape != shape:
-                raise ValueError(f"plan field {name}: expected shape {shape}, got {arr.shape}")
-            if arr.size:
-                dsts[name][...] = arr
+            if arr.shape != dst.shape:
+                raise ValueError(f"plan field {name}: expected shape {dst.shape}, got {arr.shape}")
+            dst[...] = arr
         return total
 
     def to_bytes(self) -> bytes:
