@@ -15,6 +15,7 @@ decorates Triton kernels (the interpreter is chosen at decoration time) nor impo
 """
 from __future__ import annotations
 
+import abc
 import importlib.util
 import os
 
@@ -29,7 +30,7 @@ TRITON_BLOCK_MULTIPLE = 16
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """Base class: argument checks, the KV store, then the backend's attention.
 
     Subclasses implement ``store`` and ``attend``; ``forward`` is the contract callers use.
@@ -67,13 +68,14 @@ class AttentionBackend:
 
     __call__ = forward
 
+    @abc.abstractmethod
     def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        raise NotImplementedError
+        """Write the new tokens' K/V rows to their slots (slot -1: skip)."""
 
+    @abc.abstractmethod
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         """Attention after the store; k_cache/v_cache are None when running without a cache."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
