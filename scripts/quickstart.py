@@ -20,8 +20,11 @@ PROMPT = "def fibonacci(n):"
 def tpserve(*args: str, env: dict) -> int:
     exe = Path(sys.executable).with_name("tpserve")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tpserve"]
-    print(f"$ tpserve {' '.join(a if ' ' not in a and chr(10) not in a else repr(a) for a in args)}",
-          flush=True)
+    try:
+        print(f"$ tpserve {' '.join(a if ' ' not in a and chr(10) not in a else repr(a) for a in args)}",
+              flush=True)
+    except OSError:  # stdout closed (e.g. piped into `head`): keep going, the daemon must stop
+        pass
     return subprocess.call(cmd + list(args), env=env)
 
 
