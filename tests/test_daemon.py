@@ -88,6 +88,7 @@ class FakeEngine:
             raise AdmissionError(request_id, "num_kv_blocks", blocks, self.config.num_kv_blocks)
         self.requests[request_id] = dict(ids=ids, params=params, out=[], blocks=blocks)
         self.added.append(request_id)
+        return len(ids)
 
     def abort_request(self, request_id):
         if self.requests.pop(request_id, None) is None:
@@ -373,6 +374,14 @@ def test_abort_unknown_and_known_ids(srv, raw):
     assert raw.recv().stats["kv_blocks_used"] == 0
     raw.send_msg(P.AbortRequest("long"))  # a second abort: no longer in flight
     assert raw.recv().code == P.UNKNOWN_ID
+
+
+def test_abort_of_a_text_prompt_reports_its_token_count(srv, raw):
+    # Sent back to back: the abort arrives before the engine ever reports on the request.
+    raw.send_msg(gen("txt", "hello", max_tokens=10**6))
+    raw.send_msg(P.AbortRequest("txt"))
+    done = raw.recv_until_done("txt")[-1]
+    assert done.finish_reason == "abort" and done.prompt_tokens == len("hello")
 
 
 def test_abort_from_another_connection_is_unknown(srv, raw):

@@ -82,8 +82,10 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    detokenize: bool = True) -> None:
-        """Queue a request. Raises AdmissionError if it can never fit, ValueError on bad input.
+                    detokenize: bool = True) -> int:
+        """Queue a request; returns its prompt length in tokens.
+
+        Raises AdmissionError if it can never fit, ValueError (ConfigError) on bad input.
 
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
@@ -102,6 +104,7 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) \
             if (detokenize or params.stop) and self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, detok)
+        return len(ids)
 
     def abort_request(self, request_id: str) -> bool:
         if self.requests.pop(request_id, None) is None:

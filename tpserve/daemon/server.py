@@ -293,7 +293,7 @@ class Server:
         peer = self._peer(identity)
         engine_id = f"{peer.tag}:{msg.id}"
         try:
-            self.engine.add_request(engine_id, msg.prompt, msg.params)
+            num_prompt_tokens = self.engine.add_request(engine_id, msg.prompt, msg.params)
         except AdmissionError as e:
             over = e.requested - e.allowed
             error(P.ADMISSION, f"request needs {e.limit}={e.requested} but the engine allows {e.allowed} "
@@ -306,8 +306,7 @@ class Server:
             log.exception("add_request failed for %s", engine_id)
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
         else:
-            req = _Request(peer, msg.id, engine_id, msg.stream,
-                           prompt_tokens=len(msg.prompt) if isinstance(msg.prompt, list) else 0)
+            req = _Request(peer, msg.id, engine_id, msg.stream, prompt_tokens=num_prompt_tokens)
             peer.requests[msg.id] = req
             self._requests[engine_id] = req
         self._forget_if_idle(peer)
