@@ -65,10 +65,11 @@ class LLM:
                 engine.abort_request(rid)
             raise
         bar = _progress(len(prompts)) if use_tqdm else None
-        prefill = decode = 0
+        start = engine.scheduler.stats()
         t0 = time.perf_counter()
+        remaining = len(ids)
         try:
-            while any(not results[r].outputs[0].finish_reason for r in ids):
+            while remaining:
                 outs = engine.step()
                 if not outs and not engine.has_unfinished():
                     break
@@ -78,13 +79,16 @@ class LLM:
                     comp.text += out.new_text
                     if out.finished:
                         comp.finish_reason = out.finish_reason
+                        remaining -= 1
                         if bar is not None:
                             bar.update(1)
                 if bar is not None:
                     st = engine.scheduler.stats()
                     dt = max(time.perf_counter() - t0, 1e-9)
-                    prefill, decode = st["prompt_tokens_computed"], st["decode_tokens"]
-                    bar.set_postfix_str(f"prefill {prefill / dt:.0f} tok/s, decode {decode / dt:.0f} tok/s")
+                    prefill = st["prompt_tokens_computed"] - start["prompt_tokens_computed"]
+                    decode = st["decode_tokens"] - start["decode_tokens"]
+                    bar.set_postfix_str(f"prefill {prefill / dt:.0f} tok/s, decode {decode / dt:.0f} tok/s",
+                                        refresh=False)
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)
