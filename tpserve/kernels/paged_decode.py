@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.checks import check_paged_args
+from tpserve.kernels.online_softmax import online_softmax_tile
 from tpserve.kernels.tiles import LOG2E, dot_options, max_tile, tile_for_block_size
 
 
@@ -55,20 +56,9 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_
         rows = block * stride_cb + (start % BLOCK_SIZE + n)[:, None] * stride_cs
         offs = rows + kvh * stride_ch + d[None, :]
         tile_mask = k_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=tile_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(k_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=tile_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(q, k_cache_ptr + offs, v_cache_ptr + offs, tile_mask,
+                                            k_mask[None, :], m_i, l_i, acc, qk_scale,
+                                            DOT_PRECISION, UPCAST)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])

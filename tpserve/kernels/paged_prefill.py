@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.checks import check_paged_args, check_tensor
+from tpserve.kernels.online_softmax import online_softmax_tile
 from tpserve.kernels.tiles import LOG2E, dot_options, max_tile, tile_for_block_size
 
 
@@ -75,21 +76,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, context_lens
         k_mask = kpos < k_len
         offs = key_rows[:, None] + kvh * stride_kh + d[None, :]
         tile_mask = k_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + offs, mask=tile_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((kpos[None, :] <= qpos[:, None]) & k_mask[None, :], s, float("-inf"))
-        # Key 0 is visible to every row, so after the first tile m_new is finite everywhere.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=tile_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Key 0 is visible to every row, so after the first tile m_i is finite everywhere.
+        m_i, l_i, acc = online_softmax_tile(q, k_ptr + offs, v_ptr + offs, tile_mask,
+                                            (kpos[None, :] <= qpos[:, None]) & k_mask[None, :],
+                                            m_i, l_i, acc, qk_scale, DOT_PRECISION, UPCAST)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
