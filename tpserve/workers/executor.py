@@ -107,7 +107,7 @@ class MultiProcExecutor:
 
         rank, world, local_rank, local_world = env
         assert rank == 0 and world == self.world, "torchrun world size must equal --tp"
-        tp = init_tp(0, world, None, timeout_s=STARTUP_TIMEOUT_S)
+        tp = init_tp(0, world, None, timeout_s=STARTUP_TIMEOUT_S, local_rank=local_rank)
         if local_world == world:
             self.channel = PlanWriter.create(num_readers=world - 1)
             dist.broadcast_object_list([self.channel.name], src=0)

@@ -33,7 +33,7 @@ def run_torchrun_worker(config: EngineConfig) -> int:
     if world != config.tensor_parallel_size:
         config.tensor_parallel_size = world
     config.resolve()
-    tp = init_tp(rank, world, None)
+    tp = init_tp(rank, world, None, local_rank=local_rank)
     box = [None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:

@@ -1,4 +1,10 @@
-"""Process groups for tensor parallelism: NCCL on CUDA, gloo on CPU; loopback rendezvous."""
+"""Process groups for tensor parallelism: NCCL on CUDA, gloo on CPU; loopback rendezvous.
+
+Start-up order on CUDA: a rank makes ``cuda:local_rank`` its current device *before* it joins
+the group, and passes it as ``device_id``. NCCL binds a communicator to the current device when
+it is created (eagerly with ``device_id``, else at the first collective); a rank that has not
+set its device yet would join on cuda:0, so every rank of a node would share one GPU.
+"""
 from __future__ import annotations
 
 import datetime
@@ -9,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve.models.parallel import TPContext
+from tpserve.workers import device as devices
 
 
 def free_port() -> int:
@@ -18,28 +25,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def device_for(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """This process's device (cuda:local_rank, or the CPU), made current."""
+    accel = devices.local_accelerator(local_rank)
+    accel.set_device()
+    return accel.device
 
 
 def init_tp(rank: int, world_size: int, init_method: str | None = None,
-            timeout_s: float = 120.0) -> TPContext:
-    """Join the default process group; ``init_method`` None means torchrun's env://."""
+            timeout_s: float = 120.0, local_rank: int | None = None) -> TPContext:
+    """Join the default process group; ``init_method`` None means torchrun's env://.
+
+    ``local_rank`` (default ``rank``, right for single-node spawns) picks this rank's device,
+    which is made current before the group exists and bound to it through ``device_id``.
+    """
     if world_size == 1:
         return TPContext()
-    if not torch.cuda.is_available():
+    accel = devices.local_accelerator(rank if local_rank is None else local_rank)
+    accel.set_device()
+    if not accel.is_accelerator:
         share_cpu_threads(world_size)
     if not dist.is_initialized():
-        dist.init_process_group(backend=default_backend(), init_method=init_method or "env://",
+        kwargs = {}
+        if accel.dist_device_id() is not None:
+            kwargs["device_id"] = accel.dist_device_id()
+        dist.init_process_group(backend=accel.dist_backend, init_method=init_method or "env://",
                                 rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return TPContext(rank=rank, size=world_size, group=None)
 
 

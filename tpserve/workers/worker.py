@@ -38,9 +38,10 @@ def worker_main(rank: int, world_size: int, config: dict, init_method: str | Non
     reader = None
     code = 0
     try:
-        tp = init_tp(rank, world_size, init_method)
+        local_rank = rank if init_method else int(os.environ.get("LOCAL_RANK", rank))
+        tp = init_tp(rank, world_size, init_method, local_rank=local_rank)
         cfg = EngineConfig(**config).resolve()
-        runner = ModelRunner(cfg, tp, device_for(rank if init_method else int(os.environ.get("LOCAL_RANK", rank))))
+        runner = ModelRunner(cfg, tp, device_for(local_rank))
         reader = PlanReader.attach(channel_name, rank - 1)
         ready_conn.send(("ready", runner.num_blocks))
         ready_conn.close()
