@@ -6,11 +6,13 @@ graphs read their inputs from static buffers: a step copies its plan into the fi
 pads the rest (slot -1: nothing is written; context length 1 against block 0: harmless reads),
 replays the graph of the smallest captured size >= B, and reads the first B rows of the output.
 
-Only used on CUDA with ``enforce_eager`` off; CPU runs eager.
+Only used on an accelerator with ``enforce_eager`` off; CPU runs eager. Capture and replay go
+through the runner's ``Accelerator``, so a fake accelerator (whose "graphs" re-run the captured
+function) exercises the padding and buffer bookkeeping on CPU. The step's plan arrays arrive
+already on the device (staged by the runner), so filling the static buffers is device-to-device.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tpserve.kernels.metadata import AttentionMetadata
@@ -37,8 +39,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((max_batch, self.max_blocks), **i32)
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)
-        self.hidden = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, object] = {}  # batch size -> captured graph (device.py)
         self.batch_sizes = graph_batch_sizes(max_batch)
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -50,47 +51,49 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture one graph per batch size, largest first (later ones reuse its memory pool)."""
         model = self.runner.model
+        accel = self.runner.accel
         pool = None
-        torch.cuda.synchronize(self.runner.device)
+        accel.synchronize()
         for bs in reversed(self.batch_sizes):
             meta = self._meta(bs)
+
+            def forward(bs=bs, meta=meta):
+                return model(self.input_ids[:bs], self.positions[:bs], meta)
+
             # One eager run first: lazy initialisation (Triton compiles, cuBLAS handles) must not
             # happen inside the capture.
-            out = model(self.input_ids[:bs], self.positions[:bs], meta)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(self.input_ids[:bs], self.positions[:bs], meta)
-            if self.hidden is None:
-                self.hidden = out
-            pool = graph.pool()
-            self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize(self.runner.device)
+            forward()
+            graph = accel.capture_graph(forward, pool)
+            pool = graph.pool
+            self.graphs[bs] = graph
+        accel.synchronize()
 
     def can_run(self, plan: StepPlan) -> bool:
         return (not plan.is_prefill and 0 < plan.num_seqs <= self.max_batch
                 and plan.block_tables.shape[1] <= self.max_blocks)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replay the decode of ``plan``, whose arrays ``t`` are already on the device;
+        returns the hidden states of its ``num_seqs`` tokens (a view of a static output)."""
         b = plan.num_seqs
         bs = next(s for s in self.batch_sizes if s >= b)
-        dev = self.runner.device
 
-        def put(dst: torch.Tensor, arr: np.ndarray, pad) -> None:
-            dst[:b].copy_(torch.from_numpy(np.array(arr, copy=True)).to(dev, non_blocking=True))
+        def put(dst: torch.Tensor, src: torch.Tensor, pad) -> None:
+            dst[:b].copy_(src)
             if bs > b:
                 dst[b:bs].fill_(pad)
 
-        put(self.input_ids, plan.input_ids, 0)
-        put(self.positions, plan.positions, 0)
-        put(self.slot_mapping, plan.slot_mapping, -1)
-        put(self.context_lens, plan.context_lens, 1)
+        put(self.input_ids, t["input_ids"], 0)
+        put(self.positions, t["positions"], 0)
+        put(self.slot_mapping, t["slot_mapping"], -1)
+        put(self.context_lens, t["context_lens"], 1)
         w = plan.block_tables.shape[1]
         self.block_tables[:bs].zero_()
         if w:
-            self.block_tables[:b, :w].copy_(
-                torch.from_numpy(np.array(plan.block_tables, copy=True)).to(dev, non_blocking=True))
+            self.block_tables[:b, :w].copy_(t["block_tables"])
         self.cu_seqlens_k[1:bs + 1].copy_(torch.cumsum(self.context_lens[:bs], 0))
-        graph, out = self.graphs[bs]
+        graph = self.graphs[bs]
         graph.replay()
-        return out[:b]
+        return graph.output[:b]

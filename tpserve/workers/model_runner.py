@@ -5,12 +5,29 @@ Sequence: it gets a StepPlan, copies its arrays to the device once, runs the for
 rank 0 samples one token per sampled row. Ranks > 0 run the same forward (their shards take
 part in the collectives) and return None.
 
+Device calls go through an ``Accelerator`` (``device.py``); ``is_accelerator`` selects the
+device path (CUDA, or a fake accelerator in tests).
+
+Start-up order: load the model; size the KV cache (on a device this runs a warm-up step, which
+needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; then
+capture decode graphs.
+
 KV cache sizing:
     * ``config.num_kv_blocks`` set: exactly that many blocks.
     * CPU: ``config.kv_cache_memory_gb`` of memory per rank.
-    * CUDA: a fraction ``gpu_memory_utilization`` of the device, minus the weights and the peak
-      activation memory of a warm-up forward at the largest batch the scheduler can build.
+    * device: a fraction ``gpu_memory_utilization`` of device memory, minus what is in use after
+      the warm-up (weights, context) and the warm-up's activation peak. The warm-up is a prefill
+      of ``max_num_batched_tokens`` that samples ``max_num_seqs`` rows with top-k/top-p on (the
+      sampler's largest footprint). The allocator's cached blocks are released after the
+      warm-up: otherwise they would be counted once as "in use" and again as the peak.
+    * Both budgets are capped at ``max_useful_blocks``: ``max_num_seqs`` sequences of
+      ``max_model_len`` tokens, plus a quarter. Running sequences can never hold more; the extra
+      quarter keeps finished requests' prompts in the prefix cache under full load. Beyond
+      that, a small model on a large card would only buy millions of idle ``Block`` objects
+      on the scheduler (slow start, GBs of host memory).
     With several ranks the smallest pool wins, so every rank agrees on the block count.
+
+A step's plan arrays reach the device through ``PlanStager``: one host buffer, one copy.
 """
 from __future__ import annotations
 
@@ -27,7 +44,9 @@ from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
 from tpserve.workers.cuda_graph import DecodeGraphs
+from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers.sampler import Sampler
+from tpserve.workers.staging import PlanStager
 
 log = logging.getLogger("tpserve.runner")
 
@@ -51,13 +70,22 @@ def compute_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> t
     return dtype
 
 
+def max_useful_blocks(config: EngineConfig) -> int:
+    """The most KV blocks the scheduler can use: every sequence slot at ``max_model_len``,
+    plus a quarter for the prefix cache (see the module docstring)."""
+    per_seq = -(-config.max_model_len // config.block_size)
+    return config.max_num_seqs * per_seq * 5 // 4
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPContext, device: torch.device | str = "cpu"):
+    def __init__(self, config: EngineConfig, tp: TPContext,
+                 device: torch.device | str | Accelerator = "cpu"):
         if not config.hf_config:
             config.resolve()
         self.config = config
         self.tp = tp
-        self.device = torch.device(device)
+        self.accel = accelerator_for(device)
+        self.device = self.accel.device
         self.dtype = compute_dtype(resolve_dtype(config.dtype, load_config(config.model_path)),
                                    self.device, explicit=config.dtype != "auto")
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
@@ -65,12 +93,14 @@ class ModelRunner:
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
                                 device=self.device)
         self.sampler = Sampler()
+        self.stager = PlanStager(self.accel)
+        self.graphs = None  # the warm-up inside the sizing runs eagerly
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            self.graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
-            self.graphs.capture()
+        if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+            graphs.capture()
+            self.graphs = graphs
 
     # ---- KV cache ------------------------------------------------------------------------
     @property
@@ -83,11 +113,11 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+        if self.accel.is_accelerator:
+            budget = self._device_kv_budget()
         else:
             budget = int(cfg.kv_cache_memory_gb * (1 << 30))
-        blocks = max(budget // self.block_bytes, 0)
+        blocks = min(max(budget // self.block_bytes, 0), max_useful_blocks(cfg))
         if self.tp.size > 1:
             t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
@@ -96,36 +126,24 @@ class ModelRunner:
             raise RuntimeError(f"no memory left for the KV cache (a block needs {self.block_bytes} bytes)")
         return blocks
 
-    def _cuda_kv_budget(self) -> int:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+    def _device_kv_budget(self) -> int:
+        accel = self.accel
+        accel.synchronize()
+        accel.empty_cache()
+        accel.reset_peak_memory_stats()
         self._warmup()
-        free, total = torch.cuda.mem_get_info(self.device)
-        stats = torch.cuda.memory_stats(self.device)
+        accel.synchronize()
+        accel.empty_cache()  # cached warm-up blocks would be counted in `used` and in the peak
+        free, total = accel.mem_get_info()
         used = total - free
-        peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        return int(total * self.config.gpu_memory_utilization - used - peak_extra)
+        peak_extra = accel.peak_extra_bytes()
+        self.kv_budget_bytes = int(total * self.config.gpu_memory_utilization - used - peak_extra)
+        return self.kv_budget_bytes
 
     def _warmup(self) -> None:
-        """A prefill at the scheduler's largest batch, without a KV cache, to find peak memory."""
-        cfg = self.config
-        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
-        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // max(cfg.max_model_len, 1)))
-        lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
-        lens[-1] += num_tokens - int(lens.sum())
-        cu = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(lens, out=cu[1:])
-        plan = StepPlan(is_prefill=True, max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()),
-                        input_ids=np.zeros(num_tokens, np.int32),
-                        positions=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
-                        slot_mapping=np.full(num_tokens, -1, np.int32), cu_seqlens_q=cu,
-                        cu_seqlens_k=cu.copy(), context_lens=lens,
-                        block_tables=np.zeros((num_seqs, 0), np.int32),
-                        logits_indices=cu[1:] - 1, temperatures=np.ones(num_seqs, np.float32),
-                        top_ks=np.full(num_seqs, -1, np.int32), top_ps=np.ones(num_seqs, np.float32),
-                        seeds=np.zeros(num_seqs, np.int64), sample_steps=np.zeros(num_seqs, np.int32))
+        """One step at the scheduler's largest batch, without a KV cache, to find peak memory."""
         self.model.set_kv_caches([(None, None)] * self.model.num_layers)
-        self.execute(plan)
+        self.execute(warmup_plan(self.config))
 
     def _allocate_kv_cache(self) -> None:
         m = self.model
@@ -141,36 +159,32 @@ class ModelRunner:
                      self.num_blocks * self.config.block_size)
 
     # ---- one step ------------------------------------------------------------------------
-    def _tensor(self, arr: np.ndarray) -> torch.Tensor:
-        # Plans may be read-only views into shared memory: copy once, then move to the device.
-        t = torch.from_numpy(np.array(arr, copy=True))
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
-
-    def metadata(self, plan: StepPlan) -> AttentionMetadata:
+    @staticmethod
+    def metadata(plan: StepPlan, t: dict[str, torch.Tensor]) -> AttentionMetadata:
+        """Attention metadata of ``plan`` over its staged device arrays ``t``."""
         return AttentionMetadata(
             is_prefill=bool(plan.is_prefill), has_context=bool(plan.has_context),
-            cu_seqlens_q=self._tensor(plan.cu_seqlens_q), cu_seqlens_k=self._tensor(plan.cu_seqlens_k),
+            cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
             max_seqlen_q=int(plan.max_seqlen_q), max_seqlen_k=int(plan.max_seqlen_k),
-            context_lens=self._tensor(plan.context_lens), block_tables=self._tensor(plan.block_tables),
-            slot_mapping=self._tensor(plan.slot_mapping))
+            context_lens=t["context_lens"], block_tables=t["block_tables"],
+            slot_mapping=t["slot_mapping"])
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> np.ndarray | None:
         """Run one step; rank 0 returns the sampled token ids (int64 [S]), others None."""
         if plan.num_tokens == 0:
             return np.zeros(0, dtype=np.int64) if self.tp.is_first else None
+        t = self.stager.stage(plan)
         if self.graphs is not None and self.graphs.can_run(plan):
-            hidden = self.graphs.run(plan)
+            hidden = self.graphs.run(plan, t)
         else:
-            hidden = self.model(self._tensor(plan.input_ids), self._tensor(plan.positions),
-                                self.metadata(plan))
-        rows = hidden[self._tensor(plan.logits_indices).long()]
+            hidden = self.model(t["input_ids"], t["positions"], self.metadata(plan, t))
+        rows = hidden[t["logits_indices"].long()]
         logits = self.model.compute_logits(rows)
         if not self.tp.is_first:
             return None
-        tokens = self.sampler(logits, self._tensor(plan.temperatures), self._tensor(plan.top_ks),
-                              self._tensor(plan.top_ps), self._tensor(plan.seeds),
-                              self._tensor(plan.sample_steps))
+        tokens = self.sampler(logits, t["temperatures"], t["top_ks"], t["top_ps"], t["seeds"],
+                              t["sample_steps"])
         return tokens.cpu().numpy()
 
     # ---- control commands ----------------------------------------------------------------
@@ -189,3 +203,29 @@ class ModelRunner:
             self._profiler = None
         # RESET_PREFIX_CACHE and PING need nothing from a runner: block state lives on rank 0.
         return None
+
+
+def warmup_plan(config: EngineConfig) -> StepPlan:
+    """The memory-peak step: a prefill of ``max_num_batched_tokens`` tokens (capped by what
+    ``max_num_seqs`` sequences can hold) that samples ``max_num_seqs`` rows (capped by the
+    token count) with temperature, top-k and top-p all on, so the sampler sorts the vocabulary
+    as its most expensive real step does."""
+    cfg = config
+    num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+    num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // max(cfg.max_model_len, 1)))
+    lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
+    lens[-1] += num_tokens - int(lens.sum())
+    cu = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu[1:])
+    samples = min(cfg.max_num_seqs, num_tokens)
+    rows = np.linspace(0, num_tokens - 1, samples).astype(np.int32)  # distinct: samples <= tokens
+    return StepPlan(is_prefill=True, max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()),
+                    input_ids=np.zeros(num_tokens, np.int32),
+                    positions=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
+                    slot_mapping=np.full(num_tokens, -1, np.int32), cu_seqlens_q=cu,
+                    cu_seqlens_k=cu.copy(), context_lens=lens,
+                    block_tables=np.zeros((num_seqs, 0), np.int32), logits_indices=rows,
+                    temperatures=np.ones(samples, np.float32),
+                    top_ks=np.full(samples, 50, np.int32), top_ps=np.full(samples, 0.9, np.float32),
+                    seeds=np.arange(samples, dtype=np.int64),
+                    sample_steps=np.zeros(samples, np.int32))

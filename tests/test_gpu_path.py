@@ -1,0 +1,251 @@
+"""The accelerator start-up path on CPU, through a fake accelerator.
+
+``FakeAccelerator`` is an ``Accelerator`` with ``is_accelerator = True`` whose tensors live on the
+CPU. It reports memory figures the test chooses and models the caching allocator: work run
+after ``reset_peak_memory_stats`` allocates ``activation`` bytes at its peak, which stay
+reserved (and so missing from ``mem_get_info``'s free memory) until ``empty_cache``. Its graphs
+replay by re-running the captured function (``EagerGraph``), so decode-graph padding runs here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
+from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig
+from tpserve.models.parallel import TPContext
+from tpserve.workers import device as devices
+from tpserve.workers import model_runner as runner_mod
+from tpserve.workers.device import Accelerator, EagerGraph, accelerator_for
+from tpserve.workers.model_runner import ModelRunner, max_useful_blocks, warmup_plan
+
+GiB = 1 << 30
+
+
+class FakeAccelerator(Accelerator):
+    is_accelerator = True
+    dist_backend = "gloo"
+
+    def __init__(self, total=8 * GiB, in_use=1 * GiB, activation=256 << 20, index=0):
+        super().__init__("cpu")
+        self.total, self.in_use, self.activation, self.index = total, in_use, activation, index
+        self.cached = 0
+        self.peak_extra = 0
+        self.window_open = False
+        self.events: list[str] = []
+        self.graphs = 0
+
+    def set_device(self):
+        self.events.append(f"set_device:{self.index}")
+
+    def synchronize(self):
+        self.events.append("synchronize")
+        if self.window_open:  # the work since the reset has run: its peak is known
+            self.peak_extra = self.activation
+            self.cached = self.activation
+            self.window_open = False
+
+    def empty_cache(self):
+        self.events.append("empty_cache")
+        self.cached = 0
+
+    def reset_peak_memory_stats(self):
+        self.events.append("reset_peak")
+        self.window_open, self.peak_extra = True, 0
+
+    def mem_get_info(self):
+        self.events.append("mem_get_info")
+        return self.total - self.in_use - self.cached, self.total
+
+    def peak_extra_bytes(self):
+        return self.peak_extra
+
+    def dist_device_id(self):
+        return torch.device("cuda", self.index)
+
+    def capture_graph(self, fn, pool=None):
+        self.graphs += 1
+        return EagerGraph(fn)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models_root):  # noqa: F811
+    return make_tiny_model(tiny_models_root, arch="qwen3", max_position_embeddings=128)
+
+
+def _config(path, **kw):
+    opts = dict(model=str(path), max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+                dtype="float32", attention_backend="triton")
+    opts.update(kw)
+    return EngineConfig(**opts).resolve()
+
+
+# ---- defects 1, 3, 4: the default device start ------------------------------------------------
+def test_default_device_start_sizes_from_memory_and_captures_graphs(tiny):
+    cfg = _config(tiny, gpu_memory_utilization=0.5)
+    # Memory so small that the budget, not the cap, decides the block count.
+    accel = FakeAccelerator(total=1 << 20, in_use=256 << 10, activation=128 << 10)
+    runner = ModelRunner(cfg, TPContext(), accel)
+    budget = int(accel.total * 0.5) - accel.in_use - accel.activation
+    assert runner.kv_budget_bytes == budget  # the activation peak counted once, not twice
+    assert runner.num_blocks == min(budget // runner.block_bytes, max_useful_blocks(cfg))
+    assert runner.num_blocks < max_useful_blocks(cfg)
+    ev = accel.events
+    warm = ev.index("reset_peak")
+    assert "empty_cache" in ev[warm:ev.index("mem_get_info")]
+    assert runner.graphs is not None and accel.graphs == len(runner.graphs.batch_sizes)
+    assert runner.kv_caches[0][0].shape[0] == runner.num_blocks
+
+
+def test_warmup_samples_max_num_seqs_rows_with_top_k_and_top_p(tiny, monkeypatch):
+    calls = []
+
+    class Recording(runner_mod.Sampler):
+        def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps):
+            calls.append((logits.shape, top_ks.clone(), top_ps.clone(), temperatures.clone()))
+            return super().__call__(logits, temperatures, top_ks, top_ps, seeds, steps)
+
+    monkeypatch.setattr(runner_mod, "Sampler", Recording)
+    cfg = _config(tiny, max_num_seqs=6, max_num_batched_tokens=40, enforce_eager=True)
+    ModelRunner(cfg, TPContext(), FakeAccelerator())
+    shape, ks, ps, temps = calls[0]
+    assert shape[0] == 6
+    assert bool((ks > 0).all()) and bool((ps < 1).all()) and bool((temps > 0).all())
+
+
+def test_warmup_plan_rows_are_distinct_tokens_of_the_batch():
+    cfg = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    plan = warmup_plan(cfg)
+    plan.validate()
+    assert plan.num_tokens == 8192 and plan.num_samples == 256
+    assert len(set(plan.logits_indices.tolist())) == 256
+    assert plan.logits_indices.max() < plan.num_tokens
+    small = warmup_plan(EngineConfig(max_num_seqs=256, max_num_batched_tokens=100, max_model_len=50))
+    assert small.num_samples == 100 and small.num_tokens == 100
+
+
+# ---- CUDA-graph bookkeeping: padded and exact batches equal eager decode -------------------------
+def test_graph_decode_equals_eager_decode(tiny, monkeypatch):
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 41)), [100, 3, 4], [7] * 17, [9, 8]]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=6,
+                             ignore_eos=True)]
+    outs = {}
+    for eager in (True, False):
+        accel = FakeAccelerator()
+        monkeypatch.setattr("tpserve.workers.executor.device_for", lambda rank: accel)
+        with LLM(str(tiny), max_num_seqs=4, max_model_len=64, dtype="float32",
+                 attention_backend="triton", enforce_eager=eager, block_size=16) as llm:
+            runner = llm.engine.executor.runner
+            assert (runner.graphs is None) == eager
+            res = []
+            for p in params:  # batches of 4 (exact), then 1 (padded to 1), 3 (padded to 4) ...
+                res.append([o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)])
+            outs[eager] = res
+    assert outs[False] == outs[True]
+
+
+# ---- defect 5: the cap ------------------------------------------------------------------------
+def test_block_count_is_capped_at_what_the_scheduler_can_use(tiny):
+    cfg = _config(tiny, attention_backend="torch", kv_cache_memory_gb=1.0)
+    runner = ModelRunner(cfg, TPContext(), "cpu")
+    per_seq = -(-64 // 16)
+    assert runner.num_blocks == max_useful_blocks(cfg) == 4 * per_seq * 5 // 4
+    assert GiB // runner.block_bytes > runner.num_blocks
+    fixed = ModelRunner(_config(tiny, attention_backend="torch", num_kv_blocks=500), TPContext())
+    assert fixed.num_blocks == 500  # an explicit count is never capped
+
+
+# ---- defect 2: set the device before the process group exists -----------------------------------
+def _record_dist(monkeypatch, events):
+    import torch.distributed as dist
+    from tpserve.workers import process_group as pg
+
+    accels = {}
+
+    def local(local_rank):
+        accels.setdefault(local_rank, FakeAccelerator(index=local_rank))
+        accels[local_rank].events = events
+        return accels[local_rank]
+
+    monkeypatch.setattr(pg.devices, "local_accelerator", local)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda **kw: events.append(("init_process_group", kw)))
+    monkeypatch.setattr(pg, "share_cpu_threads", lambda n: None)
+
+
+def test_init_tp_sets_the_local_device_first_and_binds_it(monkeypatch):
+    from tpserve.workers.process_group import init_tp
+
+    events = []
+    _record_dist(monkeypatch, events)
+    tp = init_tp(3, 4, None, local_rank=1)
+    assert tp.rank == 3 and tp.size == 4
+    assert events[0] == "set_device:1"
+    name, kw = events[1]
+    assert name == "init_process_group" and kw["device_id"] == torch.device("cuda", 1)
+    assert kw["rank"] == 3 and kw["world_size"] == 4 and kw["init_method"] == "env://"
+
+
+def test_torchrun_worker_sets_its_device_before_the_first_collective(tiny, monkeypatch):
+    import torch.distributed as dist
+    from tpserve.workers.launch import run_torchrun_worker
+
+    events = []
+    _record_dist(monkeypatch, events)
+
+    class FirstCollective(Exception):
+        pass
+
+    def broadcast(objs, src=0, **kw):
+        events.append("broadcast_object_list")
+        raise FirstCollective
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(FirstCollective):
+        run_torchrun_worker(EngineConfig(model=str(tiny), tensor_parallel_size=2))
+    names = [e if isinstance(e, str) else e[0] for e in events]
+    assert names[:3] == ["set_device:1", "init_process_group", "broadcast_object_list"]
+    assert events[1][1]["device_id"] == torch.device("cuda", 1)
+
+
+# ---- the seam itself ----------------------------------------------------------------------------
+def test_accelerator_for_maps_devices():
+    assert type(accelerator_for("cpu")) is Accelerator
+    fake = FakeAccelerator()
+    assert accelerator_for(fake) is fake
+    with pytest.raises(ValueError, match="device"):
+        accelerator_for("no-such-device")
+    host = Accelerator()
+    assert host.dist_device_id() is None and not host.is_accelerator
+    with pytest.raises(NotImplementedError):
+        host.mem_get_info()
+    if not torch.cuda.is_available():
+        assert type(devices.local_accelerator(1)) is Accelerator
+
+
+def test_eager_graph_replays_from_its_inputs():
+    x = torch.zeros(3)
+    g = EagerGraph(lambda: x * 2 + 1)
+    x.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    out = g.output
+    g.replay()
+    assert g.output is out and out.tolist() == [3.0, 5.0, 7.0]
+
+
+def test_empty_plan_arrays_never_break_staging():
+    from tpserve.plan import StepPlan
+    from tpserve.workers.staging import PlanStager
+
+    stager = PlanStager(Accelerator())
+    t = stager.stage(StepPlan())
+    assert all(v.numel() == 0 for k, v in t.items() if not k.startswith("cu_"))
+    assert t["cu_seqlens_q"].tolist() == [0] and t["cu_seqlens_k"].tolist() == [0]
+    assert np.array_equal(t["block_tables"].numpy(), np.zeros((0, 0), np.int32))
