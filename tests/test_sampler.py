@@ -65,3 +65,50 @@ def test_mixed_greedy_and_sampled_rows():
     temps = torch.tensor([0.0, 1.0, 0.0, 1.0])
     out = Sampler()(logits, temps, *args(4)[1:])
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_uniform_is_float32_and_its_noise_is_finite():
+    u = uniform(torch.arange(16), torch.zeros(16, dtype=torch.int32), 1 << 16)
+    assert u.dtype == torch.float32
+    assert u.min() > 0 and u.max() < 1
+    assert torch.isfinite(u.log().neg().log()).all()
+    # The extreme draws: 23 random bits plus one half are exact in float32 and stay inside (0, 1).
+    k = torch.tensor([0.0, float((1 << 23) - 1)])
+    edges = (k + 0.5) * (1.0 / (1 << 23))
+    assert edges[0] > 0 and edges[1] < 1 and torch.isfinite(edges.log().neg().log()).all()
+
+
+class _FloatWork(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the float32/float64 tensors that ops produce."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64):
+                self.sizes.append(t.numel())
+        return out
+
+
+def test_all_greedy_batch_does_no_full_vocabulary_float_work():
+    logits = torch.randn(4, 1000).to(torch.bfloat16)
+    temps, ks, ps, seeds, steps = args(4, temp=0.0)
+    with _FloatWork() as rec:
+        out = Sampler()(logits, temps, ks, ps, seeds, steps)
+    assert torch.equal(out, logits.float().argmax(-1))
+    assert max(rec.sizes, default=0) < 1000
+    with _FloatWork() as rec:
+        Sampler()(logits, torch.tensor([0.0, 1.0, 0.0, 0.0]), ks, ps, seeds, steps)
+    assert max(rec.sizes) >= 4000  # a sampled row does go through float32 (the recorder works)
+
+
+def test_seeded_draws_are_a_pure_function_of_seed_and_step():
+    logits = torch.randn(3, 500)
+    seeds, steps = torch.tensor([5, 5, 6]), torch.tensor([2, 2, 2], dtype=torch.int32)
+    a = Sampler()(logits[[0, 0, 0]], *args(3, temp=1.0, seeds=seeds, steps=steps))
+    assert a[0] == a[1]
+    b = Sampler()(logits[[0, 0, 0]], *args(3, temp=1.0, seeds=seeds, steps=steps))
+    assert torch.equal(a, b)

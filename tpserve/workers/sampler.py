@@ -7,6 +7,12 @@ and the whole batch is sampled in a few tensor ops with no per-row Python.
 
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) draws i with
 probability p_i, so no cumulative sums or multinomial calls are needed.
+
+Memory: everything over the vocabulary is float32 (a float64 [256, 151936] tensor is 311 MB,
+and the race needs several). Uniforms carry 23 random bits, so ``k + 0.5`` is exact in float32
+and ``u`` stays strictly inside (0, 1): ``log(-log(u))`` is always finite. A batch whose rows
+are all greedy does one argmax over the logits as they come, nothing else over the vocabulary.
+The runner's warm-up samples ``max_num_seqs`` rows so that the KV sizing sees this peak.
 """
 from __future__ import annotations
 
@@ -39,12 +45,15 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+_UNIFORM_BITS = 23
+
+
 def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) float64 of shape [S, vocab], a pure function of (seed, step, index)."""
+    """Uniform (0, 1) float32 of shape [S, vocab], a pure function of (seed, step, index)."""
     base = mix64(mix64(seeds.long() * _GOLDEN + steps.long()) + 1)          # [S]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
     bits = mix64(base[:, None] ^ idx[None, :])
-    return (_shr(bits, 11).double() + 0.5) * (1.0 / (1 << 53))
+    return (_shr(bits, 64 - _UNIFORM_BITS).float() + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -72,15 +81,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                  top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
+        # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
         greedy_tokens = logits.argmax(dim=-1)
         greedy = temperatures <= 0
         if bool(greedy.all()):
             return greedy_tokens
         temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
-        scaled = apply_top_k_top_p(logits / temps[:, None], top_ks, top_ps)
-        logp = torch.log_softmax(scaled.double(), dim=-1)
+        scaled = apply_top_k_top_p(logits.float() / temps[:, None], top_ks, top_ps)
+        logp = torch.log_softmax(scaled, dim=-1)
         # argmax(p / E) == argmax(log p - log E), E = -log U.
-        noise = torch.log(-torch.log(uniform(seeds, steps, logits.shape[1])))
+        noise = uniform(seeds, steps, logits.shape[1]).log_().neg_().log_()
         sampled = (logp - noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
