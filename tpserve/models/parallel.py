@@ -64,7 +64,9 @@ class TPContext:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, group=self.group, group_dst=0)
+        # ``dst`` is a global rank; ``group_dst`` (a group rank) needs torch >= 2.6.
+        dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.gather(x, parts, dst=dst, group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def shard_range(self, total: int) -> tuple[int, int]:
