@@ -29,3 +29,20 @@ def dot_options(q: torch.Tensor) -> dict:
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     exact = q.dtype == torch.float32 or upcast
     return dict(DOT_PRECISION="ieee" if exact else "tf32", UPCAST=upcast)
+
+
+# Decode split-K aims at about two waves of programs on a 132-SM GPU (H100/H200).
+DECODE_TARGET_PROGRAMS = 264
+# A share below this many keys costs more in partial-state traffic than it gains in parallelism.
+DECODE_MIN_SHARE_KEYS = 256
+
+
+def decode_splits(batch: int, kv_heads: int, max_keys: int, tile: int) -> int:
+    """How many shares decode splits each sequence's keys into: enough for the (batch x KV
+    head x share) grid to reach DECODE_TARGET_PROGRAMS, but no share shorter than
+    DECODE_MIN_SHARE_KEYS (nor than one tile) of ``max_keys``, the block-table capacity.
+    Depends only on host-known shapes, so it is constant for a captured CUDA graph."""
+    programs = max(batch * kv_heads, 1)
+    wanted = -(-DECODE_TARGET_PROGRAMS // programs)
+    longest = max(max_keys // max(DECODE_MIN_SHARE_KEYS, tile), 1)
+    return max(1, min(wanted, longest))
