@@ -249,3 +249,65 @@ def test_empty_plan_arrays_never_break_staging():
     assert all(v.numel() == 0 for k, v in t.items() if not k.startswith("cu_"))
     assert t["cu_seqlens_q"].tolist() == [0] and t["cu_seqlens_k"].tolist() == [0]
     assert np.array_equal(t["block_tables"].numpy(), np.zeros((0, 0), np.int32))
+
+
+# ---- defect 7: one staging buffer, one copy ---------------------------------------------------
+def _sample_plan() -> "StepPlan":
+    from tpserve.plan import StepPlan
+    rng = np.random.default_rng(0)
+    return StepPlan(is_prefill=True, max_seqlen_q=3, max_seqlen_k=5,
+                    input_ids=rng.integers(0, 99, 5, dtype=np.int32),
+                    positions=np.arange(5, dtype=np.int32), slot_mapping=np.arange(5, dtype=np.int32),
+                    cu_seqlens_q=np.array([0, 3, 5], np.int32), cu_seqlens_k=np.array([0, 3, 5], np.int32),
+                    context_lens=np.array([3, 2], np.int32),
+                    block_tables=np.array([[4, 1, 7], [2, 0, 0]], np.int32),
+                    logits_indices=np.array([2, 4], np.int32),
+                    temperatures=np.array([0.5, 1.25], np.float32), top_ks=np.array([-1, 7], np.int32),
+                    top_ps=np.array([1.0, 0.75], np.float32),
+                    seeds=np.array([(1 << 40) + 3, -5], np.int64), sample_steps=np.array([0, 9], np.int32))
+
+
+def test_staged_arrays_equal_the_plan_with_their_dtypes():
+    from tpserve.plan import ARRAY_FIELDS
+    from tpserve.workers.staging import PlanStager
+    plan = _sample_plan()
+    stager = PlanStager(Accelerator())
+    t = stager.stage(plan)
+    for name in ARRAY_FIELDS:
+        arr = getattr(plan, name)
+        assert t[name].numpy().dtype == arr.dtype and np.array_equal(t[name].numpy(), arr), name
+    # A read-only plan (a view into shared memory) stages too, and a bigger one regrows.
+    plan.block_tables = np.zeros((2, 900), np.int32)
+    plan.block_tables.setflags(write=False)
+    assert stager.stage(plan)["block_tables"].shape == (2, 900)
+
+
+class _CopyingAccelerator(Accelerator):
+    """Device buffers on the meta device: the copy path runs, values are not kept."""
+
+    def __init__(self):
+        super().__init__("meta")
+        self.log = []
+
+    def record_event(self):
+        log = self.log
+        log.append("record")
+
+        class Event:
+            def synchronize(self):
+                log.append("wait")
+        return Event()
+
+
+def test_device_staging_makes_one_copy_and_waits_before_reusing_the_host_buffer():
+    from tpserve.workers.staging import PlanStager
+    accel = _CopyingAccelerator()
+    stager = PlanStager(accel)
+    t = stager.stage(_sample_plan())
+    assert all(v.device.type == "meta" for v in t.values())
+    assert t["seeds"].dtype == torch.int64 and t["top_ps"].dtype == torch.float32
+    assert t["block_tables"].shape == (2, 3)
+    storages = {v.untyped_storage()._cdata for v in t.values()}
+    assert storages == {stager._device.untyped_storage()._cdata}  # views of one device buffer
+    stager.stage(_sample_plan())
+    assert accel.log == ["record", "wait", "record"]
