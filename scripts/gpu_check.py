@@ -1,0 +1,478 @@
+"""gpu_check: one run that checks tpserve's whole GPU path and prints PASS/FAIL lines and figures.
+
+    scripts/gpu_check.sh [--sections kernels,graphs,start,e2e,tp] [--workdir DIR] [--requests N]
+
+Sections (each independent; a failure is reported and the next section runs):
+    env      torch / Triton / CUDA / flash-attn versions, GPU names and memory.
+    kernels  Triton store + decode (auto and forced split-K) + prefill (with and without cached
+             context) against the float64 reference, Qwen3-0.6B heads (16 q, 8 KV, dim 128),
+             block sizes 16 and 256, bf16/fp16/fp32; flash-attn too when installed; and a
+             cache of more than 2^31 elements whose sequence sits in its last blocks.
+    graphs   CUDA-graph decode against eager decode on the same plan, batch 1, 3, 37, 64, 256
+             (padded and exact sizes), fp32 Qwen3-0.6B-shaped model.
+    start    a default ``LLM(model)`` start on a random-weight Qwen3-0.6B-shaped checkpoint:
+             start time, KV blocks, free memory after sizing against 1 - gpu_memory_utilization.
+    e2e      nano-vllm's benchmark workload at TP=1 (256 requests, input and output lengths
+             drawn from 100-1024 with seed 0, temperature 0.6, ignore_eos): output tok/s.
+    tp       with >= 2 GPUs: TP=2 greedy equals TP=1 greedy (fp32), and the same through torchrun.
+
+Nothing here downloads anything: checkpoints are built from random weights (transformers), and
+the script uses the installed torch and Triton. Every function takes its device as an argument
+so that the CPU test suite runs the same code at tiny shapes (Triton under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+
+SECTIONS = ("env", "kernels", "graphs", "start", "e2e", "tp")
+GRAPH_BATCHES = (1, 3, 37, 64, 256)
+# Qwen3-0.6B's shape (its config.json), with random weights.
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                 max_position_embeddings=40960, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                 rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645)
+QWEN3_06B_HEADS = (16, 8, 128)
+# Absolute error allowed against the float64 reference (inputs ~N(0, 1), outputs O(1)).
+TOLERANCE = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+# ---- reporting ------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    """Collects PASS / FAIL / SKIP lines and figures; ``lines`` is what was printed."""
+
+    out: object = None
+    counts: dict = field(default_factory=lambda: {"PASS": 0, "FAIL": 0, "SKIP": 0})
+    lines: list = field(default_factory=list)
+
+    def _emit(self, line: str) -> None:
+        self.lines.append(line)
+        print(line, file=self.out or sys.stdout, flush=True)
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        status = "PASS" if ok else "FAIL"
+        self.counts[status] += 1
+        self._emit(f"{status} {name}" + (f": {detail}" if detail else ""))
+        return ok
+
+    def skip(self, name: str, why: str) -> None:
+        self.counts["SKIP"] += 1
+        self._emit(f"SKIP {name}: {why}")
+
+    def figure(self, name: str, text: str) -> None:
+        self._emit(f"     {name}: {text}")
+
+    def crashed(self, name: str, exc: BaseException) -> None:
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        self.check(name, False, f"raised {last}")
+        for line in traceback.format_exc().rstrip().splitlines()[-12:]:
+            self._emit(f"       | {line}")
+
+    def summary(self, seconds: float) -> str:
+        c = self.counts
+        line = f"gpu_check: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP in {seconds:.0f} s"
+        self._emit(line)
+        return line
+
+    @property
+    def ok(self) -> bool:
+        return self.counts["FAIL"] == 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--workdir", default=os.environ.get("TPSERVE_GPU_CHECK_DIR", "/tmp/tpserve-gpu-check"),
+                    help="where random-weight checkpoints are built (reused across runs)")
+    ap.add_argument("--requests", type=int, default=256, help="e2e requests (nano-vllm: 256)")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="skip sections that would start after this many seconds")
+    args = ap.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.requests < 1:
+        ap.error(f"--requests: must be >= 1, got {args.requests}")
+    args.sections = sections
+    return args
+
+
+# ---- checkpoints and workloads -----------------------------------------------------------------
+def build_checkpoint(path: Path, dtype: str = "bfloat16", **overrides) -> Path:
+    """A random-weight Qwen3 checkpoint of Qwen3-0.6B's shape (``overrides`` shrink it)."""
+    from bench_models import build_bench_model
+    return build_bench_model(path, dtype=dtype, **dict(QWEN3_06B, **overrides))
+
+
+def nano_vllm_workload(num_requests: int = 256, seed: int = 0, max_input: int = 1024,
+                       max_output: int = 1024, vocab: int = 10000):
+    """nano-vllm's bench.py workload: (prompts as token-id lists, output lengths), lengths
+    uniform in [100, max_input] / [100, max_output], token ids uniform in [0, vocab]."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab) for _ in range(rng.randint(100, max_input))]
+               for _ in range(num_requests)]
+    outputs = [rng.randint(100, max_output) for _ in range(num_requests)]
+    return prompts, outputs
+
+
+def free_fraction_ok(free: int, total: int, utilization: float) -> tuple[bool, str]:
+    """After sizing, free memory should be about ``1 - utilization`` of the card: at least that
+    minus 2% (the KV pool may not overshoot), at most plus 6% (graph pools, rounding)."""
+    frac = free / total
+    want = 1.0 - utilization
+    ok = want - 0.02 <= frac <= want + 0.06
+    return ok, f"free {free / 2**30:.1f} of {total / 2**30:.1f} GiB = {frac:.3f} (want ~{want:.3f})"
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+KERNEL_CASES = {
+    # name: (context lengths, new lengths, is_prefill)
+    "decode": ([0, 17, 300, 1500, 4000], [1, 1, 1, 1, 1], False),
+    "prefill": ([0, 0, 0], [5, 200, 33], True),
+    "prefill_context": ([40, 0, 700], [9, 100, 300], True),
+}
+
+
+def _max_err(out, want) -> float:
+    return float((out.double().cpu() - want).abs().max())
+
+
+def _can_run(name, device, block_size, dtype) -> bool:
+    from tpserve.kernels.backend import get_backend
+    try:
+        get_backend(name, device, block_size, dtype=dtype)
+        return True
+    except ValueError:
+        return False
+
+
+def check_kernels(report: Report, device, dtypes=("bfloat16", "float16", "float32"),
+                  block_sizes=(16, 256), heads=QWEN3_06B_HEADS, cases=None, splits=(None, 1, 4)):
+    """Triton (and flash-attn where it can run) against the reference, every case x dtype x
+    block size; decode also with split-K forced off and forced on."""
+    import torch
+
+    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.paged_decode import paged_decode_attention
+    from tpserve.kernels.reference import random_paged_batch, reference_attention
+    from tpserve.kernels.store_kvcache import store_kvcache
+
+    device = torch.device(device)
+    cases = cases or KERNEL_CASES
+    hq, hkv, d = heads
+    scale = d ** -0.5
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        tol = TOLERANCE[dtype_name]
+        for bs in block_sizes:
+            backends = [n for n in ("triton", "flash") if _can_run(n, device, bs, dtype)]
+            for case, (ctx, new, is_prefill) in cases.items():
+                batch = random_paged_batch(ctx, new, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                           block_size=bs, dtype=dtype, device=device,
+                                           is_prefill=is_prefill, seed=11)
+                want = reference_attention(batch.q.cpu(), batch.keys, batch.values, new, scale)
+                for name in backends:
+                    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+                    out = get_backend(name, device, bs, dtype=dtype).forward(
+                        batch.q, batch.k, batch.v, kc, vc, batch.meta, scale)
+                    err = _max_err(out, want)
+                    report.check(f"kernels {name} {case} {dtype_name} block {bs}", err <= tol,
+                                 f"max abs err {err:.2e} (tol {tol:.0e})")
+                if not is_prefill:
+                    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+                    store_kvcache(batch.k, batch.v, kc, vc, batch.meta.slot_mapping)
+                    for n in splits:
+                        if n is None:
+                            continue
+                        out = paged_decode_attention(batch.q, kc, vc, batch.meta.block_tables,
+                                                     batch.meta.context_lens, scale, num_splits=n)
+                        err = _max_err(out, want)
+                        report.check(f"kernels triton decode splits={n} {dtype_name} block {bs}",
+                                     err <= tol, f"max abs err {err:.2e}")
+                del batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_big_cache(report: Report, device, dtype_name: str = "bfloat16", block_size: int = 16,
+                    heads=QWEN3_06B_HEADS, min_elements: int = 2**31 + 1, context: int = 300):
+    """A KV cache of more than ``min_elements`` elements per tensor, the checked sequence in its
+    last blocks (offsets past 2^31): store, decode and prefill-with-context vs the reference."""
+    import torch
+
+    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.metadata import AttentionMetadata
+    from tpserve.kernels.reference import reference_attention
+
+    device = torch.device(device)
+    dtype = getattr(torch, dtype_name)
+    hq, hkv, d = heads
+    per_block = block_size * hkv * d
+    num_blocks = -(-min_elements // per_block) + 2
+    gen = torch.Generator().manual_seed(5)
+    total = context + 8
+    nblk = -(-total // block_size)
+    table = torch.arange(num_blocks - 1, num_blocks - 1 - nblk, -1, dtype=torch.int32)
+    keys = torch.randn(total, hkv, d, generator=gen).to(dtype)
+    values = torch.randn(total, hkv, d, generator=gen).to(dtype)
+    pos = torch.arange(total)
+    slots = (table[pos // block_size].long() * block_size + pos % block_size).to(torch.int32)
+    name = f"kernels big cache ({num_blocks * per_block / 2**31:.2f} x 2^31 elements) {dtype_name} block {block_size}"
+    kc = torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    backend = get_backend("triton", device, block_size, dtype=dtype)
+    scale = d ** -0.5
+    try:
+        # Prefill with context: the first `context` tokens are stored, the last 8 are new.
+        new = total - context
+        backend.store(keys[:context].to(device), values[:context].to(device), kc, vc,
+                      slots[:context].to(device))
+        q = torch.randn(new, hq, d, generator=gen).to(dtype)
+        meta = AttentionMetadata.from_arrays(
+            is_prefill=True, has_context=True, cu_seqlens_q=[0, new], cu_seqlens_k=[0, total],
+            context_lens=[total], block_tables=table[None, :], slot_mapping=slots[context:],
+            device=device)
+        out = backend.forward(q.to(device), keys[context:].to(device), values[context:].to(device),
+                              kc, vc, meta, scale)
+        want = reference_attention(q, [keys], [values], [new], scale)
+        err = _max_err(out, want)
+        tol = TOLERANCE[dtype_name]
+        report.check(name + " prefill", err <= tol, f"max abs err {err:.2e}")
+        # Decode of the last token against everything now in the cache.
+        meta = AttentionMetadata.from_arrays(
+            is_prefill=False, has_context=False, cu_seqlens_q=[0, 1], cu_seqlens_k=[0, total],
+            context_lens=[total], block_tables=table[None, :], slot_mapping=slots[-1:],
+            device=device)
+        q1 = torch.randn(1, hq, d, generator=gen).to(dtype)
+        out = backend.forward(q1.to(device), keys[-1:].to(device), values[-1:].to(device),
+                              kc, vc, meta, scale)
+        err = _max_err(out, reference_attention(q1, [keys], [values], [1], scale))
+        report.check(name + " decode", err <= tol, f"max abs err {err:.2e}")
+    finally:
+        del kc, vc
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------------
+def _plan(lens, new, slots_per_seq, tables, vocab, rng, is_prefill):
+    """A StepPlan for sequences already holding ``lens`` tokens that add ``new`` each."""
+    import numpy as np
+
+    from tpserve.plan import StepPlan
+    b = len(lens)
+    q_lens = np.array(new, np.int32)
+    k_lens = np.array(lens, np.int32) + q_lens
+    cu_q = np.zeros(b + 1, np.int32)
+    cu_q[1:] = np.cumsum(q_lens)
+    cu_k = np.zeros(b + 1, np.int32)
+    cu_k[1:] = np.cumsum(k_lens)
+    positions = np.concatenate([np.arange(l, l + n, dtype=np.int32) for l, n in zip(lens, new)])
+    slots = np.concatenate([slots_per_seq[i][lens[i]:lens[i] + new[i]] for i in range(b)])
+    return StepPlan(is_prefill=is_prefill, has_context=False, max_seqlen_q=int(q_lens.max()),
+                    max_seqlen_k=int(k_lens.max()),
+                    input_ids=rng.integers(0, vocab, int(q_lens.sum()), dtype=np.int32),
+                    positions=positions, slot_mapping=slots.astype(np.int32), cu_seqlens_q=cu_q,
+                    cu_seqlens_k=cu_k, context_lens=k_lens, block_tables=tables,
+                    logits_indices=(cu_q[1:] - 1).astype(np.int32),
+                    temperatures=np.zeros(b, np.float32), top_ks=np.full(b, -1, np.int32),
+                    top_ps=np.ones(b, np.float32), seeds=np.zeros(b, np.int64),
+                    sample_steps=np.zeros(b, np.int32))
+
+
+def check_graphs(report: Report, model_dir, device, batch_sizes=GRAPH_BATCHES, max_len: int = 160,
+                 dtype: str = "float32", tol: float = 1e-3, attention_backend: str = "auto"):
+    """For each batch size: prefill B random sequences, then run the same decode plan through
+    the captured graph and eagerly; their hidden states must agree (relative max error)."""
+    import numpy as np
+    import torch
+
+    from tpserve.config import EngineConfig
+    from tpserve.models.parallel import TPContext
+    from tpserve.workers.model_runner import ModelRunner
+
+    bs = 16
+    per_seq = -(-(max_len + 1) // bs)
+    cfg = EngineConfig(model=str(model_dir), dtype=dtype, max_num_seqs=max(batch_sizes),
+                       max_model_len=max_len + 1, max_num_batched_tokens=max(batch_sizes) * max_len,
+                       num_kv_blocks=max(batch_sizes) * per_seq, block_size=bs,
+                       attention_backend=attention_backend).resolve()
+    runner = ModelRunner(cfg, TPContext(), device)
+    if not report.check("graphs captured", runner.graphs is not None,
+                        f"backend {runner.backend.name}, sizes {runner.graphs.batch_sizes if runner.graphs else None}"):
+        return
+    rng = np.random.default_rng(0)
+    vocab = runner.model.vocab_size
+    for b in batch_sizes:
+        lens = rng.integers(4, max_len, b).tolist()
+        tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
+        slots = [(tables[i][np.arange(max_len + 1) // bs] * bs + np.arange(max_len + 1) % bs)
+                 for i in range(b)]
+        runner.execute(_plan([0] * b, lens, slots, tables, vocab, rng, True))
+        plan = _plan(lens, [1] * b, slots, tables, vocab, rng, False)
+        with torch.inference_mode():
+            t = runner.stager.stage(plan)
+            eager = runner.model(t["input_ids"], t["positions"], runner.metadata(plan, t)).float().clone()
+            graph = runner.graphs.run(plan, t).float().clone()
+        err = float((graph - eager).abs().max() / eager.abs().max().clamp(min=1e-6))
+        padded = next(s for s in runner.graphs.batch_sizes if s >= b)
+        report.check(f"graphs decode batch {b} (graph {padded}) vs eager", err <= tol,
+                     f"relative max diff {err:.1e}")
+    del runner
+
+
+# ---- start-up, end to end, TP ---------------------------------------------------------------
+def check_default_start(report: Report, model_dir):
+    import torch
+
+    from tpserve import LLM
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir))
+    try:
+        seconds = time.perf_counter() - t0
+        cfg = llm.engine.config
+        free, total = torch.cuda.mem_get_info()
+        ok, text = free_fraction_ok(free, total, cfg.gpu_memory_utilization)
+        runner = llm.engine.executor.runner
+        report.figure("default start", f"{seconds:.1f} s, backend {runner.backend.name}, "
+                      f"block {cfg.block_size}, {cfg.num_kv_blocks} KV blocks "
+                      f"({cfg.num_kv_blocks * cfg.block_size} tokens), graphs "
+                      f"{'on' if runner.graphs is not None else 'off'}")
+        report.check("start: free memory after sizing", ok, text)
+        out = llm.generate([[1, 2, 3, 4]], _params(0.0, 8), use_tqdm=False)
+        report.check("start: generates", len(out[0].outputs[0].token_ids) == 8)
+    finally:
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def _params(temperature, max_tokens):
+    from tpserve import SamplingParams
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_e2e(report: Report, model_dir, num_requests: int = 256, tp: int = 1, **options):
+    """nano-vllm's benchmark at ``tp``: prints output tokens per second."""
+    from tpserve import LLM
+    prompts, outputs = nano_vllm_workload(num_requests)
+    params = [_params(0.6, n) for n in outputs]
+    with LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=4096, **options) as llm:
+        llm.generate([[1, 2, 3]], _params(0.6, 4), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    report.check(f"e2e TP={tp}: every request got its tokens", produced == sum(outputs),
+                 f"{produced} of {sum(outputs)}")
+    report.figure(f"e2e TP={tp}", f"{num_requests} requests, {produced} output tokens in "
+                  f"{seconds:.1f} s = {produced / seconds:.0f} tok/s "
+                  f"(input {sum(map(len, prompts))} tokens)")
+    return produced / seconds
+
+
+def check_tp(report: Report, model_dir, gpus: int):
+    if gpus < 2:
+        report.skip("tp", f"{gpus} GPU(s); TP=2 needs 2")
+        return
+    from tpserve import LLM
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 180)), [42] * 33]
+    greedy = _params(0.0, 16)
+    ref = {}
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, dtype="float32", max_model_len=512,
+                 gpu_memory_utilization=0.4) as llm:
+            ref[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    report.check("tp: TP=2 greedy equals TP=1 (fp32)", ref[1] == ref[2],
+                 "" if ref[1] == ref[2] else f"{ref[1]} vs {ref[2]}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "-m", "tpserve.workers.launch", "--model", str(model_dir), "--max-tokens", "16",
+           "--ignore-eos", "--dtype", "float32"]
+    for p in prompts:
+        cmd += ["--token-ids", ",".join(map(str, p))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    got = [json.loads(line.split("=", 1)[1]) for line in proc.stdout.splitlines()
+           if line.startswith("token_ids=")]
+    report.check("tp: torchrun TP=2 greedy equals TP=1", proc.returncode == 0 and got == ref[1],
+                 f"exit {proc.returncode}" + ("" if proc.returncode == 0 else
+                                              f"; stderr tail: {proc.stderr[-400:]!r}"))
+
+
+def environment(report: Report) -> int:
+    import torch
+    import triton
+
+    from tpserve.kernels.backend import flash_attn_available
+    report.figure("torch", f"{torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+                  f"flash-attn {'installed' if flash_attn_available() else 'absent'}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i in range(gpus):
+        p = torch.cuda.get_device_properties(i)
+        report.figure(f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+    report.check("env: CUDA available", gpus > 0, f"{gpus} device(s)")
+    return gpus
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = Report()
+    t0 = time.perf_counter()
+    workdir = Path(args.workdir)
+    gpus = 0
+    try:
+        gpus = environment(report)
+    except Exception as e:  # noqa: BLE001 - every failure becomes a FAIL line
+        report.crashed("env", e)
+    if gpus == 0:
+        report.summary(time.perf_counter() - t0)
+        return 1
+    ckpt = {}
+
+    def checkpoint(dtype):
+        if dtype not in ckpt:
+            t = time.perf_counter()
+            ckpt[dtype] = build_checkpoint(workdir / f"qwen3-0.6b-random-{dtype}", dtype=dtype)
+            report.figure("checkpoint", f"{ckpt[dtype]} ready in {time.perf_counter() - t:.0f} s")
+        return ckpt[dtype]
+
+    steps = {
+        "kernels": lambda: (check_kernels(report, "cuda"),
+                            [check_big_cache(report, "cuda", "bfloat16", bs) for bs in (16, 256)]),
+        "graphs": lambda: check_graphs(report, checkpoint("float32"), "cuda"),
+        "start": lambda: check_default_start(report, checkpoint("bfloat16")),
+        "e2e": lambda: run_e2e(report, checkpoint("bfloat16"), args.requests),
+        "tp": lambda: check_tp(report, checkpoint("float32"), gpus),
+    }
+    for name in args.sections:
+        if name == "env":
+            continue
+        elapsed = time.perf_counter() - t0
+        if elapsed > args.budget_s:
+            report.skip(name, f"time budget spent ({elapsed:.0f} s > {args.budget_s:.0f} s)")
+            continue
+        report.figure("section", f"{name} (at {elapsed:.0f} s)")
+        try:
+            steps[name]()
+        except Exception as e:  # noqa: BLE001
+            report.crashed(name, e)
+    report.summary(time.perf_counter() - t0)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
