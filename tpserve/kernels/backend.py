@@ -10,6 +10,18 @@ layer's paged cache, then attends. Backends:
             flash-attn's paged KV cache needs pages of a multiple of 256 tokens
             (``flash_attention.py``)
 
+CUDA defaults: block size 16 (``EngineConfig``) and therefore Triton under ``auto``; flash-attn
+when the block size is a multiple of 256 and the package is installed. Why not 256 and flash
+by default: (1) the prefix cache shares whole blocks only, so at 256 a shared prompt shorter
+than 256 tokens is never reused and longer ones lose up to 255 tokens each; (2) the last block
+of every running sequence is on average half empty: 128 tokens x 256 sequences at block 256
+against 8 x 256 at block 16; (3) flash-attn is optional and often absent (no wheel for the
+installed torch/CUDA). The cost block 16 used to carry, one block-table load per 16 keys and a
+grid too small for the GPU at small batch, is gone: the Triton decode kernel loads a 64-key
+tile's table entries as one vector and splits long contexts across programs (split-K, see
+``paged_decode.py``). ``scripts/gpu_check.sh`` measures both backends where flash-attn is
+installed, so this choice can be revisited with figures.
+
 Backend modules are imported only when selected, so that importing ``tpserve.kernels`` never
 decorates Triton kernels (the interpreter is chosen at decoration time) nor imports flash-attn.
 """
