@@ -95,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.stager = PlanStager(self.accel)
         self.graphs = None  # the warm-up inside the sizing runs eagerly
+        self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
         if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
