@@ -120,13 +120,13 @@ def build_checkpoint(path: Path, dtype: str = "bfloat16", **overrides) -> Path:
 
 
 def nano_vllm_workload(num_requests: int = 256, seed: int = 0, max_input: int = 1024,
-                       max_output: int = 1024, vocab: int = 10000):
+                       max_output: int = 1024, vocab: int = 10000, min_len: int = 100):
     """nano-vllm's bench.py workload: (prompts as token-id lists, output lengths), lengths
-    uniform in [100, max_input] / [100, max_output], token ids uniform in [0, vocab]."""
+    uniform in [min_len, max_input] / [min_len, max_output], token ids uniform in [0, vocab]."""
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, vocab) for _ in range(rng.randint(100, max_input))]
+    prompts = [[rng.randint(0, vocab) for _ in range(rng.randint(min_len, max_input))]
                for _ in range(num_requests)]
-    outputs = [rng.randint(100, max_output) for _ in range(num_requests)]
+    outputs = [rng.randint(min_len, max_output) for _ in range(num_requests)]
     return prompts, outputs
 
 
@@ -337,16 +337,18 @@ def check_graphs(report: Report, model_dir, device, batch_sizes=GRAPH_BATCHES, m
 
 
 # ---- start-up, end to end, TP ---------------------------------------------------------------
-def check_default_start(report: Report, model_dir):
+def check_default_start(report: Report, model_dir, mem_get_info=None, **options):
+    """``LLM(model_dir)`` as a user starts it; ``mem_get_info`` () -> (free, total) defaults to
+    the current CUDA device's (tests pass their own, and ``options``)."""
     import torch
 
     from tpserve import LLM
     t0 = time.perf_counter()
-    llm = LLM(str(model_dir))
+    llm = LLM(str(model_dir), **options)
     try:
         seconds = time.perf_counter() - t0
         cfg = llm.engine.config
-        free, total = torch.cuda.mem_get_info()
+        free, total = (mem_get_info or torch.cuda.mem_get_info)()
         ok, text = free_fraction_ok(free, total, cfg.gpu_memory_utilization)
         runner = llm.engine.executor.runner
         report.figure("default start", f"{seconds:.1f} s, backend {runner.backend.name}, "
@@ -359,7 +361,8 @@ def check_default_start(report: Report, model_dir):
     finally:
         llm.shutdown()
         del llm
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _params(temperature, max_tokens):
@@ -367,12 +370,15 @@ def _params(temperature, max_tokens):
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
 
 
-def run_e2e(report: Report, model_dir, num_requests: int = 256, tp: int = 1, **options):
-    """nano-vllm's benchmark at ``tp``: prints output tokens per second."""
+def run_e2e(report: Report, model_dir, num_requests: int = 256, tp: int = 1,
+            max_model_len: int = 4096, workload=None, **options):
+    """nano-vllm's benchmark at ``tp`` (its LLM has max_model_len 4096): prints output tokens
+    per second. ``workload`` overrides ``nano_vllm_workload``'s arguments (tests shrink it)."""
     from tpserve import LLM
-    prompts, outputs = nano_vllm_workload(num_requests)
+    prompts, outputs = nano_vllm_workload(num_requests, **(workload or {}))
     params = [_params(0.6, n) for n in outputs]
-    with LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=4096, **options) as llm:
+    with LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=max_model_len,
+             **options) as llm:
         llm.generate([[1, 2, 3]], _params(0.6, 4), use_tqdm=False)  # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -386,7 +392,7 @@ def run_e2e(report: Report, model_dir, num_requests: int = 256, tp: int = 1, **o
     return produced / seconds
 
 
-def check_tp(report: Report, model_dir, gpus: int):
+def check_tp(report: Report, model_dir, gpus: int, max_model_len: int = 512):
     if gpus < 2:
         report.skip("tp", f"{gpus} GPU(s); TP=2 needs 2")
         return
@@ -395,8 +401,8 @@ def check_tp(report: Report, model_dir, gpus: int):
     greedy = _params(0.0, 16)
     ref = {}
     for tp in (1, 2):
-        with LLM(str(model_dir), tensor_parallel_size=tp, dtype="float32", max_model_len=512,
-                 gpu_memory_utilization=0.4) as llm:
+        with LLM(str(model_dir), tensor_parallel_size=tp, dtype="float32",
+                 max_model_len=max_model_len, gpu_memory_utilization=0.4) as llm:
             ref[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     report.check("tp: TP=2 greedy equals TP=1 (fp32)", ref[1] == ref[2],
                  "" if ref[1] == ref[2] else f"{ref[1]} vs {ref[2]}")

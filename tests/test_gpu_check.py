@@ -104,6 +104,29 @@ def test_graph_check_runs_through_a_host_accelerator(tmp_path):
     assert "graph 4" in r.lines[-1]  # batch 3 replayed the graph of 4, padded
 
 
+def test_start_e2e_and_tp_sections_run_on_a_tiny_model(tmp_path):
+    path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
+    r = _report()
+    gpu_check.check_default_start(r, path, mem_get_info=lambda: (11 << 30, 100 << 30),
+                                  max_model_len=64)
+    assert r.ok and r.counts["PASS"] == 2, r.lines
+    assert any("KV blocks" in l for l in r.lines)
+    rate = gpu_check.run_e2e(r, path, num_requests=3, max_model_len=64,
+                             workload=dict(min_len=2, max_input=20, max_output=6, vocab=500))
+    assert r.ok and rate > 0, r.lines
+    assert "3 requests" in r.lines[-1] and "tok/s" in r.lines[-1]
+    gpu_check.check_tp(r, path, gpus=1)
+    assert r.lines[-1] == "SKIP tp: 1 GPU(s); TP=2 needs 2"
+
+
+def test_tp_section_on_cpu_ranks(tmp_path):
+    # Two CPU ranks (gloo) stand in for two GPUs: LLM TP=2 and torchrun TP=2 against TP=1.
+    path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
+    r = _report()
+    gpu_check.check_tp(r, path, gpus=2, max_model_len=128)
+    assert r.ok and r.counts["PASS"] == 2, r.lines
+
+
 def test_without_a_gpu_the_driver_fails_cleanly():
     if gpu_check_has_cuda():
         pytest.skip("this machine has CUDA: the driver would run the real checks")
