@@ -311,3 +311,20 @@ def test_device_staging_makes_one_copy_and_waits_before_reusing_the_host_buffer(
     assert storages == {stager._device.untyped_storage()._cdata}  # views of one device buffer
     stager.stage(_sample_plan())
     assert accel.log == ["record", "wait", "record"]
+
+
+# ---- defect 6: dist.gather as torch 2.4 spells it -----------------------------------------------
+def test_gather_to_rank0_uses_arguments_torch_2_4_accepts(monkeypatch):
+    import torch.distributed as dist
+
+    calls = []
+
+    def gather_2_4(tensor, gather_list=None, dst=0, group=None, async_op=False):
+        calls.append(dst)
+        for i, part in enumerate(gather_list or []):
+            part.copy_(tensor + i)
+
+    monkeypatch.setattr(dist, "gather", gather_2_4)
+    tp = TPContext(rank=0, size=2, group=None)
+    out = tp.gather_to_rank0(torch.tensor([[1.0, 2.0]]), dim=-1)
+    assert out.tolist() == [[1.0, 2.0, 2.0, 3.0]] and calls == [0]

@@ -26,6 +26,9 @@ KV cache sizing:
       that, a small model on a large card would only buy millions of idle ``Block`` objects
       on the scheduler (slow start, GBs of host memory).
     With several ranks the smallest pool wins, so every rank agrees on the block count.
+    Decode graphs are captured after sizing, so their memory pool (decode activations at up to
+    ``max_num_seqs`` tokens, small next to the KV pool) comes out of the remaining
+    ``1 - gpu_memory_utilization``; ``scripts/gpu_check.sh`` reports free memory after start.
 
 A step's plan arrays reach the device through ``PlanStager``: one host buffer, one copy.
 """
