@@ -269,6 +269,61 @@ def check_big_cache(report: Report, device, dtype_name: str = "bfloat16", block_
             torch.cuda.empty_cache()
 
 
+def time_decode(report: Report, device, batches=(1, 8, 64), context: int = 8192,
+                heads=QWEN3_06B_HEADS, dtype_name: str = "bfloat16", iters: int = 20):
+    """Figures for the decode defaults: Triton decode with split-K (auto) against one program
+    per (sequence, KV head), at block 16, and flash-attn at block 256 where it can run."""
+    import torch
+
+    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.metadata import AttentionMetadata
+    from tpserve.kernels.paged_decode import paged_decode_attention
+    from tpserve.kernels.tiles import decode_splits, max_tile
+    from tpserve.workers.device import accelerator_for
+
+    accel = accelerator_for(device)
+    device = accel.device
+    dtype = getattr(torch, dtype_name)
+    hq, hkv, d = heads
+    scale = d ** -0.5
+
+    def timed(fn) -> float:
+        fn()
+        accel.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        accel.synchronize()
+        return (time.perf_counter() - t) / iters * 1e3
+
+    for b in batches:
+        cells = []
+        for bs in (16, 256):
+            nblk = -(-context // bs)
+            kc = torch.randn(b * nblk, bs, hkv, d, device=device).to(dtype)
+            vc = torch.randn_like(kc)
+            tables = torch.randperm(b * nblk, device=device).to(torch.int32).view(b, nblk)
+            lens = torch.full((b,), context, dtype=torch.int32, device=device)
+            q = torch.randn(b, hq, d, device=device).to(dtype)
+            if bs == 16:
+                auto = decode_splits(b, hkv, nblk * bs, max_tile(dtype))
+                for n in (1, auto):
+                    ms = timed(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=n))
+                    cells.append(f"triton/16 splits={n} {ms:.3f} ms")
+            elif _can_run("flash", device, bs, dtype):
+                meta = AttentionMetadata.from_arrays(
+                    is_prefill=False, has_context=False, cu_seqlens_q=list(range(b + 1)),
+                    cu_seqlens_k=[i * context for i in range(b + 1)], context_lens=lens.cpu(),
+                    block_tables=tables.cpu(), slot_mapping=[-1] * b, device=device)
+                fa = get_backend("flash", device, bs, dtype=dtype)
+                ms = timed(lambda: fa.attend(q, None, None, kc, vc, meta, scale))
+                cells.append(f"flash/256 {ms:.3f} ms")
+            del kc, vc
+        gbytes = 2 * b * context * hkv * d * torch.empty((), dtype=dtype).element_size() / 1e9
+        report.figure(f"decode {dtype_name} batch {b} x {context} keys ({gbytes:.2f} GB of K/V)",
+                      ", ".join(cells))
+
+
 # ---- CUDA graphs ----------------------------------------------------------------------------------
 def _plan(lens, new, slots_per_seq, tables, vocab, rng, is_prefill):
     """A StepPlan for sequences already holding ``lens`` tokens that add ``new`` each."""
@@ -458,7 +513,8 @@ def main(argv=None) -> int:
 
     steps = {
         "kernels": lambda: (check_kernels(report, "cuda"),
-                            [check_big_cache(report, "cuda", "bfloat16", bs) for bs in (16, 256)]),
+                            [check_big_cache(report, "cuda", "bfloat16", bs) for bs in (16, 256)],
+                            time_decode(report, "cuda")),
         "graphs": lambda: check_graphs(report, checkpoint("float32"), "cuda"),
         "start": lambda: check_default_start(report, checkpoint("bfloat16")),
         "e2e": lambda: run_e2e(report, checkpoint("bfloat16"), args.requests),

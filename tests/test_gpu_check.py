@@ -95,6 +95,14 @@ def test_kernel_checks_pass_at_tiny_shapes_on_cpu():
     assert "x 2^31 elements" in r.lines[-1]
 
 
+def test_decode_timing_prints_one_figure_per_batch():
+    r = _report()
+    gpu_check.time_decode(r, "cpu", batches=(1, 2), context=40, heads=(4, 2, 16),
+                          dtype_name="float32", iters=1)
+    assert len(r.lines) == 2 and r.ok
+    assert "batch 2 x 40 keys" in r.lines[1] and "triton/16 splits=1" in r.lines[1]
+
+
 def test_graph_check_runs_through_a_host_accelerator(tmp_path):
     path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
     r = _report()
