@@ -232,7 +232,8 @@ def check_big_cache(report: Report, device, dtype_name: str = "bfloat16", block_
     values = torch.randn(total, hkv, d, generator=gen).to(dtype)
     pos = torch.arange(total)
     slots = (table[pos // block_size].long() * block_size + pos % block_size).to(torch.int32)
-    name = f"kernels big cache ({num_blocks * per_block / 2**31:.2f} x 2^31 elements) {dtype_name} block {block_size}"
+    name = (f"kernels big cache ({num_blocks * per_block / 2**31:.2f} x 2^31 elements) "
+            f"{dtype_name} block {block_size}")
     kc = torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
     vc = torch.zeros_like(kc)
     backend = get_backend("triton", device, block_size, dtype=dtype)
@@ -368,8 +369,9 @@ def check_graphs(report: Report, model_dir, device, batch_sizes=GRAPH_BATCHES, m
                        num_kv_blocks=max(batch_sizes) * per_seq, block_size=bs,
                        attention_backend=attention_backend).resolve()
     runner = ModelRunner(cfg, TPContext(), device)
+    sizes = runner.graphs.batch_sizes if runner.graphs else None
     if not report.check("graphs captured", runner.graphs is not None,
-                        f"backend {runner.backend.name}, sizes {runner.graphs.batch_sizes if runner.graphs else None}"):
+                        f"backend {runner.backend.name}, sizes {sizes}"):
         return
     rng = np.random.default_rng(0)
     vocab = runner.model.vocab_size
@@ -484,7 +486,8 @@ def environment(report: Report) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i in range(gpus):
         p = torch.cuda.get_device_properties(i)
-        report.figure(f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+        report.figure(f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, "
+                      f"{p.multi_processor_count} SMs")
     report.check("env: CUDA available", gpus > 0, f"{gpus} device(s)")
     return gpus
 

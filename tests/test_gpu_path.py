@@ -82,7 +82,7 @@ def _config(path, **kw):
     return EngineConfig(**opts).resolve()
 
 
-# ---- defects 1, 3, 4: the default device start ------------------------------------------------
+# ---- the default device start: warm-up, memory figures, graphs ----------------------------------
 def test_default_device_start_sizes_from_memory_and_captures_graphs(tiny):
     cfg = _config(tiny, gpu_memory_utilization=0.5)
     # Memory so small that the budget, not the cap, decides the block count.
@@ -147,7 +147,7 @@ def test_graph_decode_equals_eager_decode(tiny, monkeypatch):
     assert outs[False] == outs[True]
 
 
-# ---- defect 5: the cap ------------------------------------------------------------------------
+# ---- the block-count cap ----------------------------------------------------------------------
 def test_block_count_is_capped_at_what_the_scheduler_can_use(tiny):
     cfg = _config(tiny, attention_backend="torch", kv_cache_memory_gb=1.0)
     runner = ModelRunner(cfg, TPContext(), "cpu")
@@ -158,7 +158,7 @@ def test_block_count_is_capped_at_what_the_scheduler_can_use(tiny):
     assert fixed.num_blocks == 500  # an explicit count is never capped
 
 
-# ---- defect 2: set the device before the process group exists -----------------------------------
+# ---- set the device before the process group exists ------------------------------------------
 def _record_dist(monkeypatch, events):
     import torch.distributed as dist
     from tpserve.workers import process_group as pg
@@ -251,7 +251,7 @@ def test_empty_plan_arrays_never_break_staging():
     assert np.array_equal(t["block_tables"].numpy(), np.zeros((0, 0), np.int32))
 
 
-# ---- defect 7: one staging buffer, one copy ---------------------------------------------------
+# ---- one staging buffer, one copy ----------------------------------------------------------
 def _sample_plan() -> "StepPlan":
     from tpserve.plan import StepPlan
     rng = np.random.default_rng(0)
@@ -313,7 +313,7 @@ def test_device_staging_makes_one_copy_and_waits_before_reusing_the_host_buffer(
     assert accel.log == ["record", "wait", "record"]
 
 
-# ---- defect 6: dist.gather as torch 2.4 spells it -----------------------------------------------
+# ---- dist.gather as torch 2.4 spells it ---------------------------------------------------------
 def test_gather_to_rank0_uses_arguments_torch_2_4_accepts(monkeypatch):
     import torch.distributed as dist
 
