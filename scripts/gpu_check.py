@@ -34,10 +34,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(ROOT / "scripts"))
+for _p in (str(ROOT), str(ROOT / "scripts")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+# tpserve is used from this checkout, also by the torchrun ranks this script starts.
+if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                               if p)
 
 SECTIONS = ("env", "kernels", "graphs", "start", "e2e", "tp")
+# Modules each section imports beyond torch (the engine's runtime dependencies for the rest).
+_ENGINE_MODULES = ("triton", "numpy", "transformers", "tokenizers", "safetensors", "msgpack",
+                   "xxhash", "tqdm")
+NEEDS = {"env": ("triton",), "kernels": ("triton",), "graphs": _ENGINE_MODULES,
+         "start": _ENGINE_MODULES, "e2e": _ENGINE_MODULES, "tp": _ENGINE_MODULES}
+
+
+def missing_modules(names) -> list[str]:
+    """The modules of ``names`` that are not installed (checked without importing them)."""
+    import importlib.util
+    return [n for n in names if importlib.util.find_spec(n) is None]
 GRAPH_BATCHES = (1, 3, 37, 64, 256)
 # Qwen3-0.6B's shape (its config.json), with random weights.
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
@@ -529,6 +545,11 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - t0
         if elapsed > args.budget_s:
             report.skip(name, f"time budget spent ({elapsed:.0f} s > {args.budget_s:.0f} s)")
+            continue
+        missing = missing_modules(NEEDS[name])
+        if missing:
+            report.skip(name, f"missing Python packages: {', '.join(missing)} "
+                        "(scripts/gpu_check.sh installs them from TPSERVE_WHEELS)")
             continue
         report.figure("section", f"{name} (at {elapsed:.0f} s)")
         try:

@@ -42,6 +42,12 @@ def test_arguments():
         gpu_check.parse_args(["--requests", "0"])
 
 
+def test_sections_name_the_modules_they_need():
+    assert set(gpu_check.NEEDS) == set(gpu_check.SECTIONS)
+    assert gpu_check.missing_modules(gpu_check.NEEDS["e2e"]) == []  # the test env has them all
+    assert gpu_check.missing_modules(["json", "no_such_module_xyz"]) == ["no_such_module_xyz"]
+
+
 def test_report_counts_and_lines():
     r = _report()
     assert r.check("a", True, "fine") and not r.check("b", False)
@@ -150,5 +156,11 @@ def gpu_check_has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def test_shell_script_parses():
+def test_shell_script_parses_and_fails_cleanly_without_cuda():
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
+    if gpu_check_has_cuda():
+        return
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1
+    assert proc.stdout.startswith("FAIL env: no Python here imports torch with CUDA available")
