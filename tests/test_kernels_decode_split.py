@@ -29,7 +29,7 @@ def _decode(block_size, splits, dtype=torch.float32, heads=(4, 2, 16)):
     return out, want
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 def test_split_decode_matches_reference_fp32(block_size, splits):
     out, want = _decode(block_size, splits)
@@ -41,6 +41,20 @@ def test_split_decode_bf16_and_mha():
     out, want = _decode(16, 3, dtype=torch.bfloat16, heads=(2, 2, 32))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+
+
+def test_backend_decode_splits_on_its_own_when_shares_are_long_enough(monkeypatch):
+    from tpserve.kernels import tiles
+    from tpserve.kernels.backend import get_backend
+    monkeypatch.setattr(tiles, "DECODE_MIN_SHARE_KEYS", 32)
+    batch = random_paged_batch(CONTEXTS, [1] * len(CONTEXTS), num_heads=4, num_kv_heads=2,
+                               head_dim=16, block_size=16, is_prefill=False, seed=4)
+    width = batch.meta.block_tables.shape[1]
+    assert decode_splits(len(CONTEXTS), 2, width * 16, 32) > 1
+    out = get_backend("triton", "cpu", 16).forward(batch.q, batch.k, batch.v, batch.k_cache,
+                                                   batch.v_cache, batch.meta, 0.3)
+    want = reference_attention(batch.q, batch.keys, batch.values, [1] * len(CONTEXTS), 0.3)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
 
 
 def test_split_count_fills_the_grid_without_tiny_shares():
