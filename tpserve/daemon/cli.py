@@ -27,7 +27,7 @@ from tpserve.daemon.runtime import (LOG_NAME, InsecureAddressError, RuntimeDirEr
                                     live_daemon_pid, pid_alive, read_pid, read_ready, resolve_address,
                                     resolve_runtime_dir, wait_gone)
 from tpserve.daemon.server import ServerOptions
-from tpserve.errors import TpserveError
+from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.sampling import SamplingParams
 
 CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
@@ -378,13 +378,13 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stop_tok
     """Send PROMPT ('-' reads standard input) to the daemon and print the completion as it streams."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    from tpserve.errors import ConfigError
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_id),
                                 ignore_eos=ignore_eos)
-    except ConfigError as e:
-        option = {"stop_token_ids": "stop-token-id"}.get(e.field, e.field.replace("_", "-"))
+    except InvalidFieldError as e:
+        option = e.field.split("[")[0]
+        option = {"stop_token_ids": "stop-token-id"}.get(option, option.replace("_", "-"))
         raise click.BadParameter(e.reason, param_hint=f"'--{option}'") from None
     with _client(kw) as client:
         try:

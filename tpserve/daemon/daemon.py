@@ -18,7 +18,7 @@ import signal
 import threading
 
 from tpserve.config import EngineConfig
-from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, descendants,
+from tpserve.daemon.runtime import (READY_NAME, PidFile, check_address, descendants,
                                     ensure_runtime_dir, resolve_address, write_ready)
 from tpserve.daemon.server import Server, ServerOptions
 
@@ -66,8 +66,9 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             signal.signal(s, first_signal)
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
         write_ready(rd, address)
-        log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %d)", address, os.getpid(),
-                 engine.config.model_path, engine.config.tensor_parallel_size)
+        stats = engine.stats()
+        log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
+                 stats.get("model"), stats.get("tensor_parallel_size"))
         try:
             code = server.run()
         finally:
@@ -89,8 +90,6 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         if engine is not None:
             shutting_down.set()
             engine.shutdown()
-        if address == f"ipc://{(rd / SOCKET_NAME).absolute()}":
-            (rd / SOCKET_NAME).unlink(missing_ok=True)
         pidfile.release()
         for s, h in old_handlers.items():
             signal.signal(s, h)
