@@ -22,8 +22,9 @@ from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
-from tpserve.daemon.runtime import (LOG_NAME, InsecureAddressError, RuntimeDirError, check_address,
-                                    cleanup_stale, connect_address, descendants, ensure_runtime_dir, kill_tree,
+from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, RuntimeDirError, check_address,
+                                    cleanup_stale, client_address, connect_address, descendants,
+                                    ensure_runtime_dir, kill_tree,
                                     live_daemon_pid, pid_alive, read_pid, read_ready, resolve_address,
                                     resolve_runtime_dir, wait_gone)
 from tpserve.daemon.server import ServerOptions
@@ -141,7 +142,17 @@ def _runtime_dir(path) -> Path:
 
 
 def _client(kw: dict) -> Client:
-    address = resolve_address(kw["address"], kw["runtime_dir"])
+    if kw["address"]:
+        address = kw["address"]
+    else:
+        # The runtime dir's daemon: its pid-file lock says at once whether it is alive (a socket
+        # file left by a killed daemon would only time out), and its ready file has the address
+        # it serves on, which need not be the default socket (e.g. --address tcp://...).
+        rd = resolve_runtime_dir(kw["runtime_dir"])
+        if (_live_pid(rd) if rd.is_dir() else None) is None:
+            _fail(f"no tpserve daemon is running with runtime dir {rd} (no live process holds "
+                  f"{rd / PID_NAME}); start one with `tpserve start`")
+        address = client_address(None, rd)
     if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
         _fail(f"no tpserve daemon at {address} (the socket does not exist); start one with `tpserve start`")
     server_key = client_keys = None

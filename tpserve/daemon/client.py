@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from tpserve.daemon import protocol as P
 from tpserve.daemon.keys import load_public_key, load_secret_keys
-from tpserve.daemon.runtime import resolve_address
+from tpserve.daemon.runtime import client_address
 from tpserve.errors import TpserveError
 from tpserve.sampling import SamplingParams
 
@@ -106,7 +106,7 @@ def _configure(sock: zmq.Socket, server_public_key, client_keys) -> None:
 
 class _Common:
     def __init__(self, address, timeout, runtime_dir):
-        self.address = resolve_address(address, runtime_dir)
+        self.address = client_address(address, runtime_dir)
         self.timeout = timeout
 
     def _timeout(self, timeout):
