@@ -102,8 +102,9 @@ def test_engine_options_come_from_the_environment(tiny_models_root):  # noqa: F8
     kw = dict(model=str(model), tensor_parallel_size=2, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=64, max_model_len=128, kv_cache_memory_gb=0.5,
               gpu_memory_utilization=0.5, num_kv_blocks=9, dtype="float32", attention_backend="torch",
-              enforce_eager=True, no_prefix_caching=True, seed=7)
+              enforce_eager=True, no_prefix_caching=True, seed=7, startup_timeout=42.5)
     config = config_from_options(dict(kw))
+    assert config.startup_timeout == 42.5  # one meaning: the engine's start, also what `start` waits
     assert (config.block_size, config.num_kv_blocks, config.enable_prefix_caching) == (8, 9, False)
     # What `start` passes to its child rebuilds the same configuration.
     seen = {}
@@ -121,6 +122,10 @@ def test_engine_options_come_from_the_environment(tiny_models_root):  # noqa: F8
     assert result.exit_code == 0, result.output
     assert seen["config"].num_kv_blocks == 11 and not seen["config"].enable_prefix_caching
     assert seen["config"].tensor_parallel_size == 2
+    result = CliRunner().invoke(probe, ["--model", str(model)], env={"TPSERVE_STARTUP_TIMEOUT": "7"})
+    assert result.exit_code == 0 and seen["config"].startup_timeout == 7.0
+    result = CliRunner().invoke(probe, ["--model", str(model), "--startup-timeout", "0"])
+    assert result.exit_code == 2 and "--startup-timeout" in result.output
 
 
 def test_keys(tmp_path):

@@ -212,8 +212,6 @@ def serve(**kw):
 
 @main.command(context_settings=CONTEXT)
 @daemon_options
-@click.option("--startup-timeout", type=float, default=600.0, show_default=True,
-              show_envvar=True, envvar="TPSERVE_STARTUP_TIMEOUT", help="seconds to wait for the model to load")
 @engine_options
 def start(**kw):
     """Start the daemon in the background and wait until it is ready.
@@ -226,6 +224,7 @@ def start(**kw):
     rd = _runtime_dir(kw["runtime_dir"])
     address = resolve_address(kw["address"], rd)
     _check_address(address, opts)
+    startup_timeout = config.startup_timeout  # the daemon's engine gets the same (options_argv)
     pid = _live_pid(rd)
     if pid is not None:
         _fail(f"a daemon (pid {pid}) is already running with runtime dir {rd}; `tpserve stop` it first")
@@ -245,7 +244,7 @@ def start(**kw):
         offset = log_file.tell()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
-    deadline = time.monotonic() + kw["startup_timeout"]
+    deadline = time.monotonic() + startup_timeout
     while True:
         code = proc.poll()
         if code is not None:
@@ -257,7 +256,7 @@ def start(**kw):
         if time.monotonic() > deadline:
             kill_tree(proc.pid)
             proc.wait()
-            _fail(f"the daemon was not ready within {kw['startup_timeout']:g} s (killed); from {log_path}:\n"
+            _fail(f"the daemon was not ready within {startup_timeout:g} s (killed); from {log_path}:\n"
                   + _log_tail(log_path, offset))
         time.sleep(0.1)
     # The ready file says the engine is loaded; a ping proves the socket answers. With a client
