@@ -180,6 +180,9 @@ def test_status_finds_a_tcp_daemon_through_the_runtime_dir():
             st = CliRunner().invoke(main, ["status", "--runtime-dir", str(rd)])
             assert st.exit_code == 0, st.output
             assert f"tpserve daemon at {address}" in st.output and "fake-model" in st.output
+            prof = CliRunner().invoke(main, ["profile", "--seconds", "0.05", "--runtime-dir", str(rd)])
+            assert prof.exit_code == 0, prof.output
+            assert prof.output.strip() == f"{srv.engine.profiles[0]}.rank0.json"
             assert srv.stop() == 0
     finally:
         pidfile.release()

@@ -67,6 +67,8 @@ class FakeEngine:
         self.num_steps = 0
         self.generated = 0
         self.shutdown_called = False
+        self.profiling = False
+        self.profiles: list[str] = []
 
     @staticmethod
     def expected_tokens(prompt, params: SamplingParams, vocab=1000, eos=None) -> list[int]:
@@ -139,6 +141,16 @@ class FakeEngine:
                     kv_blocks_total=self.config.num_kv_blocks, prefix_cache_hit_rate=0.0,
                     num_preemptions=0, prompt_tokens=0, generation_tokens=self.generated,
                     tokens_per_s=0.0, model=self.config.model_path, tensor_parallel_size=1)
+
+    def start_profile(self):
+        assert not self.profiling
+        self.profiling = True
+
+    def stop_profile(self, path):
+        assert self.profiling
+        self.profiling = False
+        self.profiles.append(path)
+        return [f"{path}.rank0.json"]
 
     def shutdown(self):
         self.shutdown_called = True
@@ -936,9 +948,47 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
     assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
-                          "shutdown"}
+                          "start_profile", "stop_profile", "shutdown"}
     for cls in (Engine, FakeEngine):
         for name in names:
             want = list(inspect.signature(getattr(ServingEngine, name)).parameters)
             got = list(inspect.signature(getattr(cls, name)).parameters)
             assert got[:len(want)] == want, (cls.__name__, name, got)
+
+
+def test_profile_records_while_serving_and_answers_with_the_files():
+    engine = FakeEngine(step_delay=0.001)
+    with ServerThread(engine, ServerOptions(profile_dir="/tmp/traces")) as s:
+        r = Raw(s.address)
+        r.send_msg(P.ProfileRequest(0.3, id="prof"))
+        r.send_msg(P.ProfileRequest(0.3, id="again"))  # one at a time
+        e = r.recv()
+        assert (e.code, e.id) == (P.INVALID_REQUEST, "again") and "already" in e.message
+        r.send_msg(gen("g", max_tokens=3))  # generation goes on meanwhile
+        assert r.recv_until_done("g")[-1].finish_reason == "length"
+        assert engine.profiling
+        reply = r.recv(timeout=10)
+        assert isinstance(reply, P.ProfileReply) and reply.id == "prof"
+        assert reply.files == [f"{engine.profiles[0]}.rank0.json"]
+        assert engine.profiles[0].startswith("/tmp/traces/tpserve-profile-") and not engine.profiling
+        r.send_msg(P.ProfileRequest(600, id="cut"))  # a shutdown ends a profile early, answered
+        r.send_msg(P.PingRequest())
+        assert r.recv() == P.PongReply()
+        s.server.request_shutdown()
+        reply = r.recv()
+        assert isinstance(reply, P.ProfileReply) and reply.id == "cut" and len(engine.profiles) == 2
+        s.thread.join(10)
+        assert s.exit_code == 0
+        r.close()
+
+
+def test_profile_through_the_client_and_bad_seconds(srv, raw):
+    with Client(srv.address, timeout=10) as c:
+        assert c.profile(0.05) == [f"{srv.engine.profiles[0]}.rank0.json"]
+    with pytest.raises(P.ProtocolError):
+        P.encode(P.ProfileRequest(-1.0))
+    for bad in (-1, P.MAX_PROFILE_SECONDS + 1, "5", 2**64 - 1):
+        raw.send_obj({"v": 1, "type": "profile", "id": "b", "seconds": bad})
+        e = raw.recv()
+        assert (e.code, e.id, e.field) == (P.INVALID_FIELD, "b", "seconds")
+    assert not srv.engine.profiling

@@ -99,3 +99,13 @@ def test_a_failing_step_aborts_only_its_requests(engine, monkeypatch, stage):
     engine.add_request("next", [5, 6, 7], greedy)
     assert run(engine)["next"].num_completion_tokens == 4
     assert idle(engine)
+
+
+def test_profile_writes_a_trace_per_rank(engine, tmp_path):
+    engine.start_profile()
+    engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=2))
+    run(engine)
+    files = engine.stop_profile(str(tmp_path / "trace"))
+    assert files == [str(tmp_path / "trace.rank0.json")]
+    assert (tmp_path / "trace.rank0.json").stat().st_size > 0
+    assert idle(engine)

@@ -27,6 +27,8 @@ ROUND_TRIP = [
     ("request", P.StatusRequest(id="s")),
     ("request", P.PingRequest()),
     ("request", P.PingRequest(id="p" * 128)),
+    ("request", P.ProfileRequest(2.5, id="prof")),
+    ("reply", P.ProfileReply(["/run/tpserve/tpserve-profile-1-1.rank0.json"], id="prof")),
     ("reply", P.DeltaReply("r1", "wörld", [5, 6])),
     ("reply", P.DeltaReply("r1", "", [])),
     ("reply", P.DoneReply("r1", "length", 3, 5)),

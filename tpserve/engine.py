@@ -19,6 +19,7 @@ from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
 from tpserve.errors import InvalidRequestError, StepFailedError, WorkerDiedError
 from tpserve.outputs import RequestOutput
+from tpserve.plan import Command
 from tpserve.requests import check_prompt_shape, check_request
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
@@ -176,6 +177,15 @@ class Engine:
     # ---- control -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """Start the torch profiler on every rank (steps keep running)."""
+        self.executor.control(Command.PROFILE_START)
+
+    def stop_profile(self, path: str) -> list[str]:
+        """Stop the profiler on every rank; each writes ``{path}.rank{r}.json``. Returns the paths."""
+        self.executor.control(Command.PROFILE_STOP, path=path)
+        return [f"{path}.rank{r}.json" for r in range(self.config.tensor_parallel_size)]
 
     def stats(self) -> dict:
         s = dict(self.scheduler.stats())

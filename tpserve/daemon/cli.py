@@ -1,4 +1,4 @@
-"""`tpserve` command line: start/serve/stop/status the daemon, generate through it, make keys.
+"""`tpserve` command line: start/serve/stop/status the daemon, generate through it, profile it, make keys.
 
 Every option can also come from the environment as ``TPSERVE_<OPTION>`` (e.g. TPSERVE_MODEL,
 TPSERVE_RUNTIME_DIR, TPSERVE_ADDRESS). Bad values exit with status 2 and name the option;
@@ -363,6 +363,28 @@ def status(as_json, **kw):
             except (ValueError, TypeError):
                 value = " / ".join(str(stats[k]) for k in keys)
             click.echo(f"  {label:<18} {value}")
+
+
+# ---- profile -----------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.option("--seconds", type=click.FloatRange(0.0, P.MAX_PROFILE_SECONDS, min_open=True), default=5.0,
+              show_default=True, help="how long to record")
+@client_options(timeout=60.0)
+def profile(seconds, **kw):
+    """Record a torch profiler trace of every rank while the daemon serves.
+
+    Prints the trace files (Chrome trace JSON, one per rank, in the daemon's runtime dir);
+    open them in Perfetto or chrome://tracing. --timeout counts after --seconds.
+    """
+    with _client(kw) as client:
+        try:
+            files = client.profile(seconds)
+        except ClientTimeout as e:
+            _fail(str(e))
+        except RequestError as e:
+            _fail(f"profiling failed: {e}")
+    for f in files:
+        click.echo(f)
 
 
 # ---- generate ----------------------------------------------------------------------------

@@ -181,6 +181,14 @@ class Client(_Common):
         self._call(P.PingRequest(id=self._new_id()), timeout)
         return time.perf_counter() - start
 
+    def profile(self, seconds: float, timeout=_DEFAULT) -> list[str]:
+        """Record a profiler trace on every rank for ``seconds`` while the daemon serves; returns
+        the trace files written on the daemon's machine. ``timeout`` counts after ``seconds``."""
+        timeout = self._timeout(timeout)
+        msg = self._call(P.ProfileRequest(seconds, id=self._new_id()),
+                         None if timeout is None else seconds + timeout)
+        return msg.files
+
     def close(self) -> None:
         self._sock.close()
 

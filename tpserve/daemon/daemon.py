@@ -12,6 +12,7 @@ Order of events, each step undone in reverse on the way out:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -55,6 +56,8 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
 
     old_handlers = {s: signal.signal(s, startup_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
+    if options.profile_dir is None:
+        options = dataclasses.replace(options, profile_dir=str(rd.absolute()))
     try:
         server = Server(None, address, options)
         if engine_factory is None:

@@ -43,5 +43,11 @@ class ServingEngine(Protocol):
     def stats(self) -> dict:
         """Counters for ``status`` (plain values; docs/protocol.md lists the keys)."""
 
+    def start_profile(self) -> None:
+        """Start a profiler trace on every rank."""
+
+    def stop_profile(self, path: str) -> list[str]:
+        """Stop it; every rank writes a trace file named after ``path``. Returns the files."""
+
     def shutdown(self) -> None:
         """Stop the workers and free the engine's resources."""

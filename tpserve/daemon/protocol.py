@@ -11,7 +11,7 @@ Any violation raises ``ProtocolError(code, field, message)``; the daemon turns i
 ``error`` reply.
 
 Type strings are looked up per direction: ``REQUESTS`` (client -> daemon) and ``REPLIES``
-(daemon -> client). ``status`` names both a request and its reply.
+(daemon -> client). ``status`` and ``profile`` name both a request and its reply.
 """
 from __future__ import annotations
 
@@ -105,6 +105,16 @@ def integer(lo: int, hi: int) -> Validator:
             raise _bad(name, f"must be an integer, got {type(v).__name__}")
         if not lo <= v <= hi:
             raise _bad(name, f"must be in [{lo}, {hi}], got {v}")
+        return v
+    return check
+
+
+def number(lo: float, hi: float) -> Validator:
+    def check(name, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _bad(name, f"must be a number, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise _bad(name, f"must be in [{lo:g}, {hi:g}], got {v}")
         return v
     return check
 
@@ -248,6 +258,20 @@ class PingRequest(Message):
     id: str | None = None
 
 
+MAX_PROFILE_SECONDS = 3600.0
+
+
+@dataclass
+class ProfileRequest(Message):
+    """Record a profiler trace on every rank for ``seconds``. Reply: ``profile`` once written."""
+
+    TYPE = "profile"
+    DIRECTION = "request"
+    FIELDS = {"seconds": (number(0.0, MAX_PROFILE_SECONDS), True), "id": (nullable(request_id), False)}
+    seconds: float
+    id: str | None = None
+
+
 @dataclass
 class DeltaReply(Message):
     """New output of a streaming request since its previous delta."""
@@ -313,6 +337,23 @@ class StatusReply(Message):
 
 
 @dataclass
+class ProfileReply(Message):
+    """The trace files written (one per rank, on the daemon's machine)."""
+
+    TYPE = "profile"
+    DIRECTION = "reply"
+    FIELDS = {"files": (lambda name, v: _string_list(name, v, 4096), True), "id": (nullable(request_id), False)}
+    files: list[str]
+    id: str | None = None
+
+
+def _string_list(name, v, max_chars: int) -> list[str]:
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_STATUS_ENTRIES:
+        raise _bad(name, f"must be an array of at most {MAX_STATUS_ENTRIES} strings")
+    return [text(max_chars)(f"{name}[{i}]", s) for i, s in enumerate(v)]
+
+
+@dataclass
 class PongReply(Message):
     TYPE = "pong"
     DIRECTION = "reply"
@@ -321,9 +362,10 @@ class PongReply(Message):
 
 
 REQUESTS: dict[str, type[Message]] = {c.TYPE: c for c in
-                                      (GenerateRequest, AbortRequest, StatusRequest, PingRequest)}
+                                      (GenerateRequest, AbortRequest, StatusRequest, PingRequest,
+                                       ProfileRequest)}
 REPLIES: dict[str, type[Message]] = {c.TYPE: c for c in
-                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply)}
+                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply, ProfileReply)}
 
 
 # ---- encode / decode ---------------------------------------------------------------------

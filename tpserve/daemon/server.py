@@ -40,6 +40,7 @@ import errno
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +72,8 @@ class ServerOptions:
     send_hwm: int = 1000
     #: Text prompts longer than this are tokenized on a worker thread, not the serving loop.
     inline_tokenize_chars: int = 8192
+    #: Where ``profile`` traces are written (the daemon uses its runtime dir); None: the temp dir.
+    profile_dir: str | None = None
     curve_public_key: bytes | None = None
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
@@ -98,6 +101,15 @@ class _Request:
 
 
 @dataclass
+class _Profile:
+    """A ``profile`` request being recorded until ``deadline``."""
+
+    identity: bytes
+    id: str | None
+    deadline: float
+
+
+@dataclass
 class _Tokenizing:
     """A request waiting for its prompt's tokens (see ``inline_tokenize_chars``)."""
 
@@ -122,6 +134,8 @@ class Server:
         self._requests: dict[str, _Request] = {}  # by engine id
         self._tokenizing: dict[str, _Tokenizing] = {}  # by engine id
         self._tokenizer_pool: ThreadPoolExecutor | None = None
+        self._profile: _Profile | None = None
+        self._num_profiles = 0
         self._next_tag = 0
         self._started = time.monotonic()
         self._stop_requested = False
@@ -221,6 +235,9 @@ class Server:
             timeout = 20  # ms: retry refused sends / watch the grace deadline
         else:
             timeout = None  # idle: sleep until a message or a wake-up
+        if self._profile is not None and timeout != 0:
+            left_ms = max(0, int((self._profile.deadline - time.monotonic()) * 1000) + 1)
+            timeout = left_ms if timeout is None else min(timeout, left_ms)
         events = dict(self.poller.poll(timeout))
         if self._wake_r.fileno() in events:
             try:
@@ -243,6 +260,8 @@ class Server:
                 self._fail_all(f"engine failed: {type(e).__name__}: {e}")
                 raise _EngineFailed from e
             self._dispatch(outputs)
+        if self._profile is not None and time.monotonic() >= self._profile.deadline:
+            self._finish_profile()
         self._flush()
 
     def _begin_shutdown(self) -> None:
@@ -256,6 +275,8 @@ class Server:
         for _ in range(_EXIT_DRAIN_ROUNDS):
             if self._drain() < self.options.max_messages_per_step:
                 break
+        if self._profile is not None:
+            self._finish_profile()
         for req in [*self._requests.values(), *(t.req for t in self._tokenizing.values())]:
             self._abort(req, "shutting_down")
         # Let clients take their final messages while they keep reading; a client whose queue
@@ -321,6 +342,8 @@ class Server:
             self._on_abort(identity, msg)
         elif isinstance(msg, P.StatusRequest):
             self._reply(identity, P.StatusReply(self.stats(), id=msg.id))
+        elif isinstance(msg, P.ProfileRequest):
+            self._on_profile(identity, msg)
         else:
             assert isinstance(msg, P.PingRequest)
             self._reply(identity, P.PongReply(id=msg.id))
@@ -396,6 +419,36 @@ class Server:
                                                "connection)", id=msg.id, field="id"))
             return
         self._abort(req, "client")
+
+    # ---- profiling ---------------------------------------------------------------------------
+    def _on_profile(self, identity: bytes, msg: P.ProfileRequest) -> None:
+        if self._profile is not None:
+            self._reply(identity, P.ErrorReply(P.INVALID_REQUEST, "a profile is already being recorded; "
+                                               "try again when it is written", id=msg.id))
+            return
+        try:
+            self.engine.start_profile()
+        except Exception as e:
+            log.exception("could not start the profiler")
+            self._reply(identity, P.ErrorReply(P.INVALID_REQUEST, f"cannot start the profiler: "
+                                               f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS], id=msg.id))
+            return
+        self._profile = _Profile(identity, msg.id, time.monotonic() + msg.seconds)
+        log.info("profiling for %g s", msg.seconds)
+
+    def _finish_profile(self) -> None:
+        prof, self._profile = self._profile, None
+        self._num_profiles += 1
+        stem = os.path.join(self.options.profile_dir or tempfile.gettempdir(),
+                            f"tpserve-profile-{os.getpid()}-{self._num_profiles}")
+        try:
+            reply = P.ProfileReply(self.engine.stop_profile(stem), id=prof.id)
+            log.info("profile written: %s", ", ".join(reply.files))
+        except Exception as e:
+            log.exception("could not write the profile")
+            reply = P.ErrorReply(P.INVALID_REQUEST, f"cannot write the profile: "
+                                 f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS], id=prof.id)
+        self._reply(prof.identity, reply)
 
     # ---- engine outputs ----------------------------------------------------------------------
     def _dispatch(self, outputs) -> None:
