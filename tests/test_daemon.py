@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -165,11 +166,12 @@ def short_tmpdir() -> str:
 class ServerThread:
     """Runs Server(engine).run() on a thread; ``stop()`` shuts it down and returns the exit code."""
 
-    def __init__(self, engine=None, options: ServerOptions | None = None, address: str | None = None):
+    def __init__(self, engine=None, options: ServerOptions | None = None, address: str | None = None,
+                 context: zmq.Context | None = None):
         self.engine = engine or FakeEngine()
         self.dir = short_tmpdir()
         self.address = address or f"ipc://{self.dir}/s.sock"
-        self.server = Server(self.engine, self.address, options or ServerOptions())
+        self.server = Server(self.engine, self.address, options or ServerOptions(), context=context)
         self.exit_code = None
         self.thread = threading.Thread(target=self._run, name="tpserve-test-server", daemon=True)
         self.thread.start()
@@ -248,6 +250,22 @@ def raw(srv):
     r = Raw(srv.address)
     yield r
     r.close()
+
+
+def wait_for_state(r, state, timeout=10.0) -> list:
+    """Ask for status over ``r`` until the daemon reports ``state``; returns the other replies."""
+    deadline = time.monotonic() + timeout
+    others = []
+    while True:
+        r.send_msg(P.StatusRequest(id="state"))
+        while True:
+            m = r.recv()
+            assert m is not None and time.monotonic() < deadline, f"never reached state {state!r}"
+            if isinstance(m, P.StatusReply) and m.id == "state":
+                break
+            others.append(m)
+        if m.stats["state"] == state:
+            return others
 
 
 def client_ids(engine_ids):
@@ -535,13 +553,14 @@ def test_frames_queued_at_shutdown_are_still_answered():
             return super().step()
 
     engine = Gated()
-    with ServerThread(engine) as s:
+    # inproc: a sent frame is in the server's queue when send() returns, so no wait is needed
+    # to know both frames below are queued before the shutdown begins.
+    with ServerThread(engine, address="inproc://tpserve-queued-at-shutdown", context=zmq.Context.instance()) as s:
         r = Raw(s.address)
         r.send_msg(gen("running", max_tokens=10**6))
         assert engine.entered.wait(10)
         r.send_msg(gen("queued", max_tokens=2))  # arrives while the engine is busy
         r.send_msg(P.PingRequest(id="queued-ping"))
-        time.sleep(0.2)
         s.server.request_shutdown()
         engine.gate.set()
         seen = {}
@@ -565,10 +584,10 @@ def test_shutdown_grace_lets_requests_finish_and_refuses_new_ones():
         r.send_msg(gen("finishing", max_tokens=40))
         assert isinstance(r.recv(), P.DeltaReply)
         s.server.request_shutdown()
-        time.sleep(0.05)
+        early = wait_for_state(r, "shutting_down")
         r.send_msg(gen("late", max_tokens=2))
         r.send_msg(P.PingRequest(id="still"))
-        seen = {}
+        seen = {m.id: m for m in early if not isinstance(m, P.DeltaReply)}
         while "finishing" not in seen or "late" not in seen or "still" not in seen:
             m = r.recv()
             assert m is not None
@@ -677,11 +696,31 @@ DAEMON_SCRIPT = textwrap.dedent("""
     from tpserve.daemon.daemon import run_daemon
     from tpserve.daemon.server import ServerOptions
     logging.basicConfig(level="INFO")
-    engine = FakeEngine(shutdown_delay={shutdown_delay})
+    class Announcing(FakeEngine):
+        def shutdown(self):
+            print("engine shutdown started", flush=True)
+            super().shutdown()
+    engine = Announcing(shutdown_delay={shutdown_delay})
     code = run_daemon(EngineConfig(), None, {rd!r}, ServerOptions(), engine_factory=lambda cfg: engine)
     print("shutdown_called", engine.shutdown_called, flush=True)
     sys.exit(code)
 """)
+
+
+def wait_for_line(proc, text, timeout=30.0):
+    """Read ``proc``'s output until a line containing ``text``."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{text!r} never printed; got {seen}"
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if ready:
+            line = proc.stdout.readline()
+            assert line, f"output ended before {text!r}; got {seen}"
+            if text in line:
+                return
+            seen.append(line)
 
 
 def _spawn_fake_daemon(rd, shutdown_delay=0.0):
@@ -726,7 +765,7 @@ def test_daemon_second_signal_exits_at_once():
     proc = _spawn_fake_daemon(rd, shutdown_delay=120.0)  # engine.shutdown() hangs
     try:
         proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        wait_for_line(proc, "engine shutdown started")
         assert proc.poll() is None  # stuck in engine.shutdown()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=15)
