@@ -282,3 +282,15 @@ def test_readable_id():
 def test_error_codes_are_distinct_strings():
     assert len(set(P.ERROR_CODES)) == len(P.ERROR_CODES)
     assert all(isinstance(c, str) and c == c.lower() for c in P.ERROR_CODES)
+
+
+def test_limits_have_one_home():
+    """The wire re-exports tpserve.requests' limits; the scheduler and kernels share their lists."""
+    from tpserve import requests as R
+    from tpserve.config import ATTENTION_BACKENDS
+    from tpserve.kernels.backend import BACKEND_NAMES
+    from tpserve.scheduler import scheduler
+    for name in ("MAX_ID_CHARS", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID", "MAX_STOP_STRINGS",
+                 "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "FINISH_REASONS"):
+        assert getattr(P, name) is getattr(R, name), name
+    assert scheduler.FINISH_REASONS is R.FINISH_REASONS and BACKEND_NAMES is ATTENTION_BACKENDS
