@@ -91,6 +91,9 @@ def test_bad_engine_options_name_the_option(args, env, option, reason):
 @pytest.mark.parametrize("args,option", [
     (["--top-p", "0"], "--top-p"), (["--temperature", "-1"], "--temperature"),
     (["--max-tokens", "0"], "--max-tokens"), (["--stop-token-id", "-5"], "'--stop-token-id'"),
+    (["--top-k", "2147483648"], "'--top-k'"), (["--stop-token-id", "1", "--stop-token-id", "2147483648"],
+                                                "'--stop-token-id'"),
+    (["--max-tokens", str(2**63 - 1)], "'--max-tokens'"), (["--seed", str(2**63)], "'--seed'"),
 ])
 def test_bad_sampling_options_name_the_option(args, option):
     result = CliRunner().invoke(main, ["generate", "hi", *args, "--address", "tcp://127.0.0.1:9"])
