@@ -23,11 +23,12 @@ import pytest
 from click.testing import CliRunner
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
+from test_daemon import FakeEngine, ServerThread
 from tpserve.daemon.cli import main
 from tpserve.daemon.client import Client
 from tpserve.daemon.keys import load_keys
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
-from tpserve.daemon.runtime import descendants, pid_alive, read_ready
+from tpserve.daemon.runtime import PidFile, descendants, pid_alive, read_ready, write_ready
 from tpserve.sampling import SamplingParams
 
 NUM_KV_BLOCKS = 64
@@ -90,6 +91,9 @@ def test_bad_engine_options_name_the_option(args, env, option, reason):
 @pytest.mark.parametrize("args,option", [
     (["--top-p", "0"], "--top-p"), (["--temperature", "-1"], "--temperature"),
     (["--max-tokens", "0"], "--max-tokens"), (["--stop-token-id", "-5"], "'--stop-token-id'"),
+    (["--top-k", "2147483648"], "'--top-k'"), (["--stop-token-id", "1", "--stop-token-id", "2147483648"],
+                                                "'--stop-token-id'"),
+    (["--max-tokens", str(2**63 - 1)], "'--max-tokens'"), (["--seed", str(2**63)], "'--seed'"),
 ])
 def test_bad_sampling_options_name_the_option(args, option):
     result = CliRunner().invoke(main, ["generate", "hi", *args, "--address", "tcp://127.0.0.1:9"])
@@ -101,8 +105,9 @@ def test_engine_options_come_from_the_environment(tiny_models_root):  # noqa: F8
     kw = dict(model=str(model), tensor_parallel_size=2, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=64, max_model_len=128, kv_cache_memory_gb=0.5,
               gpu_memory_utilization=0.5, num_kv_blocks=9, dtype="float32", attention_backend="torch",
-              enforce_eager=True, no_prefix_caching=True, seed=7)
+              enforce_eager=True, no_prefix_caching=True, seed=7, startup_timeout=42.5)
     config = config_from_options(dict(kw))
+    assert config.startup_timeout == 42.5  # one meaning: the engine's start, also what `start` waits
     assert (config.block_size, config.num_kv_blocks, config.enable_prefix_caching) == (8, 9, False)
     # What `start` passes to its child rebuilds the same configuration.
     seen = {}
@@ -120,6 +125,10 @@ def test_engine_options_come_from_the_environment(tiny_models_root):  # noqa: F8
     assert result.exit_code == 0, result.output
     assert seen["config"].num_kv_blocks == 11 and not seen["config"].enable_prefix_caching
     assert seen["config"].tensor_parallel_size == 2
+    result = CliRunner().invoke(probe, ["--model", str(model)], env={"TPSERVE_STARTUP_TIMEOUT": "7"})
+    assert result.exit_code == 0 and seen["config"].startup_timeout == 7.0
+    result = CliRunner().invoke(probe, ["--model", str(model), "--startup-timeout", "0"])
+    assert result.exit_code == 2 and "--startup-timeout" in result.output
 
 
 def test_keys(tmp_path):
@@ -143,17 +152,43 @@ def test_commands_without_a_daemon_fail_clearly():
     try:
         runner = CliRunner()
         st = runner.invoke(main, ["status", "--runtime-dir", rd])
-        assert st.exit_code == 1 and f"no tpserve daemon at ipc://{rd}/tpserve.sock" in st.output
+        assert st.exit_code == 1 and f"no tpserve daemon is running with runtime dir {rd}" in st.output
         gen = runner.invoke(main, ["generate", "hi", "--runtime-dir", rd])
-        assert gen.exit_code == 1 and "no tpserve daemon at" in gen.output
-        Path(rd, "tpserve.sock").touch()  # a socket file nobody listens on: the client times out
-        st = runner.invoke(main, ["status", "--runtime-dir", rd, "--timeout", "0.3"])
-        assert st.exit_code == 1 and "no reply from tpserve daemon" in st.output
+        assert gen.exit_code == 1 and "no tpserve daemon is running" in gen.output
+        # What a kill -9 leaves: a socket file and a pid file whose lock nobody holds. The lock
+        # decides at once (the default --timeout is 5 s; no reply is awaited here).
+        Path(rd, "tpserve.sock").touch()
+        Path(rd, "tpserve.pid").write_text("999999\n")
+        st = runner.invoke(main, ["status", "--runtime-dir", rd, "--timeout", "30"])
+        assert st.exit_code == 1 and "no tpserve daemon is running" in st.output
+        assert not Path(rd, "tpserve.sock").exists()  # the stale files are cleaned up
+        sock = runner.invoke(main, ["status", "--address", f"ipc://{rd}/nothing.sock"])
+        assert sock.exit_code == 1 and f"no tpserve daemon at ipc://{rd}/nothing.sock" in sock.output
         tcp = runner.invoke(main, ["status", "--address", "tcp://127.0.0.1:9", "--timeout", "0.3"])
         assert tcp.exit_code == 1 and "tcp://127.0.0.1:9 within 0.3 s" in tcp.output
         stop = runner.invoke(main, ["stop", "--runtime-dir", rd])
         assert stop.exit_code == 1 and "no tpserve daemon is running" in stop.output
     finally:
+        shutil.rmtree(rd, ignore_errors=True)
+
+
+def test_status_finds_a_tcp_daemon_through_the_runtime_dir():
+    rd = Path(short_tmpdir())
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    pidfile = PidFile(rd)
+    pidfile.acquire()  # this process stands in for the daemon that owns rd
+    try:
+        with ServerThread(FakeEngine(), address=address) as srv:
+            write_ready(rd, address)
+            st = CliRunner().invoke(main, ["status", "--runtime-dir", str(rd)])
+            assert st.exit_code == 0, st.output
+            assert f"tpserve daemon at {address}" in st.output and "fake-model" in st.output
+            prof = CliRunner().invoke(main, ["profile", "--seconds", "0.05", "--runtime-dir", str(rd)])
+            assert prof.exit_code == 0, prof.output
+            assert prof.output.strip() == f"{srv.engine.profiles[0]}.rank0.json"
+            assert srv.stop() == 0
+    finally:
+        pidfile.release()
         shutil.rmtree(rd, ignore_errors=True)
 
 

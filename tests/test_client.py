@@ -11,7 +11,7 @@ from test_daemon import FakeEngine, ServerThread, client_ids
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import AsyncClient, Client, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.runtime import default_address
-from tpserve.errors import ConfigError
+from tpserve.errors import InvalidFieldError
 from tpserve.sampling import SamplingParams
 
 
@@ -169,7 +169,7 @@ def test_request_errors_are_typed(srv):
 
 def test_bad_input_is_caught_before_sending(srv):
     with Client(srv.address, timeout=10) as c:
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(InvalidFieldError) as e:
             c.generate("hi", temperature=-1.0)
         assert e.value.field == "temperature"
         with pytest.raises(TypeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -30,8 +31,9 @@ from tpserve.daemon.keys import generate_keypair, load_secret_keys
 from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
                                     is_loopback_tcp, read_ready)
 from tpserve.daemon.server import Server, ServerOptions
-from tpserve.errors import AdmissionError, ConfigError
+from tpserve.errors import AdmissionError, InvalidRequestError, StepFailedError
 from tpserve.outputs import RequestOutput
+from tpserve.requests import check_request
 from tpserve.sampling import SamplingParams
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -40,7 +42,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 class FakeEngine:
     """Engine stand-in: token k of a request is (sum(prompt ids) + 31 k + seed) % vocab, text "<tok> ".
 
-    Prompts of text map each character to ``ord(c) % vocab``. Each request holds
+    Prompts of text map each character to ``ord(c) % vocab`` (``tokenize``; a prompt containing
+    ``hold_marker`` waits in ``tokenize`` until ``release_tokenize`` is set). Each request holds
     ceil((prompt + max_tokens) / block_size) blocks from admission to finish/abort, so tests can
     see blocks being freed. ``fail_after`` makes step() raise after that many steps;
     ``step_delay`` slows steps down; ``shutdown_delay`` makes shutdown() hang.
@@ -50,8 +53,11 @@ class FakeEngine:
                  step_delay=0.0, fail_after=None, shutdown_delay=0.0, eos=None):
         self.config = SimpleNamespace(model="fake", model_path="fake-model", tensor_parallel_size=1,
                                       max_model_len=max_model_len, num_kv_blocks=num_blocks,
-                                      block_size=block_size, hf_config={"vocab_size": vocab})
+                                      block_size=block_size)
         self.vocab = vocab
+        self.hold_marker = "\x00hold\x00"
+        self.release_tokenize = threading.Event()
+        self.tokenize_started = threading.Event()
         self.eos = eos
         self.step_delay = step_delay
         self.fail_after = fail_after
@@ -62,6 +68,8 @@ class FakeEngine:
         self.num_steps = 0
         self.generated = 0
         self.shutdown_called = False
+        self.profiling = False
+        self.profiles: list[str] = []
 
     @staticmethod
     def expected_tokens(prompt, params: SamplingParams, vocab=1000, eos=None) -> list[int]:
@@ -74,12 +82,18 @@ class FakeEngine:
                 break
         return out
 
-    def add_request(self, request_id, prompt, params):
+    def tokenize(self, prompt):
+        if self.hold_marker in prompt:
+            self.tokenize_started.set()
+            assert self.release_tokenize.wait(60), "the test never released the tokenizer"
+        return [ord(c) % self.vocab for c in prompt]
+
+    def add_request(self, request_id, prompt, params=None):
+        params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = [ord(c) % self.vocab for c in prompt] if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt: is empty")
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt = check_request(prompt, params, self.vocab)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         total = len(ids) + params.max_tokens
         if total > self.config.max_model_len:
             raise AdmissionError(request_id, "max_model_len", total, self.config.max_model_len)
@@ -129,6 +143,16 @@ class FakeEngine:
                     num_preemptions=0, prompt_tokens=0, generation_tokens=self.generated,
                     tokens_per_s=0.0, model=self.config.model_path, tensor_parallel_size=1)
 
+    def start_profile(self):
+        assert not self.profiling
+        self.profiling = True
+
+    def stop_profile(self, path):
+        assert self.profiling
+        self.profiling = False
+        self.profiles.append(path)
+        return [f"{path}.rank0.json"]
+
     def shutdown(self):
         self.shutdown_called = True
         time.sleep(self.shutdown_delay)
@@ -142,11 +166,12 @@ def short_tmpdir() -> str:
 class ServerThread:
     """Runs Server(engine).run() on a thread; ``stop()`` shuts it down and returns the exit code."""
 
-    def __init__(self, engine=None, options: ServerOptions | None = None, address: str | None = None):
+    def __init__(self, engine=None, options: ServerOptions | None = None, address: str | None = None,
+                 context: zmq.Context | None = None):
         self.engine = engine or FakeEngine()
         self.dir = short_tmpdir()
         self.address = address or f"ipc://{self.dir}/s.sock"
-        self.server = Server(self.engine, self.address, options or ServerOptions())
+        self.server = Server(self.engine, self.address, options or ServerOptions(), context=context)
         self.exit_code = None
         self.thread = threading.Thread(target=self._run, name="tpserve-test-server", daemon=True)
         self.thread.start()
@@ -225,6 +250,22 @@ def raw(srv):
     r = Raw(srv.address)
     yield r
     r.close()
+
+
+def wait_for_state(r, state, timeout=10.0) -> list:
+    """Ask for status over ``r`` until the daemon reports ``state``; returns the other replies."""
+    deadline = time.monotonic() + timeout
+    others = []
+    while True:
+        r.send_msg(P.StatusRequest(id="state"))
+        while True:
+            m = r.recv()
+            assert m is not None and time.monotonic() < deadline, f"never reached state {state!r}"
+            if isinstance(m, P.StatusReply) and m.id == "state":
+                break
+            others.append(m)
+        if m.stats["state"] == state:
+            return others
 
 
 def client_ids(engine_ids):
@@ -313,7 +354,7 @@ def test_error_names_the_id_and_field_when_readable(srv, raw):
     raw.send_obj({"v": 1, "type": "generate", "id": "bad1", "prompt": "a", "params": {"max_tokens": -4}})
     reply = raw.recv()
     assert (reply.code, reply.id, reply.field) == (P.INVALID_FIELD, "bad1", "params.max_tokens")
-    assert ">= 1" in reply.message
+    assert "[1, 2147483647]" in reply.message
 
 
 def test_oversized_frame_is_dropped_and_daemon_keeps_serving(srv, raw):
@@ -342,7 +383,9 @@ def test_duplicate_id_is_per_connection(srv, raw):
         m = raw.recv()
         if isinstance(m, P.ErrorReply):
             err = m
-    assert (err.code, err.id, err.field) == (P.DUPLICATE_ID, "dup", "id")
+    # No id: an error with an id would end "dup", which keeps running.
+    assert (err.code, err.id, err.field) == (P.DUPLICATE_ID, None, "id") and "'dup'" in err.message
+    assert isinstance(raw.recv(), P.DeltaReply)
     other = Raw(srv.address)  # another connection may use the same id
     try:
         other.send_msg(gen("dup", max_tokens=2))
@@ -424,7 +467,7 @@ def test_engine_input_errors_become_invalid_request():
     class Picky(FakeEngine):
         def add_request(self, request_id, prompt, params):
             if prompt == "typed":
-                raise ConfigError("prompt", "is empty after tokenization")
+                raise InvalidRequestError("prompt", "is empty after tokenization")
             raise ValueError("the engine does not like this")
 
     with ServerThread(Picky()) as s:
@@ -510,13 +553,14 @@ def test_frames_queued_at_shutdown_are_still_answered():
             return super().step()
 
     engine = Gated()
-    with ServerThread(engine) as s:
+    # inproc: a sent frame is in the server's queue when send() returns, so no wait is needed
+    # to know both frames below are queued before the shutdown begins.
+    with ServerThread(engine, address="inproc://tpserve-queued-at-shutdown", context=zmq.Context.instance()) as s:
         r = Raw(s.address)
         r.send_msg(gen("running", max_tokens=10**6))
         assert engine.entered.wait(10)
         r.send_msg(gen("queued", max_tokens=2))  # arrives while the engine is busy
         r.send_msg(P.PingRequest(id="queued-ping"))
-        time.sleep(0.2)
         s.server.request_shutdown()
         engine.gate.set()
         seen = {}
@@ -540,10 +584,10 @@ def test_shutdown_grace_lets_requests_finish_and_refuses_new_ones():
         r.send_msg(gen("finishing", max_tokens=40))
         assert isinstance(r.recv(), P.DeltaReply)
         s.server.request_shutdown()
-        time.sleep(0.05)
+        early = wait_for_state(r, "shutting_down")
         r.send_msg(gen("late", max_tokens=2))
         r.send_msg(P.PingRequest(id="still"))
-        seen = {}
+        seen = {m.id: m for m in early if not isinstance(m, P.DeltaReply)}
         while "finishing" not in seen or "late" not in seen or "still" not in seen:
             m = r.recv()
             assert m is not None
@@ -652,11 +696,31 @@ DAEMON_SCRIPT = textwrap.dedent("""
     from tpserve.daemon.daemon import run_daemon
     from tpserve.daemon.server import ServerOptions
     logging.basicConfig(level="INFO")
-    engine = FakeEngine(shutdown_delay={shutdown_delay})
+    class Announcing(FakeEngine):
+        def shutdown(self):
+            print("engine shutdown started", flush=True)
+            super().shutdown()
+    engine = Announcing(shutdown_delay={shutdown_delay})
     code = run_daemon(EngineConfig(), None, {rd!r}, ServerOptions(), engine_factory=lambda cfg: engine)
     print("shutdown_called", engine.shutdown_called, flush=True)
     sys.exit(code)
 """)
+
+
+def wait_for_line(proc, text, timeout=30.0):
+    """Read ``proc``'s output until a line containing ``text``."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{text!r} never printed; got {seen}"
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if ready:
+            line = proc.stdout.readline()
+            assert line, f"output ended before {text!r}; got {seen}"
+            if text in line:
+                return
+            seen.append(line)
 
 
 def _spawn_fake_daemon(rd, shutdown_delay=0.0):
@@ -701,7 +765,7 @@ def test_daemon_second_signal_exits_at_once():
     proc = _spawn_fake_daemon(rd, shutdown_delay=120.0)  # engine.shutdown() hangs
     try:
         proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        wait_for_line(proc, "engine shutdown started")
         assert proc.poll() is None  # stuck in engine.shutdown()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=15)
@@ -728,3 +792,242 @@ def test_second_daemon_on_the_same_runtime_dir_is_refused():
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)
         shutil.rmtree(rd, ignore_errors=True)
+
+
+# ---- hardening: one reply per frame, bounded fields, failures contained ----------------------
+WIDTH_EDGES = [2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -1, -2**31, -2**31 - 1, -2**63,
+               float(2**64)]  # 2**64 itself does not fit msgpack; as a float it does
+
+
+@pytest.mark.parametrize("where", ["v", "prompt[0]", "params.temperature", "params.top_p", "params.top_k",
+                                   "params.seed", "params.max_tokens", "params.stop_token_ids[0]"])
+def test_every_numeric_field_at_every_width_edge_gets_exactly_one_reply(where):
+    with ServerThread(FakeEngine(max_model_len=1000)) as s:
+        r = Raw(s.address)
+        try:
+            for i, value in enumerate(WIDTH_EDGES):
+                rid = f"e{i}"
+                msg = {"v": 1, "type": "generate", "id": rid, "prompt": [1, 2], "stream": False,
+                       "params": {"max_tokens": 2}}
+                if where == "v":
+                    msg["v"] = value
+                elif where == "prompt[0]":
+                    msg["prompt"] = [value]
+                elif where == "params.stop_token_ids[0]":
+                    msg["params"]["stop_token_ids"] = [value]
+                else:
+                    msg["params"][where.split(".")[1]] = value
+                r.send_obj(msg)
+                reply = r.recv()
+                assert isinstance(reply, (P.DoneReply, P.ErrorReply)), f"{where}={value}: no reply"
+                if isinstance(reply, P.ErrorReply) and where != "v" and reply.code != P.ADMISSION:
+                    assert reply.id == rid and reply.field is not None
+                    assert reply.field.startswith(where.split("[")[0]), (where, value, reply)
+                r.send_msg(P.PingRequest(id=f"p{i}"))  # and nothing else for that frame
+                assert r.recv() == P.PongReply(id=f"p{i}"), f"{where}={value}: a second reply"
+        finally:
+            r.close()
+        assert s.stop() == 0
+        assert s.engine.requests == {}
+
+
+def test_admission_error_at_the_max_tokens_bound_is_answered():
+    with ServerThread(FakeEngine(max_model_len=100)) as s:
+        r = Raw(s.address)
+        r.send_obj({"v": 1, "type": "generate", "id": "big", "prompt": [1, 2],
+                    "params": {"max_tokens": 2**31 - 1}})
+        e = r.recv()
+        assert (e.code, e.id, e.requested, e.allowed) == (P.ADMISSION, "big", 2**31 + 1, 100)
+        r.close()
+        assert s.stop() == 0
+
+
+def test_an_error_reply_that_cannot_encode_still_answers():
+    class Overflowing(FakeEngine):
+        def add_request(self, request_id, prompt, params=None):
+            raise AdmissionError(request_id, "max_model_len", 2**70, 10)
+    with ServerThread(Overflowing()) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("o"))
+        e = r.recv()
+        assert (e.code, e.id, e.requested) == (P.ADMISSION, "o", None)
+        r.close()
+        assert s.stop() == 0
+
+
+def test_a_failed_step_fails_only_its_requests_and_the_daemon_serves_on():
+    class OneBadStep(FakeEngine):
+        def step(self):
+            bad = [rid for rid, r in self.requests.items() if r["ids"] == [66, 66]]
+            if bad:
+                for rid in bad:
+                    self.abort_request(rid)
+                raise StepFailedError(bad, OverflowError("Python int too large to convert to C int"))
+            return super().step()
+    with ServerThread(OneBadStep()) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("good", [1, 2], max_tokens=3))
+        r.send_msg(gen("bad", [66, 66], max_tokens=3))
+        replies = {m.id: m for m in [r.recv(), r.recv(), r.recv(), r.recv()] if m is not None
+                   and isinstance(m, (P.DoneReply, P.ErrorReply))}
+        replies.update({m.id: m for m in r.recv_until_done("good")} if "good" not in replies else {})
+        assert (replies["bad"].code, replies["bad"].id) == (P.STEP_FAILED, "bad")
+        assert "OverflowError" in replies["bad"].message
+        assert replies["good"].finish_reason == "length"
+        r.send_msg(gen("after", [3], max_tokens=2))
+        assert r.recv_until_done("after")[-1].finish_reason == "length"
+        r.send_msg(P.StatusRequest())
+        stats = r.recv().stats
+        assert (stats["state"], stats["requests_in_flight"], stats["kv_blocks_used"]) == ("running", 0, 0)
+        r.close()
+        assert s.stop() == 0
+
+
+def test_a_long_prompt_is_tokenized_off_the_serving_loop():
+    engine = FakeEngine()
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16)) as s:
+        r = Raw(s.address)
+        try:
+            huge = "x" * 100 + engine.hold_marker
+            r.send_msg(gen("huge", huge, max_tokens=2, stream=False))
+            assert engine.tokenize_started.wait(10)
+            # The tokenizer is stuck on "huge"; pings, status and short prompts are still served.
+            r.send_msg(P.PingRequest(id="p"))
+            assert r.recv() == P.PongReply(id="p")
+            r.send_msg(gen("short", "hi", max_tokens=2))
+            assert r.recv_until_done("short")[-1].finish_reason == "length"
+            r.send_msg(gen("huge", "again"))  # still in flight while it is tokenized
+            dup = r.recv()
+            assert (dup.code, dup.id) == (P.DUPLICATE_ID, None)
+            r.send_msg(P.StatusRequest())
+            assert r.recv().stats["requests_in_flight"] == 1
+            engine.release_tokenize.set()
+            done = r.recv_until_done("huge")[-1]
+            assert (done.finish_reason, done.prompt_tokens) == ("length", len(huge))
+            assert done.token_ids == FakeEngine.expected_tokens(huge, SamplingParams(max_tokens=2))
+        finally:
+            engine.release_tokenize.set()
+            r.close()
+        assert s.stop() == 0
+
+
+def test_abort_while_tokenizing_and_shutdown_while_tokenizing():
+    engine = FakeEngine()
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16)) as s:
+        r = Raw(s.address)
+        prompt = "y" * 50 + engine.hold_marker
+        r.send_msg(gen("a", prompt))
+        assert engine.tokenize_started.wait(10)
+        r.send_msg(P.AbortRequest("a"))
+        done = r.recv()
+        assert (done.id, done.finish_reason, done.abort_reason, done.prompt_tokens) == ("a", "abort", "client", 0)
+        r.send_msg(gen("b", prompt))  # queued behind "a" on the tokenizer thread
+        r.send_msg(P.PingRequest())
+        assert r.recv() == P.PongReply()
+        s.server.request_shutdown()
+        done = r.recv()
+        assert (done.id, done.finish_reason, done.abort_reason) == ("b", "abort", "shutting_down")
+        engine.release_tokenize.set()
+        s.thread.join(10)
+        assert s.exit_code == 0 and engine.added == []
+        r.close()
+
+
+def test_a_tokenizer_error_is_the_requests_error():
+    class NoTokenizer(FakeEngine):
+        def tokenize(self, prompt):
+            raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
+    with ServerThread(NoTokenizer(), ServerOptions(inline_tokenize_chars=4)) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("t", "long enough"))
+        e = r.recv()
+        assert (e.code, e.id, e.field) == (P.INVALID_REQUEST, "t", "prompt")
+        r.send_msg(gen("t", [1, 2], max_tokens=1))  # the id is free again
+        assert r.recv_until_done("t")[-1].finish_reason == "length"
+        r.close()
+        assert s.stop() == 0
+
+
+def test_repeated_keys_and_bytes_keys_are_bad_messages(srv, raw):
+    raw.sock.send(b"\x84\xa1v\x01\xa4type\xa4ping\xa2id\xa1a\xa2id\xa1b")
+    e = raw.recv()
+    assert (e.code, e.id) == (P.BAD_MESSAGE, None) and "more than once" in e.message
+    raw.send_obj({"v": 1, "type": "ping", b"id": "x"})
+    e = raw.recv()
+    assert e.code == P.BAD_MESSAGE and "string" in e.message
+
+
+def test_too_many_prompt_tokens_names_the_request(srv, raw):
+    raw.send_obj({"v": 1, "type": "generate", "id": "many", "prompt": [1] * (P.MAX_PROMPT_TOKENS + 1)})
+    e = raw.recv(timeout=30)
+    assert (e.code, e.id, e.field) == (P.INVALID_FIELD, "many", "prompt")
+
+
+def test_explicit_ipc_socket_is_private_and_removed_on_close():
+    d = short_tmpdir()
+    path = f"{d}/explicit.sock"
+    old = os.umask(0)
+    try:
+        server = Server(FakeEngine(), f"ipc://{path}")
+    finally:
+        os.umask(old)
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    finally:
+        server.close()
+    assert not os.path.exists(path)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_engine_and_fake_engine_satisfy_the_serving_interface():
+    import inspect
+
+    from tpserve.daemon.engine_api import ServingEngine
+    from tpserve.engine import Engine
+    assert isinstance(FakeEngine(), ServingEngine)
+    names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
+    assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
+                          "start_profile", "stop_profile", "shutdown"}
+    for cls in (Engine, FakeEngine):
+        for name in names:
+            want = list(inspect.signature(getattr(ServingEngine, name)).parameters)
+            got = list(inspect.signature(getattr(cls, name)).parameters)
+            assert got[:len(want)] == want, (cls.__name__, name, got)
+
+
+def test_profile_records_while_serving_and_answers_with_the_files():
+    engine = FakeEngine(step_delay=0.001)
+    with ServerThread(engine, ServerOptions(profile_dir="/tmp/traces")) as s:
+        r = Raw(s.address)
+        r.send_msg(P.ProfileRequest(0.3, id="prof"))
+        r.send_msg(P.ProfileRequest(0.3, id="again"))  # one at a time
+        e = r.recv()
+        assert (e.code, e.id) == (P.INVALID_REQUEST, "again") and "already" in e.message
+        r.send_msg(gen("g", max_tokens=3))  # generation goes on meanwhile
+        assert r.recv_until_done("g")[-1].finish_reason == "length"
+        assert engine.profiling
+        reply = r.recv(timeout=10)
+        assert isinstance(reply, P.ProfileReply) and reply.id == "prof"
+        assert reply.files == [f"{engine.profiles[0]}.rank0.json"]
+        assert engine.profiles[0].startswith("/tmp/traces/tpserve-profile-") and not engine.profiling
+        r.send_msg(P.ProfileRequest(600, id="cut"))  # a shutdown ends a profile early, answered
+        r.send_msg(P.PingRequest())
+        assert r.recv() == P.PongReply()
+        s.server.request_shutdown()
+        reply = r.recv()
+        assert isinstance(reply, P.ProfileReply) and reply.id == "cut" and len(engine.profiles) == 2
+        s.thread.join(10)
+        assert s.exit_code == 0
+        r.close()
+
+
+def test_profile_through_the_client_and_bad_seconds(srv, raw):
+    with Client(srv.address, timeout=10) as c:
+        assert c.profile(0.05) == [f"{srv.engine.profiles[0]}.rank0.json"]
+    with pytest.raises(P.ProtocolError):
+        P.encode(P.ProfileRequest(-1.0))
+    for bad in (-1, P.MAX_PROFILE_SECONDS + 1, "5", 2**64 - 1):
+        raw.send_obj({"v": 1, "type": "profile", "id": "b", "seconds": bad})
+        e = raw.recv()
+        assert (e.code, e.id, e.field) == (P.INVALID_FIELD, "b", "seconds")
+    assert not srv.engine.profiling

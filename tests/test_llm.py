@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
-from tpserve import LLM, AdmissionError, ConfigError, SamplingParams
+from tpserve import LLM, AdmissionError, ConfigError, InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [100, 3, 4], list(range(200, 219)),
@@ -138,9 +138,9 @@ def test_admission_errors_leave_the_engine_usable(tiny_models_root):  # noqa: F8
             llm.generate([list(range(3, 103))], SamplingParams(max_tokens=50), use_tqdm=False)
         with pytest.raises(AdmissionError, match="num_kv_blocks"):
             llm.generate([list(range(3, 63))], SamplingParams(max_tokens=20), use_tqdm=False)
-        with pytest.raises(ConfigError, match="prompt"):
+        with pytest.raises(InvalidRequestError, match="prompt"):
             llm.generate([[]], GREEDY, use_tqdm=False)
-        with pytest.raises(ConfigError, match="prompt"):
+        with pytest.raises(InvalidRequestError, match="prompt"):
             llm.generate([[10 ** 6]], GREEDY, use_tqdm=False)
         ok = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
         assert len(ok.token_ids) == 10

@@ -343,3 +343,20 @@ def test_tiny_model_factory(tiny_models_root, arch):
     out = hf_model(path).generate(torch.tensor([tok(text).input_ids]), max_new_tokens=12, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
     assert len(set(out[0, -12:].tolist())) > 4
+
+
+def test_loading_without_progress_creates_no_semaphore(tiny_models_root, monkeypatch):
+    """Worker ranks load without a progress bar and leave with os._exit: tqdm's multiprocessing
+    lock (a named semaphore) made while loading would be reported leaked at every
+    tensor-parallel shutdown."""
+    from tqdm import tqdm as std_tqdm
+    from tqdm.auto import tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    from tpserve.models.loader import iter_safetensors
+    path = make_tiny_model(tiny_models_root, "qwen3")
+    for cls in (tqdm, std_tqdm):  # as in a fresh worker process
+        monkeypatch.delattr(cls, "_lock", raising=False)
+    monkeypatch.delattr(TqdmDefaultWriteLock, "mp_lock", raising=False)
+    names = [name for name, _ in iter_safetensors(sorted(path.glob("*.safetensors")))]
+    assert names and not hasattr(TqdmDefaultWriteLock, "mp_lock")

@@ -27,6 +27,8 @@ ROUND_TRIP = [
     ("request", P.StatusRequest(id="s")),
     ("request", P.PingRequest()),
     ("request", P.PingRequest(id="p" * 128)),
+    ("request", P.ProfileRequest(2.5, id="prof")),
+    ("reply", P.ProfileReply(["/run/tpserve/tpserve-profile-1-1.rank0.json"], id="prof")),
     ("reply", P.DeltaReply("r1", "wörld", [5, 6])),
     ("reply", P.DeltaReply("r1", "", [])),
     ("reply", P.DoneReply("r1", "length", 3, 5)),
@@ -92,7 +94,8 @@ def test_status_type_string_names_request_and_reply():
     (raw({"v": 1, "type": "shutdown"}), P.UNKNOWN_TYPE, "type"),
     (raw({"v": 1, "type": 5}), P.UNKNOWN_TYPE, "type"),
     (raw({"v": 1, "type": "ping", "extra": 1}), P.UNKNOWN_FIELD, "extra"),
-    (raw({"v": 1, "type": "ping", b"bin": 1}), P.UNKNOWN_FIELD, "b'bin'"),
+    (raw({"v": 1, "type": "ping", b"bin": 1}), P.BAD_MESSAGE, None),  # maps have string keys
+    (raw({"v": 1, "type": "ping", 5: 1}), P.BAD_MESSAGE, None),
 ])
 def test_bad_frames(frame, code, field):
     with pytest.raises(P.ProtocolError) as e:
@@ -149,7 +152,13 @@ GOOD_GENERATE = dict(id="r", prompt="hi", params={"max_tokens": 2}, stream=True)
     (dict(params={"seed": 2**63}), P.INVALID_FIELD, "params.seed"),
     (dict(params={"max_tokens": 0}), P.INVALID_FIELD, "params.max_tokens"),
     (dict(params={"max_tokens": "5"}), P.INVALID_FIELD, "params.max_tokens"),
-    (dict(params={"stop_token_ids": [-1]}), P.INVALID_FIELD, "params.stop_token_ids"),
+    (dict(params={"stop_token_ids": [-1]}), P.INVALID_FIELD, "params.stop_token_ids[0]"),
+    (dict(params={"stop_token_ids": [5, 2**31]}), P.INVALID_FIELD, "params.stop_token_ids[1]"),
+    (dict(params={"top_k": 2**31}), P.INVALID_FIELD, "params.top_k"),
+    (dict(params={"top_k": 2**64 - 1}), P.INVALID_FIELD, "params.top_k"),
+    (dict(params={"max_tokens": 2**31}), P.INVALID_FIELD, "params.max_tokens"),
+    (dict(params={"max_tokens": 2**63 - 1}), P.INVALID_FIELD, "params.max_tokens"),
+    (dict(params={"temperature": float("inf")}), P.INVALID_FIELD, "params.temperature"),
     (dict(params={"stop_token_ids": list(range(P.MAX_STOP_TOKEN_IDS + 1))}), P.INVALID_FIELD,
      "params.stop_token_ids"),
     (dict(params={"stop": [""]}), P.INVALID_FIELD, "params.stop"),
@@ -174,6 +183,36 @@ def test_generate_missing_fields(missing):
     with pytest.raises(P.ProtocolError) as e:
         P.decode(raw(base("generate", **fields)))
     assert (e.value.code, e.value.field) == (P.MISSING_FIELD, missing)
+
+
+def test_numeric_bounds_are_inclusive():
+    params = P.decode(raw(base("generate", id="a", prompt="x", params={
+        "top_k": 2**31 - 1, "max_tokens": 2**31 - 1, "seed": 2**63 - 1,
+        "stop_token_ids": [0, 2**31 - 1]}))).params
+    assert (params.top_k, params.max_tokens, params.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1)
+    assert params.stop_token_ids == [0, 2**31 - 1]
+
+
+@pytest.mark.parametrize("frame", [
+    # a repeated key at the top level, and inside params (msgpack maps can hold one twice)
+    b"\x84\xa1v\x01\xa4type\xa4ping\xa2id\xa1a\xa2id\xa1b",
+    b"\x85\xa1v\x01\xa4type\xa8generate\xa2id\xa1a\xa6prompt\xa1x"
+    b"\xa6params\x82\xa5top_k\x01\xa5top_k\x02",
+])
+def test_repeated_map_keys_are_a_bad_message(frame):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(frame)
+    assert e.value.code == P.BAD_MESSAGE and "more than once" in e.value.message
+
+
+def test_too_many_prompt_tokens_is_an_invalid_field_with_the_id():
+    frame = raw(base("generate", id="long", prompt=[1] * (P.MAX_PROMPT_TOKENS + 1)))
+    assert len(frame) <= P.MAX_MESSAGE_BYTES
+    obj = P.unpack_frame(frame)
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(obj)
+    assert (e.value.code, e.value.field) == (P.INVALID_FIELD, "prompt")
+    assert P.readable_id(obj) == "long"
 
 
 def test_prompt_limits_are_inclusive():
@@ -243,3 +282,15 @@ def test_readable_id():
 def test_error_codes_are_distinct_strings():
     assert len(set(P.ERROR_CODES)) == len(P.ERROR_CODES)
     assert all(isinstance(c, str) and c == c.lower() for c in P.ERROR_CODES)
+
+
+def test_limits_have_one_home():
+    """The wire re-exports tpserve.requests' limits; the scheduler and kernels share their lists."""
+    from tpserve import requests as R
+    from tpserve.config import ATTENTION_BACKENDS
+    from tpserve.kernels.backend import BACKEND_NAMES
+    from tpserve.scheduler import scheduler
+    for name in ("MAX_ID_CHARS", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID", "MAX_STOP_STRINGS",
+                 "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "FINISH_REASONS"):
+        assert getattr(P, name) is getattr(R, name), name
+    assert scheduler.FINISH_REASONS is R.FINISH_REASONS and BACKEND_NAMES is ATTENTION_BACKENDS

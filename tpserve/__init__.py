@@ -1,11 +1,12 @@
 """tpserve: a multi-process tensor-parallel serving daemon for large language models."""
 from tpserve.config import EngineConfig
-from tpserve.errors import AdmissionError, ConfigError, TpserveError, WorkerDiedError
+from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, TpserveError,
+                            WorkerDiedError)
 from tpserve.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "Client", "AsyncClient", "AdmissionError",
-           "ConfigError", "TpserveError", "WorkerDiedError"]
+           "ConfigError", "InvalidRequestError", "InvalidFieldError", "TpserveError", "WorkerDiedError"]
 
 
 def __getattr__(name):

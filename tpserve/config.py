@@ -24,6 +24,8 @@ class EngineConfig:
     ``num_kv_blocks`` overrides the KV pool size (tests, capacity planning); otherwise the
     runner sizes the pool from ``kv_cache_memory_gb`` (CPU) or ``gpu_memory_utilization`` (GPU).
     ``max_model_len`` None means the model's ``max_position_embeddings``.
+    ``startup_timeout``: seconds the engine may take to start (workers joining and loading the
+    model); `tpserve start` waits as long for the daemon to be ready.
     """
 
     model: str | None = None
@@ -40,6 +42,7 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
+    startup_timeout: float = 600.0
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -67,6 +70,9 @@ class EngineConfig:
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization",
                               f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if isinstance(self.startup_timeout, bool) or not isinstance(self.startup_timeout, (int, float)) \
+                or not 0 < self.startup_timeout < float("inf"):
+            raise ConfigError("startup_timeout", f"must be a number of seconds > 0, got {self.startup_timeout!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

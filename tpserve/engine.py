@@ -15,20 +15,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
-from tpserve.errors import ConfigError
+from tpserve.errors import InvalidRequestError, StepFailedError, WorkerDiedError
 from tpserve.outputs import RequestOutput
+from tpserve.plan import Command
+from tpserve.requests import check_prompt_shape, check_request
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
 from tpserve.workers.executor import make_executor
 
 log = logging.getLogger("tpserve.engine")
-
-MAX_PROMPT_CHARS = 1 << 22
-
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -65,42 +62,47 @@ class Engine:
         self.num_steps = 0
 
     # ---- requests ------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("prompt", "this model has no tokenizer: send token ids")
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise ConfigError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise ConfigError("prompt", "must be a string or a list of token ids")
-        vocab = int(self.config.hf_config.get("vocab_size", 1 << 31))
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError("prompt", f"token id {bad[0]} outside [0, {vocab})")
-        return [int(t) for t in prompt]
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids are below it), if its config states one."""
+        vocab = self.config.hf_config.get("vocab_size")
+        return int(vocab) if vocab else None
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (no special tokens added).
+
+        Safe to call from another thread than the one stepping the engine: it touches only the
+        tokenizer, never the scheduler. The daemon tokenizes long prompts off its serving loop.
+        """
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
+        check_prompt_shape(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     detokenize: bool = True) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        Raises AdmissionError if it can never fit, ValueError (ConfigError) on bad input.
+        Raises AdmissionError if it can never fit, InvalidFieldError if a field is out of its
+        bounds (tpserve.requests; token ids must be below the vocabulary size) and
+        InvalidRequestError if it cannot be served otherwise (empty after tokenizing, an id in
+        use). Nothing is queued when it raises.
 
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
         """
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ConfigError("request_id", f"{request_id!r} is already in use")
-        ids = self.encode(prompt)
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt = check_request(prompt, params, self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("params.stop", "stop strings need a tokenizer; this model has none")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         if not ids:
-            raise ConfigError("prompt", "is empty")
+            raise InvalidRequestError("prompt", "is empty after tokenization")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq = Sequence(request_id, ids, params, seed=seed)
         self.scheduler.add(seq)
-        if params.stop and self.tokenizer is None:
-            raise ConfigError("stop", "stop strings need a tokenizer; this model has none")
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) \
             if (detokenize or params.stop) and self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, detok)
@@ -116,16 +118,41 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output per request that advanced.
+
+        A step that fails while its plan is built, or while a single-process forward runs,
+        raises StepFailedError after aborting that step's requests (their blocks are freed);
+        the engine stays usable. WorkerDiedError, and a failed forward with tensor-parallel
+        workers (they may be stuck inside a collective), propagate: the engine is unusable then.
+        """
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        plan = self.scheduler.build_plan(batch)
-        plan.step_id = self.num_steps
-        tokens = self.executor.execute(plan)
+        try:
+            plan = self.scheduler.build_plan(batch)
+            plan.step_id = self.num_steps
+        except Exception as e:  # bad data of this batch's requests: nothing was published yet
+            raise self._fail_step(batch, e) from e
+        try:
+            tokens = self.executor.execute(plan)
+        except WorkerDiedError:
+            raise
+        except Exception as e:
+            if self.config.tensor_parallel_size > 1:
+                raise
+            raise self._fail_step(batch, e) from e
         self.num_steps += 1
         seqs = self.scheduler.postprocess(batch, tokens)
         self._recent.append((time.monotonic(), len(tokens)))
         return [self._output(seq) for seq in seqs]
+
+    def _fail_step(self, batch, cause: Exception) -> StepFailedError:
+        ids = [seq.request_id for seq in batch.seqs]
+        log.error("a step of %d request(s) failed (%s: %s); aborting them", len(ids),
+                  type(cause).__name__, cause, exc_info=cause)
+        for rid in ids:
+            self.abort_request(rid)
+        return StepFailedError(ids, cause)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -150,6 +177,15 @@ class Engine:
     # ---- control -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """Start the torch profiler on every rank (steps keep running)."""
+        self.executor.control(Command.PROFILE_START)
+
+    def stop_profile(self, path: str) -> list[str]:
+        """Stop the profiler on every rank; each writes ``{path}.rank{r}.json``. Returns the paths."""
+        self.executor.control(Command.PROFILE_STOP, path=path)
+        return [f"{path}.rank{r}.json" for r in range(self.config.tensor_parallel_size)]
 
     def stats(self) -> dict:
         s = dict(self.scheduler.stats())

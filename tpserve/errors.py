@@ -1,4 +1,4 @@
-"""Typed errors raised at tpserve's boundaries (config, requests, wire messages).
+"""Typed errors raised at tpserve's boundaries (config, requests, steps, wire messages).
 
 Internal invariants use ``assert``; anything a user or a client can cause raises one of
 these, with a message that says what was wrong and what is allowed.
@@ -17,6 +17,40 @@ class ConfigError(TpserveError, ValueError):
         self.field = field
         self.reason = reason
         super().__init__(f"{field}: {reason}")
+
+
+class InvalidRequestError(TpserveError, ValueError):
+    """A request is well-formed but cannot be served as it is (e.g. empty after tokenizing).
+
+    ``field`` names the offending part of the request (``prompt``, ``params.stop``, ...) or is
+    None; ``reason`` says what was wrong and what is allowed.
+    """
+
+    def __init__(self, field: str | None, reason: str):
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}" if field else reason)
+
+
+class InvalidFieldError(InvalidRequestError):
+    """One field of a request has the wrong type or is out of its documented bounds.
+
+    Raised by ``SamplingParams`` and ``tpserve.requests`` before anything is queued; the daemon
+    answers it with the wire error ``invalid_field`` naming ``field``.
+    """
+
+
+class StepFailedError(TpserveError, RuntimeError):
+    """One engine step failed in a way that only its own requests are affected by.
+
+    The engine has already aborted ``request_ids`` (their KV blocks are free) and can keep
+    stepping; ``__cause__`` is the original exception.
+    """
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        self.request_ids = list(request_ids)
+        super().__init__(f"an engine step failed for {len(self.request_ids)} request(s): "
+                         f"{type(cause).__name__}: {cause}")
 
 
 class AdmissionError(TpserveError, ValueError):

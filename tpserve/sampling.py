@@ -1,12 +1,12 @@
 """SamplingParams: per-request decoding options, named as in vLLM."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from tpserve.errors import ConfigError
-
-# Largest seed accepted; seeds are mixed into a 63-bit counter-based RNG.
-MAX_SEED = 2**63 - 1
+from tpserve.errors import InvalidFieldError
+from tpserve.requests import (MAX_MAX_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                              MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, check_token_ids, is_int)
 
 
 @dataclass
@@ -16,6 +16,9 @@ class SamplingParams:
     temperature 0 means greedy. ``top_k`` <= 0 (or -1, vLLM's spelling) disables top-k;
     ``top_p`` 1.0 disables nucleus sampling. With ``seed`` set, the sampled tokens depend only
     on the seed, the model and the prompt -- not on which other requests share the batch.
+
+    Every field is checked at construction against the bounds of ``tpserve.requests``; a bad
+    value raises ``InvalidFieldError`` naming the field (``stop_token_ids[2]``, ...).
     """
 
     temperature: float = 1.0
@@ -28,7 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
+        # A single stop string is reported as "stop", an element of a list as "stop[i]".
+        self._single_stop = isinstance(self.stop, str)
+        if self._single_stop:
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -37,36 +42,45 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def num(name, value, kinds=(int, float)):
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                raise ConfigError(name, f"must be a number, got {type(value).__name__}")
+        def number(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidFieldError(name, f"must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise InvalidFieldError(name, f"must be finite, got {value}")
 
-        num("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ConfigError("temperature", f"must be in [0, 100], got {self.temperature}")
-        num("top_p", self.top_p)
+        def integer(name, value, lo, hi, what=""):
+            if not is_int(value):
+                raise InvalidFieldError(name, f"must be an integer, got {type(value).__name__}")
+            if not lo <= value <= hi:
+                raise InvalidFieldError(name, f"must be in [{lo}, {hi}]{what}, got {value}")
+
+        number("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidFieldError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        num("top_k", self.top_k, (int,))
-        if self.top_k < -1:
-            raise ConfigError("top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+            raise InvalidFieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        integer("top_k", self.top_k, -1, MAX_TOP_K, " (-1 or 0 disable it)")
+        self.top_k = int(self.top_k)
         if self.seed is not None:
-            num("seed", self.seed, (int,))
-            if not 0 <= self.seed <= MAX_SEED:
-                raise ConfigError("seed", f"must be in [0, 2**63-1], got {self.seed}")
-        num("max_tokens", self.max_tokens, (int,))
-        if self.max_tokens < 1:
-            raise ConfigError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ConfigError("stop_token_ids", "must be a list of non-negative ints")
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.stop, (list, tuple)) or not all(
-                isinstance(s, str) and s for s in self.stop):
-            raise ConfigError("stop", "must be a string or a list of non-empty strings")
+            integer("seed", self.seed, 0, MAX_SEED)
+            self.seed = int(self.seed)
+        integer("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
+        self.max_tokens = int(self.max_tokens)
+        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        if not isinstance(self.stop, (list, tuple)):
+            raise InvalidFieldError("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidFieldError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidFieldError("stop", "must be a string or a list of non-empty strings")
+        for i, s in enumerate(self.stop):
+            if len(s) > MAX_STOP_CHARS:
+                name = "stop" if self._single_stop else f"stop[{i}]"
+                raise InvalidFieldError(name, f"at most {MAX_STOP_CHARS} characters, got {len(s)}")
         self.stop = list(self.stop)
         if not isinstance(self.ignore_eos, bool):
-            raise ConfigError("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
+            raise InvalidFieldError("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""`tpserve` command line: start/serve/stop/status the daemon, generate through it, make keys.
+"""`tpserve` command line: start/serve/stop/status the daemon, generate through it, profile it, make keys.
 
 Every option can also come from the environment as ``TPSERVE_<OPTION>`` (e.g. TPSERVE_MODEL,
 TPSERVE_RUNTIME_DIR, TPSERVE_ADDRESS). Bad values exit with status 2 and name the option;
@@ -22,12 +22,13 @@ from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
-from tpserve.daemon.runtime import (LOG_NAME, InsecureAddressError, RuntimeDirError, check_address,
-                                    cleanup_stale, connect_address, descendants, ensure_runtime_dir, kill_tree,
+from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, RuntimeDirError, check_address,
+                                    cleanup_stale, client_address, connect_address, descendants,
+                                    ensure_runtime_dir, kill_tree,
                                     live_daemon_pid, pid_alive, read_pid, read_ready, resolve_address,
                                     resolve_runtime_dir, wait_gone)
 from tpserve.daemon.server import ServerOptions
-from tpserve.errors import TpserveError
+from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.sampling import SamplingParams
 
 CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
@@ -141,7 +142,17 @@ def _runtime_dir(path) -> Path:
 
 
 def _client(kw: dict) -> Client:
-    address = resolve_address(kw["address"], kw["runtime_dir"])
+    if kw["address"]:
+        address = kw["address"]
+    else:
+        # The runtime dir's daemon: its pid-file lock says at once whether it is alive (a socket
+        # file left by a killed daemon would only time out), and its ready file has the address
+        # it serves on, which need not be the default socket (e.g. --address tcp://...).
+        rd = resolve_runtime_dir(kw["runtime_dir"])
+        if (_live_pid(rd) if rd.is_dir() else None) is None:
+            _fail(f"no tpserve daemon is running with runtime dir {rd} (no live process holds "
+                  f"{rd / PID_NAME}); start one with `tpserve start`")
+        address = client_address(None, rd)
     if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
         _fail(f"no tpserve daemon at {address} (the socket does not exist); start one with `tpserve start`")
     server_key = client_keys = None
@@ -201,8 +212,6 @@ def serve(**kw):
 
 @main.command(context_settings=CONTEXT)
 @daemon_options
-@click.option("--startup-timeout", type=float, default=600.0, show_default=True,
-              show_envvar=True, envvar="TPSERVE_STARTUP_TIMEOUT", help="seconds to wait for the model to load")
 @engine_options
 def start(**kw):
     """Start the daemon in the background and wait until it is ready.
@@ -215,6 +224,7 @@ def start(**kw):
     rd = _runtime_dir(kw["runtime_dir"])
     address = resolve_address(kw["address"], rd)
     _check_address(address, opts)
+    startup_timeout = config.startup_timeout  # the daemon's engine gets the same (options_argv)
     pid = _live_pid(rd)
     if pid is not None:
         _fail(f"a daemon (pid {pid}) is already running with runtime dir {rd}; `tpserve stop` it first")
@@ -234,7 +244,7 @@ def start(**kw):
         offset = log_file.tell()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
-    deadline = time.monotonic() + kw["startup_timeout"]
+    deadline = time.monotonic() + startup_timeout
     while True:
         code = proc.poll()
         if code is not None:
@@ -246,7 +256,7 @@ def start(**kw):
         if time.monotonic() > deadline:
             kill_tree(proc.pid)
             proc.wait()
-            _fail(f"the daemon was not ready within {kw['startup_timeout']:g} s (killed); from {log_path}:\n"
+            _fail(f"the daemon was not ready within {startup_timeout:g} s (killed); from {log_path}:\n"
                   + _log_tail(log_path, offset))
         time.sleep(0.1)
     # The ready file says the engine is loaded; a ping proves the socket answers. With a client
@@ -355,6 +365,28 @@ def status(as_json, **kw):
             click.echo(f"  {label:<18} {value}")
 
 
+# ---- profile -----------------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.option("--seconds", type=click.FloatRange(0.0, P.MAX_PROFILE_SECONDS, min_open=True), default=5.0,
+              show_default=True, help="how long to record")
+@client_options(timeout=60.0)
+def profile(seconds, **kw):
+    """Record a torch profiler trace of every rank while the daemon serves.
+
+    Prints the trace files (Chrome trace JSON, one per rank, in the daemon's runtime dir);
+    open them in Perfetto or chrome://tracing. --timeout counts after --seconds.
+    """
+    with _client(kw) as client:
+        try:
+            files = client.profile(seconds)
+        except ClientTimeout as e:
+            _fail(str(e))
+        except RequestError as e:
+            _fail(f"profiling failed: {e}")
+    for f in files:
+        click.echo(f)
+
+
 # ---- generate ----------------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
 @click.argument("prompt")
@@ -378,13 +410,13 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stop_tok
     """Send PROMPT ('-' reads standard input) to the daemon and print the completion as it streams."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    from tpserve.errors import ConfigError
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_id),
                                 ignore_eos=ignore_eos)
-    except ConfigError as e:
-        option = {"stop_token_ids": "stop-token-id"}.get(e.field, e.field.replace("_", "-"))
+    except InvalidFieldError as e:
+        option = e.field.split("[")[0]
+        option = {"stop_token_ids": "stop-token-id"}.get(option, option.replace("_", "-"))
         raise click.BadParameter(e.reason, param_hint=f"'--{option}'") from None
     with _client(kw) as client:
         try:

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from tpserve.daemon import protocol as P
 from tpserve.daemon.keys import load_public_key, load_secret_keys
-from tpserve.daemon.runtime import resolve_address
+from tpserve.daemon.runtime import client_address
 from tpserve.errors import TpserveError
 from tpserve.sampling import SamplingParams
 
@@ -106,7 +106,7 @@ def _configure(sock: zmq.Socket, server_public_key, client_keys) -> None:
 
 class _Common:
     def __init__(self, address, timeout, runtime_dir):
-        self.address = resolve_address(address, runtime_dir)
+        self.address = client_address(address, runtime_dir)
         self.timeout = timeout
 
     def _timeout(self, timeout):
@@ -180,6 +180,14 @@ class Client(_Common):
         start = time.perf_counter()
         self._call(P.PingRequest(id=self._new_id()), timeout)
         return time.perf_counter() - start
+
+    def profile(self, seconds: float, timeout=_DEFAULT) -> list[str]:
+        """Record a profiler trace on every rank for ``seconds`` while the daemon serves; returns
+        the trace files written on the daemon's machine. ``timeout`` counts after ``seconds``."""
+        timeout = self._timeout(timeout)
+        msg = self._call(P.ProfileRequest(seconds, id=self._new_id()),
+                         None if timeout is None else seconds + timeout)
+        return msg.files
 
     def close(self) -> None:
         self._sock.close()

@@ -12,13 +12,14 @@ Order of events, each step undone in reverse on the way out:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import threading
 
 from tpserve.config import EngineConfig
-from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, descendants,
+from tpserve.daemon.runtime import (READY_NAME, PidFile, check_address, descendants,
                                     ensure_runtime_dir, resolve_address, write_ready)
 from tpserve.daemon.server import Server, ServerOptions
 
@@ -55,6 +56,8 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
 
     old_handlers = {s: signal.signal(s, startup_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
+    if options.profile_dir is None:
+        options = dataclasses.replace(options, profile_dir=str(rd.absolute()))
     try:
         server = Server(None, address, options)
         if engine_factory is None:
@@ -66,8 +69,9 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             signal.signal(s, first_signal)
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
         write_ready(rd, address)
-        log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %d)", address, os.getpid(),
-                 engine.config.model_path, engine.config.tensor_parallel_size)
+        stats = engine.stats()
+        log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
+                 stats.get("model"), stats.get("tensor_parallel_size"))
         try:
             code = server.run()
         finally:
@@ -89,8 +93,6 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         if engine is not None:
             shutting_down.set()
             engine.shutdown()
-        if address == f"ipc://{(rd / SOCKET_NAME).absolute()}":
-            (rd / SOCKET_NAME).unlink(missing_ok=True)
         pidfile.release()
         for s, h in old_handlers.items():
             signal.signal(s, h)

@@ -43,6 +43,8 @@ _OPTIONS = [
     ("enable_prefix_caching", ("--no-prefix-caching",),
      dict(is_flag=True, help="disable the prefix cache (reuse of full KV blocks across requests)")),
     ("seed", ("--seed",), dict(type=int, help="engine seed (sampling of requests without their own seed)")),
+    ("startup_timeout", ("--startup-timeout",),
+     dict(type=float, help="seconds the engine may take to start: workers joining, model loading")),
 ]
 
 

@@ -11,7 +11,7 @@ Any violation raises ``ProtocolError(code, field, message)``; the daemon turns i
 ``error`` reply.
 
 Type strings are looked up per direction: ``REQUESTS`` (client -> daemon) and ``REPLIES``
-(daemon -> client). ``status`` names both a request and its reply.
+(daemon -> client). ``status`` and ``profile`` name both a request and its reply.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from typing import Any, Callable, ClassVar
 
 import msgpack
 
-from tpserve.errors import ConfigError, TpserveError
+from tpserve import requests as R
+from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -28,18 +29,19 @@ PROTOCOL_VERSION = 1
 # ---- limits ------------------------------------------------------------------------------
 #: Frames larger than this are dropped by ZMQ (MAXMSGSIZE) and the sending peer is disconnected.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-MAX_ID_CHARS = 128
-MAX_PROMPT_CHARS = 1_000_000
-MAX_PROMPT_TOKENS = 1_000_000
-MAX_TOKEN_ID = 2**31 - 1
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGE_CHARS = 4096  # error messages
 MAX_STATUS_ENTRIES = 64
 MAX_CODE_CHARS = 64
-
-FINISH_REASONS = ("stop", "length", "abort")
+# Request limits are tpserve.requests' (the offline API enforces the same); re-exported here
+# because they are part of the wire contract.
+MAX_ID_CHARS = R.MAX_ID_CHARS
+MAX_PROMPT_CHARS = R.MAX_PROMPT_CHARS
+MAX_PROMPT_TOKENS = R.MAX_PROMPT_TOKENS
+MAX_TOKEN_ID = R.MAX_TOKEN_ID
+MAX_STOP_STRINGS = R.MAX_STOP_STRINGS
+MAX_STOP_CHARS = R.MAX_STOP_CHARS
+MAX_STOP_TOKEN_IDS = R.MAX_STOP_TOKEN_IDS
+FINISH_REASONS = R.FINISH_REASONS
 ABORT_REASONS = ("client", "shutting_down")
 
 # ---- error codes -------------------------------------------------------------------------
@@ -54,9 +56,10 @@ UNKNOWN_ID = "unknown_id"                    # abort of an id not in flight on t
 ADMISSION = "admission"                      # the engine can never schedule this request
 INVALID_REQUEST = "invalid_request"          # well-formed, but the engine refused it (e.g. empty after tokenizing)
 SHUTTING_DOWN = "shutting_down"              # daemon is stopping; no new requests
+STEP_FAILED = "step_failed"                  # an engine step failed for this request; the daemon serves on
 INTERNAL = "internal"                        # engine failure; the daemon is going down
 ERROR_CODES = (BAD_MESSAGE, UNSUPPORTED_VERSION, UNKNOWN_TYPE, UNKNOWN_FIELD, MISSING_FIELD,
-               INVALID_FIELD, DUPLICATE_ID, UNKNOWN_ID, ADMISSION, INVALID_REQUEST, SHUTTING_DOWN, INTERNAL)
+               INVALID_FIELD, DUPLICATE_ID, UNKNOWN_ID, ADMISSION, INVALID_REQUEST, SHUTTING_DOWN, STEP_FAILED, INTERNAL)
 
 
 class ProtocolError(TpserveError, ValueError):
@@ -106,6 +109,16 @@ def integer(lo: int, hi: int) -> Validator:
     return check
 
 
+def number(lo: float, hi: float) -> Validator:
+    def check(name, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _bad(name, f"must be a number, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise _bad(name, f"must be in [{lo:g}, {hi:g}], got {v}")
+        return v
+    return check
+
+
 def boolean(name, v):
     if not isinstance(v, bool):
         raise _bad(name, f"must be a boolean, got {type(v).__name__}")
@@ -122,15 +135,16 @@ def one_of(choices: tuple[str, ...]) -> Validator:
 
 def token_ids(max_len: int, min_len: int = 0) -> Validator:
     def check(name, v):
-        if not isinstance(v, (list, tuple)):
-            raise _bad(name, f"must be an array of token ids, got {type(v).__name__}")
-        if not min_len <= len(v) <= max_len:
-            raise _bad(name, f"length must be in [{min_len}, {max_len}], got {len(v)}")
-        for i, t in enumerate(v):
-            if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
-                raise _bad(f"{name}[{i}]", f"must be an integer in [0, {MAX_TOKEN_ID}], got {t!r}")
-        return list(v)
+        return _wire(R.check_token_ids, name, v, max_len, min_len)
     return check
+
+
+def _wire(check, *args):
+    """Run a tpserve.requests check; its InvalidFieldError becomes the wire's invalid_field."""
+    try:
+        return check(*args)
+    except InvalidFieldError as e:
+        raise _bad(e.field, e.reason) from None
 
 
 def nullable(inner: Validator) -> Validator:
@@ -145,18 +159,17 @@ count = integer(0, 2**63 - 1)
 
 def prompt(name, v):
     """A prompt is a non-empty string or a non-empty array of token ids."""
-    if isinstance(v, str):
-        return text(MAX_PROMPT_CHARS, min_chars=1)(name, v)
-    if isinstance(v, (list, tuple)):
-        return token_ids(MAX_PROMPT_TOKENS, min_len=1)(name, v)
-    raise _bad(name, f"must be a string or an array of token ids, got {type(v).__name__}")
+    return _wire(R.check_prompt_shape, v, name)
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dc_fields(SamplingParams))
 
 
 def sampling_params(name, v):
-    """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults)."""
+    """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults).
+
+    The bounds are SamplingParams' own (tpserve.requests); this only adds the wire's field names.
+    """
     if isinstance(v, SamplingParams):
         v = params_to_wire(v)
     if not isinstance(v, dict):
@@ -165,26 +178,10 @@ def sampling_params(name, v):
         if key not in SAMPLING_FIELDS:
             raise ProtocolError(UNKNOWN_FIELD, f"{name}.{_field_name(key)}",
                                 f"unknown sampling parameter; allowed: {', '.join(SAMPLING_FIELDS)}")
-    # Bounds the wire adds on top of SamplingParams' own validation (which has no length caps).
-    stop = v.get("stop")
-    if isinstance(stop, (list, tuple)):
-        if len(stop) > MAX_STOP_STRINGS:
-            raise _bad(f"{name}.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-        for i, s in enumerate(stop):
-            if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
-                raise _bad(f"{name}.stop[{i}]", f"at most {MAX_STOP_CHARS} characters, got {len(s)}")
-    elif isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
-        raise _bad(f"{name}.stop", f"at most {MAX_STOP_CHARS} characters, got {len(stop)}")
-    stop_ids = v.get("stop_token_ids")
-    if isinstance(stop_ids, (list, tuple)) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise _bad(f"{name}.stop_token_ids",
-                   f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_ids)}")
     try:
         return SamplingParams(**v)
-    except ConfigError as e:
+    except InvalidFieldError as e:
         raise _bad(f"{name}.{e.field}", e.reason) from None
-    except (TypeError, ValueError) as e:  # e.g. a list where a number belongs, compared with <
-        raise _bad(name, str(e)) from None
 
 
 def params_to_wire(params: SamplingParams) -> dict:
@@ -261,6 +258,20 @@ class PingRequest(Message):
     id: str | None = None
 
 
+MAX_PROFILE_SECONDS = 3600.0
+
+
+@dataclass
+class ProfileRequest(Message):
+    """Record a profiler trace on every rank for ``seconds``. Reply: ``profile`` once written."""
+
+    TYPE = "profile"
+    DIRECTION = "request"
+    FIELDS = {"seconds": (number(0.0, MAX_PROFILE_SECONDS), True), "id": (nullable(request_id), False)}
+    seconds: float
+    id: str | None = None
+
+
 @dataclass
 class DeltaReply(Message):
     """New output of a streaming request since its previous delta."""
@@ -326,6 +337,23 @@ class StatusReply(Message):
 
 
 @dataclass
+class ProfileReply(Message):
+    """The trace files written (one per rank, on the daemon's machine)."""
+
+    TYPE = "profile"
+    DIRECTION = "reply"
+    FIELDS = {"files": (lambda name, v: _string_list(name, v, 4096), True), "id": (nullable(request_id), False)}
+    files: list[str]
+    id: str | None = None
+
+
+def _string_list(name, v, max_chars: int) -> list[str]:
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_STATUS_ENTRIES:
+        raise _bad(name, f"must be an array of at most {MAX_STATUS_ENTRIES} strings")
+    return [text(max_chars)(f"{name}[{i}]", s) for i, s in enumerate(v)]
+
+
+@dataclass
 class PongReply(Message):
     TYPE = "pong"
     DIRECTION = "reply"
@@ -334,9 +362,10 @@ class PongReply(Message):
 
 
 REQUESTS: dict[str, type[Message]] = {c.TYPE: c for c in
-                                      (GenerateRequest, AbortRequest, StatusRequest, PingRequest)}
+                                      (GenerateRequest, AbortRequest, StatusRequest, PingRequest,
+                                       ProfileRequest)}
 REPLIES: dict[str, type[Message]] = {c.TYPE: c for c in
-                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply)}
+                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply, ProfileReply)}
 
 
 # ---- encode / decode ---------------------------------------------------------------------
@@ -369,15 +398,39 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **checked}, use_bin_type=True)
 
 
+class _MapKeyError(Exception):
+    """Raised inside msgpack's unpacker by ``_strict_map``; carries the offending key."""
+
+
+def _strict_map(pairs):
+    """Build a map that has string keys, each once (docs/protocol.md: Transport)."""
+    out = {}
+    for key, value in pairs:
+        if not isinstance(key, str):
+            raise _MapKeyError(f"map keys must be strings, got {type(key).__name__} {_field_name(key)}")
+        if key in out:
+            raise _MapKeyError(f"map key {_field_name(key)!r} appears more than once")
+        out[key] = value
+    return out
+
+
 def unpack_frame(frame: bytes) -> dict:
-    """msgpack-decode one frame into a map, with limits that keep a hostile frame cheap."""
+    """msgpack-decode one frame into a map, with limits that keep a hostile frame cheap.
+
+    Arrays may be as long as the frame allows (each element takes at least one byte), so an
+    over-long prompt reaches its field check and is reported as ``invalid_field`` with its id.
+    Maps are capped at MAX_STATUS_ENTRIES entries, must have string keys, each key once.
+    """
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(BAD_MESSAGE, None, f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                              object_pairs_hook=_strict_map,
                               max_str_len=MAX_MESSAGE_BYTES, max_bin_len=MAX_MESSAGE_BYTES,
-                              max_array_len=MAX_PROMPT_TOKENS, max_map_len=MAX_STATUS_ENTRIES,
+                              max_array_len=MAX_MESSAGE_BYTES, max_map_len=MAX_STATUS_ENTRIES,
                               max_ext_len=0)
+    except _MapKeyError as e:
+        raise ProtocolError(BAD_MESSAGE, None, str(e)[:512]) from None
     except Exception as e:  # msgpack raises many types (ExtraData, ValueError, StackError, ...)
         raise ProtocolError(BAD_MESSAGE, None, f"not a msgpack frame: {type(e).__name__}: {e}"[:512]) from None
     if not isinstance(obj, dict):

@@ -75,6 +75,18 @@ def resolve_address(address: str | None, runtime_dir: str | os.PathLike | None =
     return address or os.environ.get("TPSERVE_ADDRESS") or default_address(runtime_dir)
 
 
+def client_address(address: str | None, runtime_dir: str | os.PathLike | None = None) -> str:
+    """Where a client finds the daemon: an explicit address, else ``$TPSERVE_ADDRESS``, else
+    the address in the runtime dir's ready file (a daemon may serve on tcp://), else the
+    runtime dir's default ipc socket."""
+    explicit = address or os.environ.get("TPSERVE_ADDRESS")
+    if explicit:
+        return explicit
+    ready = read_ready(resolve_runtime_dir(runtime_dir)) or {}
+    bound = ready.get("address")
+    return connect_address(bound) if isinstance(bound, str) and bound else default_address(runtime_dir)
+
+
 # ---- address policy ----------------------------------------------------------------------
 def _tcp_host(address: str) -> str:
     rest = address[len("tcp://"):]

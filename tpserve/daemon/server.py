@@ -5,7 +5,10 @@
 * draining the socket without blocking, at most ``max_messages_per_step`` frames per engine step
   (so a flood of requests cannot starve running ones),
 * one ``engine.step()`` while the engine has unfinished work, sending each output as a ``delta``
-  and/or ``done`` to the client that asked,
+  and/or ``done`` to the client that asked (a step that fails with StepFailedError costs only
+  its own requests, answered ``step_failed``; any other engine failure ends the daemon),
+* admitting text prompts longer than ``inline_tokenize_chars`` once a tokenizer thread has
+  encoded them: tokenizing megabytes takes seconds, and no other client may wait for that,
 * retrying sends that a slow client's high-water mark refused.
 
 When the engine is idle it blocks in ``zmq.Poller.poll`` on the socket and a wake-up socket pair
@@ -15,10 +18,15 @@ Request ids are scoped per connection (the ZMQ routing id of the client's DEALER
 may use the same id; one client may reuse an id once its ``done``/``error`` was sent. The engine
 sees ``"<connection tag>:<id>"``.
 
+The engine is reached only through ``ServingEngine`` (engine_api.py); request validation is
+the engine's and ``tpserve.requests``', whose typed errors map to wire error codes here.
+
 Invariants:
 * every request in ``_requests`` is unfinished in the engine, and vice versa for requests the
   server added; a request leaves ``_requests`` exactly when its ``done`` or ``error`` is queued
   (or its client is dropped), and the engine is told to abort it unless it finished there.
+* a request whose prompt is being tokenized is in ``_tokenizing`` and its peer's ``requests``
+  (so ``abort`` and ``duplicate_id`` see it) but not yet in the engine.
 * messages to one client leave in the order they were produced: once a send is refused, later
   messages queue behind it in that client's outbox.
 * a client whose outbox has not moved for ``client_timeout`` seconds, or that disconnected
@@ -32,14 +40,19 @@ import errno
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 
-from tpserve.errors import AdmissionError, ConfigError
 from tpserve.daemon import protocol as P
+from tpserve.daemon.engine_api import ServingEngine
+from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, StepFailedError
+from tpserve.sampling import SamplingParams
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -57,6 +70,10 @@ class ServerOptions:
     shutdown_grace: float = 0.0
     max_messages_per_step: int = 64
     send_hwm: int = 1000
+    #: Text prompts longer than this are tokenized on a worker thread, not the serving loop.
+    inline_tokenize_chars: int = 8192
+    #: Where ``profile`` traces are written (the daemon uses its runtime dir); None: the temp dir.
+    profile_dir: str | None = None
     curve_public_key: bytes | None = None
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
@@ -83,10 +100,28 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Profile:
+    """A ``profile`` request being recorded until ``deadline``."""
+
+    identity: bytes
+    id: str | None
+    deadline: float
+
+
+@dataclass
+class _Tokenizing:
+    """A request waiting for its prompt's tokens (see ``inline_tokenize_chars``)."""
+
+    req: _Request
+    params: SamplingParams
+    future: Future
+
+
 class Server:
     """See the module docstring. Construct (binds), then ``run()``; ``close()`` when done."""
 
-    def __init__(self, engine, address: str, options: ServerOptions | None = None,
+    def __init__(self, engine: ServingEngine | None, address: str, options: ServerOptions | None = None,
                  context: zmq.Context | None = None):
         self.engine = engine
         self.address = address
@@ -97,6 +132,10 @@ class Server:
         self._auth = None
         self._peers: dict[bytes, _Peer] = {}
         self._requests: dict[str, _Request] = {}  # by engine id
+        self._tokenizing: dict[str, _Tokenizing] = {}  # by engine id
+        self._tokenizer_pool: ThreadPoolExecutor | None = None
+        self._profile: _Profile | None = None
+        self._num_profiles = 0
         self._next_tag = 0
         self._started = time.monotonic()
         self._stop_requested = False
@@ -113,14 +152,23 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.options.curve_secret_key is not None:
             self._enable_curve()
+        # An ipc socket file is created by bind() in this thread; a umask keeps it private from
+        # the start (not only after the chmod), and close() removes it.
+        self._ipc_path = address[len("ipc://"):] if address.startswith("ipc://") else None
+        old_umask = os.umask(0o177) if self._ipc_path else None
         try:
             self.sock.bind(address)
+            if self._ipc_path:
+                os.chmod(self._ipc_path, 0o600)
         except zmq.ZMQError as e:
             self.sock.close(linger=0)
             self._stop_auth()
             if self._own_context:
                 self._ctx.term()
             raise OSError(e.errno, f"cannot bind {address}: {e.strerror}") from None
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -148,6 +196,10 @@ class Server:
     def request_shutdown(self) -> None:
         """Begin a graceful shutdown at the next loop turn (safe from signal handlers/threads)."""
         self._stop_requested = True
+        self._wake()
+
+    def _wake(self, *_) -> None:
+        """Make a sleeping ``poll`` return (safe from signal handlers and other threads)."""
         try:
             self._wake_w.send(b"\0")
         except OSError:
@@ -165,7 +217,8 @@ class Server:
             while True:
                 if self._stop_requested and not self._stopping:
                     self._begin_shutdown()
-                if self._stopping and (not self._requests or time.monotonic() >= self._stop_deadline):
+                if self._stopping and (not (self._requests or self._tokenizing)
+                                       or time.monotonic() >= self._stop_deadline):
                     break
                 self._turn()
         except _EngineFailed:
@@ -182,6 +235,9 @@ class Server:
             timeout = 20  # ms: retry refused sends / watch the grace deadline
         else:
             timeout = None  # idle: sleep until a message or a wake-up
+        if self._profile is not None and timeout != 0:
+            left_ms = max(0, int((self._profile.deadline - time.monotonic()) * 1000) + 1)
+            timeout = left_ms if timeout is None else min(timeout, left_ms)
         events = dict(self.poller.poll(timeout))
         if self._wake_r.fileno() in events:
             try:
@@ -191,14 +247,21 @@ class Server:
                 pass
         if self.sock in events:
             self._drain()
+        if self._tokenizing:
+            self._admit_tokenized()
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
+            except StepFailedError as e:  # the engine aborted that step's requests and serves on
+                self._fail_requests(e.request_ids, P.STEP_FAILED, str(e))
+                outputs = []
             except Exception as e:  # a dead worker or a kernel error: nothing can be trusted now
                 log.exception("engine step failed; shutting down")
                 self._fail_all(f"engine failed: {type(e).__name__}: {e}")
                 raise _EngineFailed from e
             self._dispatch(outputs)
+        if self._profile is not None and time.monotonic() >= self._profile.deadline:
+            self._finish_profile()
         self._flush()
 
     def _begin_shutdown(self) -> None:
@@ -212,7 +275,9 @@ class Server:
         for _ in range(_EXIT_DRAIN_ROUNDS):
             if self._drain() < self.options.max_messages_per_step:
                 break
-        for req in list(self._requests.values()):
+        if self._profile is not None:
+            self._finish_profile()
+        for req in [*self._requests.values(), *(t.req for t in self._tokenizing.values())]:
             self._abort(req, "shutting_down")
         # Let clients take their final messages while they keep reading; a client whose queue
         # has not moved for STALL_ON_EXIT seconds is dropped, and nobody delays exit past EXIT_FLUSH.
@@ -224,9 +289,17 @@ class Server:
         log.info("front stopped")
 
     def close(self) -> None:
-        """Close the socket; returns once queued replies are delivered (at most 2 s)."""
+        """Close and remove the socket; returns once queued replies are delivered (at most 2 s)."""
+        if self._tokenizer_pool is not None:
+            # A prompt being encoded finishes in the background; nobody waits for its result.
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.sock.close(linger=_CLOSE_LINGER_MS)
         self._stop_auth()
+        if self._ipc_path:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
         self._wake_r.close()
         self._wake_w.close()
         if self._own_context:
@@ -269,46 +342,72 @@ class Server:
             self._on_abort(identity, msg)
         elif isinstance(msg, P.StatusRequest):
             self._reply(identity, P.StatusReply(self.stats(), id=msg.id))
+        elif isinstance(msg, P.ProfileRequest):
+            self._on_profile(identity, msg)
         else:
             assert isinstance(msg, P.PingRequest)
             self._reply(identity, P.PongReply(id=msg.id))
 
     def _on_generate(self, identity: bytes, msg: P.GenerateRequest) -> None:
         def error(code, message, **kw):
-            self._reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=msg.id, **kw))
+            self._reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
 
         if self._stopping:
-            return error(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests")
+            return error(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", id=msg.id)
         peer = self._peers.get(identity)
         if peer is not None and msg.id in peer.requests:
-            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection",
-                         field="id")
-        if isinstance(msg.prompt, list):
-            vocab = _vocab_size(self.engine)
-            if vocab is not None:
-                bad = next((i for i, t in enumerate(msg.prompt) if t >= vocab), None)
-                if bad is not None:
-                    return error(P.INVALID_FIELD, f"token id {msg.prompt[bad]} is outside the vocabulary "
-                                 f"[0, {vocab})", field=f"prompt[{bad}]")
+            # No ``id``: an error with an id ends that request, and this one keeps running.
+            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
+                         "that request continues", field="id")
         peer = self._peer(identity)
-        engine_id = f"{peer.tag}:{msg.id}"
+        req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0)
+        if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
+            if self._tokenizer_pool is None:
+                self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tpserve-tokenize")
+            future = self._tokenizer_pool.submit(self.engine.tokenize, msg.prompt)
+            peer.requests[msg.id] = req
+            self._tokenizing[req.engine_id] = _Tokenizing(req, msg.params, future)
+            future.add_done_callback(self._wake)
+            return
+        self._admit(req, lambda: msg.prompt, msg.params)
+
+    def _admit_tokenized(self) -> None:
+        """Add the requests whose prompts the tokenizer thread has finished."""
+        for engine_id, t in list(self._tokenizing.items()):
+            if not t.future.done():
+                continue
+            if self._stopping:
+                self._abort(t.req, "shutting_down")
+                continue
+            del self._tokenizing[engine_id]
+            del t.req.peer.requests[t.req.client_id]
+            self._admit(t.req, t.future.result, t.params)
+
+    def _admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
+        """Add ``req`` to the engine, or answer the error that refused it."""
+        peer = req.peer
+
+        def error(code, message, **kw):
+            self._send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
+
         try:
-            num_prompt_tokens = self.engine.add_request(engine_id, msg.prompt, msg.params)
+            req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params)
         except AdmissionError as e:
             over = e.requested - e.allowed
             error(P.ADMISSION, f"request needs {e.limit}={e.requested} but the engine allows {e.allowed} "
                   f"(over by {over})", limit=e.limit, requested=int(e.requested), allowed=int(e.allowed))
-        except ConfigError as e:  # the engine's own input checks (e.g. empty after tokenizing)
+        except InvalidFieldError as e:
+            error(P.INVALID_FIELD, e.reason, field=e.field)
+        except InvalidRequestError as e:
             error(P.INVALID_REQUEST, e.reason, field=e.field)
         except ValueError as e:
             error(P.INVALID_REQUEST, str(e))
         except Exception as e:
-            log.exception("add_request failed for %s", engine_id)
+            log.exception("add_request failed for %s", req.engine_id)
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
         else:
-            req = _Request(peer, msg.id, engine_id, msg.stream, prompt_tokens=num_prompt_tokens)
-            peer.requests[msg.id] = req
-            self._requests[engine_id] = req
+            peer.requests[req.client_id] = req
+            self._requests[req.engine_id] = req
         self._forget_if_idle(peer)
 
     def _on_abort(self, identity: bytes, msg: P.AbortRequest) -> None:
@@ -320,6 +419,36 @@ class Server:
                                                "connection)", id=msg.id, field="id"))
             return
         self._abort(req, "client")
+
+    # ---- profiling ---------------------------------------------------------------------------
+    def _on_profile(self, identity: bytes, msg: P.ProfileRequest) -> None:
+        if self._profile is not None:
+            self._reply(identity, P.ErrorReply(P.INVALID_REQUEST, "a profile is already being recorded; "
+                                               "try again when it is written", id=msg.id))
+            return
+        try:
+            self.engine.start_profile()
+        except Exception as e:
+            log.exception("could not start the profiler")
+            self._reply(identity, P.ErrorReply(P.INVALID_REQUEST, f"cannot start the profiler: "
+                                               f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS], id=msg.id))
+            return
+        self._profile = _Profile(identity, msg.id, time.monotonic() + msg.seconds)
+        log.info("profiling for %g s", msg.seconds)
+
+    def _finish_profile(self) -> None:
+        prof, self._profile = self._profile, None
+        self._num_profiles += 1
+        stem = os.path.join(self.options.profile_dir or tempfile.gettempdir(),
+                            f"tpserve-profile-{os.getpid()}-{self._num_profiles}")
+        try:
+            reply = P.ProfileReply(self.engine.stop_profile(stem), id=prof.id)
+            log.info("profile written: %s", ", ".join(reply.files))
+        except Exception as e:
+            log.exception("could not write the profile")
+            reply = P.ErrorReply(P.INVALID_REQUEST, f"cannot write the profile: "
+                                 f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS], id=prof.id)
+        self._reply(prof.identity, reply)
 
     # ---- engine outputs ----------------------------------------------------------------------
     def _dispatch(self, outputs) -> None:
@@ -358,13 +487,23 @@ class Server:
         self._forget_if_idle(req.peer)
 
     def _close(self, req: _Request) -> None:
-        del self._requests[req.engine_id]
+        """Forget ``req`` (admitted, or still being tokenized: its tokens are then dropped)."""
+        if self._requests.pop(req.engine_id, None) is None:
+            del self._tokenizing[req.engine_id]
         del req.peer.requests[req.client_id]
 
     def _fail_all(self, message: str) -> None:
-        for req in list(self._requests.values()):
+        self._fail_requests([*self._requests, *self._tokenizing], P.INTERNAL, message)
+
+    def _fail_requests(self, engine_ids, code: str, message: str) -> None:
+        """Answer ``code`` to each request still known by ``engine_ids``; they end here."""
+        for engine_id in engine_ids:
+            req = self._requests.get(engine_id) or getattr(self._tokenizing.get(engine_id), "req", None)
+            if req is None:
+                continue
             self._close(req)
-            self._send(req.peer, P.ErrorReply(P.INTERNAL, message[:P.MAX_MESSAGE_CHARS], id=req.client_id))
+            self._send(req.peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id))
+            self._forget_if_idle(req.peer)
 
     # ---- sending -----------------------------------------------------------------------------
     def _peer(self, identity: bytes) -> _Peer:
@@ -387,9 +526,16 @@ class Server:
     def _send(self, peer: _Peer, msg: P.Message) -> None:
         try:
             frame = P.encode(msg)
-        except P.ProtocolError:
-            log.exception("dropping a reply that does not encode: %r", msg)
-            return
+        except P.ProtocolError as e:
+            if not isinstance(msg, P.ErrorReply):
+                log.exception("dropping a reply that does not encode: %r", msg)
+                return
+            # The answer to a frame must not be lost (docs/protocol.md): keep its code and id,
+            # drop the details that did not encode.
+            log.error("an error reply did not encode (%s); sending it without details", e)
+            frame = P.encode(P.ErrorReply(msg.code if msg.code in P.ERROR_CODES else P.INTERNAL,
+                                          str(msg.message)[:P.MAX_MESSAGE_CHARS],
+                                          id=P.readable_id({"id": msg.id})))
         if peer.outbox:
             peer.outbox.append(frame)
             return
@@ -454,7 +600,8 @@ class Server:
         stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
                      state="shutting_down" if self._stopping else "running",
-                     requests_in_flight=len(self._requests), clients=len(self._peers))
+                     requests_in_flight=len(self._requests) + len(self._tokenizing),
+                     clients=len(self._peers))
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
 
 
@@ -468,10 +615,3 @@ def _plain(v):
     if hasattr(v, "item"):  # numpy / torch scalars
         return v.item()
     return str(v)
-
-
-def _vocab_size(engine) -> int | None:
-    cfg = getattr(engine, "config", None)
-    hf = getattr(cfg, "hf_config", None) or {}
-    vocab = hf.get("vocab_size")
-    return int(vocab) if vocab else None

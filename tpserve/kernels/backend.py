@@ -33,10 +33,12 @@ import os
 
 import torch
 
+from tpserve.config import ATTENTION_BACKENDS
 from tpserve.kernels.checks import check_attention_args, has_cache
 from tpserve.kernels.metadata import AttentionMetadata
 
-BACKEND_NAMES = ("auto", "flash", "triton", "torch")
+# The names are the engine option's (--attention-backend); one list, in the config.
+BACKEND_NAMES = ATTENTION_BACKENDS
 FLASH_PAGE_MULTIPLE = 256
 TRITON_BLOCK_MULTIPLE = 16
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

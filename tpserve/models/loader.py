@@ -136,12 +136,19 @@ def iter_safetensors(files: list[Path], progress: bool = False) -> Iterator[tupl
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 total += len(list(st.keys()))
-    with tqdm(total=total, unit="tensor", desc="loading weights", disable=not progress) as bar:
+    # No bar at all without progress: even a disabled tqdm creates its multiprocessing lock, a
+    # named semaphore that a worker rank (which leaves with os._exit) would leak.
+    bar = tqdm(total=total, unit="tensor", desc="loading weights") if progress else None
+    try:
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for key in st.keys():
                     yield key, st.get_tensor(key)
-                    bar.update(1)
+                    if bar is not None:
+                        bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _target(key: str, mapping: dict) -> tuple[str, object]:

@@ -43,6 +43,7 @@ import numpy as np
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
 from tpserve.errors import AdmissionError, ConfigError
+from tpserve import requests as R
 from tpserve.plan import StepPlan
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
@@ -50,7 +51,7 @@ from tpserve.scheduler.sequence import Sequence, SequenceStatus
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 FINISHED = SequenceStatus.FINISHED
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = R.FINISH_REASONS
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from multiprocessing.connection import wait
@@ -28,9 +27,6 @@ from tpserve.plan import Command, StepPlan
 from tpserve.workers.process_group import destroy_tp, device_for, free_port, init_tp, torchrun_env
 
 log = logging.getLogger("tpserve.executor")
-
-STARTUP_TIMEOUT_S = float(os.environ.get("TPSERVE_STARTUP_TIMEOUT", "300"))
-
 
 def make_executor(config: EngineConfig):
     if config.tensor_parallel_size == 1:
@@ -64,6 +60,7 @@ class MultiProcExecutor:
         from tpserve.workers.model_runner import ModelRunner
 
         self.world = config.tensor_parallel_size
+        self.startup_timeout = config.startup_timeout
         self.procs: list[mp.Process] = []
         self.channel = None
         self.dead: tuple[int, int | None] | None = None
@@ -88,7 +85,7 @@ class MultiProcExecutor:
                     self.procs.append(p)
                     conns.append(parent)
                 self._watch()
-                tp = init_tp(0, self.world, init_method, timeout_s=STARTUP_TIMEOUT_S)
+                tp = init_tp(0, self.world, init_method, timeout_s=self.startup_timeout)
                 self.runner = ModelRunner(config, tp, device_for(0))
                 self._wait_ready(conns)
         except BaseException:
@@ -107,7 +104,7 @@ class MultiProcExecutor:
 
         rank, world, local_rank, local_world = env
         assert rank == 0 and world == self.world, "torchrun world size must equal --tp"
-        tp = init_tp(0, world, None, timeout_s=STARTUP_TIMEOUT_S, local_rank=local_rank)
+        tp = init_tp(0, world, None, timeout_s=self.startup_timeout, local_rank=local_rank)
         if local_world == world:
             self.channel = PlanWriter.create(num_readers=world - 1)
             dist.broadcast_object_list([self.channel.name], src=0)
@@ -138,7 +135,7 @@ class MultiProcExecutor:
         threading.Thread(target=watchdog, name="tpserve-watchdog", daemon=True).start()
 
     def _wait_ready(self, conns) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.startup_timeout
         pending = {c: r for r, c in enumerate(conns, start=1)}
         while pending:
             if self.dead is not None:
@@ -146,7 +143,7 @@ class MultiProcExecutor:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"tensor-parallel ranks {sorted(pending.values())} did not become "
-                                   f"ready within {STARTUP_TIMEOUT_S:.0f} s")
+                                   f"ready within {self.startup_timeout:g} s")
             for c in wait(list(pending), timeout=min(left, 0.5)):
                 rank = pending.pop(c)
                 try:

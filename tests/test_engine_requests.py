@@ -1,0 +1,111 @@
+"""Engine boundary: requests are checked in one place, and a failed step costs only its requests."""
+import pytest
+
+from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
+from tpserve import requests as R
+from tpserve.config import EngineConfig
+from tpserve.engine import Engine
+from tpserve.errors import InvalidFieldError, InvalidRequestError, StepFailedError
+from tpserve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models_root):  # noqa: F811
+    path = make_tiny_model(tiny_models_root, arch="qwen3")
+    with Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=32, block_size=16)) as e:
+        yield e
+
+
+def run(engine, limit=200):
+    outs = {}
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def idle(engine):
+    stats = engine.stats()
+    engine.scheduler.block_manager.check_integrity()
+    return stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not engine.requests
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(top_k=2**31), "top_k"),
+    (dict(top_k=2**63), "top_k"),
+    (dict(stop_token_ids=[2**31]), "stop_token_ids[0]"),
+    (dict(stop_token_ids=[1, -1]), "stop_token_ids[1]"),
+    (dict(max_tokens=2**31), "max_tokens"),
+    (dict(seed=2**63), "seed"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(stop=["s"] * (R.MAX_STOP_STRINGS + 1)), "stop"),
+])
+def test_sampling_params_bound_every_numeric_field(kwargs, field):
+    with pytest.raises(InvalidFieldError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field
+
+
+def test_the_largest_valid_values_run_a_step(engine):
+    params = SamplingParams(top_k=R.MAX_TOP_K, seed=R.MAX_SEED, max_tokens=2,
+                            stop_token_ids=[engine.vocab_size - 1], ignore_eos=True)
+    engine.add_request("edge", [1, 2, 3], params)
+    assert run(engine)["edge"].num_completion_tokens >= 1
+    assert idle(engine)
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ([1, 10**6], SamplingParams(), "prompt[1]"),
+    ([1], SamplingParams(stop_token_ids=[10**6]), "params.stop_token_ids[0]"),
+    ([], SamplingParams(), "prompt"),
+    ("x" * (R.MAX_PROMPT_CHARS + 1), SamplingParams(), "prompt"),
+])
+def test_requests_outside_the_model_are_refused_before_queueing(engine, prompt, params, field):
+    with pytest.raises(InvalidFieldError) as e:
+        engine.add_request("bad", prompt, params)
+    assert e.value.field == field
+    assert "bad" not in engine.requests and engine.scheduler.get("bad") is None
+
+
+def test_a_request_id_in_use_is_an_invalid_request(engine):
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", [3], SamplingParams(max_tokens=1))
+    run(engine)
+    assert idle(engine)
+
+
+@pytest.mark.parametrize("stage", ["build_plan", "execute"])
+def test_a_failing_step_aborts_only_its_requests(engine, monkeypatch, stage):
+    owner = engine.scheduler if stage == "build_plan" else engine.executor
+    real = getattr(owner, stage)
+    calls = []
+
+    def fail_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OverflowError("Python int too large to convert to C int")
+        return real(*args)
+    monkeypatch.setattr(owner, stage, fail_once)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("victim", [5, 6, 7], greedy)
+    with pytest.raises(StepFailedError) as e:
+        engine.step()
+    assert e.value.request_ids == ["victim"] and isinstance(e.value.__cause__, OverflowError)
+    assert idle(engine)  # its blocks are free; the engine is usable
+    engine.add_request("next", [5, 6, 7], greedy)
+    assert run(engine)["next"].num_completion_tokens == 4
+    assert idle(engine)
+
+
+def test_profile_writes_a_trace_per_rank(engine, tmp_path):
+    engine.start_profile()
+    engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=2))
+    run(engine)
+    files = engine.stop_profile(str(tmp_path / "trace"))
+    assert files == [str(tmp_path / "trace.rank0.json")]
+    assert (tmp_path / "trace.rank0.json").stat().st_size > 0
+    assert idle(engine)

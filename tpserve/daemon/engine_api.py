@@ -1,0 +1,53 @@
+"""ServingEngine: the part of the engine the daemon's front uses, and nothing more.
+
+``tpserve.engine.Engine`` satisfies it, and so does the test suite's fake engine; a test
+checks both against this declaration, so the Server cannot start reaching into engine
+internals (its config, scheduler or tokenizer) without that test noticing.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from tpserve.outputs import RequestOutput
+from tpserve.sampling import SamplingParams
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """What ``Server`` calls. All methods but ``tokenize`` run on the serving loop's thread."""
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt. Thread-safe: the Server calls it off the serving loop.
+
+        Raises InvalidRequestError/InvalidFieldError (tpserve.errors) for a prompt it refuses.
+        """
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its prompt length in tokens.
+
+        Raises AdmissionError (it can never be scheduled), InvalidFieldError (a field out of
+        bounds, e.g. a token id outside the vocabulary) or InvalidRequestError, queueing nothing.
+        """
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished request and free its blocks; False if it is not unfinished."""
+
+    def has_unfinished(self) -> bool:
+        """Whether ``step`` has work to do."""
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Raises StepFailedError when only that step's requests are lost
+        (they are aborted already); any other exception means the engine is unusable."""
+
+    def stats(self) -> dict:
+        """Counters for ``status`` (plain values; docs/protocol.md lists the keys)."""
+
+    def start_profile(self) -> None:
+        """Start a profiler trace on every rank."""
+
+    def stop_profile(self, path: str) -> list[str]:
+        """Stop it; every rank writes a trace file named after ``path``. Returns the files."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and free the engine's resources."""
