@@ -30,7 +30,7 @@ from tpserve.daemon.keys import generate_keypair, load_secret_keys
 from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
                                     is_loopback_tcp, read_ready)
 from tpserve.daemon.server import Server, ServerOptions
-from tpserve.errors import AdmissionError, ConfigError
+from tpserve.errors import AdmissionError, ConfigError, WorkerDiedError
 from tpserve.outputs import RequestOutput
 from tpserve.sampling import SamplingParams
 
@@ -98,6 +98,12 @@ class FakeEngine:
 
     def has_unfinished(self):
         return bool(self.requests)
+
+    def health_fd(self):
+        return None
+
+    def check_health(self):
+        pass
 
     def step(self):
         if self.fail_after is not None and self.num_steps >= self.fail_after:
@@ -567,6 +573,64 @@ def test_engine_failure_fails_requests_and_exits_1():
         s.thread.join(10)
         assert s.exit_code == 1
         r.close()
+
+
+class DyingEngine(FakeEngine):
+    """FakeEngine whose worker can be killed: like Engine, it reports it through health_fd."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._dead_r, self._dead_w = os.pipe()
+        self.dead = False
+
+    def health_fd(self):
+        return self._dead_r
+
+    def check_health(self):
+        if self.dead:
+            raise WorkerDiedError(1, -signal.SIGKILL)
+
+    def kill_worker(self):
+        self.dead = True
+        os.write(self._dead_w, b"x")
+
+    def shutdown(self):
+        super().shutdown()
+        os.close(self._dead_r)
+        os.close(self._dead_w)
+
+
+def test_worker_death_while_idle_wakes_the_loop_and_exits_1():
+    engine = DyingEngine()
+    with ServerThread(engine) as s:
+        r = Raw(s.address)
+        r.send_msg(P.PingRequest(id="p"))
+        assert isinstance(r.recv(), P.PongReply)  # the loop is up and idle in poll
+        engine.kill_worker()
+        s.thread.join(10)
+        assert not s.thread.is_alive() and s.exit_code == 1
+        st = s.server.stats()
+        assert st["state"] == "failed" and "worker rank 1 died" in st["failure"]
+        r.close()
+    engine.shutdown()
+
+
+def test_worker_death_fails_requests_in_flight_with_an_error():
+    engine = DyingEngine(step_delay=0.01)
+    with ServerThread(engine) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("waiting", max_tokens=10**6))
+        first = r.recv()
+        assert isinstance(first, P.DeltaReply) and first.id == "waiting"
+        engine.kill_worker()
+        msgs = r.recv_until_done("waiting")
+        err = msgs[-1]
+        assert isinstance(err, P.ErrorReply) and err.code == P.INTERNAL
+        assert "WorkerDiedError" in err.message and "rank 1" in err.message
+        s.thread.join(10)
+        assert s.exit_code == 1
+        r.close()
+    engine.shutdown()
 
 
 # ---- security ------------------------------------------------------------------------------

@@ -103,6 +103,8 @@ class Server:
         self._stopping = False
         self._stop_deadline = 0.0
         self.exit_code = 0
+        self.failure: str | None = None  # why the engine stopped working, once it has
+        self._health_fd: int | None = None
 
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
@@ -161,6 +163,9 @@ class Server:
     def run(self) -> int:
         """Serve until a requested shutdown completes or the engine fails. Returns the exit code."""
         log.info("serving on %s", self.address)
+        self._health_fd = self.engine.health_fd()
+        if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
+            self.poller.register(self._health_fd, zmq.POLLIN)
         try:
             while True:
                 if self._stop_requested and not self._stopping:
@@ -189,6 +194,8 @@ class Server:
                     pass
             except (BlockingIOError, InterruptedError):
                 pass
+        if self._health_fd is not None and self._health_fd in events:
+            self._check_engine_health()
         if self.sock in events:
             self._drain()
         if self.engine.has_unfinished():
@@ -196,10 +203,22 @@ class Server:
                 outputs = self.engine.step()
             except Exception as e:  # a dead worker or a kernel error: nothing can be trusted now
                 log.exception("engine step failed; shutting down")
-                self._fail_all(f"engine failed: {type(e).__name__}: {e}")
-                raise _EngineFailed from e
+                self._engine_failed(e)
             self._dispatch(outputs)
         self._flush()
+
+    def _check_engine_health(self) -> None:
+        try:
+            self.engine.check_health()
+        except Exception as e:
+            log.error("engine failed while idle: %s; shutting down", e)
+            self._engine_failed(e)
+
+    def _engine_failed(self, e: Exception) -> None:
+        """Tell every client in flight, remember why for ``status``, end ``run`` with status 1."""
+        self.failure = f"engine failed: {type(e).__name__}: {e}"
+        self._fail_all(self.failure)
+        raise _EngineFailed from e
 
     def _begin_shutdown(self) -> None:
         self._stopping = True
@@ -453,8 +472,10 @@ class Server:
             stats = {"stats_error": f"{type(e).__name__}: {e}"}
         stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
-                     state="shutting_down" if self._stopping else "running",
+                     state="failed" if self.failure else "shutting_down" if self._stopping else "running",
                      requests_in_flight=len(self._requests), clients=len(self._peers))
+        if self.failure:
+            stats["failure"] = self.failure
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
 
 

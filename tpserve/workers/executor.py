@@ -6,9 +6,11 @@
                       plan channel first, then run locally; the collectives inside the forward
                       keep the ranks in step.
 
-Faults: a watchdog thread waits on the workers' process sentinels. When one exits, the
-executor records which rank and its exit code; the next (or current) execute raises
-WorkerDiedError naming them, and the remaining workers are torn down.
+Faults: a watchdog thread waits on the workers' process sentinels, busy or idle. When one
+exits, the executor records which rank and its exit code, tears the remaining workers down and
+makes ``health_fd()`` readable, so a caller sleeping in ``poll`` (the daemon's serving loop)
+wakes at once; ``check_health()`` and the next (or current) execute raise WorkerDiedError
+naming the rank.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class UniProcExecutor:
     def check_health(self) -> None:
         pass
 
+    def health_fd(self) -> int | None:
+        return None  # no other process can die under this one
+
     def shutdown(self) -> None:
         self.runner = None
 
@@ -68,6 +73,10 @@ class MultiProcExecutor:
         self.channel = None
         self.dead: tuple[int, int | None] | None = None
         self._closing = threading.Event()
+        # The watchdog writes one byte here when a worker dies; never drained, so it stays readable.
+        self._dead_r, self._dead_w = os.pipe()
+        os.set_blocking(self._dead_r, False)
+        self._pipe_lock = threading.Lock()  # the watchdog's write vs shutdown's close
         env = torchrun_env()
         try:
             if env is not None:
@@ -134,6 +143,9 @@ class MultiProcExecutor:
                     for p in self.procs:
                         if p.is_alive():
                             p.kill()
+                    with self._pipe_lock:
+                        if self._dead_w >= 0:
+                            os.write(self._dead_w, b"x")
                     return
         threading.Thread(target=watchdog, name="tpserve-watchdog", daemon=True).start()
 
@@ -157,8 +169,16 @@ class MultiProcExecutor:
                     raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {payload}")
 
     def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker has exited."""
         if self.dead is not None:
             raise WorkerDiedError(*self.dead)
+
+    def health_fd(self) -> int | None:
+        """A file descriptor that becomes readable (and stays so) when a worker dies.
+
+        None under torchrun, where this process has no handle on the other ranks.
+        """
+        return self._dead_r if self.procs else None
 
     # ---- steps ---------------------------------------------------------------------------
     def _publish(self, plan: StepPlan) -> None:
@@ -203,6 +223,10 @@ class MultiProcExecutor:
             self.channel.close()
             self.channel = None
         self.runner = None
+        with self._pipe_lock:
+            os.close(self._dead_r)
+            os.close(self._dead_w)
+            self._dead_w = -1
 
 
 def _worker_entry(*args) -> None:
