@@ -181,7 +181,7 @@ def serve(**kw):
     config = config_from_options(kw)
     rank = torchrun_rank()
     if rank is not None and rank != 0:
-        from tpserve.workers.launch import run_torchrun_worker
+        from tpserve.workers.worker import run_torchrun_worker
         sys.exit(run_torchrun_worker(config) or 0)
     logging.basicConfig(level=kw["log_level"].upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

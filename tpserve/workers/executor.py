@@ -64,9 +64,8 @@ class UniProcExecutor:
 
 class MultiProcExecutor:
     def __init__(self, config: EngineConfig):
-        from tpserve.workers.channel import PlanWriter
-        from tpserve.workers.shm_ring import cleanup_stale_segments
         from tpserve.workers.model_runner import ModelRunner
+        from tpserve.workers.rendezvous import create_ring
 
         self.world = config.tensor_parallel_size
         self.procs: list[mp.Process] = []
@@ -82,8 +81,7 @@ class MultiProcExecutor:
             if env is not None:
                 self._init_torchrun(config, env)
             else:
-                cleanup_stale_segments()
-                self.channel = PlanWriter.create(num_readers=self.world - 1)
+                self.channel = create_ring(num_readers=self.world - 1)
                 init_method = f"tcp://127.0.0.1:{free_port()}"
                 ctx = mp.get_context("spawn")
                 conns = []
@@ -108,21 +106,14 @@ class MultiProcExecutor:
         self.num_blocks = self.runner.num_blocks
 
     def _init_torchrun(self, config: EngineConfig, env) -> None:
-        """Rank 0 under torchrun: workers already exist; share the channel's address with them."""
-        import torch.distributed as dist
-        from tpserve.workers.broadcast_channel import BroadcastPlanChannel
-        from tpserve.workers.channel import PlanWriter
+        """Rank 0 under torchrun: workers already exist; share the channel with them."""
         from tpserve.workers.model_runner import ModelRunner
+        from tpserve.workers.rendezvous import share_channel
 
         rank, world, local_rank, local_world = env
         assert rank == 0 and world == self.world, "torchrun world size must equal --tp"
         tp = init_tp(0, world, None, timeout_s=STARTUP_TIMEOUT_S)
-        if local_world == world:
-            self.channel = PlanWriter.create(num_readers=world - 1)
-            dist.broadcast_object_list([self.channel.name], src=0)
-        else:
-            dist.broadcast_object_list([None], src=0)
-            self.channel = BroadcastPlanChannel(dist.new_group(backend="gloo"), src=0)
+        self.channel = share_channel(world, local_world)
         self.runner = ModelRunner(config, tp, device_for(local_rank))
 
     # ---- health --------------------------------------------------------------------------
