@@ -1,18 +1,17 @@
 """BlockManager: the pool of KV-cache blocks, their ref counts and the chained-hash prefix cache.
 
 The manager is the sole owner of block state. It works on any object shaped like a scheduler
-``Sequence`` (``token_ids``, ``block_table``, ``num_cached_tokens``, ``num_prefix_hit_tokens``,
-``num_hashed_blocks``, ``block_hashes``); it never imports the scheduler.
+``Sequence`` (``token_ids``, ``block(i)``, ``block_size``, ``block_table``, ``num_cached_tokens``,
+``num_prefix_hit_tokens``, ``num_hashed_blocks``, ``block_hashes``); it never imports the
+scheduler. Block hashes and their memo are in ``prefix_hash``.
 """
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict, deque
 from itertools import chain
 
-import xxhash
-
 from tpserve.blockpool.block import Block
+from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 
 
 class BlockManager:
@@ -81,31 +80,16 @@ class BlockManager:
     # ---- hashing -------------------------------------------------------------------------
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
-        """xxh64 over the previous full block's hash (if any) and this block's token ids,
-        each as a 64-bit unsigned integer (token ids are non-negative)."""
-        if prefix == -1:
-            return xxhash.xxh64_intdigest(array("Q", token_ids))
-        return xxhash.xxh64_intdigest(array("Q", [prefix, *token_ids]))
-
-    def _block_tokens(self, seq, i: int) -> list[int]:
-        bs = self.block_size
-        return seq.token_ids[i * bs:(i + 1) * bs]
-
-    def _block_hash(self, seq, i: int) -> int:
-        """Chained hash of full block ``i`` of ``seq``, memoised on the sequence."""
-        hashes = seq.block_hashes
-        while len(hashes) <= i:
-            j = len(hashes)
-            hashes.append(self.compute_hash(self._block_tokens(seq, j), hashes[j - 1] if j else -1))
-        return hashes[i]
+        """The chained block hash (prefix_hash.chain_hash); a seam tests replace to force collisions."""
+        return chain_hash(token_ids, prefix)
 
     def _lookup(self, seq, i: int, parent_serial: int) -> int:
         """The cached block holding full block ``i`` of ``seq`` after the given parent, or -1."""
-        block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
+        block_id = self.hash_to_block_id.get(block_hashes(seq, i + 1, self.compute_hash)[i], -1)
         if block_id == -1:
             return -1
         block = self.blocks[block_id]
-        if block.parent_serial != parent_serial or block.token_ids != self._block_tokens(seq, i):
+        if block.parent_serial != parent_serial or block.token_ids != seq.block(i):
             return -1
         return block_id
 
@@ -145,7 +129,7 @@ class BlockManager:
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
         blocks sitting in the free list are taken back and so count against the free blocks."""
         bs = self.block_size
-        num_new_blocks = (len(seq.token_ids) + bs - 1) // bs
+        num_new_blocks = seq.num_blocks
         num_cached_blocks = 0
         if self.enable_prefix_caching:
             parent_serial = -1
@@ -166,6 +150,7 @@ class BlockManager:
         """Give ``seq`` blocks for all its tokens; the first ``num_cached_blocks`` come from the
         prefix cache (as reported by :meth:`can_allocate`). Sets ``num_cached_tokens``."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        assert seq.block_size == self.block_size, "sequence and pool disagree on the block size"
         bs = self.block_size
         table = seq.block_table
         parent_serial = -1
@@ -179,7 +164,7 @@ class BlockManager:
                 self._take_cached_block(block_id)
             table.append(block_id)
             parent_serial = block.serial
-        for _ in range(num_cached_blocks, (len(seq.token_ids) + bs - 1) // bs):
+        for _ in range(num_cached_blocks, seq.num_blocks):
             table.append(self._allocate_block())
         seq.num_cached_tokens = num_cached_blocks * bs
         seq.num_prefix_hit_tokens = num_cached_blocks * bs
@@ -250,26 +235,16 @@ class BlockManager:
         if i >= num_full:
             return
         blocks, table, index = self.blocks, seq.block_table, self.hash_to_block_id
-        tokens, hashes = seq.token_ids, seq.block_hashes
-        # Blocks before i are hashed (by hits or earlier calls), so hashes[i - 1] exists.
-        prev = hashes[i - 1] if i else -1
-        while i < num_full:
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            if i < len(hashes):
-                h = hashes[i]
-            else:
-                h = self.compute_hash(block_tokens, prev)
-                hashes.append(h)
-            block_id = table[i]
-            blocks[block_id].update(h, block_tokens, blocks[table[i - 1]].serial if i else -1)
+        hashes = block_hashes(seq, num_full, self.compute_hash)
+        for i in range(i, num_full):
+            h, block_id = hashes[i], table[i]
+            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
             old = index.get(h, -1)
             if old != -1 and old != block_id and old in self._free_cached:
                 del self._free_cached[old]
                 blocks[old].hash = -1
                 self._free_plain.append(old)
             index[h] = block_id
-            prev = h
-            i += 1
         seq.num_hashed_blocks = num_full
 
     def reset_prefix_cache(self) -> bool:
