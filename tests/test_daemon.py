@@ -633,6 +633,21 @@ def test_worker_death_fails_requests_in_flight_with_an_error():
     engine.shutdown()
 
 
+def test_a_client_gone_when_its_request_finishes_costs_nothing_else():
+    """The last delta's send finds the client gone (EHOSTUNREACH drops it) in the step that also
+    finishes its request: the daemon must not trip over the request it just dropped."""
+    engine, d = FakeEngine(), short_tmpdir()
+    server = Server(engine, f"ipc://{d}/s.sock")  # driven by hand, no serving thread
+    try:
+        server._on_generate(b"gone", P.GenerateRequest(id="r", prompt="ab", params=SamplingParams(max_tokens=1)))
+        server._try_send = lambda peer, frame: server._drop_peer(peer, "disconnected")  # as on EHOSTUNREACH
+        server._dispatch(engine.step())
+        assert server._requests == {} and server._peers == {} and not engine.has_unfinished()
+    finally:
+        server.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ---- security ------------------------------------------------------------------------------
 @pytest.mark.parametrize("address,loopback", [
     ("tcp://127.0.0.1:5555", True), ("tcp://127.3.2.1:1", True), ("tcp://localhost:5555", True),

@@ -352,6 +352,8 @@ class Server:
             if req.stream:
                 if out.new_token_ids or out.new_text:
                     self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids)))
+                    if out.request_id not in self._requests:
+                        continue  # the send found the client gone and dropped its requests
             else:
                 req.text_parts.append(out.new_text)
                 req.token_ids.extend(out.new_token_ids)
