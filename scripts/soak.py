@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import random
 import shutil
 import signal
@@ -217,12 +218,31 @@ def phase_clients(args) -> bool:
                  for i in range(args.clients)]
         for p in procs:
             p.start()
-        totals: dict[str, int] = {}
-        for _ in procs:
-            for k, v in out.get(timeout=args.reply_timeout * args.requests + 120).items():
-                totals[k] = totals.get(k, 0) + v
+        totals: dict[str, int] = dict.fromkeys(("completed", "aborted", "disconnected", "bad_inputs",
+                                                "errors_answered", "other_code", "lost", "refused"), 0)
+        reported, deadline = 0, time.monotonic() + args.phase_timeout
+        while reported < len(procs):
+            if d.proc.poll() is not None or time.monotonic() > deadline:
+                for p in procs:  # the daemon died (or hangs): what the clients hold is lost
+                    p.kill()
+                totals["lost"] += len(procs) * args.requests - sum(totals[k] for k in (
+                    "completed", "aborted", "disconnected", "bad_inputs", "lost"))
+                print("soak phase 1: the daemon " + ("exited" if d.proc.poll() is not None else "hangs")
+                      + "; its log ends:\n" + d.log_text()[-2000:], flush=True)
+                break
+            try:
+                counts = out.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            reported += 1
+            for k, v in counts.items():
+                totals[k] += v
         for p in procs:
             p.join(30)
+        if d.proc.poll() is not None:
+            code, leaked = d.proc.returncode, -1
+            procs_left, shm_left = d.leftovers()
+            return _print_phase1(args, totals, leaked, procs_left, shm_left, code, t0) and False
         deadline = time.monotonic() + 30  # vanished clients are noticed when a send fails
         while True:
             st = d.status()
@@ -235,6 +255,10 @@ def phase_clients(args) -> bool:
         procs_left, shm_left = d.leftovers()
     finally:
         d.close()
+    return _print_phase1(args, totals, leaked, procs_left, shm_left, code, t0)
+
+
+def _print_phase1(args, totals, leaked, procs_left, shm_left, code, t0) -> bool:
     print(f"soak phase 1 (TP 1, {args.clients} clients x {args.requests} requests): requests completed "
           f"{totals['completed']}, aborted by clients {totals['aborted']}, clients vanished "
           f"{totals['disconnected']}, bad inputs {totals['bad_inputs']}, errors answered "
@@ -243,7 +267,7 @@ def phase_clients(args) -> bool:
           f"{leaked}, leftover processes {procs_left}, shm segments {shm_left}, daemon exit {code}, "
           f"{time.monotonic() - t0:.0f} s", flush=True)
     return (totals["lost"] == totals["refused"] == leaked == procs_left == shm_left == code == 0
-            and len(procs) * args.requests == sum(totals[k] for k in ("completed", "aborted", "disconnected",
+            and args.clients * args.requests == sum(totals[k] for k in ("completed", "aborted", "disconnected",
                                                                     "bad_inputs", "lost")))
 
 
@@ -311,6 +335,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=25, help="per client")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reply-timeout", type=float, default=60.0, help="seconds without a reply that count as lost")
+    ap.add_argument("--phase-timeout", type=float, default=900.0,
+                    help="seconds the clients of phase 1 may take in all before the rest counts as lost")
     args = ap.parse_args()
     ok = [phase_clients(args), phase_kill_idle(args), phase_kill_busy(args)]
     print("soak:", "PASS" if all(ok) else "FAIL", flush=True)
