@@ -317,6 +317,7 @@ _STATUS_LINES = [
     ("tensor parallel", "tensor_parallel_size", "{}"),
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
+    ("failure", "failure", "{}"),  # only once the engine failed
     ("requests running", "num_running", "{}"),
     ("requests waiting", "num_waiting", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),
