@@ -7,10 +7,10 @@ scheduler. Block hashes and their memo are in ``prefix_hash``.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from itertools import chain
+from collections import deque
 
 from tpserve.blockpool.block import Block
+from tpserve.blockpool.free_blocks import FreeBlocks
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 
 
@@ -27,15 +27,10 @@ class BlockManager:
       has been written are hashed (:meth:`hash_blocks`); freeing a block keeps its entry, so a
       preempted or finished sequence can find its blocks again until they are reused.
 
-    Eviction order (the order of ``free_block_ids``, which is exactly the allocation order):
-
-    1. free blocks that carry no reachable hash (never hashed, or their entry was dropped or
-       taken over by another block), in the order they were freed;
-    2. then free blocks still in the prefix cache, least recently freed first.
-
-    So a fresh allocation destroys a cached prefix only when no worthless block is left, and
-    then the one unused for longest. A cache hit on a free block takes it back out of the free
-    list (whatever its position); a hit on a used block shares it (ref_count += 1).
+    Eviction order (``free_block_ids``, exactly the allocation order) is FreeBlocks': free
+    blocks without a reachable hash first, in the order freed, then cached free blocks, least
+    recently freed first. A cache hit on a free block takes it back out of the free list
+    (whatever its position); a hit on a used block shares it (ref_count += 1).
 
     A cache hit compares the block's token ids and the identity (serial) of the block before
     it, so even a collision of the chained hash can never hand out a block with other KV.
@@ -52,9 +47,8 @@ class BlockManager:
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.used_block_ids: set[int] = set()
-        # Free blocks, split by eviction class; free_block_ids presents them concatenated.
-        self._free_plain: deque[int] = deque(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free = FreeBlocks(num_blocks)  # in eviction order, see free_blocks.py
+        self._free_plain = self._free.plain  # the plain class, for tests that corrupt it on purpose
         # Live sequences (allocated, not yet deallocated), keyed by identity.
         self._live: dict[object, None] = {}
         self._next_serial = 0
@@ -63,11 +57,11 @@ class BlockManager:
     @property
     def free_block_ids(self) -> deque[int]:
         """Free block ids in the order they will be allocated (a fresh copy: O(num_free))."""
-        return deque(chain(self._free_plain, self._free_cached))
+        return self._free.order()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
@@ -96,10 +90,7 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------
     def _allocate_block(self) -> int:
         """Take the next free block for fresh contents, dropping its (stale) cache entry."""
-        if self._free_plain:
-            block_id = self._free_plain.popleft()
-        else:
-            block_id, _ = self._free_cached.popitem(last=False)
+        block_id = self._free.pop()
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
@@ -111,7 +102,7 @@ class BlockManager:
 
     def _take_cached_block(self, block_id: int) -> None:
         """Take a cached block back out of the free list, keeping its contents and hash."""
-        del self._free_cached[block_id]
+        self._free.take_cached(block_id)
         self.blocks[block_id].ref_count = 1
         self.used_block_ids.add(block_id)
 
@@ -119,10 +110,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         self.used_block_ids.remove(block_id)
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            self._free_cached[block_id] = None
-        else:
-            self._free_plain.append(block_id)
+        self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
 
     def can_allocate(self, seq) -> int:
         """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
@@ -240,10 +228,9 @@ class BlockManager:
             h, block_id = hashes[i], table[i]
             blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
             old = index.get(h, -1)
-            if old != -1 and old != block_id and old in self._free_cached:
-                del self._free_cached[old]
+            if old != -1 and old != block_id and self._free.is_cached(old):
+                self._free.uncache(old)
                 blocks[old].hash = -1
-                self._free_plain.append(old)
             index[h] = block_id
         seq.num_hashed_blocks = num_full
 
@@ -253,19 +240,17 @@ class BlockManager:
         Returns True when the cache is now empty; False when blocks held by live sequences
         are still registered (call again once they are gone).
         """
-        for block_id in self._free_cached:
+        for block_id in self._free.uncache_all():
             block = self.blocks[block_id]
             del self.hash_to_block_id[block.hash]
             block.hash = -1
-            self._free_plain.append(block_id)
-        self._free_cached.clear()
         return not self.hash_to_block_id
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first violated invariant."""
         n = self.num_blocks
-        plain, cached = list(self._free_plain), list(self._free_cached)
+        plain, cached = list(self._free.plain), list(self._free.cached)
         free = plain + cached
         assert len(free) == len(set(free)), f"a block is twice in the free list: {free}"
         free_set = set(free)
