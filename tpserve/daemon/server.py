@@ -8,8 +8,10 @@
   and/or ``done`` to the client that asked,
 * retrying sends that a slow client's high-water mark refused.
 
-When the engine is idle it blocks in ``zmq.Poller.poll`` on the socket and a wake-up socket pair
-(written by signal handlers and ``request_shutdown``), so an idle daemon uses no CPU.
+When the engine is idle it blocks in ``zmq.Poller.poll`` on the socket, a wake-up socket pair
+(written by signal handlers and ``request_shutdown``) and the engine's health fd (readable once
+a tensor-parallel worker died), so an idle daemon uses no CPU and still notices a dead worker
+at once: it then fails every request in flight, reports ``state: failed`` and exits 1.
 
 Request ids are scoped per connection (the ZMQ routing id of the client's DEALER): two clients
 may use the same id; one client may reuse an id once its ``done``/``error`` was sent. The engine
@@ -213,6 +215,10 @@ class Server:
         except Exception as e:
             log.error("engine failed while idle: %s; shutting down", e)
             self._engine_failed(e)
+        # Readable but healthy breaks the engine's contract; stop polling it rather than spin.
+        log.error("the engine's health fd is readable but check_health() passed; no longer watching it")
+        self.poller.unregister(self._health_fd)
+        self._health_fd = None
 
     def _engine_failed(self, e: Exception) -> None:
         """Tell every client in flight, remember why for ``status``, end ``run`` with status 1."""
