@@ -1,13 +1,14 @@
 """Reliability soak: many clients, random aborts and bad inputs, then killed workers.
 
-    .venv/bin/python scripts/soak.py [--clients 8] [--requests 25] [--seed 0]
+    .venv/bin/python scripts/soak.py [--clients 8] [--requests 25] [--seed 0] [--edge-inputs]
 
-Not part of `make test` (it takes minutes). Every daemon runs on the bundled model with its
+Not part of `make test` (up to minutes, each phase bounded). Every daemon runs on the bundled model with its
 socket in a private runtime directory (ipc only). Three phases, one line each:
 
 1. TP 1: ``--clients`` processes each send ``--requests`` streaming generates over raw
    ZeroMQ + msgpack (docs/protocol.md), aborting some mid-stream, vanishing mid-stream now
-   and then, and mixing in bad inputs whose error replies are counted. Then the daemon must
+   and then, and mixing in bad inputs whose error replies are counted (with --edge-inputs,
+   also numbers at integer-width edges). Then the daemon must
    have freed every KV block, and it must stop cleanly (SIGTERM, exit 0).
 2. TP 2: a worker is SIGKILLed while the daemon is idle: the daemon must exit 1 by itself.
 3. TP 2: a worker is SIGKILLed while four streams are in flight: each must get an error reply
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import msgpack
@@ -53,6 +55,15 @@ BAD_INPUTS = [
     ({"v": 1, "type": "generate", "id": "ID", "prompt": [10 ** 6]}, "invalid_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 10 ** 6}}, "admission"),
     ({"v": 1, "type": "abort", "id": "ID"}, "unknown_id"),
+    ("DUPLICATE", "duplicate_id"),  # a valid generate sent twice: the second is refused
+]
+# Numbers at integer-width edges (--edge-inputs): each must get its error, never cost the daemon.
+EDGE_INPUTS = [
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"top_k": 2 ** 31}}, "invalid_field"),
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"stop_token_ids": [2 ** 31]}},
+     "invalid_field"),
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 2 ** 63 - 1}}, "admission"),
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"seed": 2 ** 64 - 1}}, "invalid_field"),
 ]
 
 
@@ -80,20 +91,25 @@ class Conn:
         self.sock.close(linger=0)
 
 
-def client_main(index: int, address: str, num_requests: int, seed: int, timeout: float, out) -> None:
+def client_main(index: int, address: str, num_requests: int, seed: int, timeout: float, edge: bool,
+                out) -> None:
     rng = random.Random(seed * 1000 + index)
+    bad_inputs = BAD_INPUTS + (EDGE_INPUTS if edge else [])
     counts = dict(completed=0, aborted=0, disconnected=0, bad_inputs=0, errors_answered=0,
-                  other_code=0, lost=0, refused=0)
+                  other_code=0, lost=0, refused=0, client_errors=0)
     conn = Conn(address, timeout)
     for n in range(num_requests):
         rid = f"c{index}-r{n}"
         try:
             if rng.random() < 0.25:
-                frame, code = rng.choice(BAD_INPUTS)
-                if isinstance(frame, dict):
-                    frame = {k: (rid if v == "ID" else v) for k, v in frame.items()}
-                conn.send(frame)
-                reply = conn.recv()
+                frame, code = rng.choice(bad_inputs)
+                if frame == "DUPLICATE":
+                    reply = duplicate(conn, rid)
+                else:
+                    if isinstance(frame, dict):
+                        frame = {k: (rid if v == "ID" else v) for k, v in frame.items()}
+                    conn.send(frame)
+                    reply = conn.recv()
                 counts["bad_inputs"] += 1
                 if reply.get("type") == "error":
                     counts["errors_answered"] += 1
@@ -139,8 +155,30 @@ def client_main(index: int, address: str, num_requests: int, seed: int, timeout:
             counts["lost"] += 1
             conn.close()
             conn = Conn(address, timeout)
+        except Exception:  # a bug of this script: say so, and keep the counts coming
+            traceback.print_exc()
+            counts["client_errors"] += 1
+            conn.close()
+            conn = Conn(address, timeout)
     conn.close()
     out.put(counts)
+
+
+def duplicate(conn: Conn, rid: str) -> dict:
+    """Send one short generate twice; return the reply to the second after the first's done."""
+    request = {"v": 1, "type": "generate", "id": rid, "prompt": "x = ", "params": {"max_tokens": 4}}
+    conn.send(request)
+    conn.send(request)
+    refusal, done = None, False
+    while refusal is None or not done:
+        msg = conn.recv()
+        if msg.get("type") == "error" and refusal is None:
+            refusal = msg
+        elif msg.get("type") == "done":
+            done = True
+        elif msg.get("type") == "error":
+            raise Lost()  # the first request failed: count it lost
+    return refusal
 
 
 # ---- daemons ---------------------------------------------------------------------------
@@ -214,19 +252,19 @@ def phase_clients(args) -> bool:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         procs = [ctx.Process(target=client_main, args=(i, d.address, args.requests, args.seed,
-                                                       args.reply_timeout, out), name=f"soak-client-{i}")
+                                                       args.reply_timeout, args.edge_inputs, out), name=f"soak-client-{i}")
                  for i in range(args.clients)]
         for p in procs:
             p.start()
         totals: dict[str, int] = dict.fromkeys(("completed", "aborted", "disconnected", "bad_inputs",
-                                                "errors_answered", "other_code", "lost", "refused"), 0)
+                                                "errors_answered", "other_code", "lost", "refused", "client_errors"), 0)
         reported, deadline = 0, time.monotonic() + args.phase_timeout
         while reported < len(procs):
             if d.proc.poll() is not None or time.monotonic() > deadline:
                 for p in procs:  # the daemon died (or hangs): what the clients hold is lost
                     p.kill()
                 totals["lost"] += len(procs) * args.requests - sum(totals[k] for k in (
-                    "completed", "aborted", "disconnected", "bad_inputs", "lost"))
+                    "completed", "aborted", "disconnected", "bad_inputs", "lost", "client_errors"))
                 print("soak phase 1: the daemon " + ("exited" if d.proc.poll() is not None else "hangs")
                       + "; its log ends:\n" + d.log_text()[-2000:], flush=True)
                 break
@@ -264,11 +302,12 @@ def _print_phase1(args, totals, leaked, procs_left, shm_left, code, t0) -> bool:
           f"{totals['disconnected']}, bad inputs {totals['bad_inputs']}, errors answered "
           f"{totals['errors_answered']} ({totals['other_code']} with another code than documented), "
           f"valid requests refused {totals['refused']}, requests lost {totals['lost']}, blocks leaked "
-          f"{leaked}, leftover processes {procs_left}, shm segments {shm_left}, daemon exit {code}, "
+          f"{leaked if leaked >= 0 else 'unknown (daemon gone)'}, leftover processes {procs_left}, shm segments {shm_left}, daemon exit {code}, "
+          f"soak client errors {totals['client_errors']}, "
           f"{time.monotonic() - t0:.0f} s", flush=True)
-    return (totals["lost"] == totals["refused"] == leaked == procs_left == shm_left == code == 0
-            and args.clients * args.requests == sum(totals[k] for k in ("completed", "aborted", "disconnected",
-                                                                    "bad_inputs", "lost")))
+    return (totals["lost"] == totals["refused"] == totals["client_errors"] == leaked == procs_left == shm_left
+            == code == 0 and args.clients * args.requests == sum(
+                totals[k] for k in ("completed", "aborted", "disconnected", "bad_inputs", "lost", "client_errors")))
 
 
 def phase_kill_idle(args) -> bool:
@@ -335,6 +374,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=25, help="per client")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reply-timeout", type=float, default=60.0, help="seconds without a reply that count as lost")
+    ap.add_argument("--edge-inputs", action="store_true",
+                    help="also send numbers at integer-width edges (top_k 2^31, max_tokens 2^63 - 1, ...), "
+                         "which the protocol must refuse with an error each")
     ap.add_argument("--phase-timeout", type=float, default=900.0,
                     help="seconds the clients of phase 1 may take in all before the rest counts as lost")
     args = ap.parse_args()
