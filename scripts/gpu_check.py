@@ -480,7 +480,7 @@ def check_tp(report: Report, model_dir, gpus: int, max_model_len: int = 512):
     report.check("tp: TP=2 greedy equals TP=1 (fp32)", ref[1] == ref[2],
                  "" if ref[1] == ref[2] else f"{ref[1]} vs {ref[2]}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "-m", "tpserve.workers.launch", "--model", str(model_dir), "--max-tokens", "16",
+           "-m", "tpserve.launch", "--model", str(model_dir), "--max-tokens", "16",
            "--ignore-eos", "--dtype", "float32"]
     for p in prompts:
         cmd += ["--token-ids", ",".join(map(str, p))]

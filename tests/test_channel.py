@@ -26,8 +26,8 @@ from tpserve.workers.channel import (
 )
 from tpserve.workers.shm_ring import (
     SHM_DIR, cleanup_stale_segments, creator_pid, make_segment_name, overflow_name,
-    process_alive,
 )
+from tpserve.procs import pid_alive
 
 SPAWN = mp.get_context("spawn")
 JOIN_S = 60  # generous: the machine running the tests may be heavily shared
@@ -411,7 +411,7 @@ def test_writer_killed_reader_raises_channel_closed_and_cleaner_unlinks(prefix):
         with pytest.raises(ChannelClosed, match=f"writer process {proc.pid} .* died"):
             reader.receive(timeout=JOIN_S)
         reader.close()
-        assert not process_alive(proc.pid)
+        assert not pid_alive(proc.pid)
         assert cleanup_stale_segments(prefix) == sorted([name, overflow_name(name, 2)])
         assert segments(prefix) == []
     finally:

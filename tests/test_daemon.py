@@ -31,7 +31,7 @@ from tpserve.daemon.keys import generate_keypair, load_secret_keys
 from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
                                     is_loopback_tcp, read_ready)
 from tpserve.daemon.server import Server, ServerOptions
-from tpserve.errors import AdmissionError, InvalidRequestError, StepFailedError
+from tpserve.errors import AdmissionError, ConfigError, InvalidRequestError, StepFailedError, WorkerDiedError
 from tpserve.outputs import RequestOutput
 from tpserve.requests import check_request
 from tpserve.sampling import SamplingParams
@@ -112,6 +112,12 @@ class FakeEngine:
 
     def has_unfinished(self):
         return bool(self.requests)
+
+    def health_fd(self):
+        return None
+
+    def check_health(self):
+        pass
 
     def step(self):
         if self.fail_after is not None and self.num_steps >= self.fail_after:
@@ -611,6 +617,79 @@ def test_engine_failure_fails_requests_and_exits_1():
         s.thread.join(10)
         assert s.exit_code == 1
         r.close()
+
+
+class DyingEngine(FakeEngine):
+    """FakeEngine whose worker can be killed: like Engine, it reports it through health_fd."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._dead_r, self._dead_w = os.pipe()
+        self.dead = False
+
+    def health_fd(self):
+        return self._dead_r
+
+    def check_health(self):
+        if self.dead:
+            raise WorkerDiedError(1, -signal.SIGKILL)
+
+    def kill_worker(self):
+        self.dead = True
+        os.write(self._dead_w, b"x")
+
+    def shutdown(self):
+        super().shutdown()
+        os.close(self._dead_r)
+        os.close(self._dead_w)
+
+
+def test_worker_death_while_idle_wakes_the_loop_and_exits_1():
+    engine = DyingEngine()
+    with ServerThread(engine) as s:
+        r = Raw(s.address)
+        r.send_msg(P.PingRequest(id="p"))
+        assert isinstance(r.recv(), P.PongReply)  # the loop is up and idle in poll
+        engine.kill_worker()
+        s.thread.join(10)
+        assert not s.thread.is_alive() and s.exit_code == 1
+        st = s.server.stats()
+        assert st["state"] == "failed" and "worker rank 1 died" in st["failure"]
+        r.close()
+    engine.shutdown()
+
+
+def test_worker_death_fails_requests_in_flight_with_an_error():
+    engine = DyingEngine(step_delay=0.01)
+    with ServerThread(engine) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("waiting", max_tokens=10**6))
+        first = r.recv()
+        assert isinstance(first, P.DeltaReply) and first.id == "waiting"
+        engine.kill_worker()
+        msgs = r.recv_until_done("waiting")
+        err = msgs[-1]
+        assert isinstance(err, P.ErrorReply) and err.code == P.INTERNAL
+        assert "WorkerDiedError" in err.message and "rank 1" in err.message
+        s.thread.join(10)
+        assert s.exit_code == 1
+        r.close()
+    engine.shutdown()
+
+
+def test_a_client_gone_when_its_request_finishes_costs_nothing_else():
+    """The last delta's send finds the client gone (EHOSTUNREACH drops it) in the step that also
+    finishes its request: the daemon must not trip over the request it just dropped."""
+    engine, d = FakeEngine(), short_tmpdir()
+    server = Server(engine, f"ipc://{d}/s.sock")  # driven by hand, no serving thread
+    try:
+        server._on_generate(b"gone", P.GenerateRequest(id="r", prompt="ab", params=SamplingParams(max_tokens=1)))
+        server._try_send = lambda peer, frame: server._drop_peer(peer, "disconnected")  # as on EHOSTUNREACH
+        server._dispatch(engine.step())
+        assert server._requests == {} and server._peers == {} and not engine.has_unfinished()
+    finally:
+        server.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- security ------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_torchrun_launch_generates_and_exits_zero(tiny_models_root):  # noqa: F8
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tpserve.workers.launch",
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tpserve.launch",
          "--model", str(path), "--num-kv-blocks", "64", "--max-tokens", "8", "--dtype", "float32", "--ignore-eos",
          "--token-ids", ",".join(map(str, PROMPTS[0]))],
         capture_output=True, text=True, timeout=240, env=env)
@@ -98,7 +98,7 @@ def test_torchrun_two_nodes_use_the_broadcast_channel(tiny_models_root):  # noqa
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(
         [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tpserve.workers.launch",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tpserve.launch",
          "--model", str(path), "--num-kv-blocks", "64", "--max-tokens", "6", "--dtype", "float32",
          "--ignore-eos", "--token-ids", ",".join(map(str, PROMPTS[1]))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]

@@ -174,6 +174,18 @@ class Engine:
         return RequestOutput(seq.request_id, list(new_ids), text, finished,
                              reason if finished else None, seq.num_prompt_tokens, len(completion))
 
+    # ---- health --------------------------------------------------------------------------
+    def health_fd(self) -> int | None:
+        """A file descriptor that becomes readable when the engine can no longer run steps
+        (a tensor-parallel worker died), so an idle caller can ``poll`` on it; None if no such
+        failure can happen (TP 1) or be observed (torchrun)."""
+        return self.executor.health_fd() if self.executor is not None else None
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker has died."""
+        if self.executor is not None:
+            self.executor.check_health()
+
     # ---- control -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

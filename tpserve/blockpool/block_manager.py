@@ -1,18 +1,17 @@
 """BlockManager: the pool of KV-cache blocks, their ref counts and the chained-hash prefix cache.
 
 The manager is the sole owner of block state. It works on any object shaped like a scheduler
-``Sequence`` (``token_ids``, ``block_table``, ``num_cached_tokens``, ``num_prefix_hit_tokens``,
-``num_hashed_blocks``, ``block_hashes``); it never imports the scheduler.
+``Sequence`` (``token_ids``, ``block(i)``, ``block_size``, ``block_table``, ``num_cached_tokens``,
+``num_prefix_hit_tokens``, ``num_hashed_blocks``, ``block_hashes``); it never imports the
+scheduler. Block hashes and their memo are in ``prefix_hash``.
 """
 from __future__ import annotations
 
-from array import array
-from collections import OrderedDict, deque
-from itertools import chain
-
-import xxhash
+from collections import deque
 
 from tpserve.blockpool.block import Block
+from tpserve.blockpool.free_blocks import FreeBlocks
+from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 
 
 class BlockManager:
@@ -28,15 +27,10 @@ class BlockManager:
       has been written are hashed (:meth:`hash_blocks`); freeing a block keeps its entry, so a
       preempted or finished sequence can find its blocks again until they are reused.
 
-    Eviction order (the order of ``free_block_ids``, which is exactly the allocation order):
-
-    1. free blocks that carry no reachable hash (never hashed, or their entry was dropped or
-       taken over by another block), in the order they were freed;
-    2. then free blocks still in the prefix cache, least recently freed first.
-
-    So a fresh allocation destroys a cached prefix only when no worthless block is left, and
-    then the one unused for longest. A cache hit on a free block takes it back out of the free
-    list (whatever its position); a hit on a used block shares it (ref_count += 1).
+    Eviction order (``free_block_ids``, exactly the allocation order) is FreeBlocks': free
+    blocks without a reachable hash first, in the order freed, then cached free blocks, least
+    recently freed first. A cache hit on a free block takes it back out of the free list
+    (whatever its position); a hit on a used block shares it (ref_count += 1).
 
     A cache hit compares the block's token ids and the identity (serial) of the block before
     it, so even a collision of the chained hash can never hand out a block with other KV.
@@ -53,9 +47,8 @@ class BlockManager:
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.used_block_ids: set[int] = set()
-        # Free blocks, split by eviction class; free_block_ids presents them concatenated.
-        self._free_plain: deque[int] = deque(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free = FreeBlocks(num_blocks)  # in eviction order, see free_blocks.py
+        self._free_plain = self._free.plain  # the plain class, for tests that corrupt it on purpose
         # Live sequences (allocated, not yet deallocated), keyed by identity.
         self._live: dict[object, None] = {}
         self._next_serial = 0
@@ -64,11 +57,11 @@ class BlockManager:
     @property
     def free_block_ids(self) -> deque[int]:
         """Free block ids in the order they will be allocated (a fresh copy: O(num_free))."""
-        return deque(chain(self._free_plain, self._free_cached))
+        return self._free.order()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
@@ -81,41 +74,23 @@ class BlockManager:
     # ---- hashing -------------------------------------------------------------------------
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
-        """xxh64 over the previous full block's hash (if any) and this block's token ids,
-        each as a 64-bit unsigned integer (token ids are non-negative)."""
-        if prefix == -1:
-            return xxhash.xxh64_intdigest(array("Q", token_ids))
-        return xxhash.xxh64_intdigest(array("Q", [prefix, *token_ids]))
-
-    def _block_tokens(self, seq, i: int) -> list[int]:
-        bs = self.block_size
-        return seq.token_ids[i * bs:(i + 1) * bs]
-
-    def _block_hash(self, seq, i: int) -> int:
-        """Chained hash of full block ``i`` of ``seq``, memoised on the sequence."""
-        hashes = seq.block_hashes
-        while len(hashes) <= i:
-            j = len(hashes)
-            hashes.append(self.compute_hash(self._block_tokens(seq, j), hashes[j - 1] if j else -1))
-        return hashes[i]
+        """The chained block hash (prefix_hash.chain_hash); a seam tests replace to force collisions."""
+        return chain_hash(token_ids, prefix)
 
     def _lookup(self, seq, i: int, parent_serial: int) -> int:
         """The cached block holding full block ``i`` of ``seq`` after the given parent, or -1."""
-        block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
+        block_id = self.hash_to_block_id.get(block_hashes(seq, i + 1, self.compute_hash)[i], -1)
         if block_id == -1:
             return -1
         block = self.blocks[block_id]
-        if block.parent_serial != parent_serial or block.token_ids != self._block_tokens(seq, i):
+        if block.parent_serial != parent_serial or block.token_ids != seq.block(i):
             return -1
         return block_id
 
     # ---- allocation ----------------------------------------------------------------------
     def _allocate_block(self) -> int:
         """Take the next free block for fresh contents, dropping its (stale) cache entry."""
-        if self._free_plain:
-            block_id = self._free_plain.popleft()
-        else:
-            block_id, _ = self._free_cached.popitem(last=False)
+        block_id = self._free.pop()
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
@@ -127,7 +102,7 @@ class BlockManager:
 
     def _take_cached_block(self, block_id: int) -> None:
         """Take a cached block back out of the free list, keeping its contents and hash."""
-        del self._free_cached[block_id]
+        self._free.take_cached(block_id)
         self.blocks[block_id].ref_count = 1
         self.used_block_ids.add(block_id)
 
@@ -135,17 +110,14 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         self.used_block_ids.remove(block_id)
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            self._free_cached[block_id] = None
-        else:
-            self._free_plain.append(block_id)
+        self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
 
     def can_allocate(self, seq) -> int:
         """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
         blocks sitting in the free list are taken back and so count against the free blocks."""
         bs = self.block_size
-        num_new_blocks = (len(seq.token_ids) + bs - 1) // bs
+        num_new_blocks = seq.num_blocks
         num_cached_blocks = 0
         if self.enable_prefix_caching:
             parent_serial = -1
@@ -166,6 +138,7 @@ class BlockManager:
         """Give ``seq`` blocks for all its tokens; the first ``num_cached_blocks`` come from the
         prefix cache (as reported by :meth:`can_allocate`). Sets ``num_cached_tokens``."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        assert seq.block_size == self.block_size, "sequence and pool disagree on the block size"
         bs = self.block_size
         table = seq.block_table
         parent_serial = -1
@@ -179,7 +152,7 @@ class BlockManager:
                 self._take_cached_block(block_id)
             table.append(block_id)
             parent_serial = block.serial
-        for _ in range(num_cached_blocks, (len(seq.token_ids) + bs - 1) // bs):
+        for _ in range(num_cached_blocks, seq.num_blocks):
             table.append(self._allocate_block())
         seq.num_cached_tokens = num_cached_blocks * bs
         seq.num_prefix_hit_tokens = num_cached_blocks * bs
@@ -250,26 +223,15 @@ class BlockManager:
         if i >= num_full:
             return
         blocks, table, index = self.blocks, seq.block_table, self.hash_to_block_id
-        tokens, hashes = seq.token_ids, seq.block_hashes
-        # Blocks before i are hashed (by hits or earlier calls), so hashes[i - 1] exists.
-        prev = hashes[i - 1] if i else -1
-        while i < num_full:
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            if i < len(hashes):
-                h = hashes[i]
-            else:
-                h = self.compute_hash(block_tokens, prev)
-                hashes.append(h)
-            block_id = table[i]
-            blocks[block_id].update(h, block_tokens, blocks[table[i - 1]].serial if i else -1)
+        hashes = block_hashes(seq, num_full, self.compute_hash)
+        for i in range(i, num_full):
+            h, block_id = hashes[i], table[i]
+            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
             old = index.get(h, -1)
-            if old != -1 and old != block_id and old in self._free_cached:
-                del self._free_cached[old]
+            if old != -1 and old != block_id and self._free.is_cached(old):
+                self._free.uncache(old)
                 blocks[old].hash = -1
-                self._free_plain.append(old)
             index[h] = block_id
-            prev = h
-            i += 1
         seq.num_hashed_blocks = num_full
 
     def reset_prefix_cache(self) -> bool:
@@ -278,19 +240,17 @@ class BlockManager:
         Returns True when the cache is now empty; False when blocks held by live sequences
         are still registered (call again once they are gone).
         """
-        for block_id in self._free_cached:
+        for block_id in self._free.uncache_all():
             block = self.blocks[block_id]
             del self.hash_to_block_id[block.hash]
             block.hash = -1
-            self._free_plain.append(block_id)
-        self._free_cached.clear()
         return not self.hash_to_block_id
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first violated invariant."""
         n = self.num_blocks
-        plain, cached = list(self._free_plain), list(self._free_cached)
+        plain, cached = list(self._free.plain), list(self._free.cached)
         free = plain + cached
         assert len(free) == len(set(free)), f"a block is twice in the free list: {free}"
         free_set = set(free)

@@ -192,7 +192,7 @@ def serve(**kw):
     config = config_from_options(kw)
     rank = torchrun_rank()
     if rank is not None and rank != 0:
-        from tpserve.workers.launch import run_torchrun_worker
+        from tpserve.workers.worker import run_torchrun_worker
         sys.exit(run_torchrun_worker(config) or 0)
     logging.basicConfig(level=kw["log_level"].upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -327,6 +327,7 @@ _STATUS_LINES = [
     ("tensor parallel", "tensor_parallel_size", "{}"),
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
+    ("failure", "failure", "{}"),  # only once the engine failed
     ("requests running", "num_running", "{}"),
     ("requests waiting", "num_waiting", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),

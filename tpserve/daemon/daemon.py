@@ -19,8 +19,9 @@ import signal
 import threading
 
 from tpserve.config import EngineConfig
-from tpserve.daemon.runtime import (READY_NAME, PidFile, check_address, descendants,
-                                    ensure_runtime_dir, resolve_address, write_ready)
+from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, ensure_runtime_dir,
+                                    resolve_address, write_ready)
+from tpserve.procs import kill_tree
 from tpserve.daemon.server import Server, ServerOptions
 
 log = logging.getLogger("tpserve.daemon")
@@ -79,11 +80,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
     except _StartupInterrupted as e:
         log.info("received %s while starting: exiting", e)
         if engine is None:  # workers of a half-built engine have nobody to shut them down
-            for pid in descendants(os.getpid()):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_tree(os.getpid(), include_root=False)
     finally:
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, second_signal)
@@ -102,11 +99,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
 
 def _force_exit(engine, shutting_down: threading.Event, pidfile: PidFile) -> None:
     """Kill every descendant, give engine.shutdown() two seconds to free shared memory, exit 1."""
-    for pid in descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(os.getpid(), include_root=False)
     if engine is not None and not shutting_down.is_set():
         # In a thread: the main thread may be inside the engine right now.
         t = threading.Thread(target=_quiet_shutdown, args=(engine,), daemon=True)

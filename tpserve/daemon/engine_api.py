@@ -49,5 +49,11 @@ class ServingEngine(Protocol):
     def stop_profile(self, path: str) -> list[str]:
         """Stop it; every rank writes a trace file named after ``path``. Returns the files."""
 
+    def health_fd(self) -> int | None:
+        """A file descriptor that becomes readable when a worker dies (None: nothing to watch)."""
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError (tpserve.errors) if a worker died; cheap, no collective."""
+
     def shutdown(self) -> None:
         """Stop the workers and free the engine's resources."""

@@ -1,4 +1,4 @@
-"""The daemon's runtime directory: socket, pid file, ready file and log, plus process helpers.
+"""The daemon's runtime directory: socket, pid file, ready file and log.
 
 Layout of a runtime dir (created mode 0700, so the ipc socket inside is private to its user)::
 
@@ -16,11 +16,12 @@ import fcntl
 import ipaddress
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 from tpserve.errors import TpserveError
+# The daemon's process helpers live below the daemon so the workers can share them.
+from tpserve.procs import descendants, kill_tree, pid_alive, wait_gone  # noqa: F401
 
 SOCKET_NAME = "tpserve.sock"
 PID_NAME = "tpserve.pid"
@@ -246,71 +247,3 @@ def read_ready(runtime_dir: Path) -> dict | None:
         return json.loads((runtime_dir / READY_NAME).read_text())
     except (FileNotFoundError, ValueError):
         return None
-
-
-# ---- processes ---------------------------------------------------------------------------
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie (containers may never reap orphans)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: trust kill(0)
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (from /proc; empty where there is no procfs)."""
-    if not Path("/proc").is_dir():
-        return []
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to ``pid``, its descendants and, if it leads one, its process group."""
-    targets = [pid] + descendants(pid)
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in targets:
-        try:
-            os.kill(p, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def wait_gone(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if not any(pid_alive(p) for p in pids):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)

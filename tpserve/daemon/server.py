@@ -11,8 +11,10 @@
   encoded them: tokenizing megabytes takes seconds, and no other client may wait for that,
 * retrying sends that a slow client's high-water mark refused.
 
-When the engine is idle it blocks in ``zmq.Poller.poll`` on the socket and a wake-up socket pair
-(written by signal handlers and ``request_shutdown``), so an idle daemon uses no CPU.
+When the engine is idle it blocks in ``zmq.Poller.poll`` on the socket, a wake-up socket pair
+(written by signal handlers and ``request_shutdown``) and the engine's health fd (readable once
+a tensor-parallel worker died), so an idle daemon uses no CPU and still notices a dead worker
+at once: it then fails every request in flight, reports ``state: failed`` and exits 1.
 
 Request ids are scoped per connection (the ZMQ routing id of the client's DEALER): two clients
 may use the same id; one client may reuse an id once its ``done``/``error`` was sent. The engine
@@ -142,6 +144,8 @@ class Server:
         self._stopping = False
         self._stop_deadline = 0.0
         self.exit_code = 0
+        self.failure: str | None = None  # why the engine stopped working, once it has
+        self._health_fd: int | None = None
 
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
@@ -213,6 +217,9 @@ class Server:
     def run(self) -> int:
         """Serve until a requested shutdown completes or the engine fails. Returns the exit code."""
         log.info("serving on %s", self.address)
+        self._health_fd = self.engine.health_fd()
+        if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
+            self.poller.register(self._health_fd, zmq.POLLIN)
         try:
             while True:
                 if self._stop_requested and not self._stopping:
@@ -245,6 +252,8 @@ class Server:
                     pass
             except (BlockingIOError, InterruptedError):
                 pass
+        if self._health_fd is not None and self._health_fd in events:
+            self._check_engine_health()
         if self.sock in events:
             self._drain()
         if self._tokenizing:
@@ -257,12 +266,28 @@ class Server:
                 outputs = []
             except Exception as e:  # a dead worker or a kernel error: nothing can be trusted now
                 log.exception("engine step failed; shutting down")
-                self._fail_all(f"engine failed: {type(e).__name__}: {e}")
-                raise _EngineFailed from e
+                self._engine_failed(e)
             self._dispatch(outputs)
         if self._profile is not None and time.monotonic() >= self._profile.deadline:
             self._finish_profile()
         self._flush()
+
+    def _check_engine_health(self) -> None:
+        try:
+            self.engine.check_health()
+        except Exception as e:
+            log.error("engine failed while idle: %s; shutting down", e)
+            self._engine_failed(e)
+        # Readable but healthy breaks the engine's contract; stop polling it rather than spin.
+        log.error("the engine's health fd is readable but check_health() passed; no longer watching it")
+        self.poller.unregister(self._health_fd)
+        self._health_fd = None
+
+    def _engine_failed(self, e: Exception) -> None:
+        """Tell every client in flight, remember why for ``status``, end ``run`` with status 1."""
+        self.failure = f"engine failed: {type(e).__name__}: {e}"
+        self._fail_all(self.failure)
+        raise _EngineFailed from e
 
     def _begin_shutdown(self) -> None:
         self._stopping = True
@@ -462,6 +487,8 @@ class Server:
             if req.stream:
                 if out.new_token_ids or out.new_text:
                     self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids)))
+                    if out.request_id not in self._requests:
+                        continue  # the send found the client gone and dropped its requests
             else:
                 req.text_parts.append(out.new_text)
                 req.token_ids.extend(out.new_token_ids)
@@ -599,9 +626,11 @@ class Server:
             stats = {"stats_error": f"{type(e).__name__}: {e}"}
         stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
-                     state="shutting_down" if self._stopping else "running",
+                     state="failed" if self.failure else "shutting_down" if self._stopping else "running",
                      requests_in_flight=len(self._requests) + len(self._tokenizing),
                      clients=len(self._peers))
+        if self.failure:
+            stats["failure"] = self.failure
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
 
 

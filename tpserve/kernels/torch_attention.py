@@ -123,6 +123,10 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over themselves (cu_seqlens_q only)."""
     max_q, gqa = meta.max_seqlen_q, q.shape[1] != k.shape[1]
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        # Same arithmetic as paged_attention, which widens on CPU: a prompt must compute the same
+        # values whether its prefix is recomputed here or read from the cache there.
+        return varlen_causal_attention(q.float(), k.float(), v.float(), meta, scale).to(q.dtype)
     groups = (None if meta.num_tokens == meta.num_seqs * max_q
               else meta.derived("torch.length_groups", lambda: _length_groups(meta)))
     if groups is None or len(groups) == 1:

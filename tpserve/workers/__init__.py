@@ -1,1 +1,1 @@
-"""Tensor-parallel workers: runners, sampler, the StepPlan channel, process groups and launch."""
+"""Tensor-parallel workers: runners, sampler, the StepPlan channel, process groups, the worker body."""

@@ -89,8 +89,9 @@ from tpserve.workers.shm_ring import (
     DEFAULT_PREFIX, H_CLOSED, H_MAGIC, H_READERS, H_SLOT_BYTES, H_SLOTS, H_VERSION,
     H_WRITER_PID, MAGIC, NAME_RULE, R_PID, R_RELEASED, R_SLEEPING, S_NBYTES, S_OVERFLOW, S_SEQ,
     VERSION, Doorbell, DoorbellRinger, RingLayout, Segment, cleanup_stale_segments,
-    is_valid_name, make_segment_name, overflow_name, process_alive, unlink_segment,
+    is_valid_name, make_segment_name, overflow_name, unlink_segment,
 )
+from tpserve.procs import pid_alive
 
 # ``released`` of a reader that closed on purpose: larger than any sequence number, so the
 # writer never waits for it again.
@@ -276,7 +277,7 @@ class PlanWriter:
             if check:
                 for r in behind:
                     pid = self._ctrl[self.layout.reader_word(r, R_PID)]
-                    if pid and not process_alive(pid):
+                    if pid and not pid_alive(pid):
                         raise ChannelClosed(f"plan reader {r} (pid {pid}) of {self.name!r} died; "
                                             f"{self._describe_reader(r, need)}")
 
@@ -424,7 +425,7 @@ class PlanReader:
             raise ChannelError(f"reader {r} of {self.name!r} was closed; plans it skipped are "
                                f"gone, so it cannot attach again")
         pid = ctrl[lay.reader_word(r, R_PID)]
-        if pid and pid != os.getpid() and process_alive(pid):
+        if pid and pid != os.getpid() and pid_alive(pid):
             raise ChannelError(f"reader {r} of {self.name!r} is already attached by pid {pid}")
         ctrl[lay.reader_word(r, R_PID)] = os.getpid()
         self._doorbell = Doorbell.open(self.name, r)
@@ -496,7 +497,7 @@ class PlanReader:
             if timed_out:
                 raise ChannelTimeout(f"reader {self.reader_index} of {self.name!r}: no plan "
                                      f"{seq} within {timeout} s")
-            if check and not process_alive(self._writer_pid):
+            if check and not pid_alive(self._writer_pid):
                 raise ChannelClosed(f"writer process {self._writer_pid} of plan channel "
                                     f"{self.name!r} died (last plan received: {seq - 1})")
 

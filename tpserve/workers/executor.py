@@ -6,9 +6,11 @@
                       plan channel first, then run locally; the collectives inside the forward
                       keep the ranks in step.
 
-Faults: a watchdog thread waits on the workers' process sentinels. When one exits, the
-executor records which rank and its exit code; the next (or current) execute raises
-WorkerDiedError naming them, and the remaining workers are torn down.
+Faults: a watchdog thread waits on the workers' process sentinels, busy or idle. When one
+exits, the executor records which rank and its exit code, tears the remaining workers down and
+makes ``health_fd()`` readable, so a caller sleeping in ``poll`` (the daemon's serving loop)
+wakes at once; ``check_health()`` and the next (or current) execute raise WorkerDiedError
+naming the rank.
 """
 from __future__ import annotations
 
@@ -49,15 +51,17 @@ class UniProcExecutor:
     def check_health(self) -> None:
         pass
 
+    def health_fd(self) -> int | None:
+        return None  # no other process can die under this one
+
     def shutdown(self) -> None:
         self.runner = None
 
 
 class MultiProcExecutor:
     def __init__(self, config: EngineConfig):
-        from tpserve.workers.channel import PlanWriter
-        from tpserve.workers.shm_ring import cleanup_stale_segments
         from tpserve.workers.model_runner import ModelRunner
+        from tpserve.workers.rendezvous import create_ring
 
         self.world = config.tensor_parallel_size
         self.startup_timeout = config.startup_timeout
@@ -65,13 +69,16 @@ class MultiProcExecutor:
         self.channel = None
         self.dead: tuple[int, int | None] | None = None
         self._closing = threading.Event()
+        # The watchdog writes one byte here when a worker dies; never drained, so it stays readable.
+        self._dead_r, self._dead_w = os.pipe()
+        os.set_blocking(self._dead_r, False)
+        self._pipe_lock = threading.Lock()  # the watchdog's write vs shutdown's close
         env = torchrun_env()
         try:
             if env is not None:
                 self._init_torchrun(config, env)
             else:
-                cleanup_stale_segments()
-                self.channel = PlanWriter.create(num_readers=self.world - 1)
+                self.channel = create_ring(num_readers=self.world - 1)
                 init_method = f"tcp://127.0.0.1:{free_port()}"
                 ctx = mp.get_context("spawn")
                 conns = []
@@ -96,21 +103,14 @@ class MultiProcExecutor:
         self.num_blocks = self.runner.num_blocks
 
     def _init_torchrun(self, config: EngineConfig, env) -> None:
-        """Rank 0 under torchrun: workers already exist; share the channel's address with them."""
-        import torch.distributed as dist
-        from tpserve.workers.broadcast_channel import BroadcastPlanChannel
-        from tpserve.workers.channel import PlanWriter
+        """Rank 0 under torchrun: workers already exist; share the channel with them."""
         from tpserve.workers.model_runner import ModelRunner
+        from tpserve.workers.rendezvous import share_channel
 
         rank, world, local_rank, local_world = env
         assert rank == 0 and world == self.world, "torchrun world size must equal --tp"
         tp = init_tp(0, world, None, timeout_s=self.startup_timeout, local_rank=local_rank)
-        if local_world == world:
-            self.channel = PlanWriter.create(num_readers=world - 1)
-            dist.broadcast_object_list([self.channel.name], src=0)
-        else:
-            dist.broadcast_object_list([None], src=0)
-            self.channel = BroadcastPlanChannel(dist.new_group(backend="gloo"), src=0)
+        self.channel = share_channel(world, local_world)
         self.runner = ModelRunner(config, tp, device_for(local_rank))
 
     # ---- health --------------------------------------------------------------------------
@@ -131,6 +131,9 @@ class MultiProcExecutor:
                     for p in self.procs:
                         if p.is_alive():
                             p.kill()
+                    with self._pipe_lock:
+                        if self._dead_w >= 0:
+                            os.write(self._dead_w, b"x")
                     return
         threading.Thread(target=watchdog, name="tpserve-watchdog", daemon=True).start()
 
@@ -154,8 +157,16 @@ class MultiProcExecutor:
                     raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {payload}")
 
     def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker has exited."""
         if self.dead is not None:
             raise WorkerDiedError(*self.dead)
+
+    def health_fd(self) -> int | None:
+        """A file descriptor that becomes readable (and stays so) when a worker dies.
+
+        None under torchrun, where this process has no handle on the other ranks.
+        """
+        return self._dead_r if self.procs else None
 
     # ---- steps ---------------------------------------------------------------------------
     def _publish(self, plan: StepPlan) -> None:
@@ -200,6 +211,10 @@ class MultiProcExecutor:
             self.channel.close()
             self.channel = None
         self.runner = None
+        with self._pipe_lock:
+            os.close(self._dead_r)
+            os.close(self._dead_w)
+            self._dead_w = -1
 
 
 def _worker_entry(*args) -> None:

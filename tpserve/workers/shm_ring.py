@@ -62,6 +62,8 @@ from dataclasses import dataclass
 
 import _posixshmem  # the primitive behind multiprocessing.shared_memory on POSIX
 
+from tpserve.procs import pid_alive
+
 MAGIC = 0x7470_5249_4E47_3031  # "tpRING01"
 VERSION = 1
 LINE = 64          # bytes per control line (one cache line on x86 and most ARM cores)
@@ -268,28 +270,6 @@ def creator_pid(name: str, prefix: str = DEFAULT_PREFIX) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` is a running process; a zombie (exited, not yet reaped) is dead."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # no procfs: os.kill's answer is all we have
-    # Field 3 (state) follows the parenthesised command name, which may itself contain ')'.
-    state = stat[stat.rfind(b")") + 2:][:1]
-    return state not in (b"Z", b"X")
-
-
 def cleanup_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Unlink every ``/dev/shm`` segment named ``<prefix><pid>-...`` whose creator is dead.
 
@@ -304,6 +284,6 @@ def cleanup_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     removed = []
     for name in sorted(entries):
         pid = creator_pid(name, prefix)
-        if pid is not None and not process_alive(pid) and unlink_segment(name):
+        if pid is not None and not pid_alive(pid) and unlink_segment(name):
             removed.append(name)
     return removed

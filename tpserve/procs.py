@@ -1,0 +1,95 @@
+"""Process helpers shared by the daemon and the workers: liveness and killing a process tree.
+
+Linux first: both read /proc. Where there is no procfs, liveness falls back to ``kill(pid, 0)``
+and no descendants can be found.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` is a running process; a zombie (exited, not yet reaped) is dead.
+
+    Containers may never reap orphans, so the zombie check matters for every caller.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no procfs: os.kill's answer is all we have
+    # Field 3 (state) follows the parenthesised command name, which may itself contain ')'.
+    state = stat[stat.rfind(b")") + 2:][:1]
+    return state not in (b"Z", b"X")
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (from /proc; empty where there is no procfs)."""
+    if not Path("/proc").is_dir():
+        return []
+    children = _children_map()
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL, include_root: bool = True) -> None:
+    """Send ``sig`` to the descendants of ``pid`` and, with ``include_root``, to ``pid`` itself
+    and to the process group it leads (if it leads one). Processes already gone are skipped.
+
+    ``kill_tree(os.getpid(), include_root=False)`` is how a process kills its own children.
+    """
+    targets = descendants(pid)
+    if include_root:
+        targets.insert(0, pid)
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in targets:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    """Wait until none of ``pids`` is alive; False if some still are after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
