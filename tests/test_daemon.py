@@ -1066,7 +1066,7 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
     assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
-                          "start_profile", "stop_profile", "shutdown"}
+                          "start_profile", "stop_profile", "health_fd", "check_health", "shutdown"}
     for cls in (Engine, FakeEngine):
         for name in names:
             want = list(inspect.signature(getattr(ServingEngine, name)).parameters)

@@ -15,6 +15,7 @@ naming the rank.
 from __future__ import annotations
 
 import logging
+import os
 import multiprocessing as mp
 import threading
 import time
