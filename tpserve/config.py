@@ -15,6 +15,12 @@ from tpserve.errors import ConfigError
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("mixed", "prefill-first")
+# Tokens per engine step. Serving: small enough that one step (a prefill chunk plus every
+# running decode) stays short, so running streams keep their inter-token latency while a long
+# prompt is prefilled. Offline (the LLM API): large, for throughput.
+SERVING_MAX_NUM_BATCHED_TOKENS = 512
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
@@ -24,13 +30,25 @@ class EngineConfig:
     ``num_kv_blocks`` overrides the KV pool size (tests, capacity planning); otherwise the
     runner sizes the pool from ``kv_cache_memory_gb`` (CPU) or ``gpu_memory_utilization`` (GPU).
     ``max_model_len`` None means the model's ``max_position_embeddings``.
+
+    ``scheduling_policy``: "mixed" (default) fills each step's ``max_num_batched_tokens``
+    budget with every running decode first, then prefill chunks, so running streams never wait
+    for a whole prefill; "prefill-first" is the seed's policy (a step is all prefill while
+    anything can be prefilled, else all decode).
+
+    ``max_num_batched_tokens`` bounds one step's tokens. The default (512) is a serving
+    budget: on the 40M-parameter CPU benchmark model a 512-token step takes about as long as a
+    few decode steps, so a 3,000-token prompt delays running streams by a bounded step time
+    instead of its whole prefill (vLLM serves with 2,048 on GPUs, where a token costs far
+    less). The offline ``LLM`` API defaults to 8192, which favours throughput.
     """
 
     model: str | None = None
     tensor_parallel_size: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = SERVING_MAX_NUM_BATCHED_TOKENS
+    scheduling_policy: str = "mixed"
     max_model_len: int | None = None
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
@@ -69,6 +87,9 @@ class EngineConfig:
                               f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend",
                               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
