@@ -312,3 +312,12 @@ def test_flash_backend_maps_plans_onto_flash_attn_calls(case, call):
     assert fake.calls == [call]
     ref = reference_attention(batch.q, batch.keys, batch.values, new, 0.2)
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.bfloat16], rtol=0)
+
+
+def test_mixed_plan_attends_decode_rows_apart_from_chunks():
+    """The decode rows of a mixed plan are not padded to the chunks' query length."""
+    batch, out, ref = run_case("mixed", block_size=16)
+    (dmeta, dq), (pmeta, pq) = batch.meta.derived("torch.mixed_parts", lambda: None)
+    assert (dq, pq) == (4, 9 + 40 + 1) and dmeta.max_seqlen_q == 1 and not dmeta.is_prefill
+    assert pmeta.cu_seqlens_q.tolist() == [0, 9, 49, 50] and pmeta.context_lens.tolist() == [9, 60, 18]
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)

@@ -184,3 +184,42 @@ def test_running_views_follow_every_change_of_running():
     assert b3.slots_key != b2.slots_key and ids(b3.seqs) == ["a", "c", "d"]
     assert s.build_plan(b3).seeds.tolist() == [q.seed for q in b3.seqs]
     run(s, b3)
+
+
+# ---- choosing the policy -----------------------------------------------------------------------
+
+def test_policy_is_validated_and_selectable_everywhere(monkeypatch):
+    import click
+    import pytest
+    from click.testing import CliRunner
+
+    from tpserve import LLM
+    from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, SERVING_MAX_NUM_BATCHED_TOKENS
+    from tpserve.daemon.options import config_from_options, engine_options, options_argv
+    from tpserve.errors import ConfigError
+
+    assert EngineConfig().scheduling_policy == "mixed"
+    assert EngineConfig().max_num_batched_tokens == SERVING_MAX_NUM_BATCHED_TOKENS
+    with pytest.raises(ConfigError, match="scheduling_policy: must be one of mixed, prefill-first"):
+        EngineConfig(scheduling_policy="fifo")
+
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def cmd(**kwargs):
+        seen["config"] = config_from_options(kwargs, resolve=False)
+
+    runner = CliRunner()
+    assert runner.invoke(cmd, ["--scheduling-policy", "prefill-first"]).exit_code == 0
+    assert seen["config"].scheduling_policy == "prefill-first"
+    assert "--scheduling-policy" in options_argv(seen["config"])
+    monkeypatch.setenv("TPSERVE_SCHEDULING_POLICY", "prefill-first")
+    assert runner.invoke(cmd, []).exit_code == 0
+    assert seen["config"].scheduling_policy == "prefill-first"
+    bad = runner.invoke(cmd, ["--scheduling-policy", "fifo"])
+    assert bad.exit_code == 2 and "'fifo' is not one of 'mixed', 'prefill-first'" in bad.output
+
+    with LLM(scheduling_policy="prefill-first", num_kv_blocks=64) as llm:
+        assert llm.engine.scheduler.policy == "prefill-first"
+        assert llm.engine.scheduler.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
