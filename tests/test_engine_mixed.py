@@ -25,16 +25,19 @@ def count_steps(engine: Engine) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("policy", ["mixed", "prefill-first"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_arrivals_between_steps_keep_greedy_output(tiny_models_root, arch, policy):  # noqa: F811
+@pytest.mark.parametrize("arch,policy,tp", [("qwen3", "mixed", 1), ("qwen3", "prefill-first", 1),
+                                            ("llama", "mixed", 1), ("llama", "prefill-first", 1),
+                                            ("qwen3", "mixed", 2)])
+def test_arrivals_between_steps_keep_greedy_output(tiny_models_root, arch, policy, tp):  # noqa: F811
+    """(With tp=2 the mixed plans also travel through the plan channel to a worker rank.)"""
     path = make_tiny_model(tiny_models_root, arch=arch)
     ref = hf_greedy(path, PROMPTS)
     # (arrival step, prompt index): the 41-token prompt arrives while two streams decode and
     # is prefilled in chunks of what the decodes leave of the 16-token budget.
     arrivals = [(0, 0), (0, 2), (2, 1), (3, 3), (5, 4)]
     config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=4,
-                          max_num_batched_tokens=16, scheduling_policy=policy)
+                          max_num_batched_tokens=16, scheduling_policy=policy,
+                          tensor_parallel_size=tp)
     got: dict[str, list[int]] = {}
     with Engine(config) as engine:
         counts = count_steps(engine)
