@@ -134,11 +134,14 @@ class OpenAIDriver:
     """Streams ``/v1/completions`` over a plain asyncio HTTP/1.1 connection (SSE events in a
     chunked body). An event's tokens are its choice's ``token_ids`` when the server sends them
     (vLLM with ``return_token_ids``; it may merge several steps into one event), else one per
-    event with text. Text prompts when ``detok`` is given (a callable turning ids into text),
-    else token-id prompts."""
+    event with text, or with ``per_event`` one per event that is not a bare finish (for a
+    model without a tokenizer, whose text is empty). Text prompts when ``detok`` is given (a
+    callable turning ids into text), else token-id prompts. ``model`` None: not sent."""
 
-    def __init__(self, port: int, model: str, detok=None, extra: dict | None = None):
+    def __init__(self, port: int, model: str | None, detok=None, extra: dict | None = None,
+                 per_event: bool = False):
         self.port, self.model, self.detok, self.extra = port, model, detok, extra or {}
+        self.per_event = per_event
 
     async def __aenter__(self):
         return self
@@ -147,8 +150,10 @@ class OpenAIDriver:
         return None
 
     async def stream(self, prompt: list[int], max_tokens: int, rec: Record) -> None:
-        body = dict(model=self.model, prompt=self.detok(prompt) if self.detok else prompt,
+        body = dict(prompt=self.detok(prompt) if self.detok else prompt,
                     max_tokens=max_tokens, temperature=0.0, stream=True, **self.extra)
+        if self.model is not None:
+            body["model"] = self.model
         payload = json.dumps(body).encode()
         reader, writer = await asyncio.open_connection(HOST, self.port)
         try:
@@ -168,8 +173,14 @@ class OpenAIDriver:
                     break
                 now = time.perf_counter()
                 for choice in json.loads(event).get("choices") or ():
-                    ids = choice.get("token_ids")
-                    rec.times += [now] * (len(ids) if ids is not None else bool(choice.get("text")))
+                    ids, text = choice.get("token_ids"), choice.get("text")
+                    if ids is not None:
+                        n = len(ids)
+                    elif self.per_event:
+                        n = int(bool(text) or choice.get("finish_reason") is None)
+                    else:
+                        n = int(bool(text))
+                    rec.times += [now] * n
         finally:
             writer.close()
 
@@ -221,7 +232,8 @@ async def tpserve_server(model: Path, policy: str, args, http: bool):
             log = Path(rd, "tpserve.log")
             raise RuntimeError(f"tpserve start failed: {out.stderr.strip()[-2000:]}"
                                + (f"\n{log.read_text()[-2000:]}" if log.exists() else ""))
-        driver = (OpenAIDriver(port, str(model), extra={"ignore_eos": True}) if http
+        # (The HTTP front serves one model under its own name: the request names none.)
+        driver = (OpenAIDriver(port, None, extra={"ignore_eos": True}, per_event=True) if http
                   else TpserveDriver(out.stdout.strip()))
         async with driver:
             yield driver
