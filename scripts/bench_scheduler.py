@@ -1,10 +1,16 @@
-"""Host cost of one decode step: schedule + build_plan + postprocess, per running sequence.
+"""Host cost of one step: schedule + build_plan + postprocess, per sequence in the step.
 
-Runs 512 decoding sequences for a few hundred steps at block sizes 16 and 256 (no model: the
-sampled tokens are drawn up front) and prints one line per block size with tpserve's cost and,
-measured in the same run on the same workload, the cost of a straightforward per-sequence
-implementation in the style of the seed (a Python loop over sequences for scheduling, plan
-lists and postprocessing), written below as the peer.
+Two workloads, no model (sampled tokens are drawn up front), each at block sizes 16 and 256:
+
+- decode: 512 decoding sequences for a few hundred steps;
+- mixed: the same 512 decoding sequences while long prompts (2,048 tokens) arrive one after
+  another and are prefilled in chunks of a 256-token share of the step budget, so every step
+  is a mixed step (all decodes, then a chunk; finished prompts join the decoders).
+
+One line per workload and block size with tpserve's cost and, measured in the same run on the
+same workload, the cost of a straightforward per-sequence implementation in the style of the
+seed (Python loops over sequences and chunk tokens for scheduling, plan lists and
+postprocessing), written below as the peer.
 
     .venv/bin/python scripts/bench_scheduler.py [--seqs 512] [--steps 300] [--rounds 3]
 """
@@ -36,6 +42,7 @@ class PeerSeq:
         self.temperature, self.top_k, self.top_p, self.seed = 0.7, -1, 1.0, 0
         self.bs = bs
         self.finished = False
+        self.num_computed = 0
 
     def __len__(self):
         return len(self.token_ids)
@@ -157,6 +164,48 @@ class PeerScheduler:
                     top_ps=np.array(top_ps, np.float32), seeds=np.array(seeds, np.int64),
                     sample_steps=np.array(sample_steps, i32))
 
+    def build_mixed_plan(self, seqs, chunk_seq, start, n, sampled):
+        """Decode rows of ``seqs``, then ``n`` prompt tokens of ``chunk_seq`` from ``start``."""
+        plan = {k: v.tolist() for k, v in self.build_plan(seqs).items()}
+        bs = self.bs
+        for p in range(start, start + n):
+            plan["input_ids"].append(chunk_seq.token_ids[p])
+            plan["positions"].append(p)
+            plan["slot_mapping"].append(chunk_seq.block_table[p // bs] * bs + p % bs)
+        plan["cu_seqlens_q"].append(plan["cu_seqlens_q"][-1] + n)
+        plan["context_lens"].append(start + n)
+        plan["cu_seqlens_k"].append(plan["cu_seqlens_k"][-1] + start + n)
+        width = max(len(plan["block_tables"][0]), len(chunk_seq.block_table))
+        tables = [row + [-1] * (width - len(row)) for row in plan["block_tables"]]
+        tables.append(chunk_seq.block_table + [-1] * (width - len(chunk_seq.block_table)))
+        plan["block_tables"] = tables
+        if sampled:
+            plan["logits_indices"].append(plan["cu_seqlens_q"][-1] - 1)
+            for k, v in (("temperatures", chunk_seq.temperature), ("top_ks", chunk_seq.top_k),
+                         ("top_ps", chunk_seq.top_p), ("seeds", chunk_seq.seed),
+                         ("sample_steps", 0)):
+                plan[k].append(v)
+        dtypes = dict(temperatures=np.float32, top_ps=np.float32, seeds=np.int64)
+        return {k: np.array(v, dtypes.get(k, np.int32)) for k, v in plan.items()}
+
+    def step_mixed(self, budget, tokens):
+        """One mixed step: every decode, then the front waiting prompt's next chunk."""
+        seqs = self.schedule_decode()
+        chunk_seq = self.waiting[0]
+        if not chunk_seq.block_table:
+            self.bm.allocate(chunk_seq)
+        start = chunk_seq.num_computed
+        n = min(len(chunk_seq) - start, budget - len(seqs))
+        sampled = start + n == len(chunk_seq)
+        plan = self.build_mixed_plan(seqs, chunk_seq, start, n, sampled)
+        self.postprocess(seqs, tokens[:len(seqs)])
+        chunk_seq.num_computed = start + n
+        if sampled:
+            self.waiting.popleft()
+            chunk_seq.token_ids.append(int(tokens[len(seqs)]))
+            self.running.append(chunk_seq)
+        return plan, len(seqs) + 1
+
     def postprocess(self, seqs, token_ids):
         out = []
         for seq, tok in zip(seqs, token_ids.tolist()):
@@ -212,6 +261,74 @@ def bench_tpserve(prompts, tokens, blocks, bs, warmup):
     return per_seq_us(times[warmup:], n)
 
 
+CHUNK = 256          # the prompt tokens a mixed step leaves beside its decodes
+LONG_PROMPT = 2048     # a multiple of CHUNK: one prompt per step on both sides
+
+
+def mixed_workload(num_seqs, steps, bs, seed=1):
+    """Decoding prompts and tokens as in ``workload``, plus the long prompts that arrive."""
+    prompts, tokens, _ = workload(num_seqs, steps, bs, seed)
+    rng = np.random.default_rng(seed + 1)
+    arrivals = [rng.integers(1, 30000, size=LONG_PROMPT).tolist()
+                for _ in range(-(-steps * CHUNK // LONG_PROMPT) + 1)]
+    # Tokens for up to every decoder plus every finished arrival, one row per step.
+    width = num_seqs + len(arrivals) + 1
+    tokens = rng.integers(1, 30000, size=(steps, width))
+    blocks = int(sum(-(-(len(p) + steps + 2) // bs) for p in prompts + arrivals)) + 8
+    return prompts, arrivals, tokens, blocks
+
+
+def bench_tpserve_mixed(prompts, arrivals, tokens, blocks, bs, warmup):
+    n = len(prompts)
+    steps = len(tokens)
+    cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=n + len(arrivals),
+                       max_num_batched_tokens=1 << 20, max_model_len=1 << 16,
+                       eos_token_ids=[EOS], scheduling_policy="mixed")
+    s = Scheduler(cfg)
+    for i, p in enumerate(prompts):
+        s.add(Sequence(f"r{i}", p, SamplingParams(max_tokens=steps + 10, temperature=0.7), seed=i))
+    batch = s.schedule()
+    s.postprocess(batch, np.ones(n, dtype=np.int64))
+    for i, p in enumerate(arrivals):
+        s.add(Sequence(f"a{i}", p, SamplingParams(max_tokens=steps + 10, temperature=0.7), seed=i))
+    times, sizes = [], []
+    for k in range(steps):
+        # Keep the chunk at CHUNK tokens whatever the number of decoders.
+        s.max_num_batched_tokens = len(s.running) - (s._prefilling is not None) + CHUNK
+        t0 = time.perf_counter_ns()
+        batch = s.schedule()
+        plan = s.build_plan(batch)
+        s.postprocess(batch, tokens[k, :plan.num_samples])
+        t1 = time.perf_counter_ns()
+        assert 0 < batch.num_decodes < plan.num_seqs and plan.num_tokens == batch.num_decodes + CHUNK
+        times.append(t1 - t0)
+        sizes.append(plan.num_seqs)
+    assert s.num_preemptions == 0
+    return per_seq_us(times[warmup:], int(np.mean(sizes)))
+
+
+def bench_peer_mixed(prompts, arrivals, tokens, blocks, bs, warmup):
+    n = len(prompts)
+    steps = len(tokens)
+    s = PeerScheduler(blocks, bs, n + len(arrivals))
+    for p in prompts:
+        seq = PeerSeq(p, steps + 10, bs)
+        s.bm.allocate(seq)
+        seq.token_ids.append(1)
+        s.running.append(seq)
+    for p in arrivals:
+        s.waiting.append(PeerSeq(p, steps + 10, bs))
+    times, sizes = [], []
+    for k in range(steps):
+        t0 = time.perf_counter_ns()
+        plan, size = s.step_mixed(len(s.running) + CHUNK, tokens[k])
+        t1 = time.perf_counter_ns()
+        assert len(plan["input_ids"]) == size - 1 + CHUNK
+        times.append(t1 - t0)
+        sizes.append(size)
+    return per_seq_us(times[warmup:], int(np.mean(sizes)))
+
+
 def bench_peer(prompts, tokens, blocks, bs, warmup):
     n = len(prompts)
     steps = len(tokens)
@@ -247,10 +364,19 @@ def main():
         for _ in range(args.rounds):
             ours.append(bench_tpserve(prompts, tokens, blocks, bs, warmup))
             peer.append(bench_peer(prompts, tokens, blocks, bs, warmup))
-        a, b = min(ours), min(peer)
-        print(f"bench_scheduler decode block_size={bs} seqs={args.seqs} steps={args.steps}: "
-              f"tpserve {a:.3f} us/seq/step, seed-style peer {b:.3f} us/seq/step, "
-              f"peer/tpserve {b / a:.2f}x")
+        report("decode", bs, args, min(ours), min(peer))
+        prompts, arrivals, tokens, blocks = mixed_workload(args.seqs, args.steps, bs)
+        ours, peer = [], []
+        for _ in range(args.rounds):
+            ours.append(bench_tpserve_mixed(prompts, arrivals, tokens, blocks, bs, warmup))
+            peer.append(bench_peer_mixed(prompts, arrivals, tokens, blocks, bs, warmup))
+        report(f"mixed(+{CHUNK}-token chunk)", bs, args, min(ours), min(peer))
+
+
+def report(kind, bs, args, a, b):
+    print(f"bench_scheduler {kind} block_size={bs} seqs={args.seqs} steps={args.steps}: "
+          f"tpserve {a:.3f} us/seq/step, seed-style peer {b:.3f} us/seq/step, "
+          f"peer/tpserve {b / a:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

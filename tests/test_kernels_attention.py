@@ -21,6 +21,9 @@ CASES = {
     "prefill_uniform": ([0, 0, 0], [8, 8, 8], True),
     "prefill_context": ([3, 0, 20, 16, 31], [4, 6, 1, 9, 40], True),
     "decode": ([0, 5, 31, 16, 300], [1, 1, 1, 1, 1], False),
+    # A mixed step: decode rows (one query over their whole context) first, then prefill
+    # chunks with and without cached context, in one prefill plan with context.
+    "mixed": ([5, 31, 16, 300, 0, 20, 17], [1, 1, 1, 1, 9, 40, 1], True),
 }
 
 
@@ -54,7 +57,7 @@ def test_torch_backend_matches_reference_bf16(case):
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.bfloat16], rtol=0)
 
 
-@pytest.mark.parametrize("case", ["prefill", "prefill_context", "decode"])
+@pytest.mark.parametrize("case", ["prefill", "prefill_context", "decode", "mixed"])
 def test_forward_stores_new_tokens_into_their_slots(case):
     batch, _, _ = run_case(case, block_size=16)
     slots = batch.meta.slot_mapping.long()
@@ -241,3 +244,80 @@ def test_auto_on_cuda_prefers_flash_then_triton(monkeypatch):
     assert get_backend("auto", "cuda", 256).name == "triton"
     with pytest.raises(ValueError, match="flash_attn package, which is not installed"):
         get_backend("flash", "cuda", 256)
+
+
+class FakeFlashAttn:
+    """flash-attn 2's two entry points as documented (paged K/V through ``block_table``, causal
+    mask aligned to the bottom-right corner), in plain torch, checking the documented argument
+    shapes. It lets a CPU test check how the flash backend maps plans onto those calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _gather(cache, table, n):
+        bs = cache.shape[1]
+        pos = torch.arange(n)
+        return cache[table[pos // bs].long(), pos % bs]
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               block_table=None):
+        self.calls.append(("varlen", block_table is not None))
+        assert causal and dropout_p == 0.0 and q.dim() == 3
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        b = cu_seqlens_q.shape[0] - 1
+        assert cu_seqlens_k.shape == (b + 1,)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        q_lens = [cq[i + 1] - cq[i] for i in range(b)]
+        k_lens = [ck[i + 1] - ck[i] for i in range(b)]
+        assert max(q_lens) <= max_seqlen_q and max(k_lens) <= max_seqlen_k
+        if block_table is not None:
+            # Paged: k/v are the caches (num_blocks, page_block_size, nheads_k, headdim).
+            assert k.dim() == 4 and block_table.dtype == torch.int32
+            assert block_table.shape[0] == b
+            keys = [self._gather(k, block_table[i], k_lens[i]) for i in range(b)]
+            values = [self._gather(v, block_table[i], k_lens[i]) for i in range(b)]
+        else:
+            keys = [k[ck[i]:ck[i + 1]] for i in range(b)]
+            values = [v[ck[i]:ck[i + 1]] for i in range(b)]
+        return reference_attention(q, keys, values, q_lens, softmax_scale).to(q.dtype)
+
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_seqlens=None, block_table=None,
+                                softmax_scale=None, causal=False):
+        self.calls.append(("kvcache", block_table is not None))
+        assert causal and q.dim() == 4 and q.shape[1] == 1
+        lens = cache_seqlens.tolist()
+        keys = [self._gather(k_cache, block_table[i], n) for i, n in enumerate(lens)]
+        values = [self._gather(v_cache, block_table[i], n) for i, n in enumerate(lens)]
+        out = reference_attention(q[:, 0], keys, values, [1] * len(lens), softmax_scale)
+        return out.to(q.dtype).unsqueeze(1)
+
+
+@pytest.mark.parametrize("case,call", [("mixed", ("varlen", True)),
+                                       ("prefill_context", ("varlen", True)),
+                                       ("prefill", ("varlen", False)),
+                                       ("decode", ("kvcache", True))])
+def test_flash_backend_maps_plans_onto_flash_attn_calls(case, call):
+    """A mixed step is one paged varlen call whose decode rows have a query length of 1."""
+    from tpserve.kernels.flash_attention import FlashAttention
+    from tpserve.kernels.torch_store import store_kvcache_torch
+    ctx, new, is_prefill = CASES[case]
+    batch = random_paged_batch(ctx, new, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                               dtype=torch.bfloat16, is_prefill=is_prefill, seed=3)
+    store_kvcache_torch(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    backend = FlashAttention(16)
+    backend._flash = fake = FakeFlashAttn()
+    out = backend.attend(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, 0.2)
+    assert fake.calls == [call]
+    ref = reference_attention(batch.q, batch.keys, batch.values, new, 0.2)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.bfloat16], rtol=0)
+
+
+def test_mixed_plan_attends_decode_rows_apart_from_chunks():
+    """The decode rows of a mixed plan are not padded to the chunks' query length."""
+    batch, out, ref = run_case("mixed", block_size=16)
+    (dmeta, dq), (pmeta, pq) = batch.meta.derived("torch.mixed_parts", lambda: None)
+    assert (dq, pq) == (4, 9 + 40 + 1) and dmeta.max_seqlen_q == 1 and not dmeta.is_prefill
+    assert pmeta.cu_seqlens_q.tolist() == [0, 9, 49, 50] and pmeta.context_lens.tolist() == [9, 60, 18]
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)

@@ -17,6 +17,8 @@ CASES = {
     "prefill": ([0, 0, 0], [5, 17, 1], True),
     "prefill_context": ([3, 0, 20], [4, 18, 9], True),
     "decode": ([0, 16, 38], [1, 1, 1], False),
+    # A mixed step: decode rows first, then prefill chunks with and without context.
+    "mixed": ([16, 38, 5, 0, 3], [1, 1, 1, 18, 9], True),
 }
 HEADS = {"gqa": (4, 2, 16), "mha": (2, 2, 32)}  # (Hq, Hkv, head_dim)
 
@@ -64,7 +66,7 @@ def test_triton_block_sizes_spanning_several_tiles(block_size, is_prefill):
     torch.testing.assert_close(res["triton"][0], res["torch"][0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["prefill_context", "decode"])
+@pytest.mark.parametrize("case", ["prefill_context", "decode", "mixed"])
 def test_triton_matches_torch_bf16(case):
     ctx, new, is_prefill = CASES[case]
     batch = random_paged_batch(ctx, new, num_heads=4, num_kv_heads=2, head_dim=32,

@@ -1,4 +1,8 @@
-"""Scheduler: the seed's section-5 walk-through, decode outcomes, prefix cache, admission."""
+"""Scheduler: the seed's section-5 walk-through, decode outcomes, prefix cache, admission.
+
+Every test runs under both scheduling policies (the ``policy`` fixture); where the policies
+batch differently the test says what each does.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -11,27 +15,42 @@ from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence, SequenceStatus
 
 EOS = 0
+POLICIES = ("prefill-first", "mixed")
+CURRENT = {"policy": "mixed"}
+
+
+@pytest.fixture(autouse=True, params=POLICIES)
+def policy(request, monkeypatch):
+    """Runs every test of this module once per scheduling policy (read by make_sched)."""
+    monkeypatch.setitem(CURRENT, "policy", request.param)
+    return request.param
 
 
 def make_sched(bs=16, blocks=6, max_num_seqs=16, max_batched=4096, max_model_len=1024,
-               prefix=True, eos=(EOS,)):
+               prefix=True, eos=(EOS,), policy=None):
     return Scheduler(EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-                                  enable_prefix_caching=prefix, eos_token_ids=list(eos)))
+                                  enable_prefix_caching=prefix, eos_token_ids=list(eos),
+                                  scheduling_policy=policy or CURRENT["policy"]))
 
 
 def make_seq(rid, tokens, max_tokens=16, **sp):
     return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0, **sp))
 
 
-def step(s: Scheduler, tokens=None, expect_prefill=None):
-    """One engine step with the given sampled tokens (default: non-EOS 1000, 1001, ...)."""
+def step(s: Scheduler, tokens=None, expect_prefill=None, prefill_tokens=None):
+    """One engine step with the given sampled tokens (default: non-EOS 1000, 1001, ...).
+
+    ``prefill_tokens`` gives only the prefill rows' tokens; decode rows of a mixed step then
+    get 2000, 2001, ... (not EOS)."""
     batch = s.schedule()
     assert batch, "nothing scheduled"
     if expect_prefill is not None:
         assert batch.is_prefill == expect_prefill
     plan = s.build_plan(batch)
     plan.validate()
+    if prefill_tokens is not None:
+        tokens = list(range(2000, 2000 + batch.num_decodes)) + list(prefill_tokens)
     if tokens is None:
         tokens = list(range(1000, 1000 + plan.num_samples))
     assert len(tokens) == plan.num_samples
@@ -44,9 +63,22 @@ def ids(seqs):
     return [q.request_id for q in seqs]
 
 
+def prefill_rows(batch, plan) -> dict:
+    """The prefill rows of a plan (those after its decode rows), offsets made relative."""
+    nd = batch.num_decodes
+    t0 = int(plan.cu_seqlens_q[nd])
+    return dict(seqs=ids(batch.seqs[nd:]), input_ids=plan.input_ids[t0:].tolist(),
+                positions=plan.positions[t0:].tolist(), slot_mapping=plan.slot_mapping[t0:].tolist(),
+                cu_seqlens_q=(plan.cu_seqlens_q[nd:] - t0).tolist(),
+                context_lens=plan.context_lens[nd:].tolist(),
+                block_tables=plan.block_tables[nd:].tolist(),
+                logits_indices=(plan.logits_indices[nd:] - t0).tolist(),
+                sample_steps=plan.sample_steps[nd:].tolist())
+
+
 # ---- the seed's section 5 ------------------------------------------------------------------
 
-def test_section5_walkthrough():
+def test_section5_walkthrough(policy):
     """running [A, B, C], block size 16, 6 blocks, none free; A needs a block, B does not.
 
     With the corrected boundary rule a sequence on a boundary holds only full blocks, so A has
@@ -96,15 +128,17 @@ def test_section5_walkthrough():
     assert list(bm.free_block_ids) == [3, 4, 2]
     assert bm.can_allocate(C) == 1
     hits_before = s.prefix_cache_hit_tokens
-    batch, plan, _ = step(s, [1006], expect_prefill=True)
-    assert ids(batch.seqs) == ["C"]
+    batch, plan, _ = step(s, prefill_tokens=[1006], expect_prefill=True)
+    # Mixed: A keeps decoding in the same step (it has a free slot in its block b5).
+    assert ids(batch.seqs) == (["A", "C"] if policy == "mixed" else ["C"])
     assert C.block_table == [4, 3]
     assert s.prefix_cache_hit_tokens - hits_before == 16
-    assert plan.positions.tolist() == [16, 17]
-    assert plan.input_ids.tolist() == [316, 1003]
-    assert plan.slot_mapping.tolist() == [3 * 16 + 0, 3 * 16 + 1]
-    assert plan.has_context and plan.context_lens.tolist() == [18]
-    assert plan.sample_steps.tolist() == [1]              # C had one completion token
+    rows = prefill_rows(batch, plan)
+    assert rows["positions"] == [16, 17]
+    assert rows["input_ids"] == [316, 1003]
+    assert rows["slot_mapping"] == [3 * 16 + 0, 3 * 16 + 1]
+    assert plan.has_context and rows["context_lens"] == [18]
+    assert rows["sample_steps"] == [1]                    # C had one completion token
     assert C.completion_token_ids == [1003, 1006]
     assert bm.blocks[4].ref_count == 1
 
@@ -122,22 +156,28 @@ def test_decode_without_preemption():
     assert s.num_preemptions == 0
 
 
-def test_tail_preemption_several_victims_for_one_sequence():
-    """C shares its only block with B, so preempting C frees nothing; B must go too."""
+def test_tail_preemption_several_victims_for_one_sequence(policy):
+    """C shares its only block with B, so preempting C frees nothing; B must go too.
+
+    Mixed: A and B decode in the step that admits C, so A starts one token shorter to reach
+    its block boundary one step later, at the same state."""
     s = make_sched(bs=4, blocks=4)
     bm = s.block_manager
-    A = make_seq("A", range(10, 18), max_tokens=6)         # 2 blocks, len 9 on a boundary
+    mixed = policy == "mixed"
+    A = make_seq("A", range(10, 18 - mixed), max_tokens=6)  # 2 blocks; len 9 on a boundary
     B = make_seq("B", [1, 2, 3, 4, 5, 6], max_tokens=6)    # 2 blocks, len 7
     s.add(A)
     s.add(B)
     step(s, [100, 101], expect_prefill=True)
     C = make_seq("C", [1, 2, 3, 4], max_tokens=5)          # fully covered by B's first block
     s.add(C)
-    batch, plan, _ = step(s, [102], expect_prefill=True)
+    batch, plan, _ = step(s, prefill_tokens=[102], expect_prefill=True)
+    assert ids(batch.seqs) == (["A", "B", "C"] if mixed else ["C"])
     assert C.block_table == [2] and bm.blocks[2].ref_count == 2
-    assert plan.slot_mapping.tolist() == [-1] and plan.positions.tolist() == [3]
+    rows = prefill_rows(batch, plan)
+    assert rows["slot_mapping"] == [-1] and rows["positions"] == [3]
     assert (A.block_table, B.block_table) == ([0, 1], [2, 3])
-    assert bm.num_free_blocks == 0 and bm.needs_block(A)
+    assert bm.num_free_blocks == 0 and bm.needs_block(A) and len(A) == 9
 
     batch = s.schedule()
     assert ids(batch.seqs) == ["A"]
@@ -229,8 +269,9 @@ def test_shared_prefix_shares_blocks():
     assert b.block_table[:2] == a.block_table[:2]
     assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
     assert s.prefix_cache_hit_tokens == 8
-    assert plan.positions.tolist() == [8, 9, 10] and plan.has_context
-    assert plan.cu_seqlens_q.tolist() == [0, 3] and plan.cu_seqlens_k.tolist() == [0, 11]
+    rows = prefill_rows(batch, plan)
+    assert rows["positions"] == [8, 9, 10] and plan.has_context
+    assert rows["cu_seqlens_q"] == [0, 3] and rows["context_lens"] == [11]
 
 
 @pytest.mark.parametrize("first_still_running", [True, False])
@@ -248,14 +289,15 @@ def test_fully_cached_prompt_computes_last_token(first_still_running):
         assert bm.used_block_ids == set()
     again = make_seq("again", prompt, max_tokens=3)
     s.add(again)
-    batch, plan, _ = step(s, [9], expect_prefill=True)
+    batch, plan, _ = step(s, prefill_tokens=[9], expect_prefill=True)
     assert again.block_table == cached
     assert again.num_prefix_hit_tokens == 32
-    assert plan.input_ids.tolist() == [prompt[-1]]
-    assert plan.positions.tolist() == [31]
-    assert plan.slot_mapping.tolist() == [-1]              # KV already there, shared
-    assert plan.context_lens.tolist() == [32] and plan.logits_indices.tolist() == [0]
-    assert plan.has_context and plan.block_tables.tolist() == [cached]
+    rows = prefill_rows(batch, plan)
+    assert rows["input_ids"] == [prompt[-1]]
+    assert rows["positions"] == [31]
+    assert rows["slot_mapping"] == [-1]                    # KV already there, shared
+    assert rows["context_lens"] == [32] and rows["logits_indices"] == [0]
+    assert plan.has_context and [r[:2] for r in rows["block_tables"]] == [cached]
     assert s.prefix_cache_hit_tokens == 31
     assert again.completion_token_ids == [9]
     expect_ref = 2 if first_still_running else 1
@@ -307,12 +349,13 @@ def test_preempted_sequence_readmitted_fully_covered_by_another():
     assert len(Y) == 16 and Y.num_cached_tokens == 15
     s.preempt(Y)
     assert ids(s.waiting) == ["Y"] and s.num_preemptions == 1
-    batch, plan, _ = step(s, [8], expect_prefill=True)
-    assert ids(batch.seqs) == ["Y"]
+    batch, plan, _ = step(s, prefill_tokens=[8], expect_prefill=True)
+    rows = prefill_rows(batch, plan)
+    assert rows["seqs"] == ["Y"]
     assert Y.block_table == X.block_table[:1]
     assert s.block_manager.blocks[X.block_table[0]].ref_count == 2
-    assert plan.slot_mapping.tolist() == [-1] and plan.positions.tolist() == [15]
-    assert plan.input_ids.tolist() == [7] and plan.sample_steps.tolist() == [1]
+    assert rows["slot_mapping"] == [-1] and rows["positions"] == [15]
+    assert rows["input_ids"] == [7] and rows["sample_steps"] == [1]
     assert Y.completion_token_ids == [7, 8]
     batch = s.schedule()                                  # both decode into fresh blocks
     assert len(X.block_table) == len(Y.block_table) == 2
@@ -326,13 +369,15 @@ def test_preempted_sequence_readmitted_fully_covered_by_another():
 def test_hash_collision_does_not_share(monkeypatch):
     monkeypatch.setattr(BlockManager, "compute_hash", classmethod(lambda cls, t, p=-1: 1))
     s = make_sched(bs=4, blocks=8)
-    s.add(make_seq("a", range(8), max_tokens=2))
+    s.add(make_seq("a", range(8), max_tokens=3))
     step(s, expect_prefill=True)
     b = make_seq("b", range(20, 28), max_tokens=2)
     s.add(b)
     batch, plan, _ = step(s, expect_prefill=True)
     assert not set(b.block_table) & set(s.get("a").block_table)
-    assert not plan.has_context and (plan.slot_mapping >= 0).all()
+    rows = prefill_rows(batch, plan)
+    assert rows["positions"][0] == 0 and min(rows["slot_mapping"]) >= 0
+    assert plan.has_context == (batch.num_decodes > 0)
 
 
 def test_prefix_caching_disabled():
@@ -342,7 +387,7 @@ def test_prefix_caching_disabled():
     b = make_seq("b", range(8), max_tokens=2)
     s.add(b)
     batch, plan, _ = step(s, expect_prefill=True)
-    assert s.prefix_cache_hit_tokens == 0 and not plan.has_context
+    assert s.prefix_cache_hit_tokens == 0 and prefill_rows(batch, plan)["positions"][0] == 0
     assert s.block_manager.hash_to_block_id == {}
 
 
@@ -389,8 +434,9 @@ def test_chunk_continues_first_and_others_fill_the_budget():
     assert ids(batch.seqs) == ["a", "b"] and plan.num_samples == 2
     assert plan.cu_seqlens_q.tolist() == [0, 2, 8]
     assert plan.logits_indices.tolist() == [1, 7]
-    batch, plan, _ = step(s, expect_prefill=True)             # c
-    assert ids(batch.seqs) == ["c"]
+    batch, plan, _ = step(s, expect_prefill=True)             # c (mixed: a, b decode first)
+    assert ids(batch.seqs) == (["a", "b", "c"] if batch.num_decodes else ["c"])
+    assert batch.num_decodes == (2 if s.policy == "mixed" else 0)
 
 
 # ---- block sizes ---------------------------------------------------------------------------

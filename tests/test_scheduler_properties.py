@@ -5,7 +5,8 @@ the whole token prefix up to that position (as real KV depends on the whole pref
 context only through the plan's block tables and writes only through its slot mapping, and the
 next token is a pseudo-random function of the last digest. A wrong block table, slot, position,
 prefix-cache hit or preemption recovery therefore changes the tokens; the outputs must equal a
-plain sequential reference, whatever the block size, pool size, chunking or preemption.
+plain sequential reference, whatever the block size, pool size, chunking, preemption or
+scheduling policy (every test runs under both).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tpserve.scheduler import Scheduler, Sequence, SequenceStatus
 
 MOD = (1 << 61) - 1
 EOS = 0
+POLICIES = ("prefill-first", "mixed")
 
 
 def digest(prev: int, tok: int) -> int:
@@ -93,15 +95,18 @@ def reference(runner: FakeRunner, prompt, sp: SamplingParams, eos, max_model_len
 
 
 class Harness:
-    def __init__(self, bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab, salt):
+    def __init__(self, bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab, salt,
+                 policy):
         self.cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-                                enable_prefix_caching=prefix, eos_token_ids=[EOS])
+                                enable_prefix_caching=prefix, eos_token_ids=[EOS],
+                                scheduling_policy=policy)
         self.s = Scheduler(self.cfg)
         self.runner = FakeRunner(blocks, bs, vocab, salt)
         self.seqs: dict[str, Sequence] = {}
         self.aborted: set[str] = set()
         self.n = 0
+        self.mixed_steps = 0
 
     def add(self, prompt, max_tokens, ignore_eos=False, stop_token_ids=()):
         rid = f"r{self.n}"
@@ -129,6 +134,16 @@ class Harness:
         plan = self.s.build_plan(batch)
         if plan.is_prefill:
             assert plan.has_context == any(q.num_cached_tokens > 0 for q in batch.seqs)
+        # The step's token budget holds, decodes first (mixed); prefill-first never mixes.
+        assert batch.num_tokens == plan.num_tokens
+        nd = batch.num_decodes
+        assert all(not q.is_prefill for q in batch.seqs[:nd])
+        assert all(q.is_prefill for q in batch.seqs[nd:])
+        self.mixed_steps += 0 < nd < len(batch)
+        if self.cfg.scheduling_policy == "prefill-first":
+            assert nd in (0, len(batch))
+        else:
+            assert plan.num_tokens <= self.cfg.max_num_batched_tokens
         tokens = self.runner.run(plan)
         assert len(tokens) == plan.num_samples
         out = self.s.postprocess(batch, tokens)
@@ -191,15 +206,17 @@ op_st = st.one_of(
 )
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(6, 32),
        max_num_seqs=st.sampled_from([1, 2, 3, 4, 4]), max_batched=st.integers(1, 16),
        max_model_len=st.integers(12, 40), prefix=st.booleans(), salt=st.integers(0, 1000),
        initial=st.lists(add_st, min_size=1, max_size=6), ops=st.lists(op_st, max_size=40))
-def test_random_interleavings_keep_invariants(bs, pool_tokens, max_num_seqs, max_batched,
+def test_random_interleavings_keep_invariants(policy, bs, pool_tokens, max_num_seqs, max_batched,
                                               max_model_len, prefix, salt, initial, ops):
     blocks = -(-pool_tokens // bs)
-    h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=6, salt=salt)
+    h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=6, salt=salt,
+                policy=policy)
     for op in initial + ops:
         if op[0] == "add":
             _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
@@ -220,18 +237,20 @@ def test_random_interleavings_keep_invariants(bs, pool_tokens, max_num_seqs, max
     event(f"preempted: {st_['num_preemptions'] > 0}")
     event(f"prefix hit: {st_['prefix_cache_hit_tokens'] > 0}")
     event(f"finished: {sum(not q.finish_reason == 'abort' for q in h.seqs.values()) > 0}")
+    event(f"{policy}, mixed steps: {h.mixed_steps > 0}")
 
 
 # ---- block sizes, with preemption, chunking and prefix hits ---------------------------------
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("bs", [1, 2, 16, 256])
-def test_outputs_match_reference_across_block_sizes(bs):
+def test_outputs_match_reference_across_block_sizes(bs, policy):
     rng = np.random.default_rng(bs)
     scale = bs if bs > 2 else 8
     longest = 4 * scale + 4                   # prompt + max_tokens of the largest request
     blocks = -(-3 * longest // (2 * bs))      # room for about 1.5 of them: forces preemption
     h = Harness(bs, blocks, max_num_seqs=4, max_batched=3 * scale, max_model_len=4 * scale * 8,
-                prefix=True, vocab=50, salt=bs)
+                prefix=True, vocab=50, salt=bs, policy=policy)
     base = rng.integers(1, 50, size=2 * scale).tolist()
     for i in range(8):
         shared = base[:int(rng.integers(scale // 2, 2 * scale))]
@@ -245,3 +264,4 @@ def test_outputs_match_reference_across_block_sizes(bs):
     assert st_["prefix_cache_hit_tokens"] > 0
     assert st_["num_preemptions"] > 0
     assert all(q.finish_reason == "length" for q in h.seqs.values())
+    assert (h.mixed_steps > 0) == (policy == "mixed")

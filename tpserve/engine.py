@@ -4,6 +4,12 @@
     step():  Scheduler.schedule ─▶ build_plan ─▶ executor.execute (all ranks) ─▶ tokens
              ─▶ Scheduler.postprocess ─▶ detokenize, stop strings ─▶ RequestOutputs
 
+One step is one forward over one plan. Under the default "mixed" scheduling policy a step may
+hold decode rows (one token each, every running stream) and prefill chunks together, so
+requests added between two ``step()`` calls join the next step beside the running ones;
+``postprocess`` appends the decode rows' tokens and advances the prefill rows, which are
+sampled only when their last prompt token is computed.
+
 The engine is used in-process by the offline ``LLM`` API and by the daemon's server loop.
 With ``tensor_parallel_size`` > 1 the executor publishes each plan to worker processes.
 """

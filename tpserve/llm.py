@@ -5,7 +5,7 @@ import itertools
 import time
 from typing import Sequence as Seq
 
-from tpserve.config import EngineConfig
+from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tpserve.engine import Engine
 from tpserve.errors import ConfigError
 from tpserve.outputs import CompletionOutput, GenerateOutput
@@ -17,7 +17,9 @@ class LLM:
 
     Keyword options are those of :class:`tpserve.config.EngineConfig`
     (``tensor_parallel_size``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``kv_cache_memory_gb``, ``num_kv_blocks``, ``dtype``, ...).
+    ``max_model_len``, ``kv_cache_memory_gb``, ``num_kv_blocks``, ``dtype``,
+    ``scheduling_policy``, ...). ``max_num_batched_tokens`` defaults to the offline budget
+    (``OFFLINE_MAX_NUM_BATCHED_TOKENS``): throughput matters here, not inter-token latency.
     """
 
     def __init__(self, model: str | None = None, **options):
@@ -25,6 +27,7 @@ class LLM:
         if unknown:
             raise ConfigError(sorted(unknown)[0], "is not an engine option; known: "
                               + ", ".join(EngineConfig.option_names()))
+        options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = Engine(EngineConfig(model=None if model is None else str(model), **options))
         self._ids = itertools.count()
 

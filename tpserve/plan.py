@@ -36,6 +36,10 @@ Notes for runners:
       prefix cache recomputes only its last token); such plans set ``has_context``, so attention
       reads keys through the block tables.
     * ``has_context`` is always False for decode plans (decode always reads the cache).
+    * A mixed step (decode rows and prefill rows in one forward) is a prefill plan with
+      context: its decode rows come first, each a sequence with a query length of 1 whose
+      key length is its whole length. ``is_prefill`` False therefore means pure decode, the
+      only kind of plan a decode CUDA graph may run.
     * Decode plans may share read-only arrays between consecutive steps: copy, never write.
 """
 from __future__ import annotations

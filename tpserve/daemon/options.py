@@ -13,7 +13,7 @@ from dataclasses import fields
 
 import click
 
-from tpserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from tpserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
 from tpserve.errors import ConfigError
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in EngineConfig.option_names()}
@@ -29,6 +29,10 @@ _OPTIONS = [
     ("max_num_seqs", ("--max-num-seqs",), dict(type=int, help="most sequences in one batch")),
     ("max_num_batched_tokens", ("--max-num-batched-tokens",),
      dict(type=int, help="most tokens in one engine step (prefill chunks included)")),
+    ("scheduling_policy", ("--scheduling-policy",),
+     dict(type=click.Choice(SCHEDULING_POLICIES),
+          help="mixed: running decodes first, then prefill chunks, in one token budget per step; "
+               "prefill-first: a step is all prefill while anything can be prefilled")),
     ("max_model_len", ("--max-model-len",),
      dict(type=int, help="longest prompt + completion [default: the model's max_position_embeddings]")),
     ("kv_cache_memory_gb", ("--kv-cache-memory-gb",), dict(type=float, help="KV-cache size on CPU, GiB")),

@@ -56,6 +56,15 @@ class TorchAttention(AttentionBackend):
         if k_cache is None or (meta.is_prefill and not meta.has_context):
             # The new tokens are whole sequences: attend over them directly, no gather.
             return varlen_causal_attention(q, k, v, meta, scale)
+        parts = meta.derived("torch.mixed_parts", lambda: split_decode_rows(meta)) \
+            if meta.is_prefill else None
+        if parts is not None:
+            # A mixed step: padding the decode rows to the chunk's query length would multiply
+            # their work by it, so decode rows and prefill rows are attended separately.
+            (dmeta, dq), (pmeta, pq) = parts
+            return torch.cat([
+                paged_attention(q[:dq], k_cache, v_cache, dmeta, scale, scratch=self._buffer),
+                paged_attention(q[dq:], k_cache, v_cache, pmeta, scale, scratch=self._buffer)])
         return paged_attention(q, k_cache, v_cache, meta, scale, scratch=self._buffer)
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -170,6 +179,27 @@ def _paged_index(meta: AttentionMetadata, block_size: int):
     qpos = (k_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]
     mask = (kpos[None, None, :] <= qpos[:, :, None]) & valid[:, None, :]
     return slots.reshape(-1), mask[:, None]
+
+
+def split_decode_rows(meta: AttentionMetadata):
+    """For a mixed plan (leading sequences with one query each, then longer ones): metadata
+    and token count of the decode rows and of the rest, ((meta, T), (meta, T)); else None."""
+    cu = meta.cu_seqlens_q
+    q_lens = (cu[1:] - cu[:-1]).tolist()
+    nd = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    if nd == 0 or nd == len(q_lens):
+        return None
+    ck, ctx, tables, slots = meta.cu_seqlens_k, meta.context_lens, meta.block_tables, meta.slot_mapping
+
+    def part(lo, hi, t_lo, t_hi, is_prefill):
+        return AttentionMetadata(
+            is_prefill=is_prefill, has_context=is_prefill, cu_seqlens_q=cu[lo:hi + 1] - cu[lo],
+            cu_seqlens_k=ck[lo:hi + 1] - ck[lo], max_seqlen_q=max(q_lens[lo:hi]),
+            max_seqlen_k=int(ctx[lo:hi].max()), context_lens=ctx[lo:hi],
+            block_tables=tables[lo:hi], slot_mapping=slots[t_lo:t_hi])
+
+    t = meta.num_tokens
+    return (part(0, nd, 0, nd, False), nd), (part(nd, len(q_lens), nd, t, True), t - nd)
 
 
 def _new_buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

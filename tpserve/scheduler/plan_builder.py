@@ -4,8 +4,8 @@ Every admitted sequence owns one *slot*, a row of the :class:`SlotTable`, from a
 it is preempted, finished or aborted. The scheduler keeps the rows current incrementally (a
 block appended here, a length bumped there), so a decode plan is a handful of vectorized
 gathers over the batch's slot indices -- no Python loop over sequences or tokens. Prefill
-plans loop over the batch's sequences once (to slice their token ids) and compute the rest
-vectorized.
+and mixed plans put the decode rows first (built the same vectorized way), then loop once over
+the prefilling sequences (to slice their chunks' token ids) and compute the rest vectorized.
 
 Row contents (``s`` a slot):
 
@@ -45,9 +45,10 @@ class SlotTable:
         self.stop_ids = np.full((1, num_slots), -1, dtype=np.int32)
         # Lowest slot first, so small batches touch few cache lines.
         self._free = list(range(num_slots - 1, -1, -1))
-        # (slots array, its per-batch constant plan arrays): decode batches over an unchanged
-        # running set reuse the same slots object, whose rows' sampling options cannot change.
-        self._constant_cache: tuple[np.ndarray, dict] | None = None
+        # (key, its per-batch constant plan arrays): decode batches over an unchanged running
+        # set pass the same key (the running queue's version), and a held slot's sampling
+        # options never change, so the arrays stay valid until the key does.
+        self._constant_cache: tuple[object, dict] | None = None
 
     @property
     def num_free_slots(self) -> int:
@@ -108,11 +109,13 @@ class SlotTable:
             hit |= rows[k][slots] == tokens
         return hit
 
-    def constant_arrays(self, slots: np.ndarray) -> dict:
+    def constant_arrays(self, slots: np.ndarray, key=None) -> dict:
         """Plan arrays of a decode batch that depend only on which slots it holds (read-only;
-        shared by consecutive plans over the same running set)."""
+        shared by consecutive plans over the same running set).
+
+        ``key`` names the slot set: equal keys promise equal ``slots``. None: not cacheable."""
         cache = self._constant_cache
-        if cache is not None and cache[0] is slots:
+        if key is not None and cache is not None and cache[0] == key:
             return cache[1]
         n = len(slots)
         arrays = dict(cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
@@ -121,7 +124,8 @@ class SlotTable:
                       top_ps=self.top_ps[slots], seeds=self.seeds[slots])
         for arr in arrays.values():
             arr.flags.writeable = False
-        self._constant_cache = (slots, arrays)
+        if key is not None:
+            self._constant_cache = (key, arrays)
         return arrays
 
     def start_decoding(self, seq) -> None:
@@ -138,7 +142,7 @@ def build_plan(batch, block_size: int | None = None) -> StepPlan:
     if not batch.seqs:
         return StepPlan(step_id=batch.step_id)
     if batch.is_prefill:
-        return _build_prefill(batch, bs)
+        return _build_mixed(batch, bs)
     return _build_decode(batch, bs)
 
 
@@ -163,44 +167,61 @@ def _build_decode(batch, bs: int) -> StepPlan:
         context_lens=lens,
         block_tables=t.block_tables[idx, :width],
         sample_steps=lens - t.prompt_lens[idx],
-        **t.constant_arrays(idx),
+        **t.constant_arrays(idx, batch.slots_key),
     )
 
 
-def _build_prefill(batch, bs: int) -> StepPlan:
+def _build_mixed(batch, bs: int) -> StepPlan:
+    """A plan with prefill rows, after ``batch.num_decodes`` decode rows (possibly none).
+
+    A decode row is a sequence whose query is its one newest token: its rows come vectorized
+    from the slot arrays, exactly as in a decode plan. Prefill rows slice their chunk's token
+    ids from their sequences (one loop over the few prefilling sequences)."""
     t = batch.table
-    seqs = batch.seqs
+    nd = batch.num_decodes
+    pseqs = batch.seqs[nd:]
     idx = batch.slots
-    n = len(seqs)
-    starts = np.fromiter((s.num_cached_tokens for s in seqs), dtype=np.int32, count=n)
-    qlens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int32, count=n)
-    lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int32, count=n)
-    hits = np.fromiter((s.num_prefix_hit_tokens for s in seqs), dtype=np.int32, count=n)
+    didx, pidx = idx[:nd], idx[nd:]
+    n, m = len(idx), len(pseqs)
+    # Decode rows: key length = sequence length, one query at position length - 1.
+    dlens = t.seq_lens[didx]
+    dpos = dlens - 1
+    # Prefill rows: a chunk of qlens tokens starting after `starts` cached ones.
+    starts = np.fromiter((s.num_cached_tokens for s in pseqs), dtype=np.int32, count=m)
+    qlens = np.fromiter((s.num_scheduled_tokens for s in pseqs), dtype=np.int32, count=m)
+    plens = np.fromiter((len(s.token_ids) for s in pseqs), dtype=np.int32, count=m)
+    hits = np.fromiter((s.num_prefix_hit_tokens for s in pseqs), dtype=np.int32, count=m)
     ids: list[int] = []
-    for s, a, q in zip(seqs, starts.tolist(), qlens.tolist()):
+    for s, a, q in zip(pseqs, starts.tolist(), qlens.tolist()):
         ids += s.token_ids[a:a + q]
-    ends = starts + qlens
-    cu_q = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(qlens, out=cu_q[1:])
-    cu_k = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(ends, out=cu_k[1:])
-    num_tokens = int(cu_q[-1])
-    row = np.repeat(np.arange(n), qlens)
-    positions = (np.arange(num_tokens, dtype=np.int32) - cu_q[row] + starts[row]).astype(np.int32)
-    slot_mapping = t.block_tables[idx[row], positions // bs] * bs + positions % bs
+    pends = starts + qlens
+    pcu = np.zeros(m + 1, dtype=np.int32)
+    np.cumsum(qlens, out=pcu[1:])
+    row = np.repeat(np.arange(m), qlens)
+    ppos = (np.arange(int(pcu[-1]), dtype=np.int32) - pcu[row] + starts[row]).astype(np.int32)
+    pslot = t.block_tables[pidx[row], ppos // bs] * bs + ppos % bs
     # Tokens inside blocks taken from the prefix cache are only recomputed to get logits (a
     # fully cached prompt); their KV is already there and the block may be shared: skip.
-    slot_mapping[positions < hits[row]] = -1
-    width = int(t.num_blocks[idx].max())
-    sampled = ends == lens
+    pslot[ppos < hits[row]] = -1
+    # Rows together: decode rows first, each with a query length of 1.
+    cu_q = np.zeros(n + 1, dtype=np.int32)
+    cu_q[1:nd + 1] = np.arange(1, nd + 1, dtype=np.int32)
+    cu_q[nd + 1:] = pcu[1:] + nd
+    ends = np.concatenate((dlens, pends))
+    cu_k = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(ends, out=cu_k[1:])
+    sampled = np.concatenate((np.ones(nd, dtype=bool), pends == plens))
     sidx = idx[sampled]
+    lens = np.concatenate((dlens, plens))
+    width = int(t.num_blocks[idx].max())
     return StepPlan(
-        is_prefill=True, has_context=bool((starts > 0).any()),
-        max_seqlen_q=int(qlens.max()), max_seqlen_k=int(ends.max()),
+        is_prefill=True, has_context=bool(nd) or bool((starts > 0).any()),
+        max_seqlen_q=int(qlens.max()) if m else 1, max_seqlen_k=int(ends.max()),
         step_id=batch.step_id,
-        input_ids=np.array(ids, dtype=np.int32),
-        positions=positions,
-        slot_mapping=slot_mapping.astype(np.int32, copy=False),
+        input_ids=np.concatenate((t.last_tokens[didx], np.array(ids, dtype=np.int32))),
+        positions=np.concatenate((dpos, ppos)),
+        slot_mapping=np.concatenate((t.tail_blocks[didx] * bs + dpos % bs,
+                                     pslot.astype(np.int32, copy=False))),
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         context_lens=ends,

@@ -1,23 +1,37 @@
 """Scheduler: admission, prefill/decode batching and recompute preemption over the block pool.
 
-One ``schedule()`` call picks one batch, either all prefill or all decode (prefill first):
+One ``schedule()`` call fills one step's token budget, ``max_num_batched_tokens``, under one of
+two policies (``EngineConfig.scheduling_policy``):
 
-- **Prefill.** First the sequence whose chunked prefill is under way (there is at most one),
-  then sequences from the front of ``waiting`` while ``can_allocate`` finds room (prefix-cache
-  aware), ``running`` stays within ``max_num_seqs`` and the ``max_num_batched_tokens`` budget
-  lasts. Chunking rule: the first sequence whose remaining prompt does not fit the remaining
-  budget gets a chunk of exactly the remaining budget and ends the batch; it stays in
-  ``running`` with ``is_prefill`` set and continues first in the next step. A sequence is
-  sampled only in the step that computes its last prompt token. Admission stops at the first
-  waiting sequence that does not fit (first come, first served). ``max_num_seqs`` bounds all
-  of ``running`` (admitted sequences hold a slot until they leave), so a decode batch is the
-  whole of ``running`` unless some of it is preempted.
-- **Decode** (only when nothing could be prefilled): every running sequence advances one
-  token. A sequence whose next token starts a block needs a free block; on shortage the seed's
-  ``while ... else`` applies: preempt the tail of ``running`` (the latest admitted) until it
-  fits, or preempt the sequence itself when nothing is left behind it. A preempted sequence
-  loses its blocks (their hash entries survive for prefix-cache recovery), goes back to
-  prefill and to the *front* of ``waiting``.
+- **mixed** (default). First every running sequence past its prefill gets its one decode token
+  (at most ``budget`` of them, in running order), with the seed's block-shortage handling below;
+  then the remaining budget goes to prefill: the partial prefill continues, and waiting
+  sequences are admitted first come, first served, the last one chunked. One step is one
+  forward over one plan whose decode rows come first; running streams therefore never wait
+  for a whole prefill, only for one budget's worth of it. If the decode part preempted
+  anything, nobody is admitted in that step: the only sequences that could fit are the
+  victims just evicted to make room.
+- **prefill-first** (the seed's policy). A step is all prefill if anything can be prefilled
+  (partial prefill first, then admissions as above), else all decode.
+
+Prefill details, both policies: admission stops at the first waiting sequence that does not fit
+(``can_allocate`` is prefix-cache aware; ``max_num_seqs`` bounds all of ``running``). The first
+sequence whose remaining prompt exceeds the remaining budget gets a chunk of exactly the
+remaining budget and ends admission; it stays in ``running`` with ``is_prefill`` set. A sequence
+is sampled only in the step that computes its last prompt token.
+
+**At most one partial prefill exists at a time**, and it is the tail of ``running``: only the
+last sequence admitted in a step can be cut, and the next step continues it before admitting
+anyone. Allowing several would not help first-come-first-served latency (the earliest
+arrival's first token would come later, its budget shared with later ones), and each partial
+prefill holds all of its prompt's KV blocks while producing no token.
+
+Decode and block shortage: a sequence whose next token starts a block needs a free block; on
+shortage the seed's ``while ... else`` applies: preempt the tail of ``running`` (the latest
+admitted; the partial prefill first, if there is one) until it fits, or preempt the sequence
+itself when nothing is left behind it. A preempted sequence loses its blocks (their hash
+entries survive for prefix-cache recovery), goes back to prefill and to the *front* of
+``waiting``.
 
 A prompt fully covered by cached blocks still computes its last token (for logits): that
 token's KV is already in a shared cached block, so its slot in the plan is -1.
@@ -30,8 +44,9 @@ batch (falsy) only means there is nothing to do.
 Host cost of a decode step is O(batch) in numpy: the decode fast path computes which running
 sequences start a block from the per-slot length array and, when the free blocks cover them
 all, allocates just for those (exactly what the per-sequence loop would do, since no
-``can_append`` can fail); otherwise it runs the seed loop. ``postprocess`` updates lengths
-and checks EOS / stop tokens / length limits vectorized.
+``can_append`` can fail); otherwise it runs the seed loop. Views of ``running`` (its slots,
+token lists) are cached by :class:`RunningQueue` under its version number. ``postprocess``
+updates lengths and checks EOS / stop tokens / length limits vectorized.
 """
 from __future__ import annotations
 
@@ -46,6 +61,7 @@ from tpserve.errors import AdmissionError, ConfigError
 from tpserve import requests as R
 from tpserve.plan import StepPlan
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
+from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
 
 RUNNING = SequenceStatus.RUNNING
@@ -58,8 +74,11 @@ FINISH_REASONS = R.FINISH_REASONS
 class ScheduledBatch:
     """What one step runs. ``seqs`` in plan order; ``slots[i]`` is ``seqs[i].slot``.
 
-    ``sampled[i]`` says whether ``seqs[i]`` gets a token this step (always for decode; for
-    prefill only when its last prompt token is computed). Falsy when empty.
+    The first ``num_decodes`` sequences are decode rows (one new token each, always sampled);
+    the rest are prefill rows, and ``sampled[j]`` says whether ``seqs[num_decodes + j]`` gets a
+    token this step (only when its last prompt token is computed). ``is_prefill`` is True when
+    there is any prefill row: a pure decode batch and a mixed one differ only in that.
+    Falsy when empty.
     """
 
     seqs: list[Sequence]
@@ -68,19 +87,22 @@ class ScheduledBatch:
     table: SlotTable
     step_id: int = 0
     sampled: list[bool] = field(default_factory=list)
-    # Decode fast path: each sequence's token_ids list, in batch order (saves a lookup each).
+    num_decodes: int = 0
+    # Decode rows' token_ids lists, in batch order (saves a lookup each), or None.
     token_lists: list | None = None
+    # Names the decode slot set for SlotTable.constant_arrays (None: not cacheable).
+    slots_key: object = None
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
     def num_samples(self) -> int:
-        return sum(self.sampled) if self.is_prefill else len(self.seqs)
+        return self.num_decodes + sum(self.sampled)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.seqs) if self.is_prefill else len(self.seqs)
+        return self.num_decodes + sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
 
 
 class Scheduler:
@@ -94,6 +116,7 @@ class Scheduler:
         self.block_size = bs = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.policy = config.scheduling_policy
         # None: only the pool bounds a sequence.
         self.max_model_len = config.max_model_len
         self.eos_token_ids = [int(t) for t in config.eos_token_ids]
@@ -102,12 +125,9 @@ class Scheduler:
         max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
         self.table = SlotTable(self.max_num_seqs, max_blocks, bs)
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running = RunningQueue()
         self._requests: dict[str, Sequence] = {}
         self._prefilling: Sequence | None = None
-        # Slots and token lists of `running`, in order; None when running changed since.
-        self._running_slots_cache: np.ndarray | None = None
-        self._running_token_lists: list | None = None
         self._dropped_in_flight = False
         self._step_id = 0
         # Counters (see stats()).
@@ -161,24 +181,46 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        """Pick the next batch: prefill if anything can be prefilled, else decode."""
+        """Pick the next batch under the configured policy (see the module docstring)."""
         self._step_id += 1
         self._dropped_in_flight = False
-        batch = self._schedule_prefill()
+        if self.policy == "mixed":
+            return self._schedule_mixed()
+        batch = self._schedule_prefill(self.max_num_batched_tokens, [], 0)
         if batch is None:
-            batch = self._schedule_decode()
+            batch = self._schedule_decode(self.max_num_seqs)
+        return batch
+
+    def _schedule_mixed(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        preempted = self.num_preemptions
+        decode = self._schedule_decode(min(budget, self.max_num_seqs))
+        nd = len(decode.seqs)
+        # After a preemption, admitting waiting sequences would only readmit the victims that
+        # were just evicted to make room (the seed lets a step preempt or admit, not both).
+        admit = self.num_preemptions == preempted
+        batch = self._schedule_prefill(budget - nd, decode.seqs, nd, admit)
+        if batch is None:
+            return decode
+        batch.token_lists, batch.slots_key = decode.token_lists, decode.slots_key
         return batch
 
     def _batch(self, seqs: list[Sequence], is_prefill: bool, slots=None, sampled=None,
-               token_lists=None):
+               num_decodes=0, token_lists=None, slots_key=None) -> ScheduledBatch:
         if slots is None:
             slots = np.fromiter((s.slot for s in seqs), dtype=np.intp, count=len(seqs))
         return ScheduledBatch(seqs, is_prefill, slots, self.table, self._step_id, sampled or [],
-                              token_lists)
+                              num_decodes, token_lists, slots_key)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
+    def _schedule_prefill(self, budget: int, decodes: list[Sequence], nd: int,
+                          admit: bool = True) -> ScheduledBatch | None:
+        """Prefill rows into ``budget`` tokens after the ``nd`` decode rows ``decodes``: the
+        partial prefill first, then waiting sequences first come, first served (if ``admit``).
+        None when no prefill row fits."""
+        if budget <= 0:
+            return None
+        total = budget
+        seqs: list[Sequence] = list(decodes)
         partial = self._prefilling
         if partial is not None:
             remaining = len(partial) - partial.num_cached_tokens
@@ -189,7 +231,7 @@ class Scheduler:
             if n == remaining:
                 self._prefilling = None
         bm = self.block_manager
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+        while admit and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_cached_blocks = bm.can_allocate(seq)
             if num_cached_blocks < 0:
@@ -208,51 +250,54 @@ class Scheduler:
             seq.is_prefill = True
             self.table.acquire(seq, self._stop_ids(seq), self._stop_len(seq))
             self.running.append(seq)
-            self._running_slots_cache = None
             seqs.append(seq)
             if n < remaining:
                 self._prefilling = seq
-        if not seqs:
+        if len(seqs) == nd:
             return None
-        self.prompt_tokens_computed += self.max_num_batched_tokens - budget
-        sampled = [s.num_cached_tokens + s.num_scheduled_tokens == len(s) for s in seqs]
-        return self._batch(seqs, True, sampled=sampled)
+        self.prompt_tokens_computed += total - budget
+        sampled = [s.num_cached_tokens + s.num_scheduled_tokens == len(s) for s in seqs[nd:]]
+        return self._batch(seqs, True, sampled=sampled, num_decodes=nd)
 
-    def _running_slots(self) -> np.ndarray:
-        if self._running_slots_cache is None:
-            self._running_slots_cache = np.fromiter(
-                (s.slot for s in self.running), dtype=np.intp, count=len(self.running))
-            self._running_token_lists = [s.token_ids for s in self.running]
-        return self._running_slots_cache
+    def _schedule_decode(self, cap: int) -> ScheduledBatch:
+        """Decode fast path; identical in effect to :meth:`_schedule_decode_slow`.
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        """Decode fast path; identical in effect to :meth:`_schedule_decode_slow`."""
-        if not self.running:
+        Decodes at most ``cap`` of the running sequences that are past their prefill."""
+        running = self.running
+        if not running:
             return self._batch([], False)
-        # A chunked prefill under way is always continued by the prefill branch first.
-        assert self._prefilling is None
         bm, t = self.block_manager, self.table
-        slots = self._running_slots()
-        if len(slots) > self.max_num_seqs:
-            return self._schedule_decode_slow()
+        slots = running.slots()
+        token_lists = running.token_lists()
+        seqs = list(running)
+        if self._prefilling is not None:
+            # The partial prefill is the latest admitted, hence the tail of `running`.
+            assert running[-1] is self._prefilling
+            slots, token_lists, seqs = slots[:-1], token_lists[:-1], seqs[:-1]
+        if len(slots) > cap:
+            return self._schedule_decode_slow(cap)
         need = np.flatnonzero((t.seq_lens[slots] - 1) % self.block_size == 0)
         if len(need) > bm.num_free_blocks:
-            return self._schedule_decode_slow()
-        seqs = list(self.running)
+            return self._schedule_decode_slow(cap)
         if len(need):
             # In running order, as the seed loop would: same blocks to the same sequences.
             t.append_blocks(slots[need], bm.append_blocks([seqs[p] for p in need.tolist()]))
-        return self._batch(seqs, False, slots, token_lists=self._running_token_lists)
+        return self._batch(seqs, False, slots, num_decodes=len(seqs), token_lists=token_lists,
+                           slots_key=(running.version, len(seqs)))
 
-    def _schedule_decode_slow(self) -> ScheduledBatch:
-        """The seed's per-sequence decode loop with its ``while ... else`` preemption."""
+    def _schedule_decode_slow(self, cap: int) -> ScheduledBatch:
+        """The seed's per-sequence decode loop with its ``while ... else`` preemption.
+
+        A partial prefill (the tail of ``running``) is a preemption victim like any other
+        sequence behind the one that needs a block, but is never decoded."""
         bm, t = self.block_manager, self.table
+        running = self.running
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
+        while running and len(scheduled) < cap and not running[0].is_prefill:
+            seq = running.popleft()
             while not bm.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
+                if running:
+                    self._preempt(running.pop())
                 else:
                     self._preempt(seq)
                     break
@@ -261,9 +306,8 @@ class Scheduler:
                 if block_id != -1:
                     t.append_block(seq.slot, block_id)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        self._running_slots_cache = None
-        return self._batch(scheduled, False)
+        running.extendleft(reversed(scheduled))
+        return self._batch(scheduled, False, num_decodes=len(scheduled))
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt a running sequence (removing it from ``running``)."""
@@ -281,7 +325,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         if self._prefilling is seq:
             self._prefilling = None
-        self._running_slots_cache = None
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
@@ -297,19 +340,23 @@ class Scheduler:
         if not batch.seqs:
             return []
         toks = np.asarray(token_ids).reshape(-1)
-        if batch.is_prefill:
-            return self._postprocess_prefill(batch, toks)
-        return self._postprocess_decode(batch, toks)
+        assert len(toks) == batch.num_samples, \
+            f"got {len(toks)} tokens for {batch.num_samples} sampled sequences"
+        nd = batch.num_decodes
+        if not batch.is_prefill:
+            return self._postprocess_decode(batch.seqs, batch.slots, toks, batch.token_lists)
+        out = self._postprocess_decode(batch.seqs[:nd], batch.slots[:nd], toks[:nd],
+                                       batch.token_lists) if nd else []
+        return out + self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[nd:])
 
-    def _postprocess_prefill(self, batch: ScheduledBatch, toks: np.ndarray) -> list[Sequence]:
-        assert len(toks) == sum(batch.sampled), \
-            f"got {len(toks)} tokens for {sum(batch.sampled)} sampled sequences"
+    def _postprocess_prefill(self, seqs: list[Sequence], sampled_flags: list[bool],
+                             toks: np.ndarray) -> list[Sequence]:
         bm, t = self.block_manager, self.table
         out: list[Sequence] = []
         done: list[tuple[Sequence, str]] = []
         tok_list = toks.tolist()
         ti = 0
-        for seq, sampled in zip(batch.seqs, batch.sampled):
+        for seq, sampled in zip(seqs, sampled_flags):
             if sampled:
                 tok = tok_list[ti]
                 ti += 1
@@ -330,10 +377,8 @@ class Scheduler:
         self._finish_many(done)
         return out
 
-    def _postprocess_decode(self, batch: ScheduledBatch, toks: np.ndarray) -> list[Sequence]:
-        seqs, slots = batch.seqs, batch.slots
-        assert len(toks) == len(seqs), f"got {len(toks)} tokens for {len(seqs)} sequences"
-        token_lists = batch.token_lists
+    def _postprocess_decode(self, seqs: list[Sequence], slots: np.ndarray, toks: np.ndarray,
+                            token_lists: list | None) -> list[Sequence]:
         if self._dropped_in_flight:
             keep = np.fromiter((s.status is RUNNING for s in seqs), dtype=bool, count=len(seqs))
             seqs = [s for s, k in zip(seqs, keep.tolist()) if k]
@@ -406,11 +451,7 @@ class Scheduler:
         if left_running == 1 and len(items) == 1:
             self.running.remove(items[0][0])
         elif left_running:
-            keep = [s for s in self.running if s.status is RUNNING]
-            self.running.clear()
-            self.running.extend(keep)
-        if left_running:
-            self._running_slots_cache = None
+            self.running.replace([s for s in self.running if s.status is RUNNING])
 
     # ---- plans, cache, stats -------------------------------------------------------------
     def build_plan(self, batch: ScheduledBatch) -> StepPlan:
@@ -468,6 +509,7 @@ class Scheduler:
         partial = [s for s in self.running if s.is_prefill]
         assert partial == ([self._prefilling] if self._prefilling is not None else []), \
             f"unexpected partial prefills {partial}"
+        assert not partial or self.running[-1] is partial[0], "the partial prefill is not the tail"
         slots = [s.slot for s in self.running]
         assert len(set(slots)) == len(slots) and all(0 <= x < t.num_slots for x in slots)
         assert t.num_free_slots + len(slots) == t.num_slots, "slot leak"
