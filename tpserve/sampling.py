@@ -7,6 +7,8 @@ from tpserve.errors import ConfigError
 
 # Largest seed accepted; seeds are mixed into a 63-bit counter-based RNG.
 MAX_SEED = 2**63 - 1
+# Most alternatives a request may ask logprobs for (the OpenAI API's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -16,6 +18,8 @@ class SamplingParams:
     temperature 0 means greedy. ``top_k`` <= 0 (or -1, vLLM's spelling) disables top-k;
     ``top_p`` 1.0 disables nucleus sampling. With ``seed`` set, the sampled tokens depend only
     on the seed, the model and the prompt -- not on which other requests share the batch.
+    ``logprobs`` None reports no log-probabilities; k >= 0 reports each sampled token's
+    log-probability and the k most likely tokens with theirs (from the unscaled distribution).
     """
 
     temperature: float = 1.0
@@ -26,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -67,6 +72,10 @@ class SamplingParams:
         self.stop = list(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None:
+            num("logprobs", self.logprobs, (int,))
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ConfigError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

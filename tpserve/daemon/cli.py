@@ -331,10 +331,15 @@ _STATUS_LINES = [
 @main.command(context_settings=CONTEXT)
 @client_options(timeout=5.0)
 @click.option("--json", "as_json", is_flag=True, help="print the raw status map as JSON")
-def status(as_json, **kw):
+@click.option("--metrics", "as_metrics", is_flag=True,
+              help="print the daemon's Prometheus metrics (the text /metrics serves)")
+def status(as_json, as_metrics, **kw):
     """Show the running daemon's model, load and KV-cache use (asks the daemon itself)."""
     with _client(kw) as client:
         try:
+            if as_metrics:
+                click.echo(client.metrics(), nl=False)
+                return
             stats = client.status()
         except ClientTimeout as e:
             rd = resolve_runtime_dir(kw["runtime_dir"])

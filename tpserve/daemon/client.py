@@ -175,6 +175,10 @@ class Client(_Common):
         msg = self._call(P.StatusRequest(id=self._new_id()), timeout)
         return msg.stats
 
+    def metrics(self, timeout=_DEFAULT) -> str:
+        """The daemon's Prometheus metrics, in the text exposition format."""
+        return self._call(P.MetricsRequest(id=self._new_id()), timeout).text
+
     def ping(self, timeout=_DEFAULT) -> float:
         """Round-trip time in seconds; raises ClientTimeout if the daemon does not answer."""
         start = time.perf_counter()
@@ -369,6 +373,9 @@ class AsyncClient(_Common):
 
     async def status(self, timeout=_DEFAULT) -> dict:
         return (await self._call(P.StatusRequest(id=uuid.uuid4().hex), timeout)).stats
+
+    async def metrics(self, timeout=_DEFAULT) -> str:
+        return (await self._call(P.MetricsRequest(id=uuid.uuid4().hex), timeout)).text
 
     async def ping(self, timeout=_DEFAULT) -> float:
         start = time.perf_counter()

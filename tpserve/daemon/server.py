@@ -40,6 +40,7 @@ import zmq
 
 from tpserve.errors import AdmissionError, ConfigError
 from tpserve.daemon import protocol as P
+from tpserve.daemon.metrics import ServingMetrics
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -60,6 +61,7 @@ class ServerOptions:
     curve_public_key: bytes | None = None
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
+    served_model_name: str | None = None  # metrics label; default: the model directory's name
 
 
 @dataclass
@@ -81,6 +83,23 @@ class _Request:
     completion_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # wire entries gathered for a non-streamed reply
+    arrival: float = 0.0
+    last_token: float | None = None
+
+
+def served_model_name(engine, options: ServerOptions) -> str:
+    """The name clients and metrics know the model by."""
+    if options.served_model_name:
+        return options.served_model_name
+    path = getattr(getattr(engine, "config", None), "model_path", None)
+    return os.path.basename(os.path.normpath(str(path))) if path else "tpserve"
+
+
+def _wire_logprobs(logprobs) -> list | None:
+    if logprobs is None:
+        return None
+    return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in logprobs]
 
 
 class Server:
@@ -103,6 +122,7 @@ class Server:
         self._stopping = False
         self._stop_deadline = 0.0
         self.exit_code = 0
+        self._metrics: ServingMetrics | None = None
 
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
@@ -269,6 +289,8 @@ class Server:
             self._on_abort(identity, msg)
         elif isinstance(msg, P.StatusRequest):
             self._reply(identity, P.StatusReply(self.stats(), id=msg.id))
+        elif isinstance(msg, P.MetricsRequest):
+            self._reply(identity, P.MetricsReply(self.metrics.render(), id=msg.id))
         else:
             assert isinstance(msg, P.PingRequest)
             self._reply(identity, P.PongReply(id=msg.id))
@@ -306,8 +328,10 @@ class Server:
             log.exception("add_request failed for %s", engine_id)
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
         else:
-            req = _Request(peer, msg.id, engine_id, msg.stream, prompt_tokens=num_prompt_tokens)
+            req = _Request(peer, msg.id, engine_id, msg.stream, prompt_tokens=num_prompt_tokens,
+                           arrival=time.monotonic())
             peer.requests[msg.id] = req
+            self.metrics.on_admitted(num_prompt_tokens)
             self._requests[engine_id] = req
         self._forget_if_idle(peer)
 
@@ -323,6 +347,8 @@ class Server:
 
     # ---- engine outputs ----------------------------------------------------------------------
     def _dispatch(self, outputs) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
         for out in outputs:
             req = self._requests.get(out.request_id)
             if req is None:
@@ -330,19 +356,30 @@ class Server:
             if out.num_prompt_tokens:
                 req.prompt_tokens = out.num_prompt_tokens
             req.completion_tokens += len(out.new_token_ids)
+            if out.new_token_ids:
+                metrics.on_tokens(len(out.new_token_ids), now, req.arrival, req.last_token, out.queue_time)
+                req.last_token = now
+            logprobs = _wire_logprobs(out.logprobs)
             if req.stream:
                 if out.new_token_ids or out.new_text:
-                    self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids)))
+                    self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
+                                                      logprobs=logprobs))
             else:
                 req.text_parts.append(out.new_text)
                 req.token_ids.extend(out.new_token_ids)
+                if logprobs is not None:
+                    if req.logprobs is None:
+                        req.logprobs = []
+                    req.logprobs.extend(logprobs)
             if out.finished:
+                metrics.on_finished(now, req.arrival)
                 self._close(req)
                 done = P.DoneReply(req.client_id, out.finish_reason or "stop", req.prompt_tokens,
                                    out.num_completion_tokens or req.completion_tokens,
                                    abort_reason=None)
                 if not req.stream:
                     done.text, done.token_ids = "".join(req.text_parts), req.token_ids
+                    done.logprobs = req.logprobs
                 self._send(req.peer, done)
                 self._forget_if_idle(req.peer)
 
@@ -444,6 +481,13 @@ class Server:
             del self._peers[peer.identity]
 
     # ---- status ------------------------------------------------------------------------------
+    @property
+    def metrics(self) -> ServingMetrics:
+        """The Prometheus metrics, made once the engine is attached (it names the model)."""
+        if self._metrics is None:
+            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self.engine.stats)
+        return self._metrics
+
     def stats(self) -> dict:
         """Engine counters plus the daemon's own, as plain msgpack-able values."""
         try:
