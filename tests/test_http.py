@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -369,9 +370,18 @@ def test_metrics_parse_and_move(daemon, client):
 
 
 def test_non_loopback_host_needs_an_api_key(tmp_path):
-    result = CliRunner().invoke(main, ["serve", "--runtime-dir", str(tmp_path), "--http-port", "0",
-                                       "--http-host", "0.0.0.0"], env={"TPSERVE_API_KEY": ""})
-    assert result.exit_code == 2 and "API key" in result.output
+    runner = CliRunner()
+    result = runner.invoke(main, ["serve", "--runtime-dir", str(tmp_path), "--http-port", "0",
+                                  "--http-host", "0.0.0.0"], env={"TPSERVE_API_KEY": ""})
+    assert result.exit_code == 2 and "API key" in result.output and "--http-host" in result.output
+    from_env = runner.invoke(main, ["start", "--runtime-dir", str(tmp_path)],
+                             env={"TPSERVE_HTTP_PORT": "0", "TPSERVE_HTTP_HOST": "10.1.2.3", "TPSERVE_API_KEY": ""})
+    assert from_env.exit_code == 2 and "API key" in from_env.output
+    bad_port = runner.invoke(main, ["serve", "--runtime-dir", str(tmp_path), "--http-port", "70000"])
+    assert bad_port.exit_code == 2 and "--http-port" in bad_port.output
+    help_text = runner.invoke(main, ["start", "--help"], terminal_width=200).output
+    for opt in ("--http-port", "--http-host", "--api-key", "TPSERVE_HTTP_PORT", "TPSERVE_API_KEY"):
+        assert opt in help_text
 
 
 def test_stopping_the_daemon_stops_the_front(daemon):
@@ -381,4 +391,25 @@ def test_stopping_the_daemon_stops_the_front(daemon):
     deadline = time.monotonic() + 15
     while any(pid_alive(p) for p in daemon.tree):
         assert time.monotonic() < deadline, [p for p in daemon.tree if pid_alive(p)]
+        time.sleep(0.1)
+
+
+def test_front_dies_with_a_killed_daemon(tmp_path):
+    """A daemon killed with SIGKILL cannot stop its front: the kernel does (PR_SET_PDEATHSIG)."""
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
+        front = HttpFrontProcess(HttpOptions(0), "ipc://{tmp_path}/none.sock", {str(BUNDLED)!r}, "m", 64)
+        print(front.start(), front.proc.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        url, pid = parent.stdout.readline().split()
+        assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "m"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while pid_alive(int(pid)):
+        assert time.monotonic() < deadline, "the front outlived its daemon"
         time.sleep(0.1)

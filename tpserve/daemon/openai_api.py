@@ -5,7 +5,7 @@ SamplingParams, ``n``, streaming options) or raise ``OpenAIError`` carrying the 
 OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``. Fields the OpenAI API
 defines but tpserve does not implement in a way that changes the output (``echo``, ``suffix``,
 ``best_of`` > 1) are refused rather than silently ignored; fields nobody defined are ignored, as
-OpenAI does. ``user`` is accepted and only logged.
+OpenAI does. ``user`` is checked to be a string and otherwise unused.
 
 The builders below produce the response maps for ``/v1/completions`` and
 ``/v1/chat/completions``, whole or as stream chunks; they know nothing about HTTP.
