@@ -314,22 +314,28 @@ def test_openai_client_raises_typed_errors(client):
 
 
 # ---- disconnects, metrics, life cycle ------------------------------------------------------
-def test_disconnecting_client_aborts_its_request(daemon):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnecting_client_aborts_its_request(daemon, stream):
     idle(daemon)
     with daemon.zmq() as c:
         generated = c.status()["generation_tokens"]
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 1000, "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1000, "stream": stream, "ignore_eos": True}).encode()
     host, port = daemon.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while got.count(b"data: ") < 3:
-            chunk = s.recv(4096)
-            assert chunk, got
-            got += chunk
-        assert got.startswith(b"HTTP/1.1 200"), got
+        if stream:
+            got = b""
+            while got.count(b"data: ") < 3:
+                chunk = s.recv(4096)
+                assert chunk, got
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200"), got
+        deadline = time.monotonic() + 30
         with daemon.zmq() as c:
+            while c.status()["generation_tokens"] - generated < 3:  # it is running
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             assert c.status()["requests_in_flight"] == 1
     status = idle(daemon)  # the front noticed, aborted the request, and its blocks are free
     assert status["kv_blocks_used"] == 0
