@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpserve.daemon import openai_api as O
@@ -348,8 +349,10 @@ def create_app(front: Front):
                         yield _sse(daemon_error(e, job).body())
                     for chunk in response.final_chunks():
                         yield chunk
-            return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            # The background task closes the events (aborting what still runs) also when the
+            # client left before the body started, so sse() never ran; otherwise it is a no-op.
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(events.aclose))
 
         async def collect():
             async with aclosing(events):
