@@ -419,3 +419,43 @@ def test_front_dies_with_a_killed_daemon(tmp_path):
     while pid_alive(int(pid)):
         assert time.monotonic() < deadline, "the front outlived its daemon"
         time.sleep(0.1)
+
+
+def _fake_front(code: str) -> "HttpFrontProcess":
+    """An HttpFrontProcess whose child is ``code`` (it gets ``--ready-fd N`` as its arguments)."""
+    from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
+    front = HttpFrontProcess(HttpOptions(0), "ipc:///nonexistent", str(BUNDLED), "m", 64)
+    front.argv = [sys.executable, "-c", code]
+    return front
+
+
+def test_front_that_dies_is_reported_in_the_log(caplog):
+    front = _fake_front("import os, sys, time; os.write(int(sys.argv[-1]), b'4321\\n'); time.sleep(0.3)")
+    with caplog.at_level("ERROR", logger="tpserve.http"):
+        assert front.start(timeout=30) == "http://127.0.0.1:4321"
+        proc = front.proc
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while "exited with status 0" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+    front.stop()
+
+
+def test_front_that_cannot_listen_fails_the_start():
+    from tpserve.daemon.http_front import HttpFrontError
+    front = _fake_front("import sys; sys.exit(3)")
+    with pytest.raises(HttpFrontError, match="status 3"):
+        front.start(timeout=30)
+    front.stop()
+
+
+def test_busy_port_fails_the_start():
+    from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOptions
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        front = HttpFrontProcess(HttpOptions(busy.getsockname()[1]), "ipc:///nonexistent", str(BUNDLED), "m", 64)
+        with pytest.raises(HttpFrontError, match="before listening"):
+            front.start(timeout=60)
+        front.stop()

@@ -76,7 +76,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         url = None
         if http is not None:
             front = HttpFrontProcess(http, connect_address(address), str(engine.config.model_path),
-                                     served_model_name(engine, options), int(engine.config.max_model_len),
+                                     served_model_name(engine, options), _usable_context(engine.config),
                                      options.curve_public_key)
             url = front.start()
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
@@ -113,6 +113,15 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             signal.signal(s, h)
     log.info("tpserve stopped (exit status %d)", code)
     return code
+
+
+def _usable_context(config) -> int:
+    """Tokens one request may hold: max_model_len, or less when the KV pool is smaller (the
+    HTTP front sizes a chat request's default max_tokens by it, so the default is admitted)."""
+    context = int(config.max_model_len)
+    if getattr(config, "num_kv_blocks", None):
+        context = min(context, int(config.num_kv_blocks) * int(config.block_size))
+    return context
 
 
 def _force_exit(engine, shutting_down: threading.Event, pidfile: PidFile) -> None:

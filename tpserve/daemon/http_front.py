@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -108,7 +109,15 @@ class HttpFrontProcess:
         host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
         self.url = f"http://{host}:{port}"
         log.info("HTTP front (pid %d) serving the OpenAI API at %s", self.proc.pid, self.url)
+        threading.Thread(target=self._watch, args=(self.proc,), name="http-front-watch", daemon=True).start()
         return self.url
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        """Say so in the daemon's log if the front dies on its own (the ZMQ side keeps serving)."""
+        code = proc.wait()
+        if self.proc is proc:  # not stopped by us
+            log.error("the HTTP front (pid %d) exited with status %s; %s no longer answers (the ZMQ "
+                      "socket still does)", proc.pid, code, self.url)
 
     def _read_port(self, fd: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
