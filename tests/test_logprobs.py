@@ -70,3 +70,14 @@ def test_logprobs_bounds(bad):
     with pytest.raises(ConfigError) as e:
         SamplingParams(logprobs=bad)
     assert e.value.field == "logprobs"
+
+
+def test_offline_generate_returns_logprobs(tiny_models_root):  # noqa: F811
+    path = make_tiny_model(tiny_models_root)
+    with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.logprobs) == len(out.token_ids) == 4
+        assert [lp.top[0][0] for lp in out.logprobs] == out.token_ids
+        plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        assert plain.outputs[0].logprobs is None

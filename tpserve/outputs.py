@@ -36,11 +36,13 @@ class TokenLogprobs:
 
 @dataclass
 class CompletionOutput:
-    """The final result of one prompt in the offline API (vLLM's shape)."""
+    """The final result of one prompt in the offline API (vLLM's shape). ``logprobs``: one
+    TokenLogprobs per token id when SamplingParams.logprobs was set."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
