@@ -166,6 +166,11 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
+# A plain-text chat format the code model can continue: "# role:" headers, one per message.
+CHAT_TEMPLATE = ("{% for message in messages %}# {{ message['role'] }}:\n{{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
 def wrap_tokenizer(tok, max_len: int):
     from transformers import PreTrainedTokenizerFast
 
@@ -319,6 +324,7 @@ def save(model, tokenizer, out: Path, eos_id: int) -> None:
     tok_cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
     special = out / "special_tokens_map.json"
     if not special.exists():

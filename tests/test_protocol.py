@@ -29,8 +29,12 @@ ROUND_TRIP = [
     ("request", P.PingRequest(id="p" * 128)),
     ("request", P.ProfileRequest(2.5, id="prof")),
     ("reply", P.ProfileReply(["/run/tpserve/tpserve-profile-1-1.rank0.json"], id="prof")),
+    ("request", P.MetricsRequest()),
+    ("request", P.MetricsRequest(id="m")),
+    ("request", P.GenerateRequest("r3", "Hi", SamplingParams(logprobs=2))),
     ("reply", P.DeltaReply("r1", "wörld", [5, 6])),
     ("reply", P.DeltaReply("r1", "", [])),
+    ("reply", P.DeltaReply("r1", "ab", [5, 6], logprobs=[[-0.5, [[5, -0.5], [9, -1.5]]], [-2.0, []]])),
     ("reply", P.DoneReply("r1", "length", 3, 5)),
     ("reply", P.DoneReply("r1", "stop", 3, 2, text="ab", token_ids=[1, 2])),
     ("reply", P.DoneReply("r1", "abort", 3, 0, text="", token_ids=[], abort_reason="shutting_down")),
@@ -40,6 +44,8 @@ ROUND_TRIP = [
     ("reply", P.StatusReply({"pid": 1, "model": "m", "rate": 0.5, "ok": True, "none": None}, id="s")),
     ("reply", P.PongReply()),
     ("reply", P.PongReply(id="x")),
+    ("reply", P.DoneReply("r1", "stop", 3, 1, text="a", token_ids=[1], logprobs=[[-0.25, [[1, -0.25]]]])),
+    ("reply", P.MetricsReply("# HELP x y\nx 1.0\n", id="m")),
 ]
 
 
@@ -167,6 +173,9 @@ GOOD_GENERATE = dict(id="r", prompt="hi", params={"max_tokens": 2}, stream=True)
     (dict(params={"stop": ["a" * (P.MAX_STOP_CHARS + 1)]}), P.INVALID_FIELD, "params.stop[0]"),
     (dict(params={"stop": "a" * (P.MAX_STOP_CHARS + 1)}), P.INVALID_FIELD, "params.stop"),
     (dict(params={"ignore_eos": 1}), P.INVALID_FIELD, "params.ignore_eos"),
+    (dict(params={"logprobs": -1}), P.INVALID_FIELD, "params.logprobs"),
+    (dict(params={"logprobs": 21}), P.INVALID_FIELD, "params.logprobs"),
+    (dict(params={"logprobs": True}), P.INVALID_FIELD, "params.logprobs"),
     (dict(extra=1), P.UNKNOWN_FIELD, "extra"),
 ])
 def test_generate_bad_fields(override, code, field):
@@ -228,6 +237,8 @@ def test_prompt_limits_are_inclusive():
     ("status", {"verbose": True}, P.UNKNOWN_FIELD, "verbose"),
     ("ping", {"id": "x" * 129}, P.INVALID_FIELD, "id"),
     ("ping", {"payload": b"x"}, P.UNKNOWN_FIELD, "payload"),
+    ("metrics", {"id": 3}, P.INVALID_FIELD, "id"),
+    ("metrics", {"format": "json"}, P.UNKNOWN_FIELD, "format"),
 ])
 def test_other_request_bad_fields(type_, fields, code, field):
     with pytest.raises(P.ProtocolError) as e:
@@ -255,6 +266,14 @@ def test_other_request_bad_fields(type_, fields, code, field):
     ("status", {"stats": {"a": [1]}}, P.INVALID_FIELD, "stats.a"),
     ("status", {}, P.MISSING_FIELD, "stats"),
     ("pong", {"extra": 1}, P.UNKNOWN_FIELD, "extra"),
+    ("delta", {"id": "a", "text": "", "token_ids": [1], "logprobs": [-1.0]}, P.INVALID_FIELD, "logprobs[0]"),
+    ("delta", {"id": "a", "text": "", "token_ids": [1], "logprobs": [[-1.0, [[-3, 0.0]]]]},
+     P.INVALID_FIELD, "logprobs[0]"),
+    ("delta", {"id": "a", "text": "", "token_ids": [1], "logprobs": [[-1.0, [[1, 0.0]] * 21]]},
+     P.INVALID_FIELD, "logprobs[0]"),
+    ("delta", {"id": "a", "text": "", "token_ids": [1], "logprobs": {"a": 1}}, P.INVALID_FIELD, "logprobs"),
+    ("metrics", {}, P.MISSING_FIELD, "text"),
+    ("metrics", {"text": 5}, P.INVALID_FIELD, "text"),
 ])
 def test_reply_bad_fields(type_, fields, code, field):
     with pytest.raises(P.ProtocolError) as e:

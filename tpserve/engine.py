@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
 from tpserve.errors import InvalidRequestError, StepFailedError, WorkerDiedError
-from tpserve.outputs import RequestOutput
+from tpserve.outputs import RequestOutput, TokenLogprobs
 from tpserve.plan import Command
 from tpserve.requests import check_prompt_shape, check_request
 from tpserve.sampling import SamplingParams
@@ -52,6 +52,9 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     sent_tokens: int = 0
+    arrival: float = 0.0
+    queue_time: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # sampled but not yet reported
 
 
 class Engine:
@@ -66,6 +69,7 @@ class Engine:
         self._start = time.monotonic()
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)
         self.num_steps = 0
+        self._num_logprob_requests = 0  # requests in flight with logprobs set (0: skip the scan)
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -111,12 +115,16 @@ class Engine:
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) \
             if (detokenize or params.stop) and self.tokenizer is not None else None
-        self.requests[request_id] = _Request(seq, detok)
+        self.requests[request_id] = _Request(seq, detok, arrival=time.monotonic(),
+                                             logprobs=[] if params.logprobs is not None else None)
+        self._num_logprob_requests += params.logprobs is not None
         return len(ids)
 
     def abort_request(self, request_id: str) -> bool:
-        if self.requests.pop(request_id, None) is None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
             return False
+        self._num_logprob_requests -= req.logprobs is not None
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -139,14 +147,26 @@ class Engine:
             plan.step_id = self.num_steps
         except Exception as e:  # bad data of this batch's requests: nothing was published yet
             raise self._fail_step(batch, e) from e
+        if batch.is_prefill:  # a request is first scheduled in a step with prefill rows
+            now = time.monotonic()
+            for seq in batch.seqs[batch.num_decodes:]:
+                req = self.requests.get(seq.request_id)
+                if req is not None and req.queue_time is None:
+                    req.queue_time = now - req.arrival
+        num_logprobs = self._num_logprobs(batch)
         try:
-            tokens = self.executor.execute(plan)
+            if num_logprobs < 0:
+                tokens = self.executor.execute(plan)
+            else:
+                tokens, logprobs = self.executor.execute(plan, num_logprobs)
         except WorkerDiedError:
             raise
         except Exception as e:
             if self.config.tensor_parallel_size > 1:
                 raise
             raise self._fail_step(batch, e) from e
+        if num_logprobs >= 0:
+            self._keep_logprobs(batch, logprobs)
         self.num_steps += 1
         seqs = self.scheduler.postprocess(batch, tokens)
         self._recent.append((time.monotonic(), len(tokens)))
@@ -159,6 +179,31 @@ class Engine:
         for rid in ids:
             self.abort_request(rid)
         return StepFailedError(ids, cause)
+
+    @staticmethod
+    def _sampled(batch) -> list[Sequence]:
+        """The sequences that get a token this step, in sample-row order."""
+        if not batch.is_prefill:
+            return batch.seqs
+        nd = batch.num_decodes  # decode rows come first and are always sampled
+        return batch.seqs[:nd] + [s for s, sampled in zip(batch.seqs[nd:], batch.sampled) if sampled]
+
+    def _num_logprobs(self, batch) -> int:
+        """The most alternatives any sampled sequence asks for; -1 when none wants logprobs."""
+        if not self._num_logprob_requests:
+            return -1
+        ks = [s.sampling_params.logprobs for s in self._sampled(batch)
+              if s.sampling_params.logprobs is not None]
+        return max(ks, default=-1)
+
+    def _keep_logprobs(self, batch, logprobs) -> None:
+        sampled_lp, top_ids, top_lp = logprobs
+        for row, seq in enumerate(self._sampled(batch)):
+            k = seq.sampling_params.logprobs
+            if k is None:
+                continue
+            top = list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))
+            self.requests[seq.request_id].logprobs.append(TokenLogprobs(float(sampled_lp[row]), top))
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -175,10 +220,15 @@ class Engine:
                 req.detok.flush()
             text = req.detok.take_new_text(final=finished)
         req.sent_tokens = len(completion)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, req.logprobs = req.logprobs, []
         if finished:
             del self.requests[seq.request_id]
+            self._num_logprob_requests -= logprobs is not None
         return RequestOutput(seq.request_id, list(new_ids), text, finished,
-                             reason if finished else None, seq.num_prompt_tokens, len(completion))
+                             reason if finished else None, seq.num_prompt_tokens, len(completion),
+                             logprobs=logprobs, queue_time=req.queue_time)
 
     # ---- health --------------------------------------------------------------------------
     def health_fd(self) -> int | None:

@@ -80,6 +80,10 @@ class LLM:
                     comp = results[out.request_id].outputs[0]
                     comp.token_ids.extend(out.new_token_ids)
                     comp.text += out.new_text
+                    if out.logprobs is not None:
+                        if comp.logprobs is None:
+                            comp.logprobs = []
+                        comp.logprobs.extend(out.logprobs)
                     if out.finished:
                         comp.finish_reason = out.finish_reason
                         remaining -= 1

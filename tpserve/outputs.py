@@ -21,15 +21,28 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    logprobs: list["TokenLogprobs"] | None = None
+    queue_time: float | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    """The log-probability of one sampled token and the most likely tokens at its position
+    (``top``: (token id, logprob) pairs, most likely first)."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
 class CompletionOutput:
-    """The final result of one prompt in the offline API (vLLM's shape)."""
+    """The final result of one prompt in the offline API (vLLM's shape). ``logprobs``: one
+    TokenLogprobs per token id when SamplingParams.logprobs was set."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

@@ -38,6 +38,8 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# Most alternatives a request may ask logprobs for (the OpenAI API's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 FINISH_REASONS = ("stop", "length", "abort")
 

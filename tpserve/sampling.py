@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tpserve.errors import InvalidFieldError
 from tpserve.requests import (MAX_MAX_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                              MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, check_token_ids, is_int)
+                              MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, check_token_ids, is_int)
 
 
 @dataclass
@@ -19,6 +19,9 @@ class SamplingParams:
 
     Every field is checked at construction against the bounds of ``tpserve.requests``; a bad
     value raises ``InvalidFieldError`` naming the field (``stop_token_ids[2]``, ...).
+
+    ``logprobs`` None reports no log-probabilities; k >= 0 reports each sampled token's
+    log-probability and the k most likely tokens with theirs (from the unscaled distribution).
     """
 
     temperature: float = 1.0
@@ -29,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         # A single stop string is reported as "stop", an element of a list as "stop[i]".
@@ -81,6 +85,9 @@ class SamplingParams:
         self.stop = list(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidFieldError("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None:
+            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            self.logprobs = int(self.logprobs)
 
     @property
     def greedy(self) -> bool:

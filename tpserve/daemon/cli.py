@@ -20,6 +20,7 @@ import click
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
+from tpserve.daemon.http_front import HttpOptions, check_http_host
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
 from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, RuntimeDirError, check_address,
@@ -76,6 +77,17 @@ def daemon_options(f):
                      help="on SIGTERM, let running requests finish for up to this many seconds before aborting them"),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                      show_default=True, show_envvar=True, envvar="TPSERVE_LOG_LEVEL"),
+        click.option("--http-port", type=click.IntRange(0, 65535), default=None, show_envvar=True,
+                     envvar="TPSERVE_HTTP_PORT", metavar="PORT",
+                     help="also serve the OpenAI-compatible HTTP API and /metrics on this port "
+                          "(0: any free port; the ready file and `start` name it)"),
+        click.option("--http-host", default="127.0.0.1", show_default=True, show_envvar=True,
+                     envvar="TPSERVE_HTTP_HOST", help="HTTP address; a non-loopback one needs --api-key"),
+        click.option("--api-key", default=None, show_envvar=True, envvar="TPSERVE_API_KEY", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every /v1 HTTP call"),
+        click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
+                     metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
+                                          "directory's name]"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -109,7 +121,8 @@ def _server_options(kw: dict) -> ServerOptions:
     for name in ("client_timeout", "shutdown_grace"):
         if kw[name] < 0:
             raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
-    opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"])
+    opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"],
+                         served_model_name=kw["served_model_name"] or None)
     if kw["curve_secret_key"]:
         try:
             opts.curve_public_key, opts.curve_secret_key = load_secret_keys(kw["curve_secret_key"])
@@ -125,6 +138,20 @@ def _server_options(kw: dict) -> ServerOptions:
             raise click.BadParameter(str(e), param_hint="'--curve-client-keys'") from None
         opts.curve_client_keys_dir = os.path.abspath(kw["curve_client_keys"])
     return opts
+
+
+def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
+    """The HTTP front's options, or None without --http-port."""
+    if kw["http_port"] is None:
+        return None
+    if opts.curve_client_keys_dir:
+        raise click.BadParameter("cannot be combined with --curve-client-keys (the HTTP front connects "
+                                 "to the daemon with a key of its own)", param_hint="'--http-port'")
+    try:
+        check_http_host(kw["http_host"], kw["api_key"])
+    except InsecureAddressError as e:
+        raise click.BadParameter(str(e), param_hint="'--http-host'") from None
+    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None)
 
 
 def _check_address(address: str, opts: ServerOptions) -> None:
@@ -197,11 +224,12 @@ def serve(**kw):
     logging.basicConfig(level=kw["log_level"].upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = _server_options(kw)
+    http = _http_options(kw, opts)
     rd = _runtime_dir(kw["runtime_dir"])
     address = resolve_address(kw["address"], rd)
     _check_address(address, opts)
     try:
-        code = run_daemon(config, address, rd, opts)
+        code = run_daemon(config, address, rd, opts, http=http)
     except (RuntimeDirError, OSError, TpserveError) as e:
         _fail(str(e))
     except Exception as e:  # the traceback goes to the log; the last line says why in one line
@@ -221,6 +249,7 @@ def start(**kw):
     """
     config = config_from_options(kw)
     opts = _server_options(kw)
+    http = _http_options(kw, opts)
     rd = _runtime_dir(kw["runtime_dir"])
     address = resolve_address(kw["address"], rd)
     _check_address(address, opts)
@@ -237,13 +266,20 @@ def start(**kw):
         argv += ["--curve-secret-key", os.path.abspath(kw["curve_secret_key"])]
     if opts.curve_client_keys_dir:
         argv += ["--curve-client-keys", opts.curve_client_keys_dir]
+    if opts.served_model_name:
+        argv += ["--served-model-name", opts.served_model_name]
+    env = dict(os.environ)
+    if http is not None:
+        argv += ["--http-port", str(http.port), "--http-host", http.host]
+        if http.api_key:
+            env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     argv += options_argv(config)
 
     log_path = rd / LOG_NAME
     with open(log_path, "ab") as log_file:
         offset = log_file.tell()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, env=env)
     deadline = time.monotonic() + startup_timeout
     while True:
         code = proc.poll()
@@ -270,6 +306,8 @@ def start(**kw):
         finally:
             client.close()
     click.echo(address)
+    if ready.get("http"):
+        click.echo(ready["http"])
 
 
 def _log_tail(path: Path, offset: int, lines: int = 30) -> str:
@@ -342,10 +380,15 @@ _STATUS_LINES = [
 @main.command(context_settings=CONTEXT)
 @client_options(timeout=5.0)
 @click.option("--json", "as_json", is_flag=True, help="print the raw status map as JSON")
-def status(as_json, **kw):
+@click.option("--metrics", "as_metrics", is_flag=True,
+              help="print the daemon's Prometheus metrics (the text /metrics serves)")
+def status(as_json, as_metrics, **kw):
     """Show the running daemon's model, load and KV-cache use (asks the daemon itself)."""
     with _client(kw) as client:
         try:
+            if as_metrics:
+                click.echo(client.metrics(), nl=False)
+                return
             stats = client.status()
         except ClientTimeout as e:
             rd = resolve_runtime_dir(kw["runtime_dir"])

@@ -62,11 +62,13 @@ class RequestError(TpserveError, RuntimeError):
 
 @dataclass
 class Delta:
-    """A piece of a streamed completion."""
+    """A piece of a streamed completion. ``logprobs`` (requests with logprobs set): one
+    ``[logprob, [[token id, logprob], ...]]`` per token id."""
 
     request_id: str
     text: str
     token_ids: list[int]
+    logprobs: list | None = None
 
 
 @dataclass
@@ -80,6 +82,7 @@ class GenerateResult:
     prompt_tokens: int
     completion_tokens: int
     abort_reason: str | None = None
+    logprobs: list | None = None
 
 
 def _make_params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
@@ -145,7 +148,7 @@ class Client(_Common):
             raise RequestError.from_reply(msg)
         assert isinstance(msg, P.DoneReply), msg
         return GenerateResult(rid, msg.text or "", msg.token_ids or [], msg.finish_reason,
-                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason)
+                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason, msg.logprobs)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout=_DEFAULT, **sampling) -> "Stream":
@@ -174,6 +177,10 @@ class Client(_Common):
         """The daemon's status map (engine counters, pid, uptime...)."""
         msg = self._call(P.StatusRequest(id=self._new_id()), timeout)
         return msg.stats
+
+    def metrics(self, timeout=_DEFAULT) -> str:
+        """The daemon's Prometheus metrics, in the text exposition format."""
+        return self._call(P.MetricsRequest(id=self._new_id()), timeout).text
 
     def ping(self, timeout=_DEFAULT) -> float:
         """Round-trip time in seconds; raises ClientTimeout if the daemon does not answer."""
@@ -282,7 +289,7 @@ class Stream:
         if isinstance(msg, P.DeltaReply):
             self._text.append(msg.text)
             self._tokens.extend(msg.token_ids)
-            return Delta(msg.id, msg.text, msg.token_ids)
+            return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs)
         self._finish()
         if isinstance(msg, P.ErrorReply):
             raise RequestError.from_reply(msg)
@@ -342,22 +349,28 @@ class AsyncClient(_Common):
         if isinstance(msg, P.ErrorReply):
             raise RequestError.from_reply(msg)
         return GenerateResult(rid, msg.text or "", msg.token_ids or [], msg.finish_reason,
-                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason)
+                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason, msg.logprobs)
 
     async def stream(self, prompt, params: SamplingParams | None = None, *, request_id=None,
-                     timeout=_DEFAULT, **sampling) -> AsyncIterator[Delta]:
-        """Async generator of ``Delta``s; closing it early aborts the request."""
+                     timeout=_DEFAULT, final: bool = False, **sampling) -> AsyncIterator[Delta]:
+        """Async generator of ``Delta``s; closing it early aborts the request.
+
+        With ``final`` the last item is a ``GenerateResult`` carrying the finish reason and
+        token counts (its text and token_ids are empty: the deltas carried them)."""
         rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=True)
         done = False
         try:
             while True:
                 msg = await self._get(rid, self._timeout(timeout))
                 if isinstance(msg, P.DeltaReply):
-                    yield Delta(msg.id, msg.text, msg.token_ids)
+                    yield Delta(msg.id, msg.text, msg.token_ids, msg.logprobs)
                     continue
                 done = True
                 if isinstance(msg, P.ErrorReply):
                     raise RequestError.from_reply(msg)
+                if final:
+                    yield GenerateResult(rid, "", [], msg.finish_reason, msg.prompt_tokens,
+                                         msg.completion_tokens, msg.abort_reason)
                 return
         finally:
             self._queues.pop(rid, None)
@@ -377,6 +390,9 @@ class AsyncClient(_Common):
 
     async def status(self, timeout=_DEFAULT) -> dict:
         return (await self._call(P.StatusRequest(id=uuid.uuid4().hex), timeout)).stats
+
+    async def metrics(self, timeout=_DEFAULT) -> str:
+        return (await self._call(P.MetricsRequest(id=uuid.uuid4().hex), timeout)).text
 
     async def ping(self, timeout=_DEFAULT) -> float:
         start = time.perf_counter()

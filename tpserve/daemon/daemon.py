@@ -5,10 +5,13 @@ Order of events, each step undone in reverse on the way out:
 1. runtime dir (0700), address policy check, pid-file lock (refuses a second daemon);
 2. bind the socket (fails fast on a busy address, before the slow model load);
 3. load the engine (spawns tensor-parallel workers); SIGTERM/SIGINT here abort the start-up;
-4. write the ready file -- `tpserve start` waits for it -- then serve;
-5. first SIGTERM/SIGINT: stop admitting, abort in-flight requests (each client gets ``done``
+4. with an HTTP port, start the HTTP front (a child process, one more ZMQ client; see
+   http_front.py) and wait until it listens;
+5. write the ready file -- `tpserve start` waits for it -- then serve;
+6. first SIGTERM/SIGINT: stop admitting, abort in-flight requests (each client gets ``done``
    with finish_reason "abort"; see ServerOptions.shutdown_grace), engine.shutdown(), exit 0.
-   A second signal kills the workers and exits at once (status 1).
+   The HTTP front is stopped on every way out. A second signal kills the workers (and the
+   front) and exits at once (status 1).
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ import signal
 import threading
 
 from tpserve.config import EngineConfig
-from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, ensure_runtime_dir,
-                                    resolve_address, write_ready)
+from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, connect_address,
+                                    ensure_runtime_dir, resolve_address, write_ready)
 from tpserve.procs import kill_tree
-from tpserve.daemon.server import Server, ServerOptions
+from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOptions
+from tpserve.daemon.server import Server, ServerOptions, served_model_name
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -32,14 +36,19 @@ class _StartupInterrupted(Exception):
 
 
 def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.PathLike | None,
-               options: ServerOptions, engine_factory=None) -> int:
-    """Serve until stopped; returns the process exit status. Must run on the main thread."""
+               options: ServerOptions, engine_factory=None, http: HttpOptions | None = None) -> int:
+    """Serve until stopped; returns the process exit status. Must run on the main thread.
+
+    ``http`` starts the OpenAI-compatible HTTP front with the daemon and stops it with it."""
     rd = ensure_runtime_dir(runtime_dir)
     address = resolve_address(address, rd)
     check_address(address, options.curve_secret_key is not None)
+    if http is not None and options.curve_client_keys_dir:
+        raise HttpFrontError("the HTTP front cannot be combined with a CurveZMQ client allow-list "
+                             "(--curve-client-keys): it connects with a key of its own")
     pidfile = PidFile(rd)
     pidfile.acquire()
-    engine = server = None
+    engine = server = front = None
     shutting_down = threading.Event()
 
     def startup_signal(signum, frame):
@@ -68,8 +77,14 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         server.engine = engine
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, first_signal)
+        url = None
+        if http is not None:
+            front = HttpFrontProcess(http, connect_address(address), str(engine.config.model_path),
+                                     served_model_name(engine, options), _usable_context(engine.config),
+                                     options.curve_public_key)
+            url = front.start()
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
-        write_ready(rd, address)
+        write_ready(rd, address, url)
         stats = engine.stats()
         log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
                  stats.get("model"), stats.get("tensor_parallel_size"))
@@ -85,6 +100,8 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, second_signal)
         (rd / READY_NAME).unlink(missing_ok=True)
+        if front is not None:
+            front.stop()
         if server is not None:
             server.close()
         if engine is not None:
@@ -95,6 +112,15 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             signal.signal(s, h)
     log.info("tpserve stopped (exit status %d)", code)
     return code
+
+
+def _usable_context(config) -> int:
+    """Tokens one request may hold: max_model_len, or less when the KV pool is smaller (the
+    HTTP front sizes a chat request's default max_tokens by it, so the default is admitted)."""
+    context = int(config.max_model_len)
+    if getattr(config, "num_kv_blocks", None):
+        context = min(context, int(config.num_kv_blocks) * int(config.block_size))
+    return context
 
 
 def _force_exit(engine, shutting_down: threading.Event, pidfile: PidFile) -> None:

@@ -22,7 +22,7 @@ import msgpack
 
 from tpserve import requests as R
 from tpserve.errors import InvalidFieldError, TpserveError
-from tpserve.sampling import SamplingParams
+from tpserve.sampling import MAX_LOGPROBS, SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -42,6 +42,7 @@ MAX_STOP_STRINGS = R.MAX_STOP_STRINGS
 MAX_STOP_CHARS = R.MAX_STOP_CHARS
 MAX_STOP_TOKEN_IDS = R.MAX_STOP_TOKEN_IDS
 FINISH_REASONS = R.FINISH_REASONS
+MAX_METRICS_CHARS = 4 * 1024 * 1024  # Prometheus text exposition
 ABORT_REASONS = ("client", "shutting_down")
 
 # ---- error codes -------------------------------------------------------------------------
@@ -153,6 +154,31 @@ def nullable(inner: Validator) -> Validator:
     return check
 
 
+def logprobs_list(name, v):
+    """Per token: ``[logprob, [[token id, logprob], ...]]`` with at most MAX_LOGPROBS pairs."""
+    if not isinstance(v, (list, tuple)):
+        raise _bad(name, f"must be an array of [logprob, top] entries, got {type(v).__name__}")
+    out = []
+    for i, entry in enumerate(v):
+        where = f"{name}[{i}]"
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and _is_number(entry[0])
+                and isinstance(entry[1], (list, tuple)) and len(entry[1]) <= MAX_LOGPROBS):
+            raise _bad(where, f"must be [logprob, [[token id, logprob], ...]] with at most "
+                              f"{MAX_LOGPROBS} pairs")
+        top = []
+        for pair in entry[1]:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and _is_int(pair[0])
+                    and 0 <= pair[0] <= MAX_TOKEN_ID and _is_number(pair[1])):
+                raise _bad(where, f"each top entry must be [token id, logprob], got {pair!r}"[:256])
+            top.append([pair[0], float(pair[1])])
+        out.append([float(entry[0]), top])
+    return out
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 request_id = text(MAX_ID_CHARS, min_chars=1)
 count = integer(0, 2**63 - 1)
 
@@ -185,10 +211,11 @@ def sampling_params(name, v):
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    """SamplingParams as its wire map (a None seed is left out)."""
+    """SamplingParams as its wire map (a None seed or logprobs is left out)."""
     d = {f: getattr(params, f) for f in SAMPLING_FIELDS}
-    if d["seed"] is None:
-        del d["seed"]
+    for key in ("seed", "logprobs"):
+        if d[key] is None:
+            del d[key]
     return d
 
 
@@ -273,16 +300,27 @@ class ProfileRequest(Message):
 
 
 @dataclass
+class MetricsRequest(Message):
+    """Ask for the daemon's Prometheus metrics. Reply: ``metrics`` echoing ``id``."""
+
+    TYPE = "metrics"
+    DIRECTION = "request"
+    FIELDS = {"id": (nullable(request_id), False)}
+    id: str | None = None
+
+
+@dataclass
 class DeltaReply(Message):
     """New output of a streaming request since its previous delta."""
 
     TYPE = "delta"
     DIRECTION = "reply"
     FIELDS = {"id": (request_id, True), "text": (text(2**31), True),
-              "token_ids": (token_ids(2**31), True)}
+              "token_ids": (token_ids(2**31), True), "logprobs": (nullable(logprobs_list), False)}
     id: str
     text: str
     token_ids: list[int]
+    logprobs: list | None = None
 
 
 @dataclass
@@ -295,7 +333,8 @@ class DoneReply(Message):
     FIELDS = {"id": (request_id, True), "finish_reason": (one_of(FINISH_REASONS), True),
               "prompt_tokens": (count, True), "completion_tokens": (count, True),
               "text": (nullable(text(2**31)), False), "token_ids": (nullable(token_ids(2**31)), False),
-              "abort_reason": (nullable(one_of(ABORT_REASONS)), False)}
+              "abort_reason": (nullable(one_of(ABORT_REASONS)), False),
+              "logprobs": (nullable(logprobs_list), False)}
     id: str
     finish_reason: str
     prompt_tokens: int
@@ -303,6 +342,7 @@ class DoneReply(Message):
     text: str | None = None
     token_ids: list[int] | None = None
     abort_reason: str | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -361,11 +401,23 @@ class PongReply(Message):
     id: str | None = None
 
 
+@dataclass
+class MetricsReply(Message):
+    """The daemon's metrics in the Prometheus text exposition format (version 0.0.4)."""
+
+    TYPE = "metrics"
+    DIRECTION = "reply"
+    FIELDS = {"text": (text(MAX_METRICS_CHARS), True), "id": (nullable(request_id), False)}
+    text: str
+    id: str | None = None
+
+
 REQUESTS: dict[str, type[Message]] = {c.TYPE: c for c in
                                       (GenerateRequest, AbortRequest, StatusRequest, PingRequest,
-                                       ProfileRequest)}
+                                       ProfileRequest, MetricsRequest)}
 REPLIES: dict[str, type[Message]] = {c.TYPE: c for c in
-                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply, ProfileReply)}
+                                     (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply, ProfileReply,
+                                      MetricsReply)}
 
 
 # ---- encode / decode ---------------------------------------------------------------------

@@ -4,7 +4,8 @@ Layout of a runtime dir (created mode 0700, so the ipc socket inside is private 
 
     tpserve.sock   default ipc socket
     tpserve.pid    pid of the daemon; the daemon holds an exclusive flock on it while alive
-    tpserve.ready  JSON {"pid", "address"}: written once the engine is loaded and the socket bound
+    tpserve.ready  JSON {"pid", "address"[, "http"]}: written once the engine is loaded and the
+                   socket bound (and the HTTP front listens, when there is one)
     tpserve.log    stdout/stderr of a daemon started with `tpserve start` (appended)
 
 Liveness is decided by the flock, not by the pid alone: a pid file whose lock nobody holds is
@@ -236,9 +237,13 @@ def cleanup_stale(runtime_dir: Path) -> None:
     (runtime_dir / SOCKET_NAME).unlink(missing_ok=True)
 
 
-def write_ready(runtime_dir: Path, address: str) -> None:
+def write_ready(runtime_dir: Path, address: str, http: str | None = None) -> None:
+    """``http``: the base URL of the HTTP front, when one runs."""
     tmp = runtime_dir / (READY_NAME + ".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "address": address}))
+    ready = {"pid": os.getpid(), "address": address}
+    if http:
+        ready["http"] = http
+    tmp.write_text(json.dumps(ready))
     os.replace(tmp, runtime_dir / READY_NAME)  # atomic: readers never see half a file
 
 

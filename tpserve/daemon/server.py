@@ -55,6 +55,7 @@ from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, StepFailedError
 from tpserve.sampling import SamplingParams
+from tpserve.daemon.metrics import ServingMetrics
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -79,6 +80,7 @@ class ServerOptions:
     curve_public_key: bytes | None = None
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
+    served_model_name: str | None = None  # metrics label; default: the model directory's name
 
 
 @dataclass
@@ -100,6 +102,23 @@ class _Request:
     completion_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # wire entries gathered for a non-streamed reply
+    arrival: float = 0.0
+    last_token: float | None = None
+
+
+def served_model_name(engine, options: ServerOptions) -> str:
+    """The name clients and metrics know the model by."""
+    if options.served_model_name:
+        return options.served_model_name
+    path = getattr(getattr(engine, "config", None), "model_path", None)
+    return os.path.basename(os.path.normpath(str(path))) if path else "tpserve"
+
+
+def _wire_logprobs(logprobs) -> list | None:
+    if logprobs is None:
+        return None
+    return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in logprobs]
 
 
 @dataclass
@@ -146,6 +165,7 @@ class Server:
         self.exit_code = 0
         self.failure: str | None = None  # why the engine stopped working, once it has
         self._health_fd: int | None = None
+        self._metrics: ServingMetrics | None = None
 
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
@@ -369,6 +389,8 @@ class Server:
             self._reply(identity, P.StatusReply(self.stats(), id=msg.id))
         elif isinstance(msg, P.ProfileRequest):
             self._on_profile(identity, msg)
+        elif isinstance(msg, P.MetricsRequest):
+            self._reply(identity, P.MetricsReply(self.metrics.render(), id=msg.id))
         else:
             assert isinstance(msg, P.PingRequest)
             self._reply(identity, P.PongReply(id=msg.id))
@@ -385,7 +407,8 @@ class Server:
             return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
                          "that request continues", field="id")
         peer = self._peer(identity)
-        req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0)
+        req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
+                       arrival=time.monotonic())
         if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
             if self._tokenizer_pool is None:
                 self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tpserve-tokenize")
@@ -432,6 +455,7 @@ class Server:
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
         else:
             peer.requests[req.client_id] = req
+            self.metrics.on_admitted(req.prompt_tokens)
             self._requests[req.engine_id] = req
         self._forget_if_idle(peer)
 
@@ -477,6 +501,8 @@ class Server:
 
     # ---- engine outputs ----------------------------------------------------------------------
     def _dispatch(self, outputs) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
         for out in outputs:
             req = self._requests.get(out.request_id)
             if req is None:
@@ -484,21 +510,32 @@ class Server:
             if out.num_prompt_tokens:
                 req.prompt_tokens = out.num_prompt_tokens
             req.completion_tokens += len(out.new_token_ids)
+            if out.new_token_ids:
+                metrics.on_tokens(len(out.new_token_ids), now, req.arrival, req.last_token, out.queue_time)
+                req.last_token = now
+            logprobs = _wire_logprobs(out.logprobs)
             if req.stream:
                 if out.new_token_ids or out.new_text:
-                    self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids)))
+                    self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
+                                                      logprobs=logprobs))
                     if out.request_id not in self._requests:
                         continue  # the send found the client gone and dropped its requests
             else:
                 req.text_parts.append(out.new_text)
                 req.token_ids.extend(out.new_token_ids)
+                if logprobs is not None:
+                    if req.logprobs is None:
+                        req.logprobs = []
+                    req.logprobs.extend(logprobs)
             if out.finished:
+                metrics.on_finished(now, req.arrival)
                 self._close(req)
                 done = P.DoneReply(req.client_id, out.finish_reason or "stop", req.prompt_tokens,
                                    out.num_completion_tokens or req.completion_tokens,
                                    abort_reason=None)
                 if not req.stream:
                     done.text, done.token_ids = "".join(req.text_parts), req.token_ids
+                    done.logprobs = req.logprobs
                 self._send(req.peer, done)
                 self._forget_if_idle(req.peer)
 
@@ -617,6 +654,13 @@ class Server:
             del self._peers[peer.identity]
 
     # ---- status ------------------------------------------------------------------------------
+    @property
+    def metrics(self) -> ServingMetrics:
+        """The Prometheus metrics, made once the engine is attached (it names the model)."""
+        if self._metrics is None:
+            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self.engine.stats)
+        return self._metrics
+
     def stats(self) -> dict:
         """Engine counters plus the daemon's own, as plain msgpack-able values."""
         try:

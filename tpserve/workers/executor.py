@@ -43,8 +43,9 @@ class UniProcExecutor:
         self.runner = ModelRunner(config, TPContext(), device_for(0))
         self.num_blocks = self.runner.num_blocks
 
-    def execute(self, plan: StepPlan) -> np.ndarray:
-        return self.runner.execute(plan)
+    def execute(self, plan: StepPlan, num_logprobs: int = -1):
+        """Tokens of one step (with ``num_logprobs`` >= 0: tokens and logprobs, see ModelRunner)."""
+        return self.runner.execute(plan, num_logprobs)
 
     def control(self, cmd: Command, **args) -> None:
         self.runner.handle(StepPlan.command(cmd, **args))
@@ -174,10 +175,10 @@ class MultiProcExecutor:
         self.check_health()
         self.channel.publish(plan)
 
-    def execute(self, plan: StepPlan) -> np.ndarray:
+    def execute(self, plan: StepPlan, num_logprobs: int = -1):
         self._publish(plan)
         try:
-            out = self.runner.execute(plan)
+            out = self.runner.execute(plan, num_logprobs)
         except Exception:
             # Give the watchdog a moment: a collective usually fails just before the sentinel fires.
             for _ in range(50):

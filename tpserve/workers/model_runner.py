@@ -48,7 +48,7 @@ from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
-from tpserve.workers.sampler import Sampler
+from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
 
 log = logging.getLogger("tpserve.runner")
@@ -174,10 +174,21 @@ class ModelRunner:
             slot_mapping=t["slot_mapping"])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> np.ndarray | None:
-        """Run one step; rank 0 returns the sampled token ids (int64 [S]), others None."""
+    def execute(self, plan: StepPlan, num_logprobs: int = -1):
+        """Run one step; rank 0 returns the sampled token ids (int64 [S]), others None.
+
+        With ``num_logprobs`` >= 0 (rank 0 only: sampling never leaves rank 0, so the plan does
+        not carry it) rank 0 returns ``(tokens, (logprob [S], top_ids [S, k], top_logprobs [S, k]))``
+        with k = num_logprobs, as numpy arrays (see sampler.compute_logprobs).
+        """
         if plan.num_tokens == 0:
-            return np.zeros(0, dtype=np.int64) if self.tp.is_first else None
+            if not self.tp.is_first:
+                return None
+            empty = np.zeros(0, dtype=np.int64)
+            if num_logprobs < 0:
+                return empty
+            k = max(num_logprobs, 0)
+            return empty, (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
         t = self.stager.stage(plan)
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, t)
@@ -189,7 +200,10 @@ class ModelRunner:
             return None
         tokens = self.sampler(logits, t["temperatures"], t["top_ks"], t["top_ps"], t["seeds"],
                               t["sample_steps"])
-        return tokens.cpu().numpy()
+        if num_logprobs < 0:
+            return tokens.cpu().numpy()
+        lp, top_ids, top_lp = compute_logprobs(logits, tokens, num_logprobs)
+        return tokens.cpu().numpy(), (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())
 
     # ---- control commands ----------------------------------------------------------------
     def handle(self, plan: StepPlan) -> np.ndarray | None:

@@ -93,3 +93,20 @@ class Sampler:
         noise = uniform(seeds, steps, logits.shape[1]).log_().neg_().log_()
         sampled = (logp - noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the sampled tokens and of each row's ``num_top`` best tokens.
+
+    They are taken from the model's own distribution (log_softmax of the raw logits, before
+    temperature, top-k and top-p), as the OpenAI API and vLLM report them, so a logprob does
+    not change with the sampling settings. Returns float32 [S] (sampled token), int64
+    [S, num_top] (best token ids, most likely first) and float32 [S, num_top].
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    sampled = logp.gather(1, tokens.long()[:, None])[:, 0]
+    top_lp, top_ids = logp.topk(min(num_top, logp.shape[1]), dim=-1) if num_top > 0 else \
+        (logp.new_empty((logp.shape[0], 0)), torch.empty((logp.shape[0], 0), dtype=torch.long,
+                                                         device=logp.device))
+    return sampled, top_ids, top_lp

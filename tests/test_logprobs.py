@@ -1,0 +1,83 @@
+"""Log-probabilities: computed in the sampler on rank 0, carried per token in engine outputs."""
+import math
+
+import pytest
+import torch
+
+from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
+from tpserve import LLM, ConfigError, SamplingParams
+from tpserve.workers.sampler import Sampler, compute_logprobs
+
+
+def test_compute_logprobs_matches_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    tokens = torch.tensor([4, 0, 49])
+    lp, top_ids, top_lp = compute_logprobs(logits, tokens, 5)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(lp, ref[torch.arange(3), tokens])
+    assert top_ids.shape == (3, 5) and top_lp.shape == (3, 5)
+    assert torch.equal(top_ids[:, 0], ref.argmax(-1))
+    assert torch.allclose(top_lp, ref.gather(1, top_ids))
+    assert bool((top_lp[:, :-1] >= top_lp[:, 1:]).all())
+    lp0, ids0, lps0 = compute_logprobs(logits, tokens, 0)
+    assert torch.equal(lp0, lp) and ids0.shape == (3, 0) and lps0.shape == (3, 0)
+
+
+def test_logprobs_ignore_temperature():
+    """Reported logprobs are the model's, whatever temperature the token was sampled with."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    sampler = Sampler()
+    tok = sampler(logits, torch.tensor([5.0]), torch.tensor([-1]), torch.tensor([1.0]),
+                  torch.tensor([3]), torch.tensor([0]))
+    lp, _, _ = compute_logprobs(logits, tok, 1)
+    assert math.isclose(float(lp[0]), float(torch.log_softmax(logits, -1)[0, tok[0]]), rel_tol=1e-6)
+
+
+def _run(engine, rid, prompt, params):
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_engine_reports_one_entry_per_token(tiny_models_root):  # noqa: F811
+    path = make_tiny_model(tiny_models_root)
+    with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4) as llm:
+        engine = llm.engine
+        greedy = _run(engine, "g", list(range(10, 23)),
+                      SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))
+        ids = [t for o in greedy for t in o.new_token_ids]
+        lps = [lp for o in greedy for lp in o.logprobs]
+        assert len(ids) == len(lps) == 6
+        for tok, lp in zip(ids, lps):
+            assert len(lp.top) == 3
+            assert lp.top[0][0] == tok and math.isclose(lp.top[0][1], lp.logprob)  # greedy = best
+            assert lp.logprob <= 0.0
+        sampled = _run(engine, "s", list(range(10, 23)),
+                       SamplingParams(temperature=1.0, seed=7, max_tokens=5, ignore_eos=True, logprobs=0))
+        assert [len(o.logprobs) for o in sampled] == [len(o.new_token_ids) for o in sampled]
+        assert all(lp.top == [] and lp.logprob <= 0.0 for o in sampled for lp in o.logprobs)
+        plain = _run(engine, "p", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
+        assert all(o.logprobs is None for o in plain)
+        assert all(o.queue_time is not None and o.queue_time >= 0 for o in plain)
+        assert engine._num_logprob_requests == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
+def test_logprobs_bounds(bad):
+    with pytest.raises(ConfigError) as e:
+        SamplingParams(logprobs=bad)
+    assert e.value.field == "logprobs"
+
+
+def test_offline_generate_returns_logprobs(tiny_models_root):  # noqa: F811
+    path = make_tiny_model(tiny_models_root)
+    with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.logprobs) == len(out.token_ids) == 4
+        assert [lp.top[0][0] for lp in out.logprobs] == out.token_ids
+        plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        assert plain.outputs[0].logprobs is None

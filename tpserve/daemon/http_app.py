@@ -1,0 +1,416 @@
+"""The FastAPI application of the HTTP front (see http_front.py for the process and design).
+
+``Front`` holds one front process's state: its AsyncClient to the daemon, the tokenizer (prompts
+are tokenized and chat-templated here, off the engine loop, in one worker thread), the served
+model name and context length. ``create_app`` maps the OpenAI endpoints onto it; request
+validation and response shapes live in openai_api.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import replace
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tpserve.daemon import openai_api as O
+from tpserve.daemon import protocol as P
+from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
+from tpserve.sampling import MAX_SEED
+
+log = logging.getLogger("tpserve.http")
+
+MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES
+
+
+class Front:
+    """State of one HTTP front process: daemon client, tokenizer, names and limits."""
+
+    def __init__(self, address: str, model_path: str, model_name: str, max_model_len: int,
+                 api_key: str | None = None, server_public_key: bytes | None = None, tokenizer=None):
+        self.address = address
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.api_key = api_key
+        self.server_public_key = server_public_key
+        if tokenizer is None:
+            from tpserve.engine import load_tokenizer
+            tokenizer = load_tokenizer(model_path)
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        # One thread: tokenizers are not meant to be shared by threads, and this keeps the
+        # event loop free while a long prompt is encoded.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:  # made inside the running loop
+            self._client = AsyncClient(self.address, timeout=None, server_public_key=self.server_public_key)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+        self._pool.shutdown(wait=False)
+
+    # ---- tokenizing ----------------------------------------------------------------------
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise O.bad("prompt", "this model has no tokenizer: send token ids")
+        if len(text) > P.MAX_PROMPT_CHARS:
+            raise O.bad("prompt", f"longer than {P.MAX_PROMPT_CHARS} characters")
+        ids = await self._in_pool(functools.partial(self.tokenizer.encode, text, add_special_tokens=False))
+        if not ids:
+            raise O.bad("prompt", "is empty after tokenization")
+        return ids
+
+    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise O.bad("messages", "this model has no chat template; use /v1/completions",
+                        code="chat_template_missing")
+
+        def render():
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = await self._in_pool(render)
+        except Exception as e:  # the template's own checks (roles, order) raise jinja errors
+            raise O.bad("messages", f"the chat template rejected them: {e}") from None
+        return await self.encode(text)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    # ---- running choices -----------------------------------------------------------------
+    async def choices(self, prompts: list[list[int]], params, n: int):
+        """Async generator of (choice index, Delta | GenerateResult) for every prompt x n;
+        each choice ends with its GenerateResult. Closing it aborts what still runs."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+
+        async def one(index, prompt, p, started: asyncio.Event | None):
+            ok = False
+            try:
+                async with aclosing(self.client.stream(prompt, p, final=True)) as stream:
+                    async for item in stream:
+                        ok = True
+                        if started is not None:
+                            started.set()
+                        queue.put_nowait((index, item))
+            except Exception as e:
+                queue.put_nowait((index, e))
+            finally:
+                if started is not None and not ok:
+                    started.set()
+            return ok
+
+        async def family(i, prompt):
+            first_started = asyncio.Event()
+            first = asyncio.ensure_future(one(i * n, prompt, params, first_started))
+            tasks.append(first)
+            if n > 1:
+                await first_started.wait()
+                if first.done() and not first.result():
+                    return  # the first failed: its error ends the request
+                for j in range(1, n):
+                    tasks.append(asyncio.ensure_future(one(i * n + j, prompt, _sibling(params, j), None)))
+
+        tasks += [asyncio.ensure_future(family(i, p)) for i, p in enumerate(prompts)]
+        remaining = len(prompts) * n
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, GenerateResult):
+                    remaining -= 1
+                yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sibling(params, j: int):
+    """Sibling j of an ``n`` > 1 request: a distinct seed, so seeded siblings still differ."""
+    if params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
+
+
+# What a daemon round trip can raise: the daemon's error reply, a timeout, or the client's own
+# check of the message before sending it (e.g. a token id beyond the protocol's range).
+_DAEMON_ERRORS = (RequestError, ClientTimeout, P.ProtocolError)
+
+
+def daemon_error(e, job) -> O.OpenAIError:
+    """An OpenAIError for the daemon's ``error`` reply (or a timeout, or a local protocol check)."""
+    if isinstance(e, ClientTimeout):
+        return O.OpenAIError(503, f"the tpserve daemon did not answer: {e}", type_="server_error",
+                             code="daemon_unavailable")
+    if e.code == P.ADMISSION:
+        param = "messages" if job.chat else "prompt"
+        code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
+        return O.OpenAIError(400, f"{e.message} (limit: {getattr(e, 'limit', None)})", param, code=code)
+    if e.code in (P.INVALID_FIELD, P.INVALID_REQUEST, P.UNKNOWN_FIELD, P.MISSING_FIELD):
+        param = (e.field or "").removeprefix("params.").split("[")[0] or None
+        if param in ("prompt",) and job.chat:
+            param = "messages"
+        return O.bad(param, e.message)
+    if e.code == P.SHUTTING_DOWN:
+        return O.OpenAIError(503, e.message, type_="server_error", code="shutting_down")
+    return O.OpenAIError(500, f"{e.code}: {e.message}", type_="server_error", code="internal")
+
+
+def _sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class Response:
+    """Builds one request's OpenAI response (whole or as SSE chunks) from choice events."""
+
+    def __init__(self, front: Front, job: O.Job, num_prompts: int):
+        self.front, self.job = front, job
+        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.n_choices = num_prompts * job.n
+        self.text = [[] for _ in range(self.n_choices)]
+        self.logprobs = [[] for _ in range(self.n_choices)]
+        self.offset = [0] * self.n_choices
+        self.results: dict[int, object] = {}
+        self.role_sent = [False] * self.n_choices
+
+    def _entries(self, delta) -> list:
+        if delta.logprobs is None:
+            return []
+        return [(tok, lp, top) for tok, (lp, top) in zip(delta.token_ids, delta.logprobs)]
+
+    def _logprobs_obj(self, index: int, entries: list):
+        if self.job.params.logprobs is None:
+            return None
+        if self.job.chat:
+            return O.chat_logprobs(entries, self.front.token_text)
+        obj = O.completion_logprobs(entries, self.front.token_text, self.offset[index])
+        self.offset[index] += sum(len(t) for t in obj["tokens"])
+        return obj
+
+    def usage(self) -> dict:
+        prompt = sum(r.prompt_tokens for i, r in self.results.items() if i % self.job.n == 0)
+        return O.usage(prompt, sum(r.completion_tokens for r in self.results.values()))
+
+    # ---- streaming -------------------------------------------------------------------------
+    def _chunk(self, choice: dict) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else "text_completion",
+                "created": self.created, "model": self.front.model_name, "choices": [choice]}
+        if self.job.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def chunks(self, index: int, item) -> list[str]:
+        out = []
+        if self.job.chat and not self.role_sent[index]:
+            self.role_sent[index] = True
+            out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}))
+        if isinstance(item, GenerateResult):
+            self.results[index] = item
+            if self.job.chat:
+                out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
+                                        "finish_reason": item.finish_reason}))
+            else:
+                out.append(self._chunk({"index": index, "text": "", "logprobs": None,
+                                        "finish_reason": item.finish_reason}))
+            return out
+        lp = self._logprobs_obj(index, self._entries(item))
+        if self.job.chat:
+            out.append(self._chunk({"index": index, "delta": {"content": item.text}, "logprobs": lp,
+                                    "finish_reason": None}))
+        else:
+            out.append(self._chunk({"index": index, "text": item.text, "logprobs": lp, "finish_reason": None}))
+        return out
+
+    def final_chunks(self) -> list[str]:
+        out = []
+        if self.job.include_usage:
+            body = {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else "text_completion",
+                    "created": self.created, "model": self.front.model_name, "choices": [],
+                    "usage": self.usage()}
+            out.append(_sse(body))
+        out.append("data: [DONE]\n\n")
+        return out
+
+    # ---- whole -----------------------------------------------------------------------------
+    def add(self, index: int, item) -> None:
+        if isinstance(item, GenerateResult):
+            self.results[index] = item
+        else:
+            self.text[index].append(item.text)
+            self.logprobs[index] += self._entries(item)
+
+    def whole(self) -> dict:
+        choices = []
+        for i in range(self.n_choices):
+            text, reason = "".join(self.text[i]), self.results[i].finish_reason
+            lp = self._logprobs_obj(i, self.logprobs[i])
+            if self.job.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+        return {"id": self.id, "object": "chat.completion" if self.job.chat else "text_completion",
+                "created": self.created, "model": self.front.model_name, "choices": choices,
+                "usage": self.usage()}
+
+
+def create_app(front: Front):
+    """The FastAPI application of one front."""
+    def authorize(request: Request) -> None:
+        if front.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
+            raise O.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
+                                code="invalid_api_key")
+
+    app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url=None)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @app.exception_handler(O.OpenAIError)
+    async def openai_error(request, e: O.OpenAIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e):
+        return JSONResponse(O.bad(None, str(e)).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):
+        return JSONResponse(O.OpenAIError(e.status_code, str(e.detail), code=None).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e):
+        log.exception("request failed")
+        return JSONResponse(O.OpenAIError(500, f"{type(e).__name__}: {e}", type_="server_error").body(),
+                            status_code=500)
+
+    async def read_json(request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise O.OpenAIError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}",
+                                code="request_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY_BYTES:
+                raise O.OpenAIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise O.bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+    async def run(request: Request, job: O.Job, prompts: list[list[int]]):
+        response = Response(front, job, len(prompts))
+        events = front.choices(prompts, job.params, job.n)
+        try:
+            first = await anext(events)
+        except _DAEMON_ERRORS as e:
+            await events.aclose()
+            raise daemon_error(e, job) from None
+        if job.stream:
+            async def sse():
+                async with aclosing(events):
+                    try:
+                        for chunk in response.chunks(*first):
+                            yield chunk
+                        async for index, item in events:
+                            for chunk in response.chunks(index, item):
+                                yield chunk
+                    except _DAEMON_ERRORS as e:  # after the 200: report in the stream
+                        yield _sse(daemon_error(e, job).body())
+                    for chunk in response.final_chunks():
+                        yield chunk
+            # The background task closes the events (aborting what still runs) also when the
+            # client left before the body started, so sse() never ran; otherwise it is a no-op.
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(events.aclose))
+
+        async def collect():
+            async with aclosing(events):
+                response.add(*first)
+                async for index, item in events:
+                    response.add(index, item)
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # closes the events: the daemon aborts the requests
+                await asyncio.gather(task, return_exceptions=True)
+                raise O.OpenAIError(499, "client disconnected", code="client_closed")
+        try:
+            task.result()
+        except _DAEMON_ERRORS as e:
+            raise daemon_error(e, job) from None
+        return JSONResponse(response.whole())
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        job = O.parse_completion(await read_json(request), front.model_name)
+        prompts = [await front.encode(p) if isinstance(p, str) else p for p in job.prompts]
+        return await run(request, job, prompts)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        job = O.parse_chat(await read_json(request), front.model_name)
+        ids = await front.chat_prompt(job.messages)
+        if not job.max_tokens_given:
+            job.params = replace(job.params, max_tokens=max(1, front.max_model_len - len(ids)))
+        return await run(request, job, [ids])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": front.created,
+                                            "owned_by": "tpserve", "root": front.model_name,
+                                            "max_model_len": front.max_model_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        try:
+            await front.client.ping(timeout=5.0)
+        except (ClientTimeout, RequestError) as e:
+            raise O.OpenAIError(503, f"the tpserve daemon does not answer: {e}", type_="server_error",
+                                code="daemon_unavailable") from None
+        return PlainTextResponse("")
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            text = await front.client.metrics(timeout=10.0)
+        except (ClientTimeout, RequestError) as e:
+            raise O.OpenAIError(503, f"the tpserve daemon does not answer: {e}", type_="server_error",
+                                code="daemon_unavailable") from None
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,123 @@
+"""Prometheus metrics of the daemon, named after vLLM's with a ``tpserve:`` prefix.
+
+The daemon records them where the timings happen: the server loop sees a request arrive, the
+engine's first output for it (time to first token), every later output (inter-token latency)
+and its end (end-to-end latency); the engine reports the queue time (arrival to first
+scheduled step). Gauges and the engine's cumulative counters (prefix cache, preemptions) are
+read from ``engine.stats()`` when the metrics are rendered, so a scrape costs the serving loop
+nothing between scrapes. Every series carries the label ``model_name``.
+
+Exposed at ``/metrics`` of the HTTP front and through the ZMQ ``metrics`` request
+(``tpserve status --metrics``), both in the Prometheus text format.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("tpserve.metrics")
+
+# Buckets in seconds, spanning a fast GPU decode step to a long CPU prefill.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0)
+
+PREFIX = "tpserve:"
+
+
+class _EngineCollector:
+    """Gauges and engine-cumulative counters, read from ``stats()`` at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]):
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self):
+        try:
+            s = self.stats()
+        except Exception:  # a scrape must not take the daemon down
+            log.exception("engine stats failed during a metrics scrape")
+            return
+        labels = ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model_name], float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric([self.model_name], float(value))
+            return c
+
+        total = s.get("kv_blocks_total") or 0
+        hits = s.get("prefix_cache_hit_tokens", 0)
+        yield gauge("num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                    s.get("kv_blocks_used", 0) / total if total else 0.0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      hits + s.get("prompt_tokens_computed", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", hits)
+        yield counter("num_preemptions", "Preemptions of running requests (recomputed later).",
+                      s.get("num_preemptions", 0))
+
+
+class ServingMetrics:
+    """The daemon's metric registry; the server calls the ``on_*`` hooks from its loop."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(model_name, stats))
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.",
+                                     **kw).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
+                                         **kw).labels(model_name)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first token.",
+                              buckets=_TTFT_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Seconds between consecutive tokens of a request.",
+                             buckets=_ITL_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Seconds from a request's arrival to its end.",
+                             buckets=_REQUEST_BUCKETS, **kw).labels(model_name)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds",
+                               "Seconds a request waited before its first scheduled step.",
+                               buckets=_REQUEST_BUCKETS, **kw).labels(model_name)
+
+    def on_admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_tokens(self, num_tokens: int, now: float, arrival: float, last_token: float | None,
+                  queue_time: float | None) -> None:
+        """``num_tokens`` new tokens of one request at ``now``; ``last_token`` is when its
+        previous ones came (None: these are its first)."""
+        if num_tokens <= 0:
+            return
+        self.generation_tokens.inc(num_tokens)
+        if last_token is None:
+            self.ttft.observe(now - arrival)
+            if queue_time is not None:
+                self.queue.observe(queue_time)
+            num_tokens -= 1
+            last_token = now
+        if num_tokens > 0:  # several tokens in one output share its latency
+            gap = (now - last_token) / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(gap)
+
+    def on_finished(self, now: float, arrival: float) -> None:
+        self.e2e.observe(now - arrival)
+
+    def render(self) -> str:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry).decode()
