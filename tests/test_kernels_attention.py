@@ -1,7 +1,6 @@
 """The torch attention backend against a dense per-sequence reference; metadata and selection."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

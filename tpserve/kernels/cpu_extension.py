@@ -106,6 +106,17 @@ def ops():
     return torch.ops.tpserve_cpu
 
 
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def ops_for(t: torch.Tensor):
+    """``torch.ops.tpserve_cpu`` if its operators can take ``t`` (a CPU tensor of a dtype they
+    handle, and the operators built), else None: the caller then runs its plain-torch code."""
+    if t.device.type != "cpu" or t.dtype not in _OP_DTYPES or not available():
+        return None
+    return torch.ops.tpserve_cpu
+
+
 def main() -> int:
     """Build the operators now (``make install``); exit status 0 even without a compiler."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -319,23 +319,32 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_
 
 // ---- element-wise ops of a decoder layer ----------------------------------------------------------
 
-// out = weight * round(x / rms(x)) over the last dim, rows of x: [N, H] (contiguous rows).
+// Rows per at::parallel_for chunk for element-wise work: small ops run on one thread, because
+// waking the pool costs more than ~32k elements of work, and on a loaded machine a chunk that
+// waits for a descheduled thread costs a whole time slice.
+inline int64_t grain_rows(int64_t elems_per_row) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, elems_per_row));
+}
+
+// out = weight * round(x / rms(x)) over the last dim; x is [N, H] or [N, M, H] with a
+// contiguous last dim and any other strides (the q/k heads sliced out of the fused QKV output).
 // With a residual: residual_out = round(x + residual) is formed first and normalised instead of
 // x (residual_out may be residual itself: each element is read before it is written).
 // Statistics in fp32, as Hugging Face's Llama/Qwen RMSNorm does.
 void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
               c10::optional<at::Tensor> residual_out, const at::Tensor& weight, double eps) {
   check_dtype(x, "x: expected float32, bfloat16 or float16");
-  check_value(x.dim() >= 1 && x.stride(-1) == 1, "x: the last dimension must be contiguous");
+  check_value((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+              "x: expected [N, H] or [N, M, H] with a contiguous last dimension");
   check_value(out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype(),
               "out: expected a contiguous tensor of x's shape and dtype");
   const int64_t H = x.size(-1);
   check_value(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
                   weight.dtype() == x.dtype(),
               "weight: expected a contiguous [hidden] tensor of x's dtype");
-  const at::Tensor x2 = x.reshape({-1, H});
-  check_value(x2.stride(1) == 1, "x: rows must be addressable as [N, hidden]");
-  const int64_t N = x2.size(0);
+  const int64_t M = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t N = x.size(0) * M;
+  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
   at::Tensor res2, res_out2;
   check_value(residual.has_value() == residual_out.has_value(),
               "residual_out: given exactly when residual is");
@@ -348,16 +357,15 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tenso
     res_out2 = residual_out->view({-1, H});
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* xp = x2.data_ptr<scalar_t>();
-    const int64_t xs = x2.stride(0);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* rp = residual.has_value() ? res2.data_ptr<scalar_t>() : nullptr;
     scalar_t* rop = residual.has_value() ? res_out2.data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N, grain_rows(H), [&](int64_t begin, int64_t end) {
       std::vector<float> row(H);
       for (int64_t n = begin; n < end; ++n) {
-        const scalar_t* xr = xp + n * xs;
+        const scalar_t* xr = xp + (n / M) * s0 + (n % M) * s1;
         float ss = 0.f;
         if (rp != nullptr) {
           const scalar_t* rr = rp + n * H;
@@ -394,7 +402,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0);
-    at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N, grain_rows(I), [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const scalar_t* g = xp + n * xs;
         const scalar_t* u = g + I;
@@ -454,7 +462,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T, grain_rows((q.size(1) + k.size(1)) * q.size(2)), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cs = cp + pp[t] * half;
         const float* sn = sp + pp[t] * half;
