@@ -28,7 +28,9 @@ log = logging.getLogger("tpserve.kernels")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 # -march=native: the build is per machine anyway (its directory is keyed by the CPU's flags),
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
+# keeps the exp / select loops scalar (measured 8x slower SiLU-and-mul).
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
