@@ -18,8 +18,9 @@ One kernel serves decode (q_len 1), prefill with cached context and mixed batche
 beside prefill chunks in one plan): sequence i's q_len_i query rows are the last rows of its
 context_lens[i] keys and attend causally. Work is split over (sequence, chunk of 16 query rows)
 with ``at::parallel_for``, i.e. ``torch.get_num_threads()`` threads. The K/V store is a C++ loop
-too (a row copy per token; slot -1 skips). Runs without a cache (warm-up) use the torch
-backend's varlen SDPA, which is the right tool when there is no block table.
+too (a row copy per token; slot -1 skips). Runs without a cache (warm-up), and prefills in
+which no sequence has cached context, use the torch backend's varlen SDPA: with nothing to read
+through a block table, its GEMM-tiled kernel is faster.
 """
 from __future__ import annotations
 
@@ -49,7 +50,11 @@ class CpuAttention(AttentionBackend):
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        if k_cache is None:
+        # Sequences with no cached context attend only over their own new tokens: torch's fused
+        # SDPA is faster there (GEMM tiles; measured 20 vs 28 ms for 8 x 256 prompt tokens).
+        # Decided from the lengths themselves, not has_context, so a mixed plan's decode rows
+        # always take the paged kernel.
+        if k_cache is None or meta.derived("cpu.no_context", lambda: _no_context(meta)):
             return varlen_causal_attention(q, k, v, meta, scale)
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -57,3 +62,8 @@ class CpuAttention(AttentionBackend):
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                   meta.context_lens, scale)
         return out
+
+
+def _no_context(meta: AttentionMetadata) -> bool:
+    """True when every sequence's keys are exactly its new tokens (a host-side compare)."""
+    return bool(meta.is_prefill and torch.equal(meta.cu_seqlens_q, meta.cu_seqlens_k))
