@@ -99,7 +99,8 @@ def available() -> bool:
                     _state["error"] = f"{type(e).__name__}: {e}"
                     last_line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
                     log.warning("tpserve's C++ CPU operators are unavailable (%s); using the "
-                                "slower plain-torch CPU path", last_line)
+                                "slower plain-torch CPU path (`python -m "
+                                "tpserve.kernels.cpu_extension` shows the build log)", last_line)
     return bool(_state["ok"])
 
 
