@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m tpserve.kernels.cpu_extension
 	touch $(STAMP)
 
 install: $(STAMP)

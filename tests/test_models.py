@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import LLAMA3_ROPE_SCALING, make_tiny_model, tiny_models_root  # noqa: F401
-from tpserve.kernels import AttentionMetadata, get_backend
+from tpserve.kernels import AttentionMetadata, cpu_extension, get_backend
 from tpserve.models import CausalLM, CheckpointError, TPContext, UnsupportedModelError, load_model
 from tpserve.models.rotary import rope_inv_freq
 
@@ -94,8 +94,12 @@ class HFSequence:
         return out.logits[0].float()
 
 
-def tpserve_model(path, tp: TPContext | None = None, **kw) -> CausalLM:
-    return load_model(path, tp or TPContext(), backend=get_backend("torch", block_size=BLOCK_SIZE), **kw)
+def tpserve_model(path, tp: TPContext | None = None, backend: str = "torch", **kw) -> CausalLM:
+    return load_model(path, tp or TPContext(), backend=get_backend(backend, block_size=BLOCK_SIZE), **kw)
+
+
+# The C++ CPU backend where it builds (the torch backend is the fallback and always tested).
+BACKENDS = ["torch"] + (["cpu"] if cpu_extension.available() else [])
 
 
 def run_prefill_then_decode(model: CausalLM, prompts, decode_tokens) -> list[torch.Tensor | None]:
@@ -139,15 +143,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_and_decode_match_transformers(tiny_models_root, case):
+def test_prefill_and_decode_match_transformers(tiny_models_root, case, backend):
     arch, overrides = CASES[case]
     path = make_tiny_model(tiny_models_root, arch, **overrides)
     # Positions past original_max_position_embeddings (64) exercise every llama3 frequency band.
     lengths = [5, 11, 70] if case == "llama3-rope" else [5, 11, 17]
     prompts = random_prompts(lengths, 384)
     expected, decode_tokens = reference_prefill_then_decode(path, prompts, num_steps=3)
-    got = run_prefill_then_decode(tpserve_model(path), prompts, decode_tokens)
+    got = run_prefill_then_decode(tpserve_model(path, backend=backend), prompts, decode_tokens)
     assert len(got) == len(expected) == 4
     assert got[0].shape == (sum(lengths), 384) and got[0].dtype == torch.float32
     for step, (g, e) in enumerate(zip(got, expected)):
@@ -156,10 +161,11 @@ def test_prefill_and_decode_match_transformers(tiny_models_root, case):
     assert len({int(t) for t in expected[0].argmax(-1)}) > 5
 
 
-def test_chunked_prefill_over_cached_context(tiny_models_root):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_over_cached_context(tiny_models_root, backend):
     """A prompt prefilled in two chunks (the second attending to cached keys) gives HF's logits."""
     path = make_tiny_model(tiny_models_root, "qwen3")
-    model = tpserve_model(path)
+    model = tpserve_model(path, backend=backend)
     a, b = random_prompts([13, 6], 384, seed=1)
     kv = PagedKV(model, 2, 32)
     ids, pos, meta = kv.step([a[:7], b])

@@ -13,7 +13,7 @@ from pathlib import Path
 from tpserve.errors import ConfigError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
-ATTENTION_BACKENDS = ("auto", "flash", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash", "triton", "cpu", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("mixed", "prefill-first")
 # Tokens per engine step. Serving: small enough that one step (a prefill chunk plus every

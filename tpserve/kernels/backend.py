@@ -3,7 +3,10 @@
 One backend object serves every layer. ``forward`` stores the new tokens' K/V into that
 layer's paged cache, then attends. Backends:
 
-    torch   any device, any block size; the CPU path (``torch_attention.py``)
+    cpu     CPU, any block size: C++ kernels reading the paged cache in place
+            (``cpu_attention.py``); needs tpserve's C++ CPU operators, built on first use
+    torch   any device, any block size; plain torch, the CPU fallback and reference
+            (``torch_attention.py``)
     triton  our paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1 (tests);
             block_size % 16 == 0 (``triton_attention.py``)
     flash   flash-attn 2; CUDA with ``flash_attn`` installed; block_size % 256 == 0 because
@@ -105,6 +108,13 @@ def _why_not(name: str, device: torch.device, block_size: int,
     """None if backend ``name`` can run on ``device`` with ``block_size``, else the reason."""
     if name == "torch":
         return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"the cpu backend runs on CPU tensors, got device {device}"
+        from tpserve.kernels import cpu_extension
+        if not cpu_extension.available():
+            return "tpserve's C++ CPU operators could not be built on this machine"
+        return None
     if name == "triton":
         if block_size % TRITON_BLOCK_MULTIPLE:
             return (f"the triton backend needs block_size to be a multiple of "
@@ -135,7 +145,8 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu",
 
     ``auto`` picks flash when it can run (CUDA, flash_attn installed, block_size % 256 == 0,
     and ``dtype``, the model's compute dtype if given, fp16/bf16), else triton on CUDA when
-    block_size % 16 == 0, else torch. An explicit name that cannot run on the device / block
+    block_size % 16 == 0, else torch; on CPU, cpu when its C++ operators build, else torch
+    (after one logged warning). An explicit name that cannot run on the device / block
     size / dtype raises ValueError saying why.
     """
     if name not in BACKEND_NAMES:
@@ -153,12 +164,15 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu",
         if device.type == "cuda":
             candidates = ("flash", "triton", "torch")
         else:
-            candidates = ("torch",)
+            candidates = ("cpu", "torch")
         name = next(c for c in candidates if _why_not(c, device, block_size, dtype) is None)
     else:
         reason = _why_not(name, device, block_size, dtype)
         if reason is not None:
             raise ValueError(f"name: cannot use attention backend {name!r}: {reason}")
+    if name == "cpu":
+        from tpserve.kernels.cpu_attention import CpuAttention
+        return CpuAttention(block_size)
     if name == "torch":
         from tpserve.kernels.torch_attention import TorchAttention
         return TorchAttention(block_size)

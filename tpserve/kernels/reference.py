@@ -6,6 +6,7 @@ that it shares no code and no layout trick with the backends it checks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,3 +103,17 @@ def random_paged_batch(context_lens: list[int], new_lens: list[int], *, num_head
     dev = torch.device(device)
     return PagedBatch(q.to(dev), k.to(dev), v.to(dev), k_cache.to(dev), v_cache.to(dev), meta,
                       keys, values)
+
+
+def backend_vs_reference(backend, context_lens: list[int], new_lens: list[int], *,
+                         is_prefill: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Run ``backend.forward`` on a random paged batch; return (batch, output, float64 reference)."""
+    batch = random_paged_batch(context_lens, new_lens, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               block_size=backend.block_size, dtype=dtype, is_prefill=is_prefill,
+                               seed=seed)
+    scale = 1 / math.sqrt(head_dim)
+    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta,
+                          scale)
+    return batch, out, reference_attention(batch.q, batch.keys, batch.values, new_lens, scale)

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from tpserve.kernels import cpu_extension
 from tpserve.models.errors import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -65,7 +66,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> rotated ``(q, k)``."""
+        """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> rotated ``(q, k)``.
+
+        On CPU (the C++ operator) q and k are rotated in place and returned; callers must use
+        the returned tensors and not rely on the inputs keeping their values.
+        """
+        ops = cpu_extension.ops_for(q)
+        if (ops is not None and q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1
+                and k.stride(2) == 1 and k.dtype == q.dtype):
+            ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,66 @@
+"""Profile tpserve's decode steps on a benchmark model: where one step's time goes.
+
+Builds the benchmark model (scripts/bench_models.py), admits N requests with 256-token prompts,
+runs steps until every request is decoding, then times and profiles decode steps with
+torch.profiler and prints the mean step time and the ops with the most self CPU time.
+
+    python scripts/profile_step.py [--shape 40m|0.6b] [--batch 64] [--steps 5] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_models import QWEN3_0_6B, build_bench_model  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=["40m", "0.6b"], default="40m")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
+    name = "qwen3-0.6b-shape" if args.shape == "0.6b" else "qwen3-40m"
+    path = build_bench_model(f"/tmp/tpserve-bench/{name}", **overrides)
+
+    from tpserve import LLM, SamplingParams
+    llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.batch, kv_cache_memory_gb=2.0,
+              max_num_batched_tokens=max(2048, args.prompt_len))
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=args.steps * 2 + 64, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", rng.integers(3, 1000, args.prompt_len).tolist(), params,
+                           detokenize=False)
+    while engine.scheduler.waiting or any(s.num_cached_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # the first all-decode step (warm)
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_ms = (time.perf_counter() - t) / args.steps * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    print(f"decode step, batch {args.batch}, shape {args.shape}, {args.dtype}, "
+          f"{args.threads} threads: {step_ms:.1f} ms")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The C++ CPU attention backend against the dense reference; the KV store; selection/fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.kernels import backend as backend_mod
+from tpserve.kernels import cpu_extension
+from tpserve.kernels.backend import get_backend
+from tpserve.kernels.reference import backend_vs_reference, random_paged_batch
+
+pytestmark = pytest.mark.skipif(not cpu_extension.available(),
+                                reason="no C++ compiler: the cpu backend falls back to torch")
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+CASES = {
+    # name: (context_lens (cached keys), new_lens (query rows), is_prefill)
+    "decode": ([0, 5, 15, 16, 31, 300], [1] * 6, False),
+    "prefill": ([0, 0, 0], [5, 17, 33], True),
+    "prefill_context": ([3, 0, 20, 16, 31], [4, 6, 1, 9, 40], True),
+    # Decode rows (one new token over a long context) beside prefill chunks in one plan.
+    "mixed": ([40, 0, 17, 255, 3], [1, 12, 1, 1, 30], True),
+    # Chunks longer than the kernel's 16-row work unit, crossing block boundaries.
+    "long_chunks": ([17, 250], [37, 70], True),
+}
+
+
+def run(case, *, block_size, heads, head_dim=32, dtype=torch.float32, seed=0):
+    ctx, new, is_prefill = CASES[case]
+    return backend_vs_reference(get_backend("cpu", "cpu", block_size), ctx, new,
+                                is_prefill=is_prefill, num_heads=heads[0], num_kv_heads=heads[1],
+                                head_dim=head_dim, dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=["gqa1", "gqa2", "gqa8"])
+def test_matches_reference_fp32(case, block_size, heads):
+    batch, out, ref = run(case, block_size=block_size, heads=heads)
+    assert out.shape == batch.q.shape and out.dtype == torch.float32
+    # The cache holds NaN in every slot no sequence owns: a stray read would show here.
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_half_precision(case, dtype):
+    batch, out, ref = run(case, block_size=16, heads=(4, 2), dtype=dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # specialised sizes and the generic loop
+def test_head_dims(head_dim):
+    batch, out, ref = run("mixed", block_size=16, heads=(4, 2), head_dim=head_dim)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
+
+
+def test_thread_count_does_not_change_the_result():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _, one, _ = run("mixed", block_size=16, heads=(4, 2))
+        torch.set_num_threads(2)
+        _, two, _ = run("mixed", block_size=16, heads=(4, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_store_writes_exactly_the_mapped_slots():
+    """Slot -1 skips a token (a prefix-cache hit); every other cache row is left as it was."""
+    batch = random_paged_batch([3, 0], [4, 6], num_heads=4, num_kv_heads=2, head_dim=16,
+                               block_size=4)
+    slots = batch.meta.slot_mapping.clone()
+    slots[1] = -1
+    k_before = batch.k_cache.clone()
+    k = batch.k[:, :, :]  # a view, as the QKV split hands it over
+    cpu_extension.ops().store_kvcache(k, batch.v, batch.k_cache, batch.v_cache, slots)
+    flat = batch.k_cache.view(-1, 2, 16)
+    kept = slots >= 0
+    assert torch.equal(flat[slots[kept].long()], batch.k[kept])
+    assert torch.equal(batch.v_cache.view(-1, 2, 16)[slots[kept].long()], batch.v[kept])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots[kept].long()] = False
+    torch.testing.assert_close(flat[untouched], k_before.view(-1, 2, 16)[untouched],
+                               equal_nan=True, rtol=0, atol=0)
+
+
+def test_store_accepts_strided_rows():
+    qkv = torch.randn(5, 3 * 2 * 8)
+    k = qkv[:, 16:32].view(5, 2, 8)
+    v = qkv[:, 32:].view(5, 2, 8)
+    kc, vc = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    slots = torch.tensor([7, 0, 3, -1, 4], dtype=torch.int32)
+    cpu_extension.ops().store_kvcache(k, v, kc, vc, slots)
+    assert torch.equal(kc.view(8, 2, 8)[[7, 0, 3, 4]], k[[0, 1, 2, 4]])
+    assert torch.equal(vc.view(8, 2, 8)[[7, 0, 3, 4]], v[[0, 1, 2, 4]])
+
+
+def test_bad_metadata_raises_value_error_and_writes_nothing():
+    batch = random_paged_batch([3, 20], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16,
+                               block_size=4, is_prefill=False)
+    ops = cpu_extension.ops()
+    out = torch.zeros_like(batch.q)
+    tables = batch.meta.block_tables.clone()
+    tables[1, 2] = -1  # a block the second sequence's keys need
+    with pytest.raises(ValueError, match="block_tables: a block a sequence's keys need"):
+        ops.paged_attention(out, batch.q, batch.k_cache, batch.v_cache, tables,
+                            batch.meta.cu_seqlens_q, batch.meta.context_lens, 0.25)
+    assert not out.any()
+    with pytest.raises(ValueError, match="context_lens"):
+        ops.paged_attention(out, batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                            batch.meta.cu_seqlens_q, torch.zeros(2, dtype=torch.int32), 0.25)
+    with pytest.raises(ValueError, match="q: expected float32, bfloat16 or float16"):
+        ops.paged_attention(out.double(), batch.q.double(), batch.k_cache, batch.v_cache,
+                            batch.meta.block_tables, batch.meta.cu_seqlens_q,
+                            batch.meta.context_lens, 0.25)
+    k_before = batch.k_cache.clone()
+    with pytest.raises(ValueError, match="slot_mapping: slot past the end"):
+        ops.store_kvcache(batch.k, batch.v, batch.k_cache, batch.v_cache,
+                          torch.tensor([0, 10**6], dtype=torch.int32))
+    torch.testing.assert_close(batch.k_cache, k_before, equal_nan=True, rtol=0, atol=0)
+
+
+def test_auto_on_cpu_picks_cpu_and_falls_back_to_torch(monkeypatch):
+    for bs in (1, 16, 256):
+        be = get_backend("auto", "cpu", bs)
+        assert be.name == "cpu" and be.block_size == bs and not be.supports_cuda_graphs
+    monkeypatch.setattr(cpu_extension, "available", lambda: False)
+    assert get_backend("auto", "cpu", 16).name == "torch"
+    with pytest.raises(ValueError, match="C\\+\\+ CPU operators could not be built"):
+        get_backend("cpu", "cpu", 16)
+
+
+def test_cpu_backend_refuses_cuda_devices():
+    with pytest.raises(ValueError, match="cpu backend runs on CPU tensors, got device cuda"):
+        get_backend("cpu", "cuda", 16)
+    assert "cpu" in backend_mod.BACKEND_NAMES
+
+
+def test_failed_build_logs_one_warning_and_reports_unavailable(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_extension, "_state", {})
+
+    def broken():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(cpu_extension, "_build", broken)
+    with caplog.at_level("WARNING", logger="tpserve.kernels"):
+        assert not cpu_extension.available()
+        assert not cpu_extension.available()
+    warnings = [r for r in caplog.records if "C++ CPU operators are unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "command not found" in warnings[0].getMessage()
+
+
+def test_env_switch_disables_the_operators(monkeypatch):
+    monkeypatch.setattr(cpu_extension, "_state", {})
+    monkeypatch.setenv("TPSERVE_CPU_OPS", "0")
+    assert not cpu_extension.available()

@@ -1,0 +1,516 @@
+// tpserve's CPU operators: paged attention that reads the KV cache in place, the KV store, and
+// the small fused element-wise ops of a decoder layer (RMSNorm + residual, rotary, SiLU-and-mul).
+//
+// Registered as torch.ops.tpserve_cpu.* (see tpserve/kernels/cpu_extension.py, which builds and
+// loads this file). Every op writes into tensors the caller allocated; argument errors raise
+// ValueError naming the argument. Work is split with at::parallel_for, so it uses exactly
+// torch.get_num_threads() threads.
+//
+// Precision: attention accumulates in fp32 whatever the storage dtype. The element-wise ops
+// round to the storage dtype exactly where the plain-torch code they replace does (each torch op
+// on bf16 rounds its result), so both paths produce the same bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// ---- scalar helpers ---------------------------------------------------------------------------
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+template <>
+inline float to_f<at::BFloat16>(at::BFloat16 x) {
+  // bf16 is the top half of an fp32: a shift the compiler vectorises (the c10 conversion
+  // goes through a function the vectoriser does not see through).
+  return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16);
+}
+
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+
+template <>
+inline at::BFloat16 from_f<at::BFloat16>(float x) {
+  // Round to nearest even, as c10 does, but branch-free so that loops over it vectorise.
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint16_t out = std::isnan(x) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  return at::BFloat16(out, at::BFloat16::from_bits());
+}
+
+template <typename T>
+inline float round_to(float x) { return to_f<T>(from_f<T>(x)); }
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f<T>(src[i]);
+}
+
+// A pragma cannot sit inside the dispatch macros' lambdas, hence this helper.
+inline float sum_squares(const float* x, int64_t n) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  return ss;
+}
+
+// exp(x) for x <= 0 (softmax arguments after subtracting the running maximum): Cody-Waite range
+// reduction and a degree-6 polynomial, relative error ~2e-7. Written so that a loop over it
+// vectorises; the libm expf call does not, and at 2M exponentials a decode step that matters.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(e);
+}
+
+void check_value(bool ok, const char* what) { TORCH_CHECK_VALUE(ok, what); }
+
+void check_dtype(const at::Tensor& t, const char* what) {
+  const auto s = t.scalar_type();
+  check_value(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, what);
+}
+
+// ---- paged attention ----------------------------------------------------------------------------
+
+constexpr int64_t kQueryChunk = 16;  // query rows of one sequence handled by one work item
+constexpr int64_t kKeyTile = 32;     // keys converted to fp32 and scored together
+
+struct WorkItem {
+  int32_t seq, row_begin, row_end;
+};
+
+// Head sizes compiled with a constant head_dim (the loops unroll and the per-row accumulators
+// stay in registers); any other head_dim up to kMaxHeadDim takes the kD == 0 instantiation.
+constexpr int64_t kMaxHeadDim = 512;
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+template <typename T, int64_t kD>
+void attend_item(const WorkItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* out,
+                 const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_width,
+                 int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                 int64_t q_begin, int64_t q_len, int64_t k_len, float scale,
+                 std::vector<float>& scratch) {
+  const int64_t D = kD > 0 ? kD : head_dim;
+  const int64_t rows = w.row_end - w.row_begin;
+  const int64_t hq = num_kv_heads * group;
+  const int64_t nq = rows * hq;  // query vectors: (row, query head)
+  const int64_t row_stride = num_kv_heads * D;  // between consecutive slots of the cache
+  scratch.resize(static_cast<size_t>(nq * D * 2 + nq * 2 + kKeyTile + kKeyTile * row_stride * 2));
+  float* qf = scratch.data();
+  float* acc = qf + nq * D;
+  float* mx = acc + nq * D;
+  float* sum = mx + nq;
+  float* s = sum + nq;
+  float* kt = s + kKeyTile;
+  float* vt = kt + kKeyTile * row_stride;
+
+  const int64_t offset = k_len - q_len;  // absolute position of the sequence's first query row
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t v = r * hq + h;
+      const T* src = q + (q_begin + w.row_begin + r) * q_s0 + h * q_s1;
+      for (int64_t d = 0; d < D; ++d) qf[v * D + d] = to_f<T>(src[d]) * scale;
+      mx[v] = -std::numeric_limits<float>::infinity();
+      sum[v] = 0.f;
+    }
+  }
+  std::fill(acc, acc + nq * D, 0.f);
+
+  const int32_t* table = tables + static_cast<int64_t>(w.seq) * table_width;
+  const int64_t k_end = offset + w.row_end;  // keys past the chunk's last row are never needed
+  float pv[kD > 0 ? kD : kMaxHeadDim];
+  auto slot_of = [&](int64_t p) {
+    return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
+  };
+  for (int64_t p0 = 0; p0 < k_end; p0 += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, k_end - p0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t slot = slot_of(p0 + j);
+      // Whole slot rows (every KV head): the cache is read front to back, once per item.
+      load_row(k_cache + slot * row_stride, kt + j * row_stride, row_stride);
+      load_row(v_cache + slot * row_stride, vt + j * row_stride, row_stride);
+    }
+    for (int64_t v = 0; v < nq; ++v) {
+      const int64_t qpos = offset + w.row_begin + v / hq;
+      const int64_t kv_off = ((v % hq) / group) * D;  // this query head's KV head in a slot row
+      const int64_t visible = std::min<int64_t>(nk, qpos - p0 + 1);  // causal: keys <= qpos
+      if (visible <= 0) continue;
+      const float* qv = qf + v * D;
+      float tile_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) {
+        s[j] = dot(qv, kt + j * row_stride + kv_off, D);
+        tile_max = std::max(tile_max, s[j]);
+      }
+      const float new_max = std::max(mx[v], tile_max);
+      const float alpha = exp_nonpos(mx[v] - new_max);  // exp(-inf) -> 0 on the first tile
+      for (int64_t j = 0; j < visible; ++j) s[j] = exp_nonpos(s[j] - new_max);
+      float tile_sum = 0.f;
+      for (int64_t j = 0; j < visible; ++j) tile_sum += s[j];
+      mx[v] = new_max;
+      sum[v] = sum[v] * alpha + tile_sum;
+      // P @ V for this tile, summed in a local row first (registers when D is a constant)
+      // rather than read-modify-writing the accumulator once per key.
+      float* av = acc + v * D;
+      for (int64_t d = 0; d < D; ++d) pv[d] = av[d] * alpha;
+      for (int64_t j = 0; j < visible; ++j) {
+        const float pj = s[j];
+        const float* vj = vt + j * row_stride + kv_off;
+        for (int64_t d = 0; d < D; ++d) pv[d] += pj * vj[d];
+      }
+      for (int64_t d = 0; d < D; ++d) av[d] = pv[d];
+    }
+  }
+  for (int64_t v = 0; v < nq; ++v) {
+    T* dst = out + ((q_begin + w.row_begin) * hq + v) * D;
+    const float inv = 1.f / sum[v];
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[v * D + d] * inv);
+  }
+}
+
+template <typename T>
+using AttendFn = void (*)(const WorkItem&, const T*, int64_t, int64_t, T*, const T*, const T*,
+                          const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, std::vector<float>&);
+
+template <typename T>
+AttendFn<T> attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return &attend_item<T, 64>;
+    case 128: return &attend_item<T, 128>;
+    case 256: return &attend_item<T, 256>;
+    default: return &attend_item<T, 0>;
+  }
+}
+
+// out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
+// cache [num_blocks, block_size, Hkv, D]. Sequence b owns query rows cu_seqlens_q[b]..[b+1],
+// which are the last q_len rows of its context_lens[b] keys (causal). Keys come from
+// block_tables[b, p / block_size] * block_size + p % block_size; table entries past a
+// sequence's last block are never read.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
+                     double scale) {
+  check_dtype(q, "q: expected float32, bfloat16 or float16");
+  check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
+  check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
+              "out: expected a contiguous tensor of q's shape and dtype");
+  check_value(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache/v_cache: expected contiguous [num_blocks, block_size, Hkv, D] of one shape");
+  check_value(k_cache.dtype() == q.dtype() && v_cache.dtype() == q.dtype(),
+              "k_cache/v_cache: dtype must equal q's");
+  check_value(k_cache.size(3) == q.size(2), "k_cache: head_dim differs from q's");
+  check_value(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim, "q: head_dim must be in [1, 512]");
+  const int64_t hkv = k_cache.size(2);
+  check_value(hkv > 0 && q.size(1) % hkv == 0, "k_cache: num_kv_heads must divide q's num_heads");
+  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens}) {
+    check_value(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_tables/cu_seqlens_q/context_lens: expected contiguous int32");
+  }
+  check_value(block_tables.dim() == 2, "block_tables: expected [B, W]");
+  const int64_t B = context_lens.size(0);
+  check_value(cu_seqlens_q.size(0) == B + 1 && block_tables.size(0) == B,
+              "cu_seqlens_q/block_tables: expected B+1 entries / B rows for B = len(context_lens)");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t width = block_tables.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  check_value(cu[0] == 0 && cu[B] == q.size(0), "cu_seqlens_q: must run from 0 to T");
+
+  const int64_t group = q.size(1) / hkv;
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    check_value(q_len >= 0 && ctx[b] >= q_len,
+                "context_lens: each sequence needs at least as many keys as new query rows");
+    const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
+    check_value(used_blocks <= width, "block_tables: fewer columns than a sequence's blocks");
+    for (int64_t c = 0; c < used_blocks; ++c) {
+      const int32_t blk = tables[b * width + c];
+      check_value(blk >= 0 && blk < num_blocks,
+                  "block_tables: a block a sequence's keys need is -1 or out of range");
+    }
+    for (int64_t r = 0; r < q_len; r += kQueryChunk) {
+      items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(r),
+                       static_cast<int32_t>(std::min(q_len, r + kQueryChunk))});
+    }
+  }
+  if (items.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const AttendFn<scalar_t> attend = attend_for<scalar_t>(q.size(2));
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const WorkItem& w = items[i];
+        attend(w, qp, q.stride(0), q.stride(1), op, kp, vp, tables, width,
+                              block_size, hkv, group, q.size(2), cu[w.seq], cu[w.seq + 1] - cu[w.seq],
+                              ctx[w.seq], static_cast<float>(scale), scratch);
+      }
+    });
+  });
+}
+
+// ---- KV store -----------------------------------------------------------------------------------
+
+// k_cache/v_cache viewed as [num_blocks * block_size, Hkv, D]: row slot_mapping[t] = key/value[t]
+// for every t whose slot is >= 0. key/value may be strided views (slices of the fused QKV output).
+void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+                   at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  check_dtype(key, "key: expected float32, bfloat16 or float16");
+  check_value(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 &&
+                  value.stride(2) == 1,
+              "key/value: expected [T, Hkv, D] of one shape with a contiguous head_dim");
+  check_value(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == key.size(1) &&
+                  k_cache.size(3) == key.size(2),
+              "k_cache/v_cache: expected contiguous [num_blocks, block_size, Hkv, D] matching key");
+  check_value(key.dtype() == k_cache.dtype() && value.dtype() == k_cache.dtype(),
+              "key/value: dtype must equal the cache's");
+  check_value(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
+                  slot_mapping.is_contiguous() &&
+                  (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
+              "slot_mapping: expected contiguous int32/int64 [T]");
+  const int64_t T = key.size(0), H = key.size(1), D = key.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const at::Tensor slots = slot_mapping.to(at::kLong);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    check_value(sp[t] < num_slots, "slot_mapping: slot past the end of the cache");
+  }
+  const int64_t esize = key.element_size();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sp[t] < 0) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t dst = (sp[t] * H + h) * D * esize;
+        std::memcpy(kc + dst, kp + (t * key.stride(0) + h * key.stride(1)) * esize, D * esize);
+        std::memcpy(vc + dst, vp + (t * value.stride(0) + h * value.stride(1)) * esize, D * esize);
+      }
+    }
+  });
+}
+
+// ---- element-wise ops of a decoder layer ----------------------------------------------------------
+
+// Rows per at::parallel_for chunk for element-wise work: small ops run on one thread, because
+// waking the pool costs more than ~256k elements of this work, and on a loaded machine a chunk that
+// waits for a descheduled thread costs a whole time slice.
+inline int64_t grain_rows(int64_t elems_per_row) {
+  return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, elems_per_row));
+}
+
+// out = weight * round(x / rms(x)) over the last dim; x is [N, H] or [N, M, H] with a
+// contiguous last dim and any other strides (the q/k heads sliced out of the fused QKV output).
+// With a residual: residual_out = round(x + residual) is formed first and normalised instead of
+// x (residual_out may be residual itself: each element is read before it is written).
+// Statistics in fp32, as Hugging Face's Llama/Qwen RMSNorm does.
+void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+              c10::optional<at::Tensor> residual_out, const at::Tensor& weight, double eps) {
+  check_dtype(x, "x: expected float32, bfloat16 or float16");
+  check_value((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+              "x: expected [N, H] or [N, M, H] with a contiguous last dimension");
+  check_value(out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype(),
+              "out: expected a contiguous tensor of x's shape and dtype");
+  const int64_t H = x.size(-1);
+  check_value(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+                  weight.dtype() == x.dtype(),
+              "weight: expected a contiguous [hidden] tensor of x's dtype");
+  const int64_t M = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t N = x.size(0) * M;
+  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
+  at::Tensor res2, res_out2;
+  check_value(residual.has_value() == residual_out.has_value(),
+              "residual_out: given exactly when residual is");
+  if (residual.has_value()) {
+    for (const at::Tensor* r : {&residual.value(), static_cast<const at::Tensor*>(&residual_out.value())}) {
+      check_value(r->is_contiguous() && r->sizes() == x.sizes() && r->dtype() == x.dtype(),
+                  "residual/residual_out: expected contiguous tensors of x's shape and dtype");
+    }
+    res2 = residual->view({-1, H});
+    res_out2 = residual_out->view({-1, H});
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.has_value() ? res2.data_ptr<scalar_t>() : nullptr;
+    scalar_t* rop = residual.has_value() ? res_out2.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, N, grain_rows(H), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(H);
+      for (int64_t n = begin; n < end; ++n) {
+        const scalar_t* xr = xp + (n / M) * s0 + (n % M) * s1;
+        float ss = 0.f;
+        if (rp != nullptr) {
+          const scalar_t* rr = rp + n * H;
+          scalar_t* ro = rop + n * H;
+          for (int64_t i = 0; i < H; ++i) {
+            const scalar_t sum = from_f<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
+            ro[i] = sum;
+            row[i] = to_f(sum);
+          }
+        } else {
+          for (int64_t i = 0; i < H; ++i) row[i] = to_f(xr[i]);
+        }
+        ss = sum_squares(row.data(), H);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+        scalar_t* orow = op + n * H;
+        for (int64_t i = 0; i < H; ++i) {
+          orow[i] = from_f<scalar_t>(to_f(wp[i]) * round_to<scalar_t>(row[i] * inv));
+        }
+      }
+    });
+  });
+}
+
+// One row of silu_and_mul in three flat loops (widen, fp32 math, narrow), each of which the
+// compiler vectorises; `row` is scratch of I floats.
+template <typename T>
+void silu_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t I,
+                  std::vector<float>& row) {
+  float* r = row.data();
+  load_row(g, r, I);
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    // sigmoid from exp(-|g|) <= 1: the vectorised exp_nonpos, and no overflow.
+    const float x = r[i];
+    const float e = exp_nonpos(std::min(x, -x));
+    const float num = x >= 0.f ? 1.f : e;  // a select, not a branch
+    r[i] = x * (num / (1.f + e));
+  }
+  for (int64_t i = 0; i < I; ++i) o[i] = from_f<T>(round_to<T>(r[i]) * to_f<T>(u[i]));
+}
+
+// out [N, I] = round(silu(gate)) * up for x [N, 2I] laid out [gate | up].
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_dtype(x, "x: expected float32, bfloat16 or float16");
+  check_value(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x: expected [N, 2I] with a contiguous last dimension");
+  const int64_t N = x.size(0), I = x.size(1) / 2;
+  check_value(out.is_contiguous() && out.dim() == 2 && out.size(0) == N && out.size(1) == I &&
+                  out.dtype() == x.dtype(),
+              "out: expected a contiguous [N, I] tensor of x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, N, grain_rows(I), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(I);
+      for (int64_t n = begin; n < end; ++n) {
+        silu_mul_row(xp + n * xs, xp + n * xs + I, op + n * I, I, row);
+      }
+    });
+  });
+}
+
+// In place on x [T, H, D] (head_dim contiguous), "neox" layout: halves (x1, x2) of each head
+// become (x1*c - x2*s, x2*c + x1*s) with c = cos[positions[t]], s = sin[positions[t]] rounded
+// to x's dtype first, and each product and sum rounded as the torch expression does.
+template <typename T>
+void rotate_rows(T* xp, int64_t s0, int64_t s1, int64_t H, int64_t half, const float* cs,
+                 const float* sn, int64_t t) {
+  for (int64_t h = 0; h < H; ++h) {
+    T* x1 = xp + t * s0 + h * s1;
+    T* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = round_to<T>(cs[i]), s = round_to<T>(sn[i]);
+      const float a = to_f(x1[i]), b = to_f(x2[i]);
+      const float lo = round_to<T>(round_to<T>(a * c) - round_to<T>(b * s));
+      const float hi = round_to<T>(round_to<T>(b * c) + round_to<T>(a * s));
+      x1[i] = from_f<T>(lo);
+      x2[i] = from_f<T>(hi);
+    }
+  }
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                      const at::Tensor& cos, const at::Tensor& sin) {
+  check_value(positions.dim() == 1 && positions.is_contiguous() &&
+                  (positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong),
+              "positions: expected contiguous int32/int64 [T]");
+  check_value(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  q.size(0) == positions.size(0) && k.size(0) == positions.size(0) &&
+                  q.size(2) == k.size(2) && q.dtype() == k.dtype(),
+              "q/k: expected [T, H, D] of one dtype with a contiguous head_dim");
+  check_dtype(q, "q: expected float32, bfloat16 or float16");
+  const int64_t half = q.size(2) / 2;
+  check_value(q.size(2) % 2 == 0 && cos.dim() == 2 && cos.size(1) == half && cos.sizes() == sin.sizes() &&
+                  cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "cos/sin: expected contiguous float32 [max_position, head_dim / 2]");
+  const at::Tensor pos = positions.to(at::kLong);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t T = q.size(0), max_pos = cos.size(0);
+  for (int64_t t = 0; t < T; ++t) {
+    check_value(pp[t] >= 0 && pp[t] < max_pos, "positions: outside [0, max_position)");
+  }
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows((q.size(1) + k.size(1)) * q.size(2)), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cs = cp + pp[t] * half;
+        const float* sn = sp + pp[t] * half;
+        rotate_rows<scalar_t>(qp, q.stride(0), q.stride(1), q.size(1), half, cs, sn, t);
+        rotate_rows<scalar_t>(kp, k.stride(0), k.stride(1), k.size(1), half, cs, sn, t);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tpserve_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> ()");
+  m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
+        "Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_kvcache", &store_kvcache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
