@@ -390,6 +390,18 @@ def test_non_loopback_host_needs_an_api_key(tmp_path):
         assert opt in help_text
 
 
+def test_max_completion_tokens_top_k_user_and_unknown_fields(daemon):
+    body = {"prompt": PROMPT, "max_completion_tokens": 3, "temperature": 0.8, "top_k": 1, "seed": 3,
+            "user": "someone", "frequency_penalty_v9": 1, "ignore_eos": True}
+    reply = post(daemon, "/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    greedy = post(daemon, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                              "ignore_eos": True}).json()
+    assert reply.json()["usage"]["completion_tokens"] == 3
+    assert reply.json()["choices"][0]["text"] == greedy["choices"][0]["text"]  # top_k 1 is greedy
+    assert post(daemon, "/v1/completions", {**body, "user": 5}).json()["error"]["param"] == "user"
+
+
 def test_stopping_the_daemon_stops_the_front(daemon):
     fronts = [p for p in daemon.tree if "http_front" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(fronts) == 1
@@ -459,15 +471,3 @@ def test_busy_port_fails_the_start():
         with pytest.raises(HttpFrontError, match="before listening"):
             front.start(timeout=60)
         front.stop()
-
-
-def test_max_completion_tokens_top_k_user_and_unknown_fields(daemon):
-    body = {"prompt": PROMPT, "max_completion_tokens": 3, "temperature": 0.8, "top_k": 1, "seed": 3,
-            "user": "someone", "frequency_penalty_v9": 1, "ignore_eos": True}
-    reply = post(daemon, "/v1/completions", body)
-    assert reply.status_code == 200, reply.text
-    greedy = post(daemon, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
-                                              "ignore_eos": True}).json()
-    assert reply.json()["usage"]["completion_tokens"] == 3
-    assert reply.json()["choices"][0]["text"] == greedy["choices"][0]["text"]  # top_k 1 is greedy
-    assert post(daemon, "/v1/completions", {**body, "user": 5}).json()["error"]["param"] == "user"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
-from tpserve import LLM, ConfigError, SamplingParams
+from tpserve import LLM, InvalidFieldError, SamplingParams
 from tpserve.workers.sampler import Sampler, compute_logprobs
 
 
@@ -67,7 +67,7 @@ def test_engine_reports_one_entry_per_token(tiny_models_root):  # noqa: F811
 
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
 def test_logprobs_bounds(bad):
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(InvalidFieldError) as e:
         SamplingParams(logprobs=bad)
     assert e.value.field == "logprobs"
 
