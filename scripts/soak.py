@@ -62,7 +62,8 @@ EDGE_INPUTS = [
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"top_k": 2 ** 31}}, "invalid_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"stop_token_ids": [2 ** 31]}},
      "invalid_field"),
-    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 2 ** 63 - 1}}, "admission"),
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 2 ** 63 - 1}}, "invalid_field"),
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 2 ** 31 - 1}}, "admission"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"seed": 2 ** 64 - 1}}, "invalid_field"),
 ]
 
