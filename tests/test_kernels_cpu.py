@@ -159,3 +159,45 @@ def test_env_switch_disables_the_operators(monkeypatch):
     monkeypatch.setattr(cpu_extension, "_state", {})
     monkeypatch.setenv("TPSERVE_CPU_OPS", "0")
     assert not cpu_extension.available()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_operator_alone_handles_every_plan_shape(case, block_size):
+    """The kernel itself covers prompt rows too (the backend sends it decode rows only)."""
+    batch, _, ref = run(case, block_size=block_size, heads=(4, 2))  # forward stored the new K/V
+    m = batch.meta
+    out = torch.empty_like(batch.q)
+    cpu_extension.ops().paged_attention(out, batch.q, batch.k_cache, batch.v_cache, m.block_tables,
+                                        m.cu_seqlens_q, m.context_lens, 1 / 32 ** 0.5)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
+
+
+def test_decode_rows_take_the_kernel_and_prompt_rows_the_sdpa_paths(monkeypatch):
+    backend = get_backend("cpu", "cpu", 16)
+    kernel_rows, torch_rows = [], []
+    ops, torch_attend = backend._ops, backend._torch.attend
+
+    class Spy:
+        def paged_attention(self, out, q, *args):
+            kernel_rows.append(q.shape[0])
+            return ops.paged_attention(out, q, *args)
+
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+    def spy_attend(q, *args):
+        torch_rows.append(q.shape[0])
+        return torch_attend(q, *args)
+
+    monkeypatch.setattr(backend, "_ops", Spy())
+    monkeypatch.setattr(backend._torch, "attend", spy_attend)
+    for case, want_kernel, want_torch in (("decode", [6], []), ("mixed", [1], [44]),
+                                          ("prefill", [], [55]), ("prefill_context", [], [60])):
+        kernel_rows.clear()
+        torch_rows.clear()
+        ctx, new, is_prefill = CASES[case]
+        _, out, ref = backend_vs_reference(backend, ctx, new, is_prefill=is_prefill, num_heads=4,
+                                           num_kv_heads=2, head_dim=32)
+        torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
+        assert (kernel_rows, torch_rows) == (want_kernel, want_torch), case
