@@ -30,7 +30,10 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
 # keeps the exp / select loops scalar (measured 8x slower SiLU-and-mul).
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+# -fopenmp-simd, not -fopenmp: the loops only need `#pragma omp simd`; threads come from
+# at::parallel_for. Linking a second OpenMP runtime beside torch's own made processes abort at
+# exit ("terminate called without an active exception") in tensor-parallel ranks.
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp-simd"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -73,7 +76,7 @@ def _build() -> None:
     if shutil.which("ninja") is None and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
