@@ -30,10 +30,11 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
 # keeps the exp / select loops scalar (measured 8x slower SiLU-and-mul).
-# -fopenmp-simd, not -fopenmp: the loops only need `#pragma omp simd`; threads come from
-# at::parallel_for. Linking a second OpenMP runtime beside torch's own made processes abort at
-# exit ("terminate called without an active exception") in tensor-parallel ranks.
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp-simd"]
+# -fopenmp at compile time only: at::parallel_for's inline OpenMP implementation needs it (without
+# it the operators run on one thread). Not at link time: the GOMP symbols then resolve to the
+# OpenMP runtime torch already loaded; linking the system's libgomp as a second runtime made
+# tensor-parallel ranks abort at exit ("terminate called without an active exception").
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
