@@ -9,8 +9,8 @@ from tpserve.kernels import cpu_extension
 from tpserve.kernels.backend import get_backend
 from tpserve.kernels.reference import backend_vs_reference, random_paged_batch
 
-pytestmark = pytest.mark.skipif(not cpu_extension.available(),
-                                reason="no C++ compiler: the cpu backend falls back to torch")
+# The install builds the C++ operators (make install); a machine where that build failed
+# fails these tests rather than skipping them: the fallback has tests of its own.
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 

@@ -11,8 +11,8 @@ from tpserve.models.activation import SiluAndMul
 from tpserve.models.norm import RMSNorm
 from tpserve.models.rotary import RotaryEmbedding, _rotate
 
-pytestmark = pytest.mark.skipif(not cpu_extension.available(),
-                                reason="no C++ compiler: the layers run their torch code")
+# The install builds the C++ operators (make install); a machine where that build failed
+# fails these tests rather than skipping them: the fallback has tests of its own.
 
 # fp32: summation order differs (a few ulps); bf16/fp16: at most one rounding step apart.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
