@@ -80,7 +80,8 @@ class Accelerator:
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device."""
-        raise NotImplementedError(f"{self!r} does not report device memory")
+        raise RuntimeError(f"{self!r} has no device memory to report: host KV sizing uses "
+                           "kv_cache_memory_gb, not free device memory")
 
     def reset_peak_memory_stats(self) -> None:
         """Start a new window for :meth:`peak_extra_bytes`."""
