@@ -58,6 +58,17 @@ def test_head_dims(head_dim):
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
 
 
+# Decode plans (one row per sequence) take the kernel's decode path when head_dim % 16 == 0 and
+# the dtype is fp32/bf16: specialised for 64/128/256, a generic loop for other multiples of 16,
+# and the general kernel otherwise (40) and for fp16.
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 48, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_path_head_dims_and_dtypes(head_dim, dtype):
+    batch, out, ref = run("decode", block_size=16, heads=(8, 2), head_dim=head_dim, dtype=dtype)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
 def test_thread_count_does_not_change_the_result():
     before = torch.get_num_threads()
     try:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.models.parallel import TPContext
+from tpserve.models.packed_gemm import PackableLinear
 from tpserve.models.weights import attach_loader, check_shape, new_param
 
 
@@ -53,7 +54,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection to vocabulary logits, sharded like :class:`VocabParallelEmbedding`.
 
     ``forward(hidden [S, H])`` computes this rank's slice of the logits and gathers the slices
@@ -62,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden, None)
         logits = self.tp.gather_to_rank0(logits, dim=-1)
         if logits is None:
             return None

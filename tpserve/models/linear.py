@@ -6,10 +6,8 @@ splits the input features, each rank computes a partial sum and ``forward`` all-
 column layer followed by a row layer (QKV -> o_proj, gate_up -> down) therefore costs one
 all-reduce.
 
-Matmuls are plain ``F.linear`` on CPU too: prepacked weights (oneDNN ``mkldnn_linear`` for bf16,
-MKL's packed ``_mkl_linear`` for fp32) were measured at decode batches 1/16/64 on the 40M and
-Qwen3-0.6B shapes and were not faster in bf16 (0.9-1.45x the time) and mixed in fp32 (0.45-1.1x,
-within the noise of a shared 2-core machine), so the simpler layout stays.
+Matmuls go through ``PackableLinear.matmul``: ``F.linear``, or oneDNN over a prepacked weight for
+bf16 on CPU once ``prepack_model`` ran (see ``packed_gemm.py``).
 
 Each parameter carries ``weight_loader``, which receives the *full* checkpoint tensor (for packed
 layers, one of its parts plus a ``shard_id``) and copies this rank's slice.
@@ -20,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpserve.models.packed_gemm import PackableLinear
 from tpserve.models.parallel import TPContext
 from tpserve.models.weights import attach_loader, check_shape, new_param
 
@@ -30,7 +29,7 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """``y = x W^T + b`` with W's rows (output features) split evenly across ranks.
 
     ``forward`` returns this rank's slice of the output, ``[..., output_size / tp.size]``.
@@ -53,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
             param.copy_(loaded_weight.narrow(0, start, self.output_size_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -129,7 +128,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """``y = x W^T + b`` with W's columns (input features) split across ranks.
 
     ``forward`` takes this rank's slice of the input, ``[..., input_size / tp.size]`` (what a
@@ -158,4 +157,4 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(self.matmul(x, bias))

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from tpserve.config import EngineConfig
 from tpserve.kernels.backend import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
+from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
@@ -95,6 +96,7 @@ class ModelRunner:
                                    dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
                                 device=self.device)
+        prepack_model(self.model)  # bf16 on CPU: oneDNN's packed weights (models/packed_gemm.py)
         self.sampler = Sampler()
         self.stager = PlanStager(self.accel)
         self.graphs = None  # the warm-up inside the sizing runs eagerly

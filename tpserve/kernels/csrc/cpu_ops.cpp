@@ -208,6 +208,157 @@ AttendFn<T> attend_for(int64_t head_dim) {
   }
 }
 
+// ---- decode rows: one query row per sequence ------------------------------------------------------
+//
+// The hot path of a decode step. One work item is one sequence: its keys are read slot row by
+// slot row (every KV head of a slot is one contiguous run of memory, so the cache streams front
+// to back through whole cache lines), and each KV head's row is widened once for the query heads
+// of its group. Rows are 16-float vectors written with GCC's vector extensions, so -march=native
+// turns them into one AVX-512 register or two AVX2 registers. Scores go to a per-item buffer (two
+// passes, not an online softmax: a sequence's scores fit in L1/L2, and no rescaling sits in the
+// key loop), then values are summed with the softmax weights. Blocks are walked entry by entry,
+// so there is no division per key. Measured at batch 64 (~280 keys, 8/4 heads of 64, bf16, one
+// thread, medians of 50 calls): the general kernel above 3.7-4.5 ms, this path 2.8 ms.
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf16 load16(const at::BFloat16* p) {
+  vu16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<vf16>(__builtin_convertvector(h, vu32x16) << 16);
+}
+
+inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(vf16 v) {
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// fn(row, p) for the cache's slot row of each position p < k_len, in order, walking the block
+// table entry by entry.
+template <typename T, typename Fn>
+inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t block_size,
+                              int64_t row_stride, int64_t k_len, Fn&& fn) {
+  for (int64_t p0 = 0, c = 0; p0 < k_len; p0 += block_size, ++c) {
+    const int64_t n = std::min(block_size, k_len - p0);
+    const T* row = cache + static_cast<int64_t>(table[c]) * block_size * row_stride;
+    for (int64_t j = 0; j < n; ++j, row += row_stride) fn(row, p0 + j);
+  }
+}
+
+// kC: head_dim / 16 as a constant (registers, unrolled loops), or 0 for any multiple of 16.
+template <typename T, int64_t kC>
+void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, const T* k_cache,
+                 const T* v_cache, const int32_t* table, int64_t block_size, int64_t num_kv_heads,
+                 int64_t group, int64_t head_dim, int64_t k_len, float scale,
+                 std::vector<float>& scratch) {
+  const int64_t C = kC > 0 ? kC : head_dim / 16;
+  const int64_t D = C * 16;
+  const int64_t hq = num_kv_heads * group;
+  const int64_t row_stride = num_kv_heads * D;
+  scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * k_len));
+  float* qf = scratch.data();
+  float* acc = qf + hq * D;
+  float* inv = acc + hq * D;
+  float* s = inv + hq;  // scores [hq][k_len], then softmax weights
+  for (int64_t h = 0; h < hq; ++h) {
+    const T* src = q + seq * q_s0 + h * q_s1;
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f<T>(src[d]) * scale;
+  }
+  vf16 row[kC > 0 ? kC : kMaxHeadDim / 16];
+
+  // Pass 1: scores.
+  for_each_slot_row(k_cache, table, block_size, row_stride, k_len, [&](const T* kp, int64_t p) {
+    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+      for (int64_t i = 0; i < C; ++i) row[i] = load16(kp + kh * D + i * 16);
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+        const float* qh = qf + h * D;
+        vf16 t = load16(qh) * row[0];
+        for (int64_t i = 1; i < C; ++i) t += load16(qh + i * 16) * row[i];
+        s[h * k_len + p] = hsum(t);
+      }
+    }
+  });
+  // Pass 2: softmax weights (unnormalised) and their sums.
+  for (int64_t h = 0; h < hq; ++h) {
+    float* sh = s + h * k_len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < k_len; ++p) mx = std::max(mx, sh[p]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < k_len; ++p) {
+      sh[p] = exp_nonpos(sh[p] - mx);
+      sum += sh[p];
+    }
+    inv[h] = 1.f / sum;
+  }
+  // Pass 3: weighted sum of the values.
+  std::fill(acc, acc + hq * D, 0.f);
+  for_each_slot_row(v_cache, table, block_size, row_stride, k_len, [&](const T* vp, int64_t p) {
+    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+      for (int64_t i = 0; i < C; ++i) row[i] = load16(vp + kh * D + i * 16);
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+        const float w = s[h * k_len + p];
+        float* ah = acc + h * D;
+        for (int64_t i = 0; i < C; ++i) store16(ah + i * 16, load16(ah + i * 16) + w * row[i]);
+      }
+    }
+  });
+  T* dst = out + seq * hq * D;
+  for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t d = 0; d < D; ++d) dst[h * D + d] = from_f<T>(acc[h * D + d] * inv[h]);
+  }
+}
+
+template <typename T>
+using DecodeFn = void (*)(int64_t, const T*, int64_t, int64_t, T*, const T*, const T*,
+                          const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                          std::vector<float>&);
+
+template <typename T>
+DecodeFn<T> decode_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return &decode_item<T, 4>;
+    case 128: return &decode_item<T, 8>;
+    case 256: return &decode_item<T, 16>;
+    default: return &decode_item<T, 0>;
+  }
+}
+
+// The decode path's preconditions: one row per sequence, fp32 or bf16, head_dim % 16 == 0.
+template <typename T>
+void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const int32_t* tables, int64_t width,
+                  const int32_t* ctx, int64_t B, float scale) {
+  const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const DecodeFn<T> fn = decode_for<T>(D);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t b = begin; b < end; ++b) {
+      fn(b, qp, q.stride(0), q.stride(1), op, kp, vp, tables + b * width, block_size, hkv, group,
+         D, ctx[b], scale, scratch);
+    }
+  });
+}
+
 // out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
 // cache [num_blocks, block_size, Hkv, D]. Sequence b owns query rows cu_seqlens_q[b]..[b+1],
 // which are the last q_len rows of its context_lens[b] keys (causal). Keys come from
@@ -264,6 +415,20 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     }
   }
   if (items.empty()) return;
+  bool one_row_each = true;
+  for (int64_t b = 0; b < B && one_row_each; ++b) one_row_each = cu[b + 1] - cu[b] == 1;
+  if (one_row_each && q.size(2) % 16 == 0) {
+    if (q.scalar_type() == at::kBFloat16) {
+      paged_decode<at::BFloat16>(out, q, k_cache, v_cache, tables, width, ctx, B,
+                                 static_cast<float>(scale));
+      return;
+    }
+    if (q.scalar_type() == at::kFloat) {
+      paged_decode<float>(out, q, k_cache, v_cache, tables, width, ctx, B,
+                          static_cast<float>(scale));
+      return;
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
