@@ -28,10 +28,12 @@ def policy(request, monkeypatch):
 
 def make_sched(bs=16, blocks=6, max_num_seqs=16, max_batched=4096, max_model_len=1024,
                prefix=True, eos=(EOS,), policy=None):
+    # max_stall_tokens=1: a fixed budget of max_batched under both policies (the seed's steps).
     return Scheduler(EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                                   enable_prefix_caching=prefix, eos_token_ids=list(eos),
-                                  scheduling_policy=policy or CURRENT["policy"]))
+                                  scheduling_policy=policy or CURRENT["policy"],
+                                  max_stall_tokens=1))
 
 
 def make_seq(rid, tokens, max_tokens=16, **sp):

@@ -10,10 +10,12 @@ from tpserve.scheduler import Scheduler, Sequence, SequenceStatus
 EOS = 0
 
 
-def make_sched(bs=4, blocks=64, max_num_seqs=16, max_batched=8):
+def make_sched(bs=4, blocks=64, max_num_seqs=16, max_batched=8, max_stall=1):
+    """A mixed scheduler; the default ``max_stall`` keeps the budget fixed at ``max_batched``."""
     return Scheduler(EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_batched, max_model_len=256,
-                                  eos_token_ids=[EOS], scheduling_policy="mixed"))
+                                  eos_token_ids=[EOS], scheduling_policy="mixed",
+                                  max_stall_tokens=max_stall))
 
 
 def make_seq(rid, tokens, max_tokens=32):
@@ -58,6 +60,28 @@ def test_decodes_first_then_chunks_fill_the_budget_exactly():
     assert ids(batch.seqs) == ["a", "b", "c", "long", "short"] and batch.num_decodes == 4
     assert batch.num_tokens == 7 and batch.sampled == [True]
     run(s, batch)
+
+
+def test_few_decoding_streams_let_a_step_grow_to_the_stall_budget():
+    """A step with d decode rows holds max(budget, max_stall_tokens // d) tokens: a long prompt
+    goes in large chunks while few streams wait on it, in budget-sized ones under load."""
+    assert [make_sched(max_batched=8, max_stall=48).step_budget(d)
+            for d in (0, 1, 2, 4, 6, 7, 100)] == [48, 48, 24, 12, 8, 8, 8]
+    for d, first_chunk in ((0, 48), (1, 47), (2, 22), (4, 8), (6, 2)):
+        s = make_sched(blocks=256, max_batched=8, max_stall=48)
+        for i in range(d):
+            s.add(make_seq(f"d{i}", [i + 1]))
+        if d:
+            run(s, s.schedule())                           # the streams' one-token prefills
+        s.add(make_seq("long", range(1, 101)))
+        batch = s.schedule()
+        assert ids(batch.seqs) == [f"d{i}" for i in range(d)] + ["long"]
+        assert batch.num_decodes == d
+        assert batch.num_tokens == s.step_budget(d)        # exactly the budget: decodes + chunk
+        assert batch.seqs[-1].num_scheduled_tokens == first_chunk
+        run(s, batch)
+        if d == 1:                                         # the next chunk: the same budget
+            assert s.schedule().seqs[-1].num_scheduled_tokens == 47
 
 
 def test_last_admitted_is_chunked_and_continues_before_admissions():

@@ -96,11 +96,11 @@ def reference(runner: FakeRunner, prompt, sp: SamplingParams, eos, max_model_len
 
 class Harness:
     def __init__(self, bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab, salt,
-                 policy):
+                 policy, max_stall=1):
         self.cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                                 enable_prefix_caching=prefix, eos_token_ids=[EOS],
-                                scheduling_policy=policy)
+                                scheduling_policy=policy, max_stall_tokens=max_stall)
         self.s = Scheduler(self.cfg)
         self.runner = FakeRunner(blocks, bs, vocab, salt)
         self.seqs: dict[str, Sequence] = {}
@@ -142,8 +142,12 @@ class Harness:
         self.mixed_steps += 0 < nd < len(batch)
         if self.cfg.scheduling_policy == "prefill-first":
             assert nd in (0, len(batch))
+            assert nd or plan.num_tokens <= self.cfg.max_num_batched_tokens  # prefill steps
         else:
-            assert plan.num_tokens <= self.cfg.max_num_batched_tokens
+            # max(max_num_batched_tokens, max_stall_tokens // decodes), decodes alone capped
+            assert nd <= self.cfg.max_num_batched_tokens
+            assert plan.num_tokens <= max(self.cfg.max_num_batched_tokens,
+                                          self.cfg.max_stall_tokens // max(nd, 1))
         tokens = self.runner.run(plan)
         assert len(tokens) == plan.num_samples
         out = self.s.postprocess(batch, tokens)
@@ -211,12 +215,13 @@ op_st = st.one_of(
 @given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(6, 32),
        max_num_seqs=st.sampled_from([1, 2, 3, 4, 4]), max_batched=st.integers(1, 16),
        max_model_len=st.integers(12, 40), prefix=st.booleans(), salt=st.integers(0, 1000),
-       initial=st.lists(add_st, min_size=1, max_size=6), ops=st.lists(op_st, max_size=40))
+       initial=st.lists(add_st, min_size=1, max_size=6), ops=st.lists(op_st, max_size=40),
+       max_stall=st.sampled_from([1, 8, 24, 64]))
 def test_random_interleavings_keep_invariants(policy, bs, pool_tokens, max_num_seqs, max_batched,
-                                              max_model_len, prefix, salt, initial, ops):
+                                              max_model_len, prefix, salt, initial, ops, max_stall):
     blocks = -(-pool_tokens // bs)
     h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=6, salt=salt,
-                policy=policy)
+                policy=policy, max_stall=max_stall)
     for op in initial + ops:
         if op[0] == "add":
             _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
@@ -250,7 +255,7 @@ def test_outputs_match_reference_across_block_sizes(bs, policy):
     longest = 4 * scale + 4                   # prompt + max_tokens of the largest request
     blocks = -(-3 * longest // (2 * bs))      # room for about 1.5 of them: forces preemption
     h = Harness(bs, blocks, max_num_seqs=4, max_batched=3 * scale, max_model_len=4 * scale * 8,
-                prefix=True, vocab=50, salt=bs, policy=policy)
+                prefix=True, vocab=50, salt=bs, policy=policy, max_stall=12 * scale)
     base = rng.integers(1, 50, size=2 * scale).tolist()
     for i in range(8):
         shared = base[:int(rng.integers(scale // 2, 2 * scale))]

@@ -21,6 +21,7 @@ SCHEDULING_POLICIES = ("mixed", "prefill-first")
 # prompt is prefilled. Offline (the LLM API): large, for throughput.
 SERVING_MAX_NUM_BATCHED_TOKENS = 256
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_STALL_TOKENS = 4096
 
 
 @dataclass
@@ -47,6 +48,15 @@ class EngineConfig:
     a stall near 1/7 of the prefill at a small cost in time to first token. (vLLM serves
     with 2,048 on GPUs, where a prompt token costs far less.) The offline ``LLM`` API
     defaults to 8,192, which favours throughput.
+
+    ``max_stall_tokens`` lets a mixed step grow past that budget while few streams decode: a
+    step with ``d`` decode rows holds up to ``max(max_num_batched_tokens, max_stall_tokens // d)``
+    tokens (``max_stall_tokens`` when nothing decodes). The time a step takes is a stall every
+    decoding stream pays, so what is bounded is prompt tokens times the streams waiting on
+    them: with the defaults, one step of up to 4,096 tokens when one stream decodes, 1,024 with
+    four, and the 256-token budget from sixteen streams on. Fewer, larger steps at light load
+    mean fewer stalled tokens and an earlier first token; under load the small budget keeps
+    every stall short. Set it to ``max_num_batched_tokens`` (or lower) for a fixed budget.
     """
 
     model: str | None = None
@@ -55,6 +65,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = SERVING_MAX_NUM_BATCHED_TOKENS
     scheduling_policy: str = "mixed"
+    max_stall_tokens: int = DEFAULT_MAX_STALL_TOKENS
     max_model_len: int | None = None
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
@@ -79,7 +90,8 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(name, f"must be an integer >= {lo}, got {v!r}")
 
-        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_stall_tokens"):
             pos_int(name)
         if self.max_model_len is not None:
             pos_int("max_model_len")
@@ -138,6 +150,13 @@ class EngineConfig:
         d = asdict(self)
         d.pop("hf_config")
         return d
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one engine step can hold under the configured policy."""
+        if self.scheduling_policy == "mixed":
+            return max(self.max_num_batched_tokens, self.max_stall_tokens)
+        return self.max_num_batched_tokens
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -29,6 +29,9 @@ _OPTIONS = [
     ("max_num_seqs", ("--max-num-seqs",), dict(type=int, help="most sequences in one batch")),
     ("max_num_batched_tokens", ("--max-num-batched-tokens",),
      dict(type=int, help="most tokens in one engine step (prefill chunks included)")),
+    ("max_stall_tokens", ("--max-stall-tokens",),
+     dict(type=int, help="mixed steps while d streams decode hold up to max(max-num-batched-tokens, "
+                         "this / d) tokens: larger steps when few streams wait on them")),
     ("scheduling_policy", ("--scheduling-policy",),
      dict(type=click.Choice(SCHEDULING_POLICIES),
           help="mixed: running decodes first, then prefill chunks, in one token budget per step; "

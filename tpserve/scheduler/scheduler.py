@@ -10,7 +10,10 @@ two policies (``EngineConfig.scheduling_policy``):
   forward over one plan whose decode rows come first; running streams therefore never wait
   for a whole prefill, only for one budget's worth of it. If the decode part preempted
   anything, nobody is admitted in that step: the only sequences that could fit are the
-  victims just evicted to make room.
+  victims just evicted to make room. While few streams decode the budget grows: a step with
+  ``d`` decode rows holds ``max(max_num_batched_tokens, max_stall_tokens // d)`` tokens
+  (``step_budget``), so the product of prompt tokens and the streams stalled by them stays
+  bounded (see EngineConfig); decode rows are capped by ``max_num_batched_tokens`` alone.
 - **prefill-first** (the seed's policy). A step is all prefill if anything can be prefilled
   (partial prefill first, then admissions as above), else all decode.
 
@@ -116,6 +119,7 @@ class Scheduler:
         self.block_size = bs = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_stall_tokens = config.max_stall_tokens
         self.policy = config.scheduling_policy
         # None: only the pool bounds a sequence.
         self.max_model_len = config.max_model_len
@@ -191,11 +195,15 @@ class Scheduler:
             batch = self._schedule_decode(self.max_num_seqs)
         return batch
 
+    def step_budget(self, num_decodes: int) -> int:
+        """Tokens a mixed step with ``num_decodes`` decode rows may hold (module docstring)."""
+        return max(self.max_num_batched_tokens, self.max_stall_tokens // max(num_decodes, 1))
+
     def _schedule_mixed(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
         preempted = self.num_preemptions
-        decode = self._schedule_decode(min(budget, self.max_num_seqs))
+        decode = self._schedule_decode(min(self.max_num_batched_tokens, self.max_num_seqs))
         nd = len(decode.seqs)
+        budget = self.step_budget(nd)
         # After a preemption, admitting waiting sequences would only readmit the victims that
         # were just evicted to make room (the seed lets a step preempt or admit, not both).
         admit = self.num_preemptions == preempted

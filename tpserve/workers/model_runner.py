@@ -17,7 +17,7 @@ KV cache sizing:
     * CPU: ``config.kv_cache_memory_gb`` of memory per rank.
     * device: a fraction ``gpu_memory_utilization`` of device memory, minus what is in use after
       the warm-up (weights, context) and the warm-up's activation peak. The warm-up is a prefill
-      of ``max_num_batched_tokens`` that samples ``max_num_seqs`` rows with top-k/top-p on (the
+      of ``max_step_tokens`` that samples ``max_num_seqs`` rows with top-k/top-p on (the
       sampler's largest footprint). The allocator's cached blocks are released after the
       warm-up: otherwise they would be counted once as "in use" and again as the peak.
     * Both budgets are capped at ``max_useful_blocks``: ``max_num_seqs`` sequences of
@@ -226,12 +226,12 @@ class ModelRunner:
 
 
 def warmup_plan(config: EngineConfig) -> StepPlan:
-    """The memory-peak step: a prefill of ``max_num_batched_tokens`` tokens (capped by what
+    """The memory-peak step: a prefill of ``max_step_tokens`` tokens (capped by what
     ``max_num_seqs`` sequences can hold) that samples ``max_num_seqs`` rows (capped by the
     token count) with temperature, top-k and top-p all on, so the sampler sorts the vocabulary
     as its most expensive real step does."""
     cfg = config
-    num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+    num_tokens = min(cfg.max_step_tokens, cfg.max_num_seqs * cfg.max_model_len)
     num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // max(cfg.max_model_len, 1)))
     lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
     lens[-1] += num_tokens - int(lens.sum())
