@@ -25,7 +25,8 @@ and is stopped (its whole process group) when its turn ends, also on errors.
 How the ``transformers serve`` peer differs (transformers 5.x):
 
 - It is started as ``PYTHON -m transformers.cli.transformers serve DIR --continuous-batching``
-  (the model preloaded, so ``/health`` answering means ready) plus ``--transformers-args``.
+  (the model preloaded) plus ``--transformers-args``, and sent one short request before the
+  measurements, since its first request builds the continuous-batching cache (seconds).
   Without ``--continuous-batching`` it runs one ``generate()`` at a time, and every other
   request waits for it. Its KV cache is sized like tpserve's: ``--cb-num-blocks`` blocks of
   256 tokens holding ``--kv-cache-memory-gb``, capped at ``--max-num-seqs`` whole contexts
@@ -292,6 +293,10 @@ async def http_server(cmd: list[str], port: int, args, driver: OpenAIDriver, nam
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not up after {args.startup_timeout} s (log {log.name})")
             await asyncio.sleep(1.0)
+        if proc.poll() is not None:
+            # Another process answered /health on our port: ours never started listening.
+            raise RuntimeError(f"{name} exited with {proc.returncode} (port {port} taken?): "
+                               f"{Path(log.name).read_text()[-2000:]}")
         yield driver
     finally:
         _stop_group(proc)
@@ -376,6 +381,9 @@ async def transformers_server(model: Path, args):
         # Offline: the CLI's update check and the hub lookups would wait on a network.
         async with http_server(cmd, port, args, driver, "transformers",
                                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}) as d:
+            # The first request builds its continuous-batching cache (seconds): start-up, not
+            # serving, so it is done before anything is measured.
+            await d.stream(list(range(3, 11)), 2, Record())
             yield d
     finally:
         shutil.rmtree(text_dir, ignore_errors=True)
@@ -419,13 +427,14 @@ async def replay(driver, trace: list[Request], time_limit: float) -> list[Record
     return records
 
 
-async def scenario(driver, vocab: int, args) -> tuple[float, float]:
+async def scenario(driver, vocab: int, max_len: int, args) -> tuple[float, float]:
     """(median gap between tokens before the arrival, longest gap after it), seconds."""
     rng = np.random.default_rng(args.seed + 7)
     streams = [Record() for _ in range(args.scenario_streams)]
     prompts = [rng.integers(3, vocab, size=64).tolist() for _ in streams]
     long_prompt = rng.integers(3, vocab, size=args.scenario_prompt).tolist()
-    decode_for = args.scenario_tokens
+    # A stream may not decode past the model's context (a server rejects such a request).
+    decode_for = min(args.scenario_tokens, max_len - len(prompts[0]))
     tasks = []
     for p, rec in zip(prompts, streams):
         rec.sent = time.perf_counter()
@@ -450,8 +459,11 @@ async def scenario(driver, vocab: int, args) -> tuple[float, float]:
     after = [b - a for r in streams for a, b in zip(r.times, r.times[1:])
              if b > arrival and a < first]
     if not long_rec.times or not after:
+        errors = [repr(t.exception()) for t in tasks
+                  if t.done() and not t.cancelled() and t.exception() is not None]
         raise RuntimeError("the scenario did not complete: streams ended before the long "
-                           "prompt's first token (raise --scenario-tokens)")
+                           "prompt's first token (raise --scenario-tokens)"
+                           + (f"; {len(errors)} streams failed, first: {errors[0]}" if errors else ""))
     return float(np.median(before)) if before else float("nan"), max(after)
 
 
@@ -519,7 +531,7 @@ async def main_async(args) -> int:
                             print(f"bench_serving note engine={name} rate={rate:g}/s {note}",
                                   flush=True)
                 if args.mode in ("scenario", "both"):
-                    median, longest = await scenario(driver, vocab, args)
+                    median, longest = await scenario(driver, vocab, max_len, args)
                     gaps[name] = longest
                     print(f"bench_serving scenario engine={name} streams={args.scenario_streams} "
                           f"prompt={args.scenario_prompt} median_gap_ms={median * 1e3:.1f} "
