@@ -9,7 +9,8 @@ Trace mode replays one seeded arrival trace per rate (Poisson arrivals; prompt l
 16-256 tokens, 30% 256-1,024, 10% 2,000-4,000; output lengths 16-256) against each engine in
 the same run, and prints per rate and engine: TTFT p50/p99, ITL p50/p99 (gaps between
 consecutive streamed tokens), end-to-end p50/p99, and output tokens/s (all output tokens over
-the time from the first arrival to the last completion). Scenario mode: 16 streams decode
+the time from the first arrival to the last completion). Each engine first gets one short
+warm-up request, not measured. Scenario mode: 16 streams decode
 when a 3,000-token prompt arrives; it prints the longest gap between two tokens of any running
 stream from that arrival until the prompt's first token, per engine, and the mixed /
 prefill-first ratio (target <= 0.25).
@@ -25,8 +26,8 @@ and is stopped (its whole process group) when its turn ends, also on errors.
 How the ``transformers serve`` peer differs (transformers 5.x):
 
 - It is started as ``PYTHON -m transformers.cli.transformers serve DIR --continuous-batching``
-  (the model preloaded) plus ``--transformers-args``, and sent one short request before the
-  measurements, since its first request builds the continuous-batching cache (seconds).
+  (the model preloaded) plus ``--transformers-args``. Its first request builds the
+  continuous-batching cache (seconds); the warm-up request every engine gets takes that.
   Without ``--continuous-batching`` it runs one ``generate()`` at a time, and every other
   request waits for it. Its KV cache is sized like tpserve's: ``--cb-num-blocks`` blocks of
   256 tokens holding ``--kv-cache-memory-gb``, capped at ``--max-num-seqs`` whole contexts
@@ -381,9 +382,6 @@ async def transformers_server(model: Path, args):
         # Offline: the CLI's update check and the hub lookups would wait on a network.
         async with http_server(cmd, port, args, driver, "transformers",
                                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}) as d:
-            # The first request builds its continuous-batching cache (seconds): start-up, not
-            # serving, so it is done before anything is measured.
-            await d.stream(list(range(3, 11)), 2, Record())
             yield d
     finally:
         shutil.rmtree(text_dir, ignore_errors=True)
@@ -513,6 +511,9 @@ async def main_async(args) -> int:
     for name, server in engines(model, args):
         try:
             async with server() as driver:
+                # One short request first, as every engine's start-up: transformers builds its
+                # cache on its first request (seconds), and first calls are slow everywhere.
+                await driver.stream(list(range(3, 11)), 2, Record())
                 if args.mode in ("trace", "both"):
                     for i, rate in enumerate(args.rates):
                         trace = make_trace(args.requests, rate, vocab, args.seed + i,
