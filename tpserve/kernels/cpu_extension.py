@@ -10,6 +10,8 @@ them during setup rather than during its first request.
 The operators are registered as ``torch.ops.tpserve_cpu.*``. A machine that cannot build them
 (no compiler, a failed build) runs the plain-torch code instead, after one logged warning;
 ``TPSERVE_CPU_OPS=0`` forces that fallback (the reference path, and a way to compare the two).
+``TPSERVE_CPU_ARCH`` replaces ``native`` in ``-march`` (e.g. ``haswell`` for an AVX2-only build,
+to measure or ship for a smaller instruction set than the build machine's).
 """
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 # it the operators run on one thread). Not at link time: the GOMP symbols then resolve to the
 # OpenMP runtime torch already loaded; linking the system's libgomp as a second runtime made
 # tensor-parallel ranks abort at exit ("terminate called without an active exception").
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
+def cflags() -> list[str]:
+    arch = os.environ.get("TPSERVE_CPU_ARCH") or "native"
+    return ["-O3", f"-march={arch}", "-fno-trapping-math", "-fopenmp"]
+
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -58,7 +63,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: changes whenever the source, torch, the flags or the CPU change."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode(),
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(cflags()).encode(),
                  _cpu_flags().encode(), sys.version.encode()):
         h.update(part)
     return f"tpserve_cpu_{h.hexdigest()[:16]}"
@@ -77,7 +82,7 @@ def _build() -> None:
     if shutil.which("ninja") is None and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(),
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
