@@ -122,8 +122,15 @@ def test_warmup_plan_rows_are_distinct_tokens_of_the_batch():
     assert plan.num_tokens == 8192 and plan.num_samples == 256
     assert len(set(plan.logits_indices.tolist())) == 256
     assert plan.logits_indices.max() < plan.num_tokens
-    small = warmup_plan(EngineConfig(max_num_seqs=256, max_num_batched_tokens=100, max_model_len=50))
+    small = warmup_plan(EngineConfig(max_num_seqs=256, max_num_batched_tokens=100, max_model_len=50,
+                                     max_stall_tokens=1))
     assert small.num_samples == 100 and small.num_tokens == 100
+    # A mixed step may grow to max_stall_tokens while few streams decode: the warm-up covers it.
+    grown = EngineConfig(max_num_seqs=256, max_num_batched_tokens=100, max_model_len=50,
+                         max_stall_tokens=1000)
+    assert warmup_plan(grown).num_tokens == 1000 == grown.max_step_tokens
+    grown.scheduling_policy = "prefill-first"
+    assert warmup_plan(grown).num_tokens == 100
 
 
 # ---- CUDA-graph bookkeeping: padded and exact batches equal eager decode -------------------------

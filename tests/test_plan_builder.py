@@ -23,7 +23,7 @@ def make_sched(bs=4, blocks=16, max_num_seqs=8, max_batched=64, max_model_len=25
     return Scheduler(EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                                   enable_prefix_caching=prefix, eos_token_ids=[EOS],
-                                  scheduling_policy=policy))
+                                  scheduling_policy=policy, max_stall_tokens=1))  # fixed budget
 
 
 def plan_lists(plan: StepPlan) -> dict:
