@@ -398,8 +398,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 
   const int64_t group = q.size(1) / hkv;
   std::vector<WorkItem> items;
+  bool one_row_each = true;  // a decode plan: the decode path below
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b];
+    one_row_each = one_row_each && q_len == 1;
     check_value(q_len >= 0 && ctx[b] >= q_len,
                 "context_lens: each sequence needs at least as many keys as new query rows");
     const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
@@ -415,8 +417,6 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     }
   }
   if (items.empty()) return;
-  bool one_row_each = true;
-  for (int64_t b = 0; b < B && one_row_each; ++b) one_row_each = cu[b + 1] - cu[b] == 1;
   if (one_row_each && q.size(2) % 16 == 0) {
     if (q.scalar_type() == at::kBFloat16) {
       paged_decode<at::BFloat16>(out, q, k_cache, v_cache, tables, width, ctx, B,
