@@ -80,3 +80,18 @@ def test_prefix_cache_hit_computes_the_same_logits_as_recomputing(model, dtype):
         assert llm.stats()["prefix_cache_hit_tokens"] - hits_before >= 32
     assert warm_tokens == cold_tokens
     assert same(cold[1], warm[1]), max((a - b).abs().max().item() for a, b in zip(cold[1], warm[1]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # fp32: see docs/protocol.md
+def test_a_hit_that_leaves_one_prompt_row_computes_the_same_logits(model, dtype):
+    """Two cached blocks of a 33-token prompt leave one row to compute: its attention must not
+    take the decode rows' arithmetic."""
+    prompt = SHARED[:33]
+    with LLM(str(model), dtype=dtype, num_kv_blocks=128, block_size=16) as llm:
+        spy = LogitSpy(llm)
+        cold_tokens, cold = run(llm, spy, [prompt], [1])
+        hits_before = llm.stats()["prefix_cache_hit_tokens"]
+        warm_tokens, warm = run(llm, spy, [prompt], [1], reset=False)
+        assert llm.stats()["prefix_cache_hit_tokens"] - hits_before == 32
+    assert warm_tokens == cold_tokens
+    assert same(cold[1], warm[1])

@@ -69,6 +69,48 @@ def test_decode_path_head_dims_and_dtypes(head_dim, dtype):
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
 
 
+# Prompt rows take the operator's tiled path when head_dim % 16 == 0 and the dtype is fp32/bf16
+# (specialised for 64/128/256, a generic loop for 48), torch's SDPA paths otherwise (40, fp16).
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 48, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["prefill", "prefill_context", "long_chunks"])
+def test_prompt_path_head_dims_and_dtypes(case, head_dim, dtype):
+    batch, out, ref = run(case, block_size=16, heads=(8, 2), head_dim=head_dim, dtype=dtype)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prompt_rows_do_not_depend_on_how_the_prompt_is_split(dtype, block_size):
+    """A prompt row computes the same bits whether the rows before it are new in this call or
+    read from the cache, whatever else shares the call: the promise of docs/protocol.md."""
+    ops = cpu_extension.ops()
+    heads, d, n = (8, 2), 64, 75
+    whole = random_paged_batch([0, 0], [n, 40], num_heads=heads[0], num_kv_heads=heads[1],
+                               head_dim=d, block_size=block_size, dtype=dtype, seed=3)
+    m = whole.meta
+    backend = get_backend("cpu", "cpu", block_size)
+    backend.store(whole.k, whole.v, whole.k_cache, whole.v_cache, m.slot_mapping)
+
+    def attend(q, cu, ctx, tables):
+        out = torch.empty_like(q)
+        ops.paged_attention(out, q, whole.k_cache, whole.v_cache, tables,
+                            torch.tensor(cu, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+                            d ** -0.5, True)
+        return out
+
+    first = whole.q[:n]
+    all_new = attend(whole.q, [0, n, n + 40], [n, 40], m.block_tables)[:n]
+    for cached in (1, 16, 31, 47, 74):  # the first `cached` positions come from the cache
+        rest = attend(first[cached:], [0, n - cached], [n], m.block_tables[:1])
+        assert torch.equal(rest, all_new[cached:]), cached
+        # beside other rows: a 5-row chunk of the second sequence, then this prompt's rest
+        mixed = attend(torch.cat([whole.q[n + 35:], first[cached:]]), [0, 5, 5 + n - cached],
+                       [40, n], m.block_tables.flip(0))
+        assert torch.equal(mixed[5:], all_new[cached:]), cached
+
+
 def test_thread_count_does_not_change_the_result():
     before = torch.get_num_threads()
     try:
@@ -175,7 +217,7 @@ def test_env_switch_disables_the_operators(monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_operator_alone_handles_every_plan_shape(case, block_size):
-    """The kernel itself covers prompt rows too (the backend sends it decode rows only)."""
+    """The operator alone takes whole plans: decode and prompt rows in one call."""
     batch, _, ref = run(case, block_size=block_size, heads=(4, 2))  # forward stored the new K/V
     m = batch.meta
     out = torch.empty_like(batch.q)
@@ -184,7 +226,9 @@ def test_operator_alone_handles_every_plan_shape(case, block_size):
     torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
 
 
-def test_decode_rows_take_the_kernel_and_prompt_rows_the_sdpa_paths(monkeypatch):
+def test_each_row_kind_takes_its_path(monkeypatch):
+    """Decode rows and (fp32/bf16, head_dim % 16 == 0) prompt rows take the operator, in separate
+    calls in a mixed plan; other prompt rows take torch's SDPA paths."""
     backend = get_backend("cpu", "cpu", 16)
     kernel_rows, torch_rows = [], []
     ops, torch_attend = backend._ops, backend._torch.attend
@@ -203,15 +247,20 @@ def test_decode_rows_take_the_kernel_and_prompt_rows_the_sdpa_paths(monkeypatch)
 
     monkeypatch.setattr(backend, "_ops", Spy())
     monkeypatch.setattr(backend._torch, "attend", spy_attend)
-    for case, want_kernel, want_torch in (("decode", [6], []), ("mixed", [1], [44]),
-                                          ("prefill", [], [55]), ("prefill_context", [], [60])):
+    for case, head_dim, dtype, want_kernel, want_torch in (
+            ("decode", 32, torch.float32, [6], []),
+            ("mixed", 32, torch.bfloat16, [1, 44], []),
+            ("prefill", 32, torch.float32, [55], []),
+            ("prefill_context", 32, torch.float32, [60], []),
+            ("mixed", 40, torch.float32, [1], [44]),
+            ("prefill", 32, torch.float16, [], [55])):
         kernel_rows.clear()
         torch_rows.clear()
         ctx, new, is_prefill = CASES[case]
         _, out, ref = backend_vs_reference(backend, ctx, new, is_prefill=is_prefill, num_heads=4,
-                                           num_kv_heads=2, head_dim=32)
-        torch.testing.assert_close(out.double(), ref, atol=TOL[torch.float32], rtol=0)
-        assert (kernel_rows, torch_rows) == (want_kernel, want_torch), case
+                                           num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+        torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+        assert (kernel_rows, torch_rows) == (want_kernel, want_torch), (case, head_dim, dtype)
 
 
 def test_cpu_arch_override_changes_flags_and_build_name(monkeypatch):

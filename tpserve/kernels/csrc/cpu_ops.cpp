@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -240,6 +241,7 @@ inline vf16 load16(const at::BFloat16* p) {
 
 inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+
 inline float hsum(vf16 v) {
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -359,15 +361,197 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   });
 }
 
+// ---- prompt rows: tiles of query rows against tiles of keys ---------------------------------------
+//
+// Prompt rows are GEMM-shaped: many query rows of one sequence see the same keys. A work item is
+// (sequence, up to kPromptRows query positions, one KV head) with every query head of that KV
+// head's group, so each key tile is read from the cache and widened once for all of them. Keys
+// come in tiles of 16 at absolute positions 0, 16, 32, ...: a tile's keys are transposed into a
+// [D][16] block, so one query vector's 16 scores are D vector FMAs (a broadcast query element
+// times a row of the block), and the values of the tile multiply the softmax weights row by row.
+// The softmax is online over tiles, in fp32.
+//
+// A query row's arithmetic depends only on its position and its keys, never on which other
+// rows share its item or where its item starts: the tiles are aligned to absolute positions, a
+// row reads exactly its visible keys of each tile, and tiles it cannot see are skipped. So a
+// prompt computes the same bits whether its prefix was just computed in this step or read from
+// the prefix cache (docs/protocol.md promises this; tests/test_determinism.py checks it).
+//
+// Items are handed out largest first from a shared counter, so threads finish together even
+// when prompts differ in length.
+
+constexpr int64_t kPromptRows = 32;
+
+struct PromptItem {
+  int32_t seq, row_begin, row_end, kv_head;
+  int64_t cost;  // scores computed: rows x keys up to the item's last row
+};
+
+inline float hmax(vf16 v) {
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vf8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 m = a > b ? a : b;
+  float r = m[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
+  return r;
+}
+
+// kC: head_dim / 16 as a constant, or 0 for any multiple of 16.
+template <typename T, int64_t kC>
+void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* out,
+                 const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
+                 int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t q_begin,
+                 int64_t offset, float scale, std::vector<float>& scratch) {
+  const int64_t C = kC > 0 ? kC : head_dim / 16;
+  const int64_t D = C * 16;
+  const int64_t hq = num_kv_heads * group;
+  const int64_t row_stride = num_kv_heads * D;
+  const int64_t rows = w.row_end - w.row_begin;
+  const int64_t nq = rows * group;  // query vectors (row, head of the group), row-major
+  scratch.resize(static_cast<size_t>(nq * D * 2 + nq * 2 + D * 16 * 2 + 16));
+  float* qf = scratch.data();  // [nq][D], scaled
+  float* acc = qf + nq * D;    // [nq][D]
+  float* mx = acc + nq * D;
+  float* sum = mx + nq;
+  float* kt = sum + nq;       // [D][16]: the tile's keys, transposed
+  float* vt = kt + D * 16;    // [16][D]: the tile's values
+  float* p = vt + D * 16;     // [16]: one row's softmax weights
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t v = r * group + g;
+      const T* src = q + (q_begin + w.row_begin + r) * q_s0 + (w.kv_head * group + g) * q_s1;
+      for (int64_t d = 0; d < D; ++d) qf[v * D + d] = to_f<T>(src[d]) * scale;
+      mx[v] = -std::numeric_limits<float>::infinity();
+      sum[v] = 0.f;
+    }
+  }
+  std::fill(acc, acc + nq * D, 0.f);
+  const int64_t first_pos = offset + w.row_begin;  // absolute position of the item's first row
+  const int64_t k_end = offset + w.row_end;        // keys past the last row are never needed
+  vf16 a[kC > 0 ? kC : kMaxHeadDim / 16];
+  for (int64_t p0 = 0; p0 < k_end; p0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, k_end - p0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < nk) {
+        const int64_t pos = p0 + j;
+        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        const T* kr = k_cache + slot * row_stride + w.kv_head * D;
+        const T* vr = v_cache + slot * row_stride + w.kv_head * D;
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = to_f<T>(kr[d]);
+        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f<T>(vr[d]);
+      } else {  // past the last row: never visible, but kept finite
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = 0.f;
+      }
+    }
+    // Rows before p0 see none of this tile.
+    const int64_t v_begin = std::max<int64_t>(0, p0 - first_pos) * group;
+    for (int64_t v0 = v_begin; v0 < nq; v0 += 4) {
+      const int64_t nv = std::min<int64_t>(4, nq - v0);
+      vf16 s[4] = {};
+      const float* q0 = qf + v0 * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const vf16 kd = load16(kt + d * 16);
+        for (int64_t u = 0; u < 4; ++u) s[u] += q0[u * D + d] * kd;
+      }
+      for (int64_t u = 0; u < nv; ++u) {
+        const int64_t v = v0 + u;
+        const int64_t visible = std::min<int64_t>(16, first_pos + v / group - p0 + 1);
+        float sc[16];
+        store16(sc, s[u]);
+        float tile_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
+        const float new_max = std::max(mx[v], tile_max);
+        const float alpha = exp_nonpos(mx[v] - new_max);  // exp(-inf) -> 0 on the first tile
+#pragma omp simd
+        for (int64_t j = 0; j < 16; ++j) p[j] = j < visible ? exp_nonpos(sc[j] - new_max) : 0.f;
+        mx[v] = new_max;
+        sum[v] = sum[v] * alpha + hsum(load16(p));
+        float* av = acc + v * D;
+        for (int64_t i = 0; i < C; ++i) a[i] = load16(av + i * 16) * alpha;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float pj = p[j];
+          const float* vj = vt + j * D;
+          for (int64_t i = 0; i < C; ++i) a[i] += pj * load16(vj + i * 16);
+        }
+        for (int64_t i = 0; i < C; ++i) store16(av + i * 16, a[i]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t v = r * group + g;
+      T* dst = out + ((q_begin + w.row_begin + r) * hq + w.kv_head * group + g) * D;
+      const float inv = 1.f / sum[v];
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(acc[v * D + d] * inv);
+    }
+  }
+}
+
+template <typename T>
+using PromptFn = void (*)(const PromptItem&, const T*, int64_t, int64_t, T*, const T*, const T*,
+                          const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          float, std::vector<float>&);
+
+template <typename T>
+PromptFn<T> prompt_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return &prompt_item<T, 4>;
+    case 128: return &prompt_item<T, 8>;
+    case 256: return &prompt_item<T, 16>;
+    default: return &prompt_item<T, 0>;
+  }
+}
+
+// The prompt path's preconditions: fp32 or bf16, head_dim % 16 == 0.
+template <typename T>
+void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const int32_t* tables, int64_t width,
+                  const int32_t* cu, const int32_t* ctx, int64_t B, float scale) {
+  const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  std::vector<PromptItem> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b], offset = ctx[b] - q_len;
+    for (int64_t r = 0; r < q_len; r += kPromptRows) {
+      const int64_t r1 = std::min(q_len, r + kPromptRows);
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(r), static_cast<int32_t>(r1),
+                         static_cast<int32_t>(kh), (r1 - r) * (offset + r1 + 16)});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const PromptItem& x, const PromptItem& y) { return x.cost > y.cost; });
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const PromptFn<T> fn = prompt_for<T>(D);
+  const int64_t n = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t i = next++; i < n; i = next++) {
+      const PromptItem& w = items[i];
+      fn(w, qp, q.stride(0), q.stride(1), op, kp, vp, tables + w.seq * width, block_size, hkv,
+         group, D, cu[w.seq], ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch);
+    }
+  });
+}
+
 // out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
 // cache [num_blocks, block_size, Hkv, D]. Sequence b owns query rows cu_seqlens_q[b]..[b+1],
 // which are the last q_len rows of its context_lens[b] keys (causal). Keys come from
 // block_tables[b, p / block_size] * block_size + p % block_size; table entries past a
 // sequence's last block are never read.
+// Paths (fp32/bf16 with head_dim % 16 == 0; anything else takes the general kernel): a plan of
+// one row per sequence takes the decode path unless `prompt` is set; any other plan, or one with
+// `prompt`, takes the tiled prompt path, whose rows do not depend on how a prompt was split.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-                     double scale) {
+                     double scale, bool prompt) {
   check_dtype(q, "q: expected float32, bfloat16 or float16");
   check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
   check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
@@ -417,6 +601,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     }
   }
   if (items.empty()) return;
+  if ((prompt || !one_row_each) && q.size(2) % 16 == 0) {
+    if (q.scalar_type() == at::kBFloat16) {
+      paged_prompt<at::BFloat16>(out, q, k_cache, v_cache, tables, width, cu, ctx, B,
+                                 static_cast<float>(scale));
+      return;
+    }
+    if (q.scalar_type() == at::kFloat) {
+      paged_prompt<float>(out, q, k_cache, v_cache, tables, width, cu, ctx, B,
+                          static_cast<float>(scale));
+      return;
+    }
+  }
   if (one_row_each && q.size(2) % 16 == 0) {
     if (q.scalar_type() == at::kBFloat16) {
       paged_decode<at::BFloat16>(out, q, k_cache, v_cache, tables, width, ctx, B,
@@ -663,7 +859,8 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
 
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
+        "bool prompt=False) -> ()");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
