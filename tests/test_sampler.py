@@ -1,6 +1,8 @@
+import pytest
 import torch
 
-from tpserve.workers.sampler import Sampler, apply_top_k_top_p, uniform
+from tpserve.kernels import cpu_extension
+from tpserve.workers.sampler import Sampler, apply_top_k_top_p, argmax_rows, uniform
 
 
 def args(n, temp=1.0, k=-1, p=1.0, seeds=None, steps=None):
@@ -22,6 +24,24 @@ def test_greedy_rows_take_argmax():
     logits = torch.randn(6, 50)
     out = Sampler()(logits, *args(6, temp=0.0))
     assert torch.equal(out, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 32768])
+def test_argmax_rows_picks_torch_argmax_including_ties_nan_and_inf(dtype, vocab):
+    assert cpu_extension.available()  # the operator, not torch's fallback, is under test
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 3, generator=gen).to(dtype)[:, :vocab]  # strided rows
+    x[1] = 0.0  # all tied: index 0
+    x[2] = float("-inf")
+    if vocab > 3:
+        x[3, [1, vocab - 2]] = 50.0  # tie across lanes: the first
+        x[4, vocab - 1] = float("nan")  # a NaN counts as the maximum
+        x[5, [vocab // 2, vocab - 1]] = float("nan")  # the first NaN
+        x[6, vocab - 1] = float("inf")
+        x[7, :] = x[7, :].abs() * 0 - 1
+        x[7, vocab - 3] = 2.0
+    assert torch.equal(argmax_rows(x), x.float().argmax(-1))
 
 
 def test_sampling_follows_the_distribution():

@@ -142,12 +142,13 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """``hidden [S, hidden_size]`` -> float32 logits ``[S, vocab_size]`` on rank 0, None elsewhere.
+        """``hidden [S, hidden_size]`` -> logits ``[S, vocab_size]`` in the model's dtype on rank 0,
+        None elsewhere. Not widened here: a greedy step only needs their argmax, and the sampler
+        and the logprobs widen what they use.
 
         Every rank must call it (it gathers across the group).
         """
-        logits = self.lm_head(hidden)
-        return logits.float() if logits is not None else None
+        return self.lm_head(hidden)
 
     def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give layer i its ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``."""

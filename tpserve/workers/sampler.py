@@ -11,12 +11,15 @@ probability p_i, so no cumulative sums or multinomial calls are needed.
 Memory: everything over the vocabulary is float32 (a float64 [256, 151936] tensor is 311 MB,
 and the race needs several). Uniforms carry 23 random bits, so ``k + 0.5`` is exact in float32
 and ``u`` stays strictly inside (0, 1): ``log(-log(u))`` is always finite. A batch whose rows
-are all greedy does one argmax over the logits as they come, nothing else over the vocabulary.
+are all greedy does one argmax over the logits as they come (in the model's dtype), nothing
+else over the vocabulary.
 The runner's warm-up samples ``max_num_seqs`` rows so that the KV sizing sees this peak.
 """
 from __future__ import annotations
 
 import torch
+
+from tpserve.kernels import cpu_extension
 
 _MASK = (1 << 64) - 1
 
@@ -76,13 +79,26 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, int64 [S], as ``x.argmax(dim=-1)``. On CPU the C++ operator
+    reads fp32/bf16 rows as they are: torch widens a bf16 row first and reduces it one lane at a
+    time (measured at 64 rows x 32k: 0.14 ms against 0.99 ms, and 0.63 against 17.5 ms at 152k)."""
+    ops = cpu_extension.ops_for(x)
+    if (ops is None or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1
+            or x.dtype not in (torch.float32, torch.bfloat16)):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    ops.argmax_rows(out, x)
+    return out
+
+
 class Sampler:
     """Samples one token per row; rows with temperature 0 are greedy."""
 
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                  top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax_rows(logits)
         greedy = temperatures <= 0
         if bool(greedy.all()):
             return greedy_tokens
@@ -91,7 +107,7 @@ class Sampler:
         logp = torch.log_softmax(scaled, dim=-1)
         # argmax(p / E) == argmax(log p - log E), E = -log U.
         noise = uniform(seeds, steps, logits.shape[1]).log_().neg_().log_()
-        sampled = (logp - noise).argmax(dim=-1)
+        sampled = argmax_rows(logp - noise)
         return torch.where(greedy, greedy_tokens, sampled)
 
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -241,6 +242,22 @@ inline vf16 load16(const at::BFloat16* p) {
 
 inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Rounds to bf16 as from_f does (nearest even, NaN -> 0x7FC0), 16 lanes at a time.
+inline vu32x16 bf16_bits(vf16 v) {
+  const vu32x16 bits = reinterpret_cast<vu32x16>(v);
+  const vu32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vu32x16 nan = rounded * 0u + 0x7FC0u;
+  return v != v ? nan : rounded;
+}
+
+inline void store16(at::BFloat16* p, vf16 v) {
+  const vu16x16 h = __builtin_convertvector(bf16_bits(v), vu16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// round_to<T> for 16 lanes: the value a store to T and a load back would give.
+inline vf16 round16(vf16 v, float*) { return v; }
+inline vf16 round16(vf16 v, at::BFloat16*) { return reinterpret_cast<vf16>(bf16_bits(v) << 16); }
 
 inline float hsum(vf16 v) {
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -696,6 +713,30 @@ inline int64_t grain_rows(int64_t elems_per_row) {
   return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, elems_per_row));
 }
 
+// One row of rms_norm below, 16 lanes at a time (H % 16 == 0, fp32 or bf16): the same roundings,
+// with the sum of squares taken in 16 partial sums.
+template <typename T>
+void rms_norm_row16(const T* xr, const T* rr, T* ro, T* orow, const T* wp, int64_t H, float eps) {
+  vf16 ss = {};
+  if (rr != nullptr) {
+    for (int64_t i = 0; i < H; i += 16) {
+      const vf16 v = round16(load16(xr + i) + load16(rr + i), static_cast<T*>(nullptr));
+      store16(ro + i, v);
+      ss += v * v;
+    }
+    xr = ro;
+  } else {
+    for (int64_t i = 0; i < H; i += 16) {
+      const vf16 v = load16(xr + i);
+      ss += v * v;
+    }
+  }
+  const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; i += 16) {
+    store16(orow + i, load16(wp + i) * round16(load16(xr + i) * inv, static_cast<T*>(nullptr)));
+  }
+}
+
 // out = weight * round(x / rms(x)) over the last dim; x is [N, H] or [N, M, H] with a
 // contiguous last dim and any other strides (the q/k heads sliced out of the fused QKV output).
 // With a residual: residual_out = round(x + residual) is formed first and normalised instead of
@@ -732,7 +773,17 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tenso
     scalar_t* rop = residual.has_value() ? res_out2.data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
+    constexpr bool kVector = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>;
     at::parallel_for(0, N, grain_rows(H), [&](int64_t begin, int64_t end) {
+      if constexpr (kVector) {
+        if (H % 16 == 0) {
+          for (int64_t n = begin; n < end; ++n) {
+            rms_norm_row16(xp + (n / M) * s0 + (n % M) * s1, rp ? rp + n * H : nullptr,
+                           rop ? rop + n * H : nullptr, op + n * H, wp, H, static_cast<float>(eps));
+          }
+          return;
+        }
+      }
       std::vector<float> row(H);
       for (int64_t n = begin; n < end; ++n) {
         const scalar_t* xr = xp + (n / M) * s0 + (n % M) * s1;
@@ -797,6 +848,78 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
       }
     });
   });
+}
+
+// ---- greedy sampling --------------------------------------------------------------------------------
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// The index of the first maximum of row[0, V), as torch.argmax picks it (a NaN counts as the
+// maximum, so the first NaN wins). 16 lanes keep their own first maximum; lanes are merged last.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t V) {
+  int64_t i = 0, best_i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  if (V >= 16) {
+    vf16 lane_best = load16(row);
+    const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi16 lane_i = iota;
+    vi16 any_nan = lane_best != lane_best;
+    for (i = 16; i + 16 <= V; i += 16) {
+      const vf16 v = load16(row + i);
+      const vi16 up = v > lane_best;
+      lane_best = up ? v : lane_best;
+      lane_i = up ? iota + static_cast<int32_t>(i) : lane_i;
+      any_nan |= v != v;
+    }
+    for (int l = 0; l < 16; ++l) nan = nan || any_nan[l] != 0;
+    best = lane_best[0];
+    best_i = lane_i[0];
+    for (int l = 1; l < 16; ++l) {
+      if (lane_best[l] > best || (lane_best[l] == best && lane_i[l] < best_i)) {
+        best = lane_best[l];
+        best_i = lane_i[l];
+      }
+    }
+  }
+  for (; i < V; ++i) {
+    const float v = to_f<T>(row[i]);
+    nan = nan || v != v;
+    if (v > best || (i == 0 && V < 16)) {
+      best = v;
+      best_i = i;
+    }
+  }
+  if (nan) {
+    for (int64_t j = 0; j < V; ++j) {
+      if (std::isnan(to_f<T>(row[j]))) return j;
+    }
+  }
+  return best_i;
+}
+
+// out [S] (int64) = argmax of each row of x [S, V] (fp32 or bf16, contiguous rows): the greedy
+// token of every row, read from the logits as the LM head wrote them (no widened copy).
+void argmax_rows(at::Tensor out, const at::Tensor& x) {
+  check_value(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: expected float32 or bfloat16 [S, V] with V >= 1 and contiguous rows");
+  check_value(out.dim() == 1 && out.size(0) == x.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == at::kLong,
+              "out: expected a contiguous int64 [S]");
+  const int64_t S = x.size(0), V = x.size(1), xs = x.stride(0);
+  int64_t* op = out.data_ptr<int64_t>();
+  auto run = [&](auto* xp) {
+    at::parallel_for(0, S, grain_rows(V), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * xs, V);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(x.data_ptr<float>());
+  } else {
+    run(x.data_ptr<at::BFloat16>());
+  }
 }
 
 // In place on x [T, H, D] (head_dim contiguous), "neox" layout: halves (x1, x2) of each head
@@ -866,6 +989,7 @@ TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
         "Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
 
@@ -874,5 +998,6 @@ TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("store_kvcache", &store_kvcache);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("rotary_embedding", &rotary_embedding);
 }
