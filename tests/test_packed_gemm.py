@@ -1,4 +1,5 @@
-"""Prepacked oneDNN weights (bf16 on CPU): what gets packed, and that results do not change."""
+"""Prepacked oneDNN weights (fp32, and bf16 with native support, on CPU): what gets packed, and
+that results do not change (bf16: bit for bit; fp32: within fp32 rounding of MKL's sums)."""
 from __future__ import annotations
 
 import pytest
@@ -36,10 +37,23 @@ def test_packed_layers_compute_bit_identical_results():
         assert torch.equal(model(x[:rows]), want[:rows])
 
 
-def test_only_bf16_cpu_weights_are_packed(monkeypatch):
-    assert not packed_gemm.can_prepack(torch.zeros(4, 4))  # fp32
+def test_fp32_layers_are_packed_and_agree_with_f_linear():
+    model = _layers(torch.float32)
+    x = torch.randn(7, 48)
+    want = model(x)
+    assert packed_gemm.prepack_model(model) == 2
+    assert model[0].weight.numel() == 0 and model[0].packed is not None
+    for rows in (7, 1, 0):
+        torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-5, atol=1e-6)
+
+
+def test_what_is_packed(monkeypatch):
+    assert packed_gemm.can_prepack(torch.zeros(4, 4))  # fp32
+    assert packed_gemm.can_prepack(torch.zeros(4, 4, dtype=torch.bfloat16)) == NATIVE_BF16
+    assert not packed_gemm.can_prepack(torch.zeros(4, 4, dtype=torch.float16))
     assert not packed_gemm.can_prepack(torch.zeros(4, dtype=torch.bfloat16))  # not a matrix
     monkeypatch.setenv("TPSERVE_PREPACK", "0")
+    assert not packed_gemm.can_prepack(torch.zeros(4, 4))
     assert not packed_gemm.can_prepack(torch.zeros(4, 4, dtype=torch.bfloat16))
     model = _layers(torch.bfloat16)
     assert packed_gemm.prepack_model(model) == 0 and model[0].packed is None

@@ -852,51 +852,44 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 
 // ---- greedy sampling --------------------------------------------------------------------------------
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
 // The index of the first maximum of row[0, V), as torch.argmax picks it (a NaN counts as the
-// maximum, so the first NaN wins). 16 lanes keep their own first maximum; lanes are merged last.
+// maximum, so the first NaN wins). The row is reduced in chunks of 64 (vectorised max and NaN
+// count per chunk); the first chunk holding the answer is then scanned. `chunk_max` is scratch.
+// (A single pass carrying per-lane indices compiled to slow code for AVX2 targets.)
 template <typename T>
-int64_t argmax_row(const T* row, int64_t V) {
-  int64_t i = 0, best_i = 0;
+int64_t argmax_row(const T* row, int64_t V, std::vector<float>& chunk_max) {
+  constexpr int64_t kChunk = 64;
+  const int64_t n = (V + kChunk - 1) / kChunk;
+  chunk_max.resize(static_cast<size_t>(n));
   float best = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  if (V >= 16) {
-    vf16 lane_best = load16(row);
-    const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    vi16 lane_i = iota;
-    vi16 any_nan = lane_best != lane_best;
-    for (i = 16; i + 16 <= V; i += 16) {
-      const vf16 v = load16(row + i);
-      const vi16 up = v > lane_best;
-      lane_best = up ? v : lane_best;
-      lane_i = up ? iota + static_cast<int32_t>(i) : lane_i;
-      any_nan |= v != v;
+  int64_t first_nan_chunk = -1;
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t lo = c * kChunk, hi = std::min(V, lo + kChunk);
+    float m = -std::numeric_limits<float>::infinity();
+    int64_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nans)
+    for (int64_t i = lo; i < hi; ++i) {
+      const float v = to_f<T>(row[i]);
+      m = std::max(m, v);  // a NaN v leaves m as it was
+      nans += v != v;
     }
-    for (int l = 0; l < 16; ++l) nan = nan || any_nan[l] != 0;
-    best = lane_best[0];
-    best_i = lane_i[0];
-    for (int l = 1; l < 16; ++l) {
-      if (lane_best[l] > best || (lane_best[l] == best && lane_i[l] < best_i)) {
-        best = lane_best[l];
-        best_i = lane_i[l];
-      }
+    if (nans > 0) {
+      first_nan_chunk = c;
+      break;
+    }
+    chunk_max[c] = m;
+    best = std::max(best, m);
+  }
+  int64_t c = first_nan_chunk;
+  if (c < 0) {
+    for (c = 0; c < n && chunk_max[c] != best; ++c) {
     }
   }
-  for (; i < V; ++i) {
+  for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) {
     const float v = to_f<T>(row[i]);
-    nan = nan || v != v;
-    if (v > best || (i == 0 && V < 16)) {
-      best = v;
-      best_i = i;
-    }
+    if (first_nan_chunk >= 0 ? v != v : v == best) return i;
   }
-  if (nan) {
-    for (int64_t j = 0; j < V; ++j) {
-      if (std::isnan(to_f<T>(row[j]))) return j;
-    }
-  }
-  return best_i;
+  return 0;  // not reached
 }
 
 // out [S] (int64) = argmax of each row of x [S, V] (fp32 or bf16, contiguous rows): the greedy
@@ -912,7 +905,8 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
   int64_t* op = out.data_ptr<int64_t>();
   auto run = [&](auto* xp) {
     at::parallel_for(0, S, grain_rows(V), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * xs, V);
+      std::vector<float> chunk_max;
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * xs, V, chunk_max);
     });
   };
   if (x.scalar_type() == at::kFloat) {
