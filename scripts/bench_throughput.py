@@ -73,6 +73,13 @@ def cpu_isa() -> str:
     return best + ("-capped:" + ",".join(caps) if caps else "")
 
 
+AVX2_SITECUSTOMIZE = """\
+import torch.cpu
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+    setattr(torch.cpu, _name, lambda: False)
+"""
+
+
 def run_vllm_peer(python, path, prompts, outs, dtype_name, tmp_dir):
     """Run this script as vLLM's peer in another interpreter; returns (tok/s, token ids)."""
     import subprocess
@@ -81,6 +88,14 @@ def run_vllm_peer(python, path, prompts, outs, dtype_name, tmp_dir):
     work.write_text(json.dumps(dict(model=str(path), prompts=prompts, outs=outs, dtype=dtype_name)))
     result.unlink(missing_ok=True)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    if os.environ.get("ATEN_CPU_CAPABILITY") in ("avx2", "default"):
+        # vLLM picks its compiled kernels (_C, _C_AVX512 or _C_AVX2) from torch.cpu's view of
+        # the CPU's flags, which ignores the cap: report the capped CPU to every process of the
+        # peer (its engine runs in a child process), so that it loads its AVX2 build.
+        site = Path(tmp_dir) / "avx2_site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(AVX2_SITECUSTOMIZE)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     proc = subprocess.run([python, __file__, "--as-vllm-peer", str(work), str(result)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not result.exists():
