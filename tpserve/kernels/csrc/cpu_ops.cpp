@@ -476,15 +476,24 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
         float sc[16];
         store16(sc, s[u]);
         float tile_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
+        if (visible == 16) {
+          tile_max = hmax(s[u]);
+        } else {
+          for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
+        }
         const float new_max = std::max(mx[v], tile_max);
-        const float alpha = exp_nonpos(mx[v] - new_max);  // exp(-inf) -> 0 on the first tile
 #pragma omp simd
         for (int64_t j = 0; j < 16; ++j) p[j] = j < visible ? exp_nonpos(sc[j] - new_max) : 0.f;
-        mx[v] = new_max;
-        sum[v] = sum[v] * alpha + hsum(load16(p));
         float* av = acc + v * D;
-        for (int64_t i = 0; i < C; ++i) a[i] = load16(av + i * 16) * alpha;
+        if (new_max == mx[v]) {  // the running maximum stands: exp(0) = 1, nothing to rescale
+          sum[v] += hsum(load16(p));
+          for (int64_t i = 0; i < C; ++i) a[i] = load16(av + i * 16);
+        } else {
+          const float alpha = exp_nonpos(mx[v] - new_max);  // exp(-inf) -> 0 on the first tile
+          mx[v] = new_max;
+          sum[v] = sum[v] * alpha + hsum(load16(p));
+          for (int64_t i = 0; i < C; ++i) a[i] = load16(av + i * 16) * alpha;
+        }
         for (int64_t j = 0; j < visible; ++j) {
           const float pj = p[j];
           const float* vj = vt + j * D;
