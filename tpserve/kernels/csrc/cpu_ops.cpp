@@ -607,7 +607,6 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_value(cu[0] == 0 && cu[B] == q.size(0), "cu_seqlens_q: must run from 0 to T");
 
   const int64_t group = q.size(1) / hkv;
-  std::vector<WorkItem> items;
   bool one_row_each = true;  // a decode plan: the decode path below
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b];
@@ -621,34 +620,32 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       check_value(blk >= 0 && blk < num_blocks,
                   "block_tables: a block a sequence's keys need is -1 or out of range");
     }
+  }
+  if (q.size(0) == 0) return;
+  const bool vector_path = q.size(2) % 16 == 0 &&
+      (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16);
+  if (vector_path) {
+    auto run = [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      if (prompt || !one_row_each) {
+        paged_prompt<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale));
+      } else {
+        paged_decode<T>(out, q, k_cache, v_cache, tables, width, ctx, B, static_cast<float>(scale));
+      }
+    };
+    if (q.scalar_type() == at::kFloat) {
+      run(static_cast<float*>(nullptr));
+    } else {
+      run(static_cast<at::BFloat16*>(nullptr));
+    }
+    return;
+  }
+  std::vector<WorkItem> items;  // the general kernel's: chunks of kQueryChunk rows
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
     for (int64_t r = 0; r < q_len; r += kQueryChunk) {
       items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(r),
                        static_cast<int32_t>(std::min(q_len, r + kQueryChunk))});
-    }
-  }
-  if (items.empty()) return;
-  if ((prompt || !one_row_each) && q.size(2) % 16 == 0) {
-    if (q.scalar_type() == at::kBFloat16) {
-      paged_prompt<at::BFloat16>(out, q, k_cache, v_cache, tables, width, cu, ctx, B,
-                                 static_cast<float>(scale));
-      return;
-    }
-    if (q.scalar_type() == at::kFloat) {
-      paged_prompt<float>(out, q, k_cache, v_cache, tables, width, cu, ctx, B,
-                          static_cast<float>(scale));
-      return;
-    }
-  }
-  if (one_row_each && q.size(2) % 16 == 0) {
-    if (q.scalar_type() == at::kBFloat16) {
-      paged_decode<at::BFloat16>(out, q, k_cache, v_cache, tables, width, ctx, B,
-                                 static_cast<float>(scale));
-      return;
-    }
-    if (q.scalar_type() == at::kFloat) {
-      paged_decode<float>(out, q, k_cache, v_cache, tables, width, ctx, B,
-                          static_cast<float>(scale));
-      return;
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
