@@ -23,8 +23,10 @@ vector FMAs; the softmax is online over tiles. Work items go out largest first. 
 40M benchmark model's prompt shapes (8 query / 4 KV heads of 64, bf16, 2 threads): 22 prompts of
 32-256 tokens (3,357 rows) 7.3-7.9 ms against 25-27 ms for torch's SDPA paths (whose padding,
 widening and length groups cost more than the math at these lengths); one 2,000-token prompt
-37-38 ms against 33-36 ms (both about 110 GFLOP/s, the FMA limit of this loop); the benchmark's
-whole prefill of 64 prompts (8,862 tokens) went from 2.31 to 1.78 s. Other prompt rows (fp16,
+35-38 ms against 33-36 ms; one 4,000-token prompt 145 ms against 120 ms (torch's flash kernel
+multiplies bf16 pairs; this loop is fp32 FMAs at ~110 GFLOP/s, paced by the per-row softmax and
+the key transposition: an AVX512-BF16 dot-product variant and 32-key tiles were measured and
+not faster); the benchmark's whole prefill of 64 prompts (8,862 tokens) went from 2.31 to 1.78 s. Other prompt rows (fp16,
 other head sizes) take the torch backend's SDPA paths; the operator's general row-at-a-time
 kernel remains for whole plans of those.
 
