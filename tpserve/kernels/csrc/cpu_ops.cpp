@@ -215,55 +215,88 @@ AttendFn<T> attend_for(int64_t head_dim) {
 // The hot path of a decode step. One work item is one sequence: its keys are read slot row by
 // slot row (every KV head of a slot is one contiguous run of memory, so the cache streams front
 // to back through whole cache lines), and each KV head's row is widened once for the query heads
-// of its group. Rows are 16-float vectors written with GCC's vector extensions, so -march=native
-// turns them into one AVX-512 register or two AVX2 registers. Scores go to a per-item buffer (two
+// of its group. Rows are vectors of the machine's width (vfl below: one AVX-512 or AVX2 register)
+// written with GCC's vector extensions. Scores go to a per-item buffer (two
 // passes, not an online softmax: a sequence's scores fit in L1/L2, and no rescaling sits in the
 // key loop), then values are summed with the softmax weights. Blocks are walked entry by entry,
 // so there is no division per key. Measured at batch 64 (~280 keys, 8/4 heads of 64, bf16, one
 // thread, medians of 50 calls): the general kernel above 3.7-4.5 ms, this path 2.8 ms.
 
-typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
-typedef uint16_t vu16x16 __attribute__((vector_size(32)));
-typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 
-inline vf16 load16(const float* p) {
-  vf16 v;
+// The attention loops work in vectors of the machine's width: 16 floats with AVX-512, 8
+// otherwise (GCC lowers a 16-float vector on an AVX2 target to spills and lane inserts when
+// many are live: with -march=haswell the prompt path ran 10x slower that way, the decode path
+// 2x). A prompt key tile is 16 keys, one or two vectors. (64-key tiles were measured: ~10%
+// faster on a 2,000-token prompt, ~15% slower on the benchmark's short prompts.)
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kPromptKeys = 16;  // keys per prompt tile
+constexpr int64_t kTileVectors = kPromptKeys / kLanes;
+typedef float vfl __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vu16l __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vu32l __attribute__((vector_size(kLanes * 4)));
+
+inline vfl loadl(const float* p) {
+  vfl v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline vf16 load16(const at::BFloat16* p) {
-  vu16x16 h;
+inline vfl loadl(const at::BFloat16* p) {
+  vu16l h;
   std::memcpy(&h, p, sizeof(h));
-  return reinterpret_cast<vf16>(__builtin_convertvector(h, vu32x16) << 16);
+  return reinterpret_cast<vfl>(__builtin_convertvector(h, vu32l) << 16);
 }
 
-inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storel(float* p, vfl v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rounds to bf16 as from_f does (nearest even, NaN -> 0x7FC0), 16 lanes at a time.
-inline vu32x16 bf16_bits(vf16 v) {
-  const vu32x16 bits = reinterpret_cast<vu32x16>(v);
-  const vu32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const vu32x16 nan = rounded * 0u + 0x7FC0u;
+// Rounds to bf16 as from_f does (nearest even, NaN -> 0x7FC0), a vector at a time.
+inline vu32l bf16_bits(vfl v) {
+  const vu32l bits = reinterpret_cast<vu32l>(v);
+  const vu32l rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vu32l nan = rounded * 0u + 0x7FC0u;
   return v != v ? nan : rounded;
 }
 
-inline void store16(at::BFloat16* p, vf16 v) {
-  const vu16x16 h = __builtin_convertvector(bf16_bits(v), vu16x16);
+inline void storel(at::BFloat16* p, vfl v) {
+  const vu16l h = __builtin_convertvector(bf16_bits(v), vu16l);
   std::memcpy(p, &h, sizeof(h));
 }
 
-// round_to<T> for 16 lanes: the value a store to T and a load back would give.
-inline vf16 round16(vf16 v, float*) { return v; }
-inline vf16 round16(vf16 v, at::BFloat16*) { return reinterpret_cast<vf16>(bf16_bits(v) << 16); }
+// round_to<T> for a vector: the value a store to T and a load back would give.
+inline vfl roundl(vfl v, float*) { return v; }
+inline vfl roundl(vfl v, at::BFloat16*) { return reinterpret_cast<vfl>(bf16_bits(v) << 16); }
 
-inline float hsum(vf16 v) {
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+// Sums and maxima across lanes as trees of halves (a serial scalar loop was slower in the
+// decode path, which sums one vector per key and head).
+inline vf4 to_quarters(vf8 v, bool max) {
+  const vf4 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3), hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return max ? (lo > hi ? lo : hi) : lo + hi;
+}
+
+inline vf4 fold_lanes(vfl v, bool max) {
+#if defined(__AVX512F__)
+  const vf8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vf8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return to_quarters(max ? (lo > hi ? lo : hi) : lo + hi, max);
+#else
+  return to_quarters(v, max);
+#endif
+}
+
+inline float hsuml(vfl v) {
+  const vf4 b = fold_lanes(v, false);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmaxl(vfl v) {
+  const vf4 b = fold_lanes(v, true);
+  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
 }
 
 // fn(row, p) for the cache's slot row of each position p < k_len, in order, walking the block
@@ -278,14 +311,14 @@ inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t bloc
   }
 }
 
-// kC: head_dim / 16 as a constant (registers, unrolled loops), or 0 for any multiple of 16.
+// kC: head_dim / kLanes as a constant (registers, unrolled loops), or 0 for any multiple of 16.
 template <typename T, int64_t kC>
 void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, const T* k_cache,
                  const T* v_cache, const int32_t* table, int64_t block_size, int64_t num_kv_heads,
                  int64_t group, int64_t head_dim, int64_t k_len, float scale,
                  std::vector<float>& scratch) {
-  const int64_t C = kC > 0 ? kC : head_dim / 16;
-  const int64_t D = C * 16;
+  const int64_t C = kC > 0 ? kC : head_dim / kLanes;
+  const int64_t D = C * kLanes;
   const int64_t hq = num_kv_heads * group;
   const int64_t row_stride = num_kv_heads * D;
   scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * k_len));
@@ -297,17 +330,17 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
     const T* src = q + seq * q_s0 + h * q_s1;
     for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f<T>(src[d]) * scale;
   }
-  vf16 row[kC > 0 ? kC : kMaxHeadDim / 16];
+  vfl row[kC > 0 ? kC : kMaxHeadDim / kLanes];
 
   // Pass 1: scores.
   for_each_slot_row(k_cache, table, block_size, row_stride, k_len, [&](const T* kp, int64_t p) {
     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-      for (int64_t i = 0; i < C; ++i) row[i] = load16(kp + kh * D + i * 16);
+      for (int64_t i = 0; i < C; ++i) row[i] = loadl(kp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         const float* qh = qf + h * D;
-        vf16 t = load16(qh) * row[0];
-        for (int64_t i = 1; i < C; ++i) t += load16(qh + i * 16) * row[i];
-        s[h * k_len + p] = hsum(t);
+        vfl t = loadl(qh) * row[0];
+        for (int64_t i = 1; i < C; ++i) t += loadl(qh + i * kLanes) * row[i];
+        s[h * k_len + p] = hsuml(t);
       }
     }
   });
@@ -328,11 +361,11 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   std::fill(acc, acc + hq * D, 0.f);
   for_each_slot_row(v_cache, table, block_size, row_stride, k_len, [&](const T* vp, int64_t p) {
     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-      for (int64_t i = 0; i < C; ++i) row[i] = load16(vp + kh * D + i * 16);
+      for (int64_t i = 0; i < C; ++i) row[i] = loadl(vp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         const float w = s[h * k_len + p];
         float* ah = acc + h * D;
-        for (int64_t i = 0; i < C; ++i) store16(ah + i * 16, load16(ah + i * 16) + w * row[i]);
+        for (int64_t i = 0; i < C; ++i) storel(ah + i * kLanes, loadl(ah + i * kLanes) + w * row[i]);
       }
     }
   });
@@ -350,9 +383,9 @@ using DecodeFn = void (*)(int64_t, const T*, int64_t, int64_t, T*, const T*, con
 template <typename T>
 DecodeFn<T> decode_for(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &decode_item<T, 4>;
-    case 128: return &decode_item<T, 8>;
-    case 256: return &decode_item<T, 16>;
+    case 64: return &decode_item<T, 64 / kLanes>;
+    case 128: return &decode_item<T, 128 / kLanes>;
+    case 256: return &decode_item<T, 256 / kLanes>;
     default: return &decode_item<T, 0>;
   }
 }
@@ -404,35 +437,27 @@ struct PromptItem {
   int64_t cost;  // scores computed: rows x keys up to the item's last row
 };
 
-inline float hmax(vf16 v) {
-  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const vf8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf8 m = a > b ? a : b;
-  float r = m[0];
-  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
-  return r;
-}
-
-// kC: head_dim / 16 as a constant, or 0 for any multiple of 16.
+// kC: head_dim / kLanes as a constant, or 0 for any multiple of 16.
 template <typename T, int64_t kC>
 void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* out,
                  const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
                  int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t q_begin,
                  int64_t offset, float scale, std::vector<float>& scratch) {
-  const int64_t C = kC > 0 ? kC : head_dim / 16;
-  const int64_t D = C * 16;
+  constexpr int64_t K = kPromptKeys, NV = kTileVectors;
+  const int64_t C = kC > 0 ? kC : head_dim / kLanes;
+  const int64_t D = C * kLanes;
   const int64_t hq = num_kv_heads * group;
   const int64_t row_stride = num_kv_heads * D;
   const int64_t rows = w.row_end - w.row_begin;
   const int64_t nq = rows * group;  // query vectors (row, head of the group), row-major
-  scratch.resize(static_cast<size_t>(nq * D * 2 + nq * 2 + D * 16 * 2 + 16));
+  scratch.resize(static_cast<size_t>(nq * D * 2 + nq * 2 + D * K * 2 + K));
   float* qf = scratch.data();  // [nq][D], scaled
   float* acc = qf + nq * D;    // [nq][D]
   float* mx = acc + nq * D;
   float* sum = mx + nq;
-  float* kt = sum + nq;       // [D][16]: the tile's keys, transposed
-  float* vt = kt + D * 16;    // [16][D]: the tile's values
-  float* p = vt + D * 16;     // [16]: one row's softmax weights
+  float* kt = sum + nq;       // [D][K]: the tile's keys, transposed
+  float* vt = kt + D * K;     // [K][D]: the tile's values
+  float* p = vt + D * K;      // [K]: one row's softmax weights
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t v = r * group + g;
@@ -445,61 +470,67 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
   std::fill(acc, acc + nq * D, 0.f);
   const int64_t first_pos = offset + w.row_begin;  // absolute position of the item's first row
   const int64_t k_end = offset + w.row_end;        // keys past the last row are never needed
-  vf16 a[kC > 0 ? kC : kMaxHeadDim / 16];
-  for (int64_t p0 = 0; p0 < k_end; p0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, k_end - p0);
-    for (int64_t j = 0; j < 16; ++j) {
+  vfl a[kC > 0 ? kC : kMaxHeadDim / kLanes];
+  for (int64_t p0 = 0; p0 < k_end; p0 += K) {
+    const int64_t nk = std::min<int64_t>(K, k_end - p0);
+    for (int64_t j = 0; j < K; ++j) {
       if (j < nk) {
         const int64_t pos = p0 + j;
         const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
         const T* kr = k_cache + slot * row_stride + w.kv_head * D;
         const T* vr = v_cache + slot * row_stride + w.kv_head * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = to_f<T>(kr[d]);
+        for (int64_t d = 0; d < D; ++d) kt[d * K + j] = to_f<T>(kr[d]);
         for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f<T>(vr[d]);
       } else {  // past the last row: never visible, but kept finite
-        for (int64_t d = 0; d < D; ++d) kt[d * 16 + j] = 0.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * K + j] = 0.f;
       }
     }
     // Rows before p0 see none of this tile.
     const int64_t v_begin = std::max<int64_t>(0, p0 - first_pos) * group;
     for (int64_t v0 = v_begin; v0 < nq; v0 += 4) {
       const int64_t nv = std::min<int64_t>(4, nq - v0);
-      vf16 s[4] = {};
+      vfl s[4][NV] = {};
       const float* q0 = qf + v0 * D;
       for (int64_t d = 0; d < D; ++d) {
-        const vf16 kd = load16(kt + d * 16);
-        for (int64_t u = 0; u < 4; ++u) s[u] += q0[u * D + d] * kd;
+        for (int64_t h = 0; h < NV; ++h) {
+          const vfl kd = loadl(kt + d * K + h * kLanes);
+          for (int64_t u = 0; u < 4; ++u) s[u][h] += q0[u * D + d] * kd;
+        }
       }
       for (int64_t u = 0; u < nv; ++u) {
         const int64_t v = v0 + u;
-        const int64_t visible = std::min<int64_t>(16, first_pos + v / group - p0 + 1);
-        float sc[16];
-        store16(sc, s[u]);
+        const int64_t visible = std::min<int64_t>(K, first_pos + v / group - p0 + 1);
+        float sc[K];
+        for (int64_t h = 0; h < NV; ++h) storel(sc + h * kLanes, s[u][h]);
         float tile_max = -std::numeric_limits<float>::infinity();
-        if (visible == 16) {
-          tile_max = hmax(s[u]);
+        if (visible == K) {
+          vfl m = s[u][0];
+          for (int64_t h = 1; h < NV; ++h) m = m > s[u][h] ? m : s[u][h];
+          tile_max = hmaxl(m);
         } else {
           for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
         }
         const float new_max = std::max(mx[v], tile_max);
 #pragma omp simd
-        for (int64_t j = 0; j < 16; ++j) p[j] = j < visible ? exp_nonpos(sc[j] - new_max) : 0.f;
+        for (int64_t j = 0; j < K; ++j) p[j] = j < visible ? exp_nonpos(sc[j] - new_max) : 0.f;
+        vfl ps = loadl(p);
+        for (int64_t h = 1; h < NV; ++h) ps += loadl(p + h * kLanes);
         float* av = acc + v * D;
         if (new_max == mx[v]) {  // the running maximum stands: exp(0) = 1, nothing to rescale
-          sum[v] += hsum(load16(p));
-          for (int64_t i = 0; i < C; ++i) a[i] = load16(av + i * 16);
+          sum[v] += hsuml(ps);
+          for (int64_t i = 0; i < C; ++i) a[i] = loadl(av + i * kLanes);
         } else {
           const float alpha = exp_nonpos(mx[v] - new_max);  // exp(-inf) -> 0 on the first tile
           mx[v] = new_max;
-          sum[v] = sum[v] * alpha + hsum(load16(p));
-          for (int64_t i = 0; i < C; ++i) a[i] = load16(av + i * 16) * alpha;
+          sum[v] = sum[v] * alpha + hsuml(ps);
+          for (int64_t i = 0; i < C; ++i) a[i] = loadl(av + i * kLanes) * alpha;
         }
         for (int64_t j = 0; j < visible; ++j) {
           const float pj = p[j];
           const float* vj = vt + j * D;
-          for (int64_t i = 0; i < C; ++i) a[i] += pj * load16(vj + i * 16);
+          for (int64_t i = 0; i < C; ++i) a[i] += pj * loadl(vj + i * kLanes);
         }
-        for (int64_t i = 0; i < C; ++i) store16(av + i * 16, a[i]);
+        for (int64_t i = 0; i < C; ++i) storel(av + i * kLanes, a[i]);
       }
     }
   }
@@ -521,9 +552,9 @@ using PromptFn = void (*)(const PromptItem&, const T*, int64_t, int64_t, T*, con
 template <typename T>
 PromptFn<T> prompt_for(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &prompt_item<T, 4>;
-    case 128: return &prompt_item<T, 8>;
-    case 256: return &prompt_item<T, 16>;
+    case 64: return &prompt_item<T, 64 / kLanes>;
+    case 128: return &prompt_item<T, 128 / kLanes>;
+    case 256: return &prompt_item<T, 256 / kLanes>;
     default: return &prompt_item<T, 0>;
   }
 }
@@ -719,27 +750,27 @@ inline int64_t grain_rows(int64_t elems_per_row) {
   return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, elems_per_row));
 }
 
-// One row of rms_norm below, 16 lanes at a time (H % 16 == 0, fp32 or bf16): the same roundings,
-// with the sum of squares taken in 16 partial sums.
+// One row of rms_norm below, a vector at a time (H % 16 == 0, fp32 or bf16): the same roundings,
+// with the sum of squares taken in kLanes partial sums.
 template <typename T>
 void rms_norm_row16(const T* xr, const T* rr, T* ro, T* orow, const T* wp, int64_t H, float eps) {
-  vf16 ss = {};
+  vfl ss = {};
   if (rr != nullptr) {
-    for (int64_t i = 0; i < H; i += 16) {
-      const vf16 v = round16(load16(xr + i) + load16(rr + i), static_cast<T*>(nullptr));
-      store16(ro + i, v);
+    for (int64_t i = 0; i < H; i += kLanes) {
+      const vfl v = roundl(loadl(xr + i) + loadl(rr + i), static_cast<T*>(nullptr));
+      storel(ro + i, v);
       ss += v * v;
     }
     xr = ro;
   } else {
-    for (int64_t i = 0; i < H; i += 16) {
-      const vf16 v = load16(xr + i);
+    for (int64_t i = 0; i < H; i += kLanes) {
+      const vfl v = loadl(xr + i);
       ss += v * v;
     }
   }
-  const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; i += 16) {
-    store16(orow + i, load16(wp + i) * round16(load16(xr + i) * inv, static_cast<T*>(nullptr)));
+  const float inv = 1.f / std::sqrt(hsuml(ss) / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; i += kLanes) {
+    storel(orow + i, loadl(wp + i) * roundl(loadl(xr + i) * inv, static_cast<T*>(nullptr)));
   }
 }
 
