@@ -270,3 +270,40 @@ def test_cpu_arch_override_changes_flags_and_build_name(monkeypatch):
     monkeypatch.setenv("TPSERVE_CPU_ARCH", "haswell")
     assert "-march=haswell" in cpu_extension.cflags() and "-march=native" not in cpu_extension.cflags()
     assert cpu_extension.build_name() != native  # never loads the other ISA's build
+
+
+AVX2_CHECK = r"""
+import torch
+from tpserve.kernels import cpu_extension
+from tpserve.kernels.backend import get_backend
+from tpserve.kernels.reference import backend_vs_reference
+from tpserve.workers.sampler import argmax_rows
+assert cpu_extension.available(), cpu_extension._state.get("error")
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+    for ctx, new, pre, d in (([0, 5, 300], [1, 1, 1], False, 64), ([0, 20], [37, 9], True, 64),
+                             ([40, 0], [1, 70], True, 128), ([3, 0], [4, 33], True, 48)):
+        _, out, ref = backend_vs_reference(get_backend("cpu", "cpu", 16), ctx, new, is_prefill=pre,
+                                           num_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
+        assert (out.double() - ref).abs().max() <= tol, (dtype, ctx, new, d)
+    x = torch.randn(5, 1000).to(dtype)
+    assert torch.equal(argmax_rows(x), x.float().argmax(-1))
+    h = torch.randn(7, 512).to(dtype)
+    w = torch.rand(512).to(dtype)
+    out = torch.empty_like(h)
+    cpu_extension.ops().rms_norm(out, h, None, None, w, 1e-6)
+    ref = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w
+    assert (out.float() - ref.float()).abs().max() <= tol * 4
+print("ok")
+"""
+
+
+def test_an_avx2_build_of_the_operators_is_correct(tmp_path):
+    """The operators built for an AVX2-only CPU (8-float vectors instead of 16) against the
+    dense reference: decode and prompt paths, argmax, RMSNorm. Runs on any x86-64 CPU."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TPSERVE_CPU_ARCH="haswell")
+    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
