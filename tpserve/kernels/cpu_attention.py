@@ -25,10 +25,11 @@ vector FMAs; the softmax is online over tiles. Work items go out largest first. 
 widening and length groups cost more than the math at these lengths); one 2,000-token prompt
 35-38 ms against 33-36 ms; one 4,000-token prompt 145 ms against 120 ms (torch's flash kernel
 multiplies bf16 pairs; this loop is fp32 FMAs at ~110 GFLOP/s, paced by the per-row softmax and
-the key transposition: an AVX512-BF16 dot-product variant and 32-key tiles were measured and
-not faster); the benchmark's whole prefill of 64 prompts (8,862 tokens) went from 2.31 to 1.78 s. Other prompt rows (fp16,
-other head sizes) take the torch backend's SDPA paths; the operator's general row-at-a-time
-kernel remains for whole plans of those.
+the key transposition: an AVX512-BF16 dot-product variant was no faster, and 64-key tiles were
+~10% faster on long prompts but ~15% slower on short ones); the benchmark's whole prefill of 64
+prompts (8,862 tokens) went from 2.31 to 1.78 s. Other prompt rows (fp16, other head sizes) take
+the torch backend's SDPA paths; the operator's general row-at-a-time kernel remains for whole
+plans of those.
 
 docs/protocol.md promises that a prefix-cache hit computes the same logits as recomputing the
 prefix, when a request runs alone. The prompt path keeps it by construction: a row's arithmetic
