@@ -24,6 +24,7 @@ from tpserve.models import TPContext
 from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
+from tpserve.workers.process_group import destroy_tp
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -182,7 +183,7 @@ def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
                 torch.save({"sharded": sharded, "info": info}, os.path.join(out_dir, f"{name}.rank1.pt"))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_tp()  # frees the group now, not during interpreter exit (process_group.py)
 
 
 @pytest.mark.timeout(180)
