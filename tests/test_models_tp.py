@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -148,12 +147,6 @@ LENGTHS = [5, 9, 3]
 DECODE_STEPS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _schedule(vocab):
     prompts = random_prompts(LENGTHS, vocab, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -161,9 +154,10 @@ def _schedule(vocab):
     return prompts, decode
 
 
-def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
+def _tp_worker(rank: int, store: str, cases: list, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    # A file rendezvous: a port picked in the parent could be taken before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
         tp = TPContext(rank=rank, size=2)
@@ -190,7 +184,7 @@ def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
 def test_tp2_logits_equal_tp1(tiny_models_root, tmp_path):
     cases = [(name, str(make_tiny_model(tiny_models_root, arch, **kw)), kw.get("vocab_size", 384))
              for name, (arch, kw) in TP_CASES.items()]
-    ctx = mp.spawn(_tp_worker, args=(_free_port(), cases, str(tmp_path)), nprocs=2, join=False)
+    ctx = mp.spawn(_tp_worker, args=(str(tmp_path / "store"), cases, str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 150
     try:
         while not ctx.join(timeout=1):  # raises ProcessRaisedException if a rank failed

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpserve.workers.process_group import destroy_tp, free_port, init_tp
+from tpserve.workers.process_group import destroy_tp, init_tp
 
 
 def _thread_names() -> list[str]:
@@ -30,11 +30,11 @@ def _thread_names() -> list[str]:
     return names
 
 
-def _rank(rank: int, port: int, via_init_tp: bool, out_dir: str) -> None:
+def _rank(rank: int, store: str, via_init_tp: bool, out_dir: str) -> None:
     if via_init_tp:
-        init_tp(rank, 2, f"tcp://127.0.0.1:{port}")
+        init_tp(rank, 2, f"file://{store}")
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     # Import (again) the module that binds the default group into its defaults, now.
     sys.modules.pop("torch.distributed.nn.functional", None)
     importlib.import_module("torch.distributed.nn.functional")
@@ -49,7 +49,7 @@ def _rank(rank: int, port: int, via_init_tp: bool, out_dir: str) -> None:
 
 
 def _run(tmp_path, via_init_tp: bool) -> list[str]:
-    ctx = mp.spawn(_rank, args=(free_port(), via_init_tp, str(tmp_path)), nprocs=2, join=False)
+    ctx = mp.spawn(_rank, args=(str(tmp_path / "store"), via_init_tp, str(tmp_path)), nprocs=2, join=False)
     for p in ctx.processes:
         p.join(timeout=120)
     codes = [p.exitcode for p in ctx.processes]
