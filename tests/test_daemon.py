@@ -360,7 +360,7 @@ def test_error_names_the_id_and_field_when_readable(srv, raw):
     raw.send_obj({"v": 1, "type": "generate", "id": "bad1", "prompt": "a", "params": {"max_tokens": -4}})
     reply = raw.recv()
     assert (reply.code, reply.id, reply.field) == (P.INVALID_FIELD, "bad1", "params.max_tokens")
-    assert "[1, 2147483647]" in reply.message
+    assert "[0, 2147483647]" in reply.message
 
 
 def test_oversized_frame_is_dropped_and_daemon_keeps_serving(srv, raw):

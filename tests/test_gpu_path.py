@@ -103,7 +103,7 @@ def test_warmup_samples_max_num_seqs_rows_with_top_k_and_top_p(tiny, monkeypatch
     calls = []
 
     class Recording(runner_mod.Sampler):
-        def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps):
+        def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
             calls.append((logits.shape, top_ks.clone(), top_ps.clone(), temperatures.clone()))
             return super().__call__(logits, temperatures, top_ks, top_ps, seeds, steps)
 

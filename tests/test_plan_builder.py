@@ -65,7 +65,7 @@ def reference_plan(batch, bs) -> dict:
     return dict(input_ids=ids, positions=pos, slot_mapping=slots, cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k, context_lens=ctx, block_tables=tables, logits_indices=logits,
                 temperatures=f32(temps), top_ks=top_ks, top_ps=f32(top_ps), seeds=seeds,
-                sample_steps=steps, is_prefill=batch.is_prefill,
+                sample_steps=steps, logprob_rows=[], is_prefill=batch.is_prefill,
                 has_context=batch.is_prefill and any(q.num_cached_tokens > 0 for q in seqs),
                 max_seqlen_q=max(q.num_scheduled_tokens for q in seqs) if batch.is_prefill else 1,
                 max_seqlen_k=max(ctx))

@@ -23,6 +23,11 @@ class RequestOutput:
     num_completion_tokens: int = 0
     logprobs: list["TokenLogprobs"] | None = None
     queue_time: float | None = None
+    # Which of the request's n completions this is (SamplingParams.n).
+    index: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first),
+    # in the request's first output only.
+    prompt_logprobs: list["TokenLogprobs | None"] | None = None
 
 
 @dataclass
@@ -51,6 +56,7 @@ class GenerateOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

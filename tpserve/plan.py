@@ -9,8 +9,8 @@ never go through pickle: they are encoded as
     +------------+------------+-----------------+-----+----------+-----+----------+
                                                       `- array area: int32 words
 
-The header is a fixed struct of the scalar fields and the four sizes (tokens T, sequences B,
-samples S, block-table width W), followed by the msgpack-encoded ``args`` when there are any. Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
+The header is a fixed struct of the scalar fields and the five sizes (tokens T, sequences B,
+samples S, block-table width W, logprob rows L), followed by the msgpack-encoded ``args`` when there are any. Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
 offsets follow from the sizes: the array area starts at the first 8-byte boundary after the
 header, and each array starts on an 8-byte boundary within it.
 ``StepPlan.read_from`` returns numpy views into the buffer (no copy).
@@ -30,6 +30,8 @@ Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this st
     top_ps        float32 [S]   1.0 = disabled
     seeds         int64 [S]     per-request seed of the counter-based sampler
     sample_steps  int32 [S]     index of the token being sampled within its request's output
+    logprob_rows  int32 [L]     rows of the hidden states whose full logits every rank computes
+                                (prompt log-probabilities; rank 0 reads them, see SamplePlan)
 
 Notes for runners:
     * A token row with slot -1 already has its K/V in the cache (a prompt fully covered by the
@@ -55,8 +57,8 @@ import numpy as np
 
 MAGIC = 0x7470_5331  # "tpS1"
 _PREFIX = struct.Struct("<II")
-# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, T, B, S, W
-_FIXED = struct.Struct("<B??xiiqiiii")
+# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, T, B, S, W, L
+_FIXED = struct.Struct("<B??xiiqiiiii")
 _ALIGN = 8
 
 
@@ -86,22 +88,24 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "top_ps": np.dtype(np.float32),
     "seeds": np.dtype(np.int64),
     "sample_steps": np.dtype(np.int32),
+    "logprob_rows": np.dtype(np.int32),
 }
 
 
 _NOT_INT32 = frozenset(n for n, d in ARRAY_FIELDS.items() if d != np.int32)
 
 
-def _shapes(t: int, b: int, s: int, w: int) -> tuple[tuple[int, ...], ...]:
-    """Shapes of the arrays, in ARRAY_FIELDS order, from (tokens, seqs, samples, table width)."""
-    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (s,), (s,), (s,), (s,), (s,))
+def _shapes(t: int, b: int, s: int, w: int, l: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the arrays, in ARRAY_FIELDS order, from (tokens, seqs, samples, table width,
+    logprob rows)."""
+    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (s,), (s,), (s,), (s,), (s,), (l,))
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(t: int, b: int, s: int, w: int) -> tuple[tuple[tuple[int, int], ...], int]:
+def _layout(t: int, b: int, s: int, w: int, l: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """((offset, length) in int32 words per array, total words); every array starts 8-aligned."""
     out, pos = [], 0
-    for dtype, shape in zip(ARRAY_FIELDS.values(), _shapes(t, b, s, w)):
+    for dtype, shape in zip(ARRAY_FIELDS.values(), _shapes(t, b, s, w, l)):
         n = math.prod(shape) * dtype.itemsize // 4
         out.append((pos, n))
         pos += n + (n & 1)
@@ -112,7 +116,7 @@ def _area_offset(header_len: int) -> int:
     return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
 
 
-def _views(mv: memoryview, hlen: int, dims: tuple[int, int, int, int]) -> dict[str, np.ndarray]:
+def _views(mv: memoryview, hlen: int, dims: tuple[int, int, int, int, int]) -> dict[str, np.ndarray]:
     """Numpy views of every array of a plan laid out in ``mv`` (one frombuffer, then slices)."""
     offsets, words = _layout(*dims)
     area = np.frombuffer(mv, dtype=np.int32, count=words, offset=_area_offset(hlen))
@@ -170,6 +174,7 @@ class StepPlan:
     top_ps: np.ndarray = field(default_factory=lambda: _empty("top_ps"))
     seeds: np.ndarray = field(default_factory=lambda: _empty("seeds"))
     sample_steps: np.ndarray = field(default_factory=lambda: _empty("sample_steps"))
+    logprob_rows: np.ndarray = field(default_factory=lambda: _empty("logprob_rows"))
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -208,9 +213,10 @@ class StepPlan:
                              f"{self.block_tables.shape}")
 
     # ---- encoding ------------------------------------------------------------------------
-    def _dims(self) -> tuple[int, int, int, int]:  # (T, B, S, W)
+    def _dims(self) -> tuple[int, int, int, int, int]:  # (T, B, S, W, L)
         return (self.num_tokens, self.num_seqs, self.num_samples,
-                int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0)
+                int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0,
+                int(self.logprob_rows.shape[0]))
 
     def _header(self) -> bytes:
         # Fixed fields in a struct (packing them costs a fraction of msgpack's per-step price);

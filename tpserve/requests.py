@@ -18,6 +18,7 @@ Field names are the wire's: ``prompt``, ``prompt[3]``, ``params.stop_token_ids[0
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -40,8 +41,21 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 # Most alternatives a request may ask logprobs for (the OpenAI API's top_logprobs limit).
 MAX_LOGPROBS = 20
+#: Completions per prompt (``n``).
+MAX_N = 16
+#: presence/frequency penalties: OpenAI's range.
+MAX_ABS_PENALTY = 2.0
+#: repetition_penalty is in (0, MAX_REPETITION_PENALTY]; 1 disables it.
+MAX_REPETITION_PENALTY = 10.0
+#: logit_bias values: OpenAI's range; at most MAX_LOGIT_BIAS tokens per request.
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 16
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
-FINISH_REASONS = ("stop", "length", "abort")
+#: "error": the request could not go on (e.g. its logits controls left no token to sample).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def is_int(v: Any) -> bool:
@@ -79,8 +93,9 @@ def check_prompt_shape(prompt: Any, name: str = "prompt") -> str | list[int]:
 def check_request(prompt: Any, params, vocab_size: int | None) -> str | list[int]:
     """Check a request against the model: returns the prompt (token ids as plain ints).
 
-    ``params`` is a SamplingParams (already range-checked at construction); its stop token ids
-    must be < ``vocab_size`` too. ``vocab_size`` None skips the vocabulary checks.
+    ``params`` is a SamplingParams (already range-checked at construction); its token ids
+    (stop_token_ids, logit_bias keys, allowed_token_ids) must be < ``vocab_size`` too.
+    ``vocab_size`` None skips the vocabulary checks.
     """
     prompt = check_prompt_shape(prompt)
     if isinstance(prompt, list) and vocab_size is not None:
@@ -88,4 +103,123 @@ def check_request(prompt: Any, params, vocab_size: int | None) -> str | list[int
     if vocab_size is not None and params is not None:
         check_token_ids("params.stop_token_ids", params.stop_token_ids, MAX_STOP_TOKEN_IDS,
                         vocab_size=vocab_size)
+        if params.logit_bias:
+            check_token_ids("params.logit_bias", list(params.logit_bias), MAX_LOGIT_BIAS,
+                            vocab_size=vocab_size)
+        if params.allowed_token_ids is not None:
+            check_token_ids("params.allowed_token_ids", params.allowed_token_ids,
+                            MAX_ALLOWED_TOKEN_IDS, 1, vocab_size)
     return prompt
+
+
+# ---- sampling parameters -------------------------------------------------------------------------
+def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidFieldError(name, f"must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidFieldError(name, f"must be finite, got {value}")
+    if not (lo < value if lo_open else lo <= value) or not value <= hi:
+        raise InvalidFieldError(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}")
+    return value
+
+
+def _integer(name: str, value: Any, lo: int, hi: int, what: str = "") -> int:
+    if not is_int(value):
+        raise InvalidFieldError(name, f"must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidFieldError(name, f"must be in [{lo}, {hi}]{what}, got {value}")
+    return int(value)
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidFieldError(name, f"must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _strings(name: str, value: Any, max_count: int, max_chars: int) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidFieldError(name, f"must be a list of strings, got {type(value).__name__}")
+    if len(value) > max_count:
+        raise InvalidFieldError(name, f"at most {max_count} strings, got {len(value)}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s:
+            raise InvalidFieldError(f"{name}[{i}]", "must be a non-empty string")
+        if len(s) > max_chars:
+            raise InvalidFieldError(f"{name}[{i}]", f"at most {max_chars} characters, got {len(s)}")
+        check_text(f"{name}[{i}]", s)
+    return list(value)
+
+
+def check_text(name: str, s: str) -> str:
+    """Text must be encodable as UTF-8 (no lone surrogates, which JSON escapes can carry)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidFieldError(name, f"is not valid Unicode text (a lone surrogate at {e.start})") from None
+    return s
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """token id (int, or its decimal string as JSON spells map keys) -> bias in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidFieldError("logit_bias", f"must be a map of token id to bias, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidFieldError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = key
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            tok = int(key)
+        if not is_int(tok) or not 0 <= tok <= MAX_TOKEN_ID:
+            raise InvalidFieldError("logit_bias", f"keys must be token ids in [0, {MAX_TOKEN_ID}], "
+                                                  f"got {key!r}"[:200])
+        out[int(tok)] = _number(f"logit_bias[{int(tok)}]", bias, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+    return out
+
+
+def check_sampling(p) -> None:
+    """Validate and normalise every field of the SamplingParams ``p`` in place (bounds above).
+
+    Raises InvalidFieldError naming the first bad field (``stop[1]``, ``logit_bias[7]``, ...).
+    """
+    p.temperature = _number("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
+    p.top_p = _number("top_p", p.top_p, 0.0, 1.0, lo_open=True)
+    p.top_k = _integer("top_k", p.top_k, -1, MAX_TOP_K, " (-1 or 0 disable it)")
+    p.min_p = _number("min_p", p.min_p, 0.0, 1.0)
+    if p.seed is not None:
+        p.seed = _integer("seed", p.seed, 0, MAX_SEED)
+    p.n = _integer("n", p.n, 1, MAX_N)
+    p.max_tokens = _integer("max_tokens", p.max_tokens, 0, MAX_MAX_TOKENS, " (0: score the prompt only)")
+    p.min_tokens = _integer("min_tokens", p.min_tokens, 0, MAX_MAX_TOKENS)
+    if p.min_tokens > p.max_tokens:
+        raise InvalidFieldError("min_tokens", f"must be at most max_tokens ({p.max_tokens}), got {p.min_tokens}")
+    p.presence_penalty = _number("presence_penalty", p.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+    p.frequency_penalty = _number("frequency_penalty", p.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+    p.repetition_penalty = _number("repetition_penalty", p.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+                                   lo_open=True)
+    p.stop_token_ids = check_token_ids("stop_token_ids", p.stop_token_ids, MAX_STOP_TOKEN_IDS)
+    if isinstance(p.stop, str):  # one stop string: errors name "stop", not "stop[0]"
+        try:
+            p.stop = _strings("stop", [p.stop], 1, MAX_STOP_CHARS)
+        except InvalidFieldError as e:
+            raise InvalidFieldError("stop", e.reason) from None
+    p.stop = _strings("stop", p.stop, MAX_STOP_STRINGS, MAX_STOP_CHARS)
+    p.bad_words = _strings("bad_words", p.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens"):
+        _boolean(name, getattr(p, name))
+    if p.logprobs is not None:
+        p.logprobs = _integer("logprobs", p.logprobs, 0, MAX_LOGPROBS)
+    if p.prompt_logprobs is not None:
+        p.prompt_logprobs = _integer("prompt_logprobs", p.prompt_logprobs, 0, MAX_LOGPROBS)
+    if p.truncate_prompt_tokens is not None:
+        p.truncate_prompt_tokens = _integer("truncate_prompt_tokens", p.truncate_prompt_tokens, 1,
+                                            MAX_PROMPT_TOKENS)
+    p.logit_bias = _logit_bias(p.logit_bias) or None
+    if p.allowed_token_ids is not None:
+        p.allowed_token_ids = check_token_ids("allowed_token_ids", p.allowed_token_ids,
+                                              MAX_ALLOWED_TOKEN_IDS, min_len=1)

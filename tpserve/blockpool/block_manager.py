@@ -112,14 +112,15 @@ class BlockManager:
         self.used_block_ids.remove(block_id)
         self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
 
-    def can_allocate(self, seq) -> int:
+    def can_allocate(self, seq, use_cache: bool = True) -> int:
         """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
-        blocks sitting in the free list are taken back and so count against the free blocks."""
+        blocks sitting in the free list are taken back and so count against the free blocks.
+        ``use_cache`` False looks nothing up (the sequence computes every token)."""
         bs = self.block_size
         num_new_blocks = seq.num_blocks
         num_cached_blocks = 0
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             parent_serial = -1
             for i in range(len(seq.token_ids) // bs):
                 block_id = self._lookup(seq, i, parent_serial)

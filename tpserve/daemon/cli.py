@@ -434,7 +434,7 @@ def profile(seconds, **kw):
 # ---- generate ----------------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
 @click.argument("prompt")
-@click.option("--max-tokens", type=int, default=SamplingParams.max_tokens, show_default=True,
+@click.option("--max-tokens", type=click.IntRange(min=1), default=SamplingParams.max_tokens, show_default=True,
               help="most tokens to generate")
 @click.option("--temperature", type=float, default=SamplingParams.temperature, show_default=True,
               help="0 for greedy decoding")

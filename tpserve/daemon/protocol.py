@@ -211,11 +211,12 @@ def sampling_params(name, v):
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    """SamplingParams as its wire map (a None seed or logprobs is left out)."""
+    """SamplingParams as its wire map: fields left at None are left out, and ``logit_bias``
+    keys travel as decimal strings (wire maps have string keys, as in JSON)."""
     d = {f: getattr(params, f) for f in SAMPLING_FIELDS}
-    for key in ("seed", "logprobs"):
-        if d[key] is None:
-            del d[key]
+    d = {k: v for k, v in d.items() if v is not None}
+    if "logit_bias" in d:
+        d["logit_bias"] = {str(t): b for t, b in d["logit_bias"].items()}
     return d
 
 

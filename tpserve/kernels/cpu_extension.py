@@ -27,7 +27,8 @@ import torch
 
 log = logging.getLogger("tpserve.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "cpu_ops.cpp", _CSRC / "sampling_ops.cpp")
 # -march=native: the build is per machine anyway (its directory is keyed by the CPU's flags),
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
@@ -63,7 +64,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: changes whenever the source, torch, the flags or the CPU change."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(cflags()).encode(),
+    for part in (*(f.read_bytes() for f in SOURCES), torch.__version__.encode(), " ".join(cflags()).encode(),
                  _cpu_flags().encode(), sys.version.encode()):
         h.update(part)
     return f"tpserve_cpu_{h.hexdigest()[:16]}"
@@ -82,7 +83,7 @@ def _build() -> None:
     if shutil.which("ninja") is None and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(),
+        load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags(),
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path

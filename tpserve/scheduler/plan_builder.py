@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpserve.plan import StepPlan
+from tpserve.scheduler.sample_inputs import SlotControls
 
 
 class SlotTable:
@@ -43,6 +44,8 @@ class SlotTable:
         self.top_ps = np.ones(num_slots, dtype=np.float32)
         self.seeds = np.zeros(num_slots, dtype=np.int64)
         self.stop_ids = np.full((1, num_slots), -1, dtype=np.int32)
+        # Logits controls beyond temperature/top-k/top-p (sample_inputs.py).
+        self.controls = SlotControls(num_slots)
         # Lowest slot first, so small batches touch few cache lines.
         self._free = list(range(num_slots - 1, -1, -1))
         # (key, its per-batch constant plan arrays): decode batches over an unchanged running
@@ -71,6 +74,7 @@ class SlotTable:
         self.stop_ids[:, slot] = -1
         self.stop_ids[:len(stop_ids), slot] = stop_ids
         self.set_blocks(slot, seq.block_table)
+        self.controls.acquire(slot, sp)
         seq.slot = slot
         return slot
 
@@ -79,6 +83,7 @@ class SlotTable:
         self.block_tables[slot, :self.num_blocks[slot]] = -1
         self.num_blocks[slot] = 0
         self.tail_blocks[slot] = -1
+        self.controls.release(slot)
         self._free.append(slot)
         seq.slot = -1
 
@@ -211,6 +216,7 @@ def _build_mixed(batch, bs: int) -> StepPlan:
     cu_k = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(ends, out=cu_k[1:])
     sampled = np.concatenate((np.ones(nd, dtype=bool), pends == plens))
+    lp_rows = _prompt_logprob_rows(batch, pseqs, starts.tolist(), qlens.tolist(), (pcu[:-1] + nd).tolist())
     sidx = idx[sampled]
     lens = np.concatenate((dlens, plens))
     width = int(t.num_blocks[idx].max())
@@ -232,4 +238,27 @@ def _build_mixed(batch, bs: int) -> StepPlan:
         top_ps=t.top_ps[sidx],
         seeds=t.seeds[sidx],
         sample_steps=(lens[sampled] - t.prompt_lens[sidx]).astype(np.int32, copy=False),
+        logprob_rows=lp_rows,
     )
+
+
+def _prompt_logprob_rows(batch, pseqs, starts, qlens, first_rows) -> np.ndarray:
+    """Rows whose logits give prompt log-probabilities, for the prefilling sequences that ask
+    for them; records on ``batch.prompt_logprobs`` (seq, first target position, count) and the
+    target tokens in ``batch.prompt_logprob_targets``.
+
+    The row at position p gives the log-probability of prompt token p + 1; targets already
+    reported (before a preemption) are not computed again."""
+    batch.prompt_logprobs, rows, targets = [], [], []
+    for seq, a, q, row0 in zip(pseqs, starts, qlens, first_rows):
+        if seq.sampling_params.prompt_logprobs is None:
+            continue
+        lo = max(a + 1, seq.num_prompt_logprobs_done)
+        hi = min(a + q, seq.num_prompt_tokens - 1)  # last target position, inclusive
+        if hi < lo:
+            continue
+        batch.prompt_logprobs.append((seq, lo, hi - lo + 1))
+        rows.append(np.arange(row0 + lo - 1 - a, row0 + hi - a, dtype=np.int32))
+        targets += seq.token_ids[lo:hi + 1]
+    batch.prompt_logprob_targets = np.asarray(targets, dtype=np.int32)
+    return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)

@@ -63,7 +63,9 @@ from tpserve.config import EngineConfig
 from tpserve.errors import AdmissionError, ConfigError
 from tpserve import requests as R
 from tpserve.plan import StepPlan
+from tpserve.sample_plan import SamplePlan
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
+from tpserve.scheduler.sample_inputs import build_sample_plan
 from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
 
@@ -95,6 +97,10 @@ class ScheduledBatch:
     token_lists: list | None = None
     # Names the decode slot set for SlotTable.constant_arrays (None: not cacheable).
     slots_key: object = None
+    # Prompt log-probabilities computed this step: (seq, first target position, count) in
+    # StepPlan.logprob_rows order, and the target token of each row (set by build_plan).
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprob_targets: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -102,6 +108,13 @@ class ScheduledBatch:
     @property
     def num_samples(self) -> int:
         return self.num_decodes + sum(self.sampled)
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that get a token this step, in sample-row order."""
+        if not self.is_prefill:
+            return self.seqs
+        nd = self.num_decodes  # decode rows come first and are always sampled
+        return self.seqs[:nd] + [s for s, sampled in zip(self.seqs[nd:], self.sampled) if sampled]
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +147,7 @@ class Scheduler:
         self._prefilling: Sequence | None = None
         self._dropped_in_flight = False
         self._step_id = 0
+        self._num_logprob_seqs = 0  # unfinished requests with logprobs set (0: skip the scan)
         # Counters (see stats()).
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
@@ -162,8 +176,9 @@ class Scheduler:
         if self.max_model_len is not None and total > self.max_model_len:
             raise AdmissionError(rid, "max_model_len", total, self.max_model_len,
                                  f"prompt of {prompt_len} tokens + max_tokens {max_tokens}")
-        # The last sampled token's KV is never written, hence total - 1.
-        blocks = -(-(total - 1) // self.block_size)
+        # The last sampled token's KV is never written, hence total - 1 (but every prompt
+        # token's is, when max_tokens is 0).
+        blocks = -(-max(total - 1, prompt_len) // self.block_size)
         pool = self.block_manager.num_blocks
         if blocks > pool:
             raise AdmissionError(rid, "num_kv_blocks", blocks, pool,
@@ -172,6 +187,7 @@ class Scheduler:
         seq.block_size = self.block_size
         self._requests[rid] = seq
         self.waiting.append(seq)
+        self._num_logprob_seqs += seq.sampling_params.logprobs is not None
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -241,7 +257,11 @@ class Scheduler:
         bm = self.block_manager
         while admit and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_cached_blocks = bm.can_allocate(seq)
+            # Prompt log-probabilities need the logits of every prompt row, so a request that
+            # still owes some computes its whole prompt (its blocks still enter the cache).
+            owes_logprobs = (seq.sampling_params.prompt_logprobs is not None
+                             and seq.num_prompt_logprobs_done < seq.num_prompt_tokens)
+            num_cached_blocks = bm.can_allocate(seq, use_cache=not owes_logprobs)
             if num_cached_blocks < 0:
                 break
             self.waiting.popleft()
@@ -371,6 +391,11 @@ class Scheduler:
             if seq.status is not RUNNING:  # aborted while the step ran
                 continue
             seq.num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if sampled and seq.sampling_params.max_tokens == 0:  # score the prompt only
+                bm.hash_blocks(seq)
+                done.append((seq, "length"))
+                out.append(seq)
+                continue
             if sampled:
                 seq.token_ids.append(tok)
                 seq.start_decoding()
@@ -444,6 +469,7 @@ class Scheduler:
         bm, t = self.block_manager, self.table
         left_running = 0
         for seq, reason in items:
+            self._num_logprob_seqs -= seq.sampling_params.logprobs is not None
             was = seq.status
             seq.status = FINISHED
             seq.finish_reason = reason
@@ -464,6 +490,25 @@ class Scheduler:
     # ---- plans, cache, stats -------------------------------------------------------------
     def build_plan(self, batch: ScheduledBatch) -> StepPlan:
         return build_plan(batch, self.block_size)
+
+    def build_sample_plan(self, batch: ScheduledBatch, plan: StepPlan) -> SamplePlan:
+        """The logits controls of ``batch``'s sample rows (after ``build_plan``)."""
+        seqs = batch.sampled_seqs()
+        ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
+            if self._num_logprob_seqs else ()
+        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
+                                   self.table, max(ks, default=-1))
+        if batch.prompt_logprobs:
+            sample.prompt_targets = batch.prompt_logprob_targets
+            sample.num_prompt_logprobs = max(s.sampling_params.prompt_logprobs for s, _, _ in batch.prompt_logprobs)
+        return sample
+
+    @staticmethod
+    def _sample_rows(batch: ScheduledBatch) -> np.ndarray | slice:
+        if not batch.is_prefill:
+            return slice(None)
+        nd = batch.num_decodes
+        return np.concatenate((np.arange(nd), nd + np.flatnonzero(np.asarray(batch.sampled, dtype=bool))))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

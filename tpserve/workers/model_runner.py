@@ -47,6 +47,7 @@ from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
+from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers.sampler import Sampler, compute_logprobs
@@ -97,7 +98,7 @@ class ModelRunner:
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
                                 device=self.device)
         prepack_model(self.model)  # bf16 on CPU: oneDNN's packed weights (models/packed_gemm.py)
-        self.sampler = Sampler()
+        self.sampler = Sampler(device=self.device)
         self.stager = PlanStager(self.accel)
         self.graphs = None  # the warm-up inside the sizing runs eagerly
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
@@ -176,36 +177,51 @@ class ModelRunner:
             slot_mapping=t["slot_mapping"])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, num_logprobs: int = -1):
-        """Run one step; rank 0 returns the sampled token ids (int64 [S]), others None.
+    def execute(self, plan: StepPlan, sample: SamplePlan | None = None) -> StepOutput | None:
+        """Run one step; rank 0 returns a StepOutput, other ranks None.
 
-        With ``num_logprobs`` >= 0 (rank 0 only: sampling never leaves rank 0, so the plan does
-        not carry it) rank 0 returns ``(tokens, (logprob [S], top_ids [S, k], top_logprobs [S, k]))``
-        with k = num_logprobs, as numpy arrays (see sampler.compute_logprobs).
+        ``sample`` (rank 0 only: sampling never leaves rank 0, so the plan does not carry it)
+        holds the logits controls and logprobs requests of the step's sample rows.
         """
+        sample = sample if sample is not None else _NO_CONTROLS
         if plan.num_tokens == 0:
-            if not self.tp.is_first:
-                return None
-            empty = np.zeros(0, dtype=np.int64)
-            if num_logprobs < 0:
-                return empty
-            k = max(num_logprobs, 0)
-            return empty, (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+            return _empty_output(sample) if self.tp.is_first else None
         t = self.stager.stage(plan)
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, t)
         else:
             hidden = self.model(t["input_ids"], t["positions"], self.metadata(plan, t))
+        prompt_lp = self._prompt_logprobs(hidden, t["logprob_rows"], sample) \
+            if plan.logprob_rows.shape[0] else None
         rows = hidden[t["logits_indices"].long()]
         logits = self.model.compute_logits(rows)
         if not self.tp.is_first:
             return None
         tokens = self.sampler(logits, t["temperatures"], t["top_ks"], t["top_ps"], t["seeds"],
-                              t["sample_steps"])
-        if num_logprobs < 0:
-            return tokens.cpu().numpy()
-        lp, top_ids, top_lp = compute_logprobs(logits, tokens, num_logprobs)
-        return tokens.cpu().numpy(), (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())
+                              t["sample_steps"], sample)
+        out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp)
+        if sample.num_logprobs >= 0:
+            lp, top_ids, top_lp = compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs)
+            out.logprobs = (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, sample: SamplePlan):
+        """Log-probabilities of the prompt tokens that ``rows`` predict, in chunks of
+        PROMPT_LOGPROBS_CHUNK rows so a long prompt never holds a [rows, vocab] float32 tensor
+        at once. Every rank runs the LM head (it is sharded); rank 0 returns the arrays."""
+        n, k = rows.shape[0], sample.num_prompt_logprobs
+        first = self.tp.is_first
+        if first:
+            targets = torch.from_numpy(sample.prompt_targets).to(self.device).long()
+            lp = np.zeros(n, np.float32)
+            ids, tops = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
+        for a in range(0, n, PROMPT_LOGPROBS_CHUNK):
+            b = min(a + PROMPT_LOGPROBS_CHUNK, n)
+            logits = self.model.compute_logits(hidden[rows[a:b].long()])
+            if first:
+                got, top_ids, top_lp = compute_logprobs(logits, targets[a:b], k)
+                lp[a:b], ids[a:b], tops[a:b] = got.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy()
+        return (lp, ids, tops) if first else None
 
     # ---- control commands ----------------------------------------------------------------
     def handle(self, plan: StepPlan) -> np.ndarray | None:
@@ -223,6 +239,19 @@ class ModelRunner:
             self._profiler = None
         # RESET_PREFIX_CACHE and PING need nothing from a runner: block state lives on rank 0.
         return None
+
+
+# Rows of prompt logits computed at once: 512 x 152k fp32 is 311 MB.
+PROMPT_LOGPROBS_CHUNK = 512
+_NO_CONTROLS = SamplePlan()
+
+
+def _empty_output(sample: SamplePlan) -> StepOutput:
+    k = max(sample.num_logprobs, 0)
+    out = StepOutput(np.zeros(0, dtype=np.int64))
+    if sample.num_logprobs >= 0:
+        out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+    return out
 
 
 def warmup_plan(config: EngineConfig) -> StepPlan:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from tpserve.kernels import cpu_extension
+from tpserve.sample_plan import SamplePlan
+from tpserve.workers.penalties import PenaltyState
 
 _MASK = (1 << 64) - 1
 
@@ -92,23 +94,127 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_min_p(x: torch.Tensor, rows: torch.Tensor, min_ps: torch.Tensor) -> None:
+    """Mask (to -inf) the tokens of rows ``rows`` whose probability is below ``min_p`` times
+    their row's most likely token's (x: temperature-scaled float32 logits, in place)."""
+    xs = x[rows]
+    probs = xs.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    x[rows] = xs.masked_fill(probs < top * min_ps[:, None], float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [G, vocab]: bit t % 32 of word t // 32 of each row (int32 [G, ceil(vocab / 32)])."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def race(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Sample each row of the float32 logits ``x`` (temperature, masks applied): the index of
+    max(x - log(-log u)), u the counter-based uniform of (seed, step, index).
+
+    Equals sampling from softmax(x) (the exponential race: x - log E with E = -log u); the row's
+    log-normaliser is the same for every index, so no log-softmax is needed. On CPU a C++
+    operator draws, transforms and compares in one pass over each row; the torch version below
+    (the reference) makes ~20 passes over [S, V] int64 and float32 tensors."""
+    ops = cpu_extension.ops_for(x)
+    if ops is not None and hasattr(ops, "race_argmax") and x.dim() == 2 and x.stride(1) == 1:
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        ops.race_argmax(out, x, seeds.long().contiguous(), steps.long().contiguous())
+        return out
+    if x.is_cuda:
+        from tpserve.kernels.sample_race import race_argmax
+        return race_argmax(x, seeds, steps)
+    return race_reference(x, seeds, steps)
+
+
+def race_reference(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    noise = uniform(seeds, steps, x.shape[1]).log_().neg_().log_()
+    return (x - noise).argmax(dim=-1)
+
+
 class Sampler:
-    """Samples one token per row; rows with temperature 0 are greedy."""
+    """The sampling rank's logits pipeline: one token per sample row.
+
+    Order (DESIGN.md): logit bias, allowed tokens and bans, the grammar bitmask, penalties
+    (counts in ``penalties``), then temperature, min-p, top-k, top-p and the race (or greedy
+    argmax, which sees everything before temperature). Rows with temperature 0 are greedy. A
+    step with no ``SamplePlan`` controls takes the plain path (nothing over the vocabulary
+    beyond what temperature/top-k/top-p need; an all-greedy batch is one argmax over the logits
+    as the LM head wrote them). A row left with no allowed token gets token -1.
+    """
+
+    def __init__(self, vocab_size: int | None = None, device: torch.device | str = "cpu"):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._penalties: PenaltyState | None = None
+
+    def penalties(self, vocab: int) -> PenaltyState:
+        if self._penalties is None or self._penalties.vocab_size != vocab:
+            self._penalties = PenaltyState(vocab, self.device)
+        return self._penalties
 
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                 top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
-        greedy_tokens = argmax_rows(logits)
+                 top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                 extra: SamplePlan | None = None) -> torch.Tensor:
         greedy = temperatures <= 0
+        processed = extra is not None and extra.processes_logits
+        if not processed:
+            # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
+            greedy_tokens = argmax_rows(logits)
+            if bool(greedy.all()):
+                return greedy_tokens
+            x = logits.float()
+        else:
+            x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+            self._process(x, extra)
+            greedy_tokens = argmax_rows(x)
         if bool(greedy.all()):
-            return greedy_tokens
-        temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
-        scaled = apply_top_k_top_p(logits.float() / temps[:, None], top_ks, top_ps)
-        logp = torch.log_softmax(scaled, dim=-1)
-        # argmax(p / E) == argmax(log p - log E), E = -log U.
-        noise = uniform(seeds, steps, logits.shape[1]).log_().neg_().log_()
-        sampled = argmax_rows(logp - noise)
-        return torch.where(greedy, greedy_tokens, sampled)
+            tokens = greedy_tokens
+        else:
+            temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+            x = x.div_(temps[:, None]) if processed else x / temps[:, None]
+            if processed and extra.min_p_rows is not None:
+                apply_min_p(x, self._t(extra.min_p_rows), self._t(extra.min_ps))
+            x = apply_top_k_top_p(x, top_ks, top_ps)
+            tokens = torch.where(greedy, greedy_tokens, race(x, seeds, steps))
+        if processed:
+            dead = torch.isneginf(x.amax(dim=-1)) if x.shape[1] else torch.ones_like(greedy)
+            if bool(dead.any()):
+                tokens = torch.where(dead, torch.full_like(tokens, -1), tokens)
+            if extra.penalty_rows is not None:
+                rows = self._t(extra.penalty_rows).long()
+                live = tokens[rows] >= 0
+                self._penalties.count(self._t(extra.penalty_slots)[live], tokens[rows][live])
+        return tokens
+
+    def _t(self, a) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _process(self, x: torch.Tensor, p: SamplePlan) -> None:
+        """Every change to the logits before temperature, in pipeline order (in place)."""
+        inf = float("-inf")
+        if p.bias_rows is not None:
+            x.index_put_((self._t(p.bias_rows).long(), self._t(p.bias_tokens).long()),
+                         self._t(p.bias_values), accumulate=True)
+        if p.allow_rows is not None:
+            keep = torch.zeros((len(p.allow_rows), x.shape[1]), dtype=torch.bool, device=x.device)
+            keep[self._t(p.allow_index).long(), self._t(p.allow_tokens).long()] = True
+            rows = self._t(p.allow_rows).long()
+            x[rows] = x[rows].masked_fill(~keep, inf)
+        if p.ban_rows is not None:
+            x[self._t(p.ban_rows).long(), self._t(p.ban_tokens).long()] = inf
+        if p.mask_rows is not None:
+            rows = self._t(p.mask_rows).long()
+            allowed = unpack_bitmask(self._t(p.bitmask), x.shape[1])
+            x[rows] = x[rows].masked_fill(~allowed, inf)
+        if p.penalty_rows is not None:
+            state = self.penalties(x.shape[1])
+            if p.init_slots is not None:
+                state.start(p.init_slots, p.init_cu, p.init_prompt_lens, p.init_tokens)
+            state.apply(x, self._t(p.penalty_rows), self._t(p.penalty_slots), self._t(p.repetition),
+                        self._t(p.frequency), self._t(p.presence))
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
