@@ -8,6 +8,9 @@ replay by re-running the captured function (``EagerGraph``), so decode-graph pad
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -152,6 +155,70 @@ def test_graph_decode_equals_eager_decode(tiny, monkeypatch):
                 res.append([o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)])
             outs[eager] = res
     assert outs[False] == outs[True]
+
+
+# ---- shutdown frees the device memory (a second engine in the process sizes the same) ----------
+class TrackingAccelerator(FakeAccelerator):
+    """A fake whose free memory also leaves out the bytes of the tensors ``track`` was given,
+    while they are alive: an engine's KV pool, weights and graph outputs, as on a card."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._tracked: list[tuple[weakref.ref, int]] = []
+
+    def track(self, tensors) -> None:
+        self._tracked += [(weakref.ref(t), t.numel() * t.element_size()) for t in tensors]
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self._tracked if ref() is not None)
+
+    def mem_get_info(self):
+        free, total = super().mem_get_info()
+        return free - self.live_bytes(), total
+
+
+def test_shutdown_frees_device_memory_without_the_cycle_collector(tiny, monkeypatch):
+    # Memory so small that the budget decides the block count (as in the start test above).
+    accel = TrackingAccelerator(total=1 << 20, in_use=256 << 10, activation=128 << 10)
+    monkeypatch.setattr("tpserve.workers.executor.device_for", lambda rank: accel)
+    opts = dict(max_num_seqs=4, max_model_len=64, dtype="float32", attention_backend="triton",
+                block_size=16, gpu_memory_utilization=0.5)
+    llm = LLM(str(tiny), **opts)
+    # The Triton interpreter leaves every launch's arguments in a reference cycle of its own
+    # (a GPU run has no interpreter): collect those once, then let only reference counting free.
+    gc.collect()
+    gc.disable()
+    try:
+        runner = llm.engine.executor.runner
+        blocks = runner.num_blocks
+        assert runner.graphs is not None
+        accel.track([t for kv in runner.kv_caches for t in kv] + list(runner.model.parameters())
+                    + [g.output for g in runner.graphs.graphs.values()])
+        assert accel.live_bytes() > runner.num_blocks * runner.block_bytes
+        graphs = weakref.ref(runner.graphs)
+        runner = weakref.ref(runner)
+        emptied = accel.events.count("empty_cache")
+        llm.shutdown()
+        assert runner() is None and graphs() is None
+        assert accel.live_bytes() == 0
+        assert accel.events.count("empty_cache") > emptied  # the allocator's cache returned too
+        # The second engine sees the whole card again: same KV pool, no "no memory left".
+        second = LLM(str(tiny), **opts)
+        assert second.engine.executor.runner.num_blocks == blocks
+        second.shutdown()
+    finally:
+        gc.enable()
+
+
+def test_closed_runner_refuses_to_run_and_closes_once(tiny):
+    cfg = _config(tiny)
+    runner = ModelRunner(cfg, TPContext(), FakeAccelerator())
+    graph = next(iter(runner.graphs.graphs.values()))
+    runner.close()
+    assert runner.graphs is None and runner.kv_caches == [] and graph.output is None
+    runner.close()
+    with pytest.raises(RuntimeError, match="runner is closed"):
+        runner.execute(warmup_plan(cfg))
 
 
 # ---- the block-count cap ----------------------------------------------------------------------

@@ -57,7 +57,9 @@ class UniProcExecutor:
         return None  # no other process can die under this one
 
     def shutdown(self) -> None:
-        self.runner = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
 
 class MultiProcExecutor:
@@ -208,11 +210,14 @@ class MultiProcExecutor:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+            self.runner = None
         destroy_tp()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        self.runner = None
         with self._pipe_lock:
             os.close(self._dead_r)
             os.close(self._dead_w)

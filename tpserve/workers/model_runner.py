@@ -10,7 +10,8 @@ device path (CUDA, or a fake accelerator in tests).
 
 Start-up order: load the model; size the KV cache (on a device this runs a warm-up step, which
 needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; then
-capture decode graphs.
+capture decode graphs. ``close()`` frees all of it again (executors and workers call it on
+shutdown); nothing the runner owns points back at it, so dropping it frees the memory too.
 
 KV cache sizing:
     * ``config.num_kv_blocks`` set: exactly that many blocks.
@@ -104,9 +105,27 @@ class ModelRunner:
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
         if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+            graphs = DecodeGraphs(self.model, self.accel, config, max_batch=config.max_num_seqs)
             graphs.capture()
             self.graphs = graphs
+
+    def close(self) -> None:
+        """Free this rank's device memory now: decode graphs and their pool, the KV cache, the
+        weights and the staging buffers, then the allocator's cached blocks, so that another
+        engine started in this process sizes its KV pool against free memory. The runner
+        cannot run afterwards; closing twice is harmless."""
+        if self.model is None:
+            return
+        self.accel.synchronize()  # nothing queued may still read what is freed below
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.model.set_kv_caches([(None, None)] * self.model.num_layers)
+        self.kv_caches = []
+        self.model = None
+        self.stager = None
+        self._profiler = None
+        self.accel.empty_cache()
 
     # ---- KV cache ------------------------------------------------------------------------
     @property
@@ -183,6 +202,8 @@ class ModelRunner:
         not carry it) rank 0 returns ``(tokens, (logprob [S], top_ids [S, k], top_logprobs [S, k]))``
         with k = num_logprobs, as numpy arrays (see sampler.compute_logprobs).
         """
+        if self.model is None:
+            raise RuntimeError("ModelRunner.execute: the runner is closed")
         if plan.num_tokens == 0:
             if not self.tp.is_first:
                 return None
