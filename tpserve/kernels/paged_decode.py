@@ -35,7 +35,7 @@ from tpserve.kernels.online_softmax import online_softmax_tile
 from tpserve.kernels.tiles import LOG2E, decode_splits, dot_options, max_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                          block_tables_ptr, context_lens_ptr, qk_scale,
                          stride_qt, stride_qh, stride_ot, stride_oh,
