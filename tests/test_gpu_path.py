@@ -22,7 +22,8 @@ from tpserve.models.parallel import TPContext
 from tpserve.workers import device as devices
 from tpserve.workers import model_runner as runner_mod
 from tpserve.workers.device import Accelerator, EagerGraph, accelerator_for
-from tpserve.workers.model_runner import ModelRunner, max_useful_blocks, warmup_plan
+from tpserve.workers.model_runner import ModelRunner, max_useful_blocks
+from tpserve.workers.warmup import warmup_plan
 
 GiB = 1 << 30
 
@@ -155,6 +156,59 @@ def test_graph_decode_equals_eager_decode(tiny, monkeypatch):
                 res.append([o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)])
             outs[eager] = res
     assert outs[False] == outs[True]
+
+
+# ---- every attention kernel variant is compiled at start ----------------------------------------
+class _VariantRecorder:
+    """Wraps a Triton kernel; records each launch's compile key as Triton forms it: the
+    constexprs, tensor dtypes and 16-byte alignment, and for integers that are specialised
+    on, whether they equal 1 and whether 16 divides them."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+        self.names = kernel.arg_names
+        self.unspecialised = set(kernel.kwargs.get("do_not_specialize") or ())
+
+    def _key(self, args, kw):
+        key = [self.kernel.fn.__name__]
+        for name, a in zip(self.names, args):
+            if isinstance(a, torch.Tensor):
+                key.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
+            elif isinstance(a, int) and not isinstance(a, bool) and name not in self.unspecialised:
+                key.append((name, a == 1, a % 16 == 0))
+        return tuple(key) + tuple(sorted(kw.items()))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append(self._key(args, kw))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_start_launches_every_attention_variant_serving_needs(tiny, monkeypatch, eager):
+    from tpserve.kernels import paged_decode, paged_prefill
+
+    seen: list = []
+    for mod, attr in ((paged_prefill, "_prefill_kernel"), (paged_decode, "_paged_decode_kernel")):
+        monkeypatch.setattr(mod, attr, _VariantRecorder(getattr(mod, attr), seen))
+    accel = FakeAccelerator()
+    monkeypatch.setattr("tpserve.workers.executor.device_for", lambda rank: accel)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    # A small step budget: the long prompts are prefilled in chunks with cached context, next
+    # to the decodes of the short ones (mixed steps), short and long chunks; the last prompt
+    # re-reads the first one's blocks from the prefix cache.
+    with LLM(str(tiny), max_num_seqs=4, max_model_len=64, dtype="float32",
+             attention_backend="triton", block_size=16, max_num_batched_tokens=24,
+             enforce_eager=eager) as llm:
+        started = set(seen)
+        seen.clear()
+        prompts = [list(range(3, 43)), [5, 6, 7], list(range(50, 71)), [9] * 12]
+        llm.generate(prompts, greedy, use_tqdm=False)
+        llm.generate([list(range(3, 43)) + [8, 9]], greedy, use_tqdm=False)
+    served = set(seen)
+    assert any(("PAGED", True) in k for k in served)  # the workload had mixed steps
+    assert served <= started, sorted(served - started)
 
 
 # ---- shutdown frees the device memory (a second engine in the process sizes the same) ----------

@@ -9,7 +9,8 @@ online softmax in fp32.
 
 Variants: each distinct set of constexprs (``prefill_tiles``: BLOCK_M 16 for chunks of at
 most 16 tokens, else the dtype's largest tile; PAGED or not) is compiled on its first launch.
-The block-table stride is not specialised on (it is the table width, which changes
+The runner launches every variant at start (``workers/warmup.py``), so no serving step pays
+the compile. The block-table stride is not specialised on (it is the table width, which changes
 from step to step and would otherwise select other compiled variants).
 
 Keys come from one of two places, fixed at compile time by ``PAGED``:
