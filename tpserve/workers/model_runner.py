@@ -11,8 +11,9 @@ device path (CUDA, or a fake accelerator in tests).
 Start-up order: load the model; size the KV cache (on a device this runs a warm-up step, which
 needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; on a
 device, run one small step per attention kernel variant (``warmup.py``: Triton compiles them
-now, not in the first mixed step); then capture decode graphs. ``close()`` frees all of it again (executors and workers call it on
-shutdown); nothing the runner owns points back at it, so dropping it frees the memory too.
+now, not in the first mixed step); then capture decode graphs. ``close()`` frees all of it
+again (executors and workers call it on shutdown); nothing the runner owns points back at it,
+so dropping it frees the memory too.
 
 KV cache sizing:
     * ``config.num_kv_blocks`` set: exactly that many blocks.
