@@ -187,10 +187,11 @@ class _VariantRecorder:
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_start_launches_every_attention_variant_serving_needs(tiny, monkeypatch, eager):
-    from tpserve.kernels import paged_decode, paged_prefill
+    from tpserve.kernels import paged_decode, paged_prefill, store_kvcache
 
     seen: list = []
-    for mod, attr in ((paged_prefill, "_prefill_kernel"), (paged_decode, "_paged_decode_kernel")):
+    for mod, attr in ((paged_prefill, "_prefill_kernel"), (paged_decode, "_paged_decode_kernel"),
+                      (store_kvcache, "_store_kvcache_kernel")):
         monkeypatch.setattr(mod, attr, _VariantRecorder(getattr(mod, attr), seen))
     accel = FakeAccelerator()
     monkeypatch.setattr("tpserve.workers.executor.device_for", lambda rank: accel)
