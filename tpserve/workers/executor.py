@@ -57,7 +57,9 @@ class UniProcExecutor:
         return None  # no other process can die under this one
 
     def shutdown(self) -> None:
-        self.runner = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
 
 class MultiProcExecutor:
@@ -211,11 +213,14 @@ class MultiProcExecutor:
             if self.dead is None:
                 (log.info if p.exitcode == 0 else log.warning)(
                     "tensor-parallel worker rank %d exited with code %s", rank, p.exitcode)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+            self.runner = None
         destroy_tp()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        self.runner = None
         with self._pipe_lock:
             os.close(self._dead_r)
             os.close(self._dead_w)

@@ -9,8 +9,11 @@ Device calls go through an ``Accelerator`` (``device.py``); ``is_accelerator`` s
 device path (CUDA, or a fake accelerator in tests).
 
 Start-up order: load the model; size the KV cache (on a device this runs a warm-up step, which
-needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; then
-capture decode graphs.
+needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; on a
+device, run one small step per attention kernel variant (``warmup.py``: Triton compiles them
+now, not in the first mixed step); then capture decode graphs. ``close()`` frees all of it
+again (executors and workers call it on shutdown); nothing the runner owns points back at it,
+so dropping it frees the memory too.
 
 KV cache sizing:
     * ``config.num_kv_blocks`` set: exactly that many blocks.
@@ -52,6 +55,7 @@ from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
+from tpserve.workers.warmup import kernel_warmup_plans, warmup_plan
 
 log = logging.getLogger("tpserve.runner")
 
@@ -104,10 +108,32 @@ class ModelRunner:
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if self.accel.is_accelerator:
+            # Triton compiles a kernel variant on its first launch: here, not in a serving step.
+            for plan in kernel_warmup_plans(config):
+                self.execute(plan)
         if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+            graphs = DecodeGraphs(self.model, self.accel, config, max_batch=config.max_num_seqs)
             graphs.capture()
             self.graphs = graphs
+
+    def close(self) -> None:
+        """Free this rank's device memory now: decode graphs and their pool, the KV cache, the
+        weights and the staging buffers, then the allocator's cached blocks, so that another
+        engine started in this process sizes its KV pool against free memory. The runner
+        cannot run afterwards; closing twice is harmless."""
+        if self.model is None:
+            return
+        self.accel.synchronize()  # nothing queued may still read what is freed below
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.model.set_kv_caches([(None, None)] * self.model.num_layers)
+        self.kv_caches = []
+        self.model = None
+        self.stager = None
+        self._profiler = None
+        self.accel.empty_cache()
 
     # ---- KV cache ------------------------------------------------------------------------
     @property
@@ -183,6 +209,8 @@ class ModelRunner:
         ``sample`` (rank 0 only: sampling never leaves rank 0, so the plan does not carry it)
         holds the logits controls and logprobs requests of the step's sample rows.
         """
+        if self.model is None:
+            raise RuntimeError("ModelRunner.execute: the runner is closed")
         sample = sample if sample is not None else _NO_CONTROLS
         if plan.num_tokens == 0:
             return _empty_output(sample) if self.tp.is_first else None
@@ -252,29 +280,3 @@ def _empty_output(sample: SamplePlan) -> StepOutput:
     if sample.num_logprobs >= 0:
         out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
     return out
-
-
-def warmup_plan(config: EngineConfig) -> StepPlan:
-    """The memory-peak step: a prefill of ``max_step_tokens`` tokens (capped by what
-    ``max_num_seqs`` sequences can hold) that samples ``max_num_seqs`` rows (capped by the
-    token count) with temperature, top-k and top-p all on, so the sampler sorts the vocabulary
-    as its most expensive real step does."""
-    cfg = config
-    num_tokens = min(cfg.max_step_tokens, cfg.max_num_seqs * cfg.max_model_len)
-    num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // max(cfg.max_model_len, 1)))
-    lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
-    lens[-1] += num_tokens - int(lens.sum())
-    cu = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(lens, out=cu[1:])
-    samples = min(cfg.max_num_seqs, num_tokens)
-    rows = np.linspace(0, num_tokens - 1, samples).astype(np.int32)  # distinct: samples <= tokens
-    return StepPlan(is_prefill=True, max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()),
-                    input_ids=np.zeros(num_tokens, np.int32),
-                    positions=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
-                    slot_mapping=np.full(num_tokens, -1, np.int32), cu_seqlens_q=cu,
-                    cu_seqlens_k=cu.copy(), context_lens=lens,
-                    block_tables=np.zeros((num_seqs, 0), np.int32), logits_indices=rows,
-                    temperatures=np.ones(samples, np.float32),
-                    top_ks=np.full(samples, 50, np.int32), top_ps=np.full(samples, 0.9, np.float32),
-                    seeds=np.arange(samples, dtype=np.int64),
-                    sample_steps=np.zeros(samples, np.int32))
