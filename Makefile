@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# The router peer (smg) in its own virtualenv; tests/test_router_smg.py runs it.
+SMG_VENV ?= $(or $(TPSERVE_SMG_VENV),/work/peers/smg)
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +23,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) scripts/quickstart.py
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+peers:
+	bash scripts/peer_smg.sh $(SMG_VENV)
+
+test: $(STAMP) peers
+	TPSERVE_SMG_VENV=$(SMG_VENV) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) scripts/bench_scheduler.py
