@@ -1,6 +1,6 @@
 """Replicas behind a real router: smg's routing policies in front of two tpserve daemons.
 
-    python scripts/bench_router.py [--policies round_robin cache_aware prefix_hash least_load]
+    python scripts/bench_router.py [--policies round_robin cache_aware prefix_hash kv_aware least_load]
         [--scenarios shared-prefix skewed] [--model DIR] [--system-tokens 1500] [--turns 6]
         [--smg VENV/bin/smg]
 
@@ -9,7 +9,7 @@ Each (scenario, policy) starts two fresh replicas (``tpserve start --http-port``
 ``smg launch --worker-urls ... --policy POLICY`` in front of them, streams the scenario's
 requests through smg's ``/v1/completions``, and prints one line:
 
-    bench_router scenario=S policy=P done=N/N prefix_hit_rate=H ttft_ms p50=A p99=B req_s=R out_tok_s=T ...
+    bench_router scenario=S router=smg policy=P done=N/N prefix_hit_rate=H ttft_ms p50=A p99=B req_s=R out_tok_s=T ...
 
 ``prefix_hit_rate`` is the replicas' own count from their ``/metrics`` (prompt tokens whose KV
 came from the prefix cache over all prompt tokens looked up, both replicas, the warm-up
@@ -27,11 +27,13 @@ Scenarios (all prompts are text: the replicas read the id tokenizer of bench_mod
   one (``--long-tokens``) in six: a load-blind policy stacks short requests behind long
   prefills; ``least_load`` reads each replica's live load (``/v1/loads``) every second.
 
-smg's event-driven KV index (``--kv-index``) is fed only by gRPC workers' SubscribeKvEvents
-stream, not by HTTP workers, so it cannot run against HTTP replicas; the script prints why
-instead of a result (docs/scaling.md). The replicas publish their KV events anyway
-(``--kv-events-endpoint``), as a vLLM-format consumer reads them, and the script prints
-how many batches each sent.
+Policy ``kv_aware`` is vllm-router's (``--vllm-router``; scripts/peer_vllm_router.sh): it
+subscribes to both replicas' KV-cache events (``--kv-events-endpoint``, with replay) and routes
+each request to the replica whose cache really holds the longest prefix of it, evictions
+included; it needs token ids, so its requests carry the same tokens as ids instead of text.
+smg's own event-driven index (``--kv-index``) is fed only by gRPC workers' SubscribeKvEvents
+stream, not by HTTP workers, so it cannot run against HTTP replicas: the script prints why
+instead of a result (docs/scaling.md).
 
 Everything runs on 127.0.0.1 and is stopped when its turn ends, also on errors. Timings on a
 shared machine are noisy: the header says how many CPUs the run had.
@@ -56,7 +58,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import HOST, TPSERVE, OpenAIDriver, Record, free_port, machine, pct, summarize  # noqa: E402
 
-POLICIES = ("round_robin", "cache_aware", "prefix_hash", "least_load")
+POLICIES = ("round_robin", "cache_aware", "prefix_hash", "kv_aware", "least_load")
+EVENT_POLICIES = ("kv_aware",)  # vllm-router's, fed by the replicas' KV events
 NUM_SYSTEM_PROMPTS = 8
 KV_INDEX_NOTE = ("smg's event-driven index reads KV events only from gRPC workers (SubscribeKvEvents); "
                  "HTTP workers are not subscribed")
@@ -82,13 +85,14 @@ class Replica:
         self.rd = tempfile.mkdtemp(prefix="tpserve-bench-router-")
         self.port = free_port()
         self.kv_endpoint = f"tcp://{HOST}:{free_port()}" if kv_events else None
+        self.kv_replay = f"tcp://{HOST}:{free_port()}" if kv_events else None
         cmd = TPSERVE + ["start", "--runtime-dir", self.rd, "--log-level", "warning", "--model", str(model),
                          "--http-port", str(self.port), "--num-kv-blocks", str(num_kv_blocks),
                          "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
                          "--dtype", args.dtype, "--served-model-name", "bench",
                          "--startup-timeout", str(args.startup_timeout)]
         if self.kv_endpoint:
-            cmd += ["--kv-events-endpoint", self.kv_endpoint]
+            cmd += ["--kv-events-endpoint", self.kv_endpoint, "--kv-events-replay-endpoint", self.kv_replay]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.startup_timeout + 30)
         if out.returncode != 0:
             log = Path(self.rd, "tpserve.log")
@@ -155,15 +159,56 @@ class Smg:
         return Path(self.log.name).read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+        stop_process(self.proc, self.log)
+
+
+def stop_process(proc: subprocess.Popen, log) -> None:
+    """SIGTERM, SIGKILL after 15 s; closes and removes the log."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    os.unlink(log.name)
+
+
+class VllmRouter:
+    """``vllm-router --policy kv_aware`` subscribed to every replica's KV events; waits until it
+    answers (it starts listening once all workers are healthy)."""
+
+    def __init__(self, binary: str, replicas: list[Replica], policy: str, startup_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="bench-router-vllm-router-", suffix=".log", delete=False)
+        cmd = [binary, "--host", HOST, "--port", str(self.port), "--worker-urls", *[r.url for r in replicas],
+               "--policy", policy, "--kv-event-model", "bench", "--log-level", "warning",
+               "--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+        for r in replicas:
+            cmd += ["--kv-event-source", f"{r.url}={r.kv_endpoint}",
+                    "--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + startup_timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vllm-router exited with {self.proc.returncode}: "
+                                       f"{Path(self.log.name).read_text(errors='replace')[-3000:]}")
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm-router not up within {startup_timeout:g} s")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        stop_process(self.proc, self.log)
 
 
 def id_text(ids) -> str:
@@ -210,8 +255,10 @@ def skewed_requests(args, vocab: int, rng: random.Random) -> list[tuple[float, l
     return out
 
 
-async def run_requests(url_port: int, reqs, concurrency: int | None) -> tuple[list[Record], float]:
-    driver = OpenAIDriver(url_port, "bench", detok=id_text, extra={"ignore_eos": True})
+async def run_requests(url_port: int, reqs, concurrency: int | None, text: bool = True
+                       ) -> tuple[list[Record], float]:
+    """Stream every request (text prompts, or token ids when ``text`` is False)."""
+    driver = OpenAIDriver(url_port, "bench", detok=id_text if text else None, extra={"ignore_eos": True})
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     records = [Record() for _ in reqs]
     start = time.perf_counter()
@@ -242,19 +289,23 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
         blocks = int(4 * args.long_tokens / args.block_size)
     replicas: list[Replica] = []
     smg = None
+    events = policy in EVENT_POLICIES
     try:
         replicas += start_replicas(model, blocks, args, 2)
-        smg = Smg(args.smg, [r.url for r in replicas], policy, extra=args.smg_args.split())
+        smg = (VllmRouter(args.vllm_router, replicas, policy) if events else
+               Smg(args.smg, [r.url for r in replicas], policy, extra=args.smg_args.split()))
         # Warm-up through each replica directly (first calls are slow), not measured.
         for r in replicas:
             asyncio.run(run_requests(r.port, [(0.0, [5, 6, 7, 8], 2)], None))
         before = [scrape(r.url) for r in replicas]
-        records, wall = asyncio.run(run_requests(smg.port, reqs, concurrency))
+        # vllm-router's kv_aware needs token ids (it has no tokenizer for text): the replicas
+        # see the same tokens either way.
+        records, wall = asyncio.run(run_requests(smg.port, reqs, concurrency, text=not events))
         after = [scrape(r.url) for r in replicas]
-        events = []
+        batches = []
         for r in replicas:
             with contextlib.suppress(OSError, ValueError):
-                events.append(http_json(r.url + "/server_info")["kv_events"]["published"])
+                batches.append(http_json(r.url + "/server_info")["kv_events"]["published"])
     finally:
         if smg is not None:
             smg.stop()
@@ -268,13 +319,14 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
                    for a, b in zip(after, before)]
     s = summarize(records)
     errors = sorted({r.error for r in records if r.error})
-    line = (f"bench_router scenario={scenario} policy={policy} done={s['done']}/{len(reqs)} "
+    router = "vllm-router" if events else "smg"
+    line = (f"bench_router scenario={scenario} router={router} policy={policy} done={s['done']}/{len(reqs)} "
             f"prefix_hit_rate={hits / queries if queries else 0.0:.3f} hit_tokens={hits:.0f} "
             f"ttft_ms p50={pct(s['ttft'], 50) * 1e3:.0f} p99={pct(s['ttft'], 99) * 1e3:.0f} "
             f"req_s={s['done'] / wall:.2f} out_tok_s={s['tok_s']:.1f} "
             f"preemptions={delta('tpserve:num_preemptions_total'):.0f} "
             f"prompt_tokens_per_replica={'/'.join(f'{p:.0f}' for p in per_replica)} "
-            f"kv_event_batches={'/'.join(map(str, events))} wall_s={wall:.1f}")
+            f"kv_event_batches={'/'.join(map(str, batches))} wall_s={wall:.1f}")
     if errors:
         line += f" errors={errors[:3]}"
     return line
@@ -287,6 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smg", default=os.path.join(os.environ.get("TPSERVE_SMG_VENV", "/work/peers/smg"), "bin", "smg"),
                     help="the smg launcher (scripts/peer_smg.sh installs it)")
     ap.add_argument("--smg-args", default="", help="more `smg launch` arguments, one string")
+    ap.add_argument("--vllm-router", default=os.path.join(os.environ.get("TPSERVE_VLLM_ROUTER_VENV",
+                                                                         "/work/peers/vllm-router"), "bin", "vllm-router"),
+                    help="vllm-router, for the KV-event policy kv_aware (scripts/peer_vllm_router.sh)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--scenarios", nargs="+", choices=("shared-prefix", "skewed"),
                     default=["shared-prefix", "skewed"])
@@ -321,11 +376,11 @@ def main(argv=None) -> int:
             try:
                 print(run_one(scenario, policy, model, args), flush=True)
             except Exception as e:
-                print(f"bench_router scenario={scenario} policy={policy} unavailable: {type(e).__name__}: {e}",
-                      flush=True)
+                print(f"bench_router scenario={scenario} policy={policy} unavailable: {type(e).__name__}: "
+                      f"{str(e)[-500:]}", flush=True)
         if scenario == "shared-prefix":
-            print(f"bench_router scenario={scenario} policy=cache_aware+kv_index unavailable: {KV_INDEX_NOTE}",
-                  flush=True)
+            print(f"bench_router scenario={scenario} router=smg policy=cache_aware+kv_index unavailable: "
+                  f"{KV_INDEX_NOTE}", flush=True)
     return 0
 
 

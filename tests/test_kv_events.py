@@ -28,41 +28,30 @@ from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Sequence
 
 
-# ---- vLLM's wire types, as a vLLM-format consumer declares them (msgspec, array-like, tagged) --
+# ---- vLLM's wire types, as a vLLM-format consumer declares them with msgspec: the batch a
+# positional array, each event a struct tagged by its class name; current vLLM encodes an event
+# as a map (tag under "type"), earlier releases as a positional array (tpserve's format="array").
 class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list
     data_parallel_rank: int | None = None
 
 
-class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+def _event_types(array_like: bool) -> msgspec.msgpack.Decoder:
+    """A decoder of vLLM's batch whose events are maps (or, ``array_like``, arrays)."""
+    base = msgspec.defstruct("Event", [], array_like=array_like, omit_defaults=True, gc=False, tag=True)
+    stored = msgspec.defstruct("VBlockStored", [
+        ("block_hashes", list[int]), ("parent_block_hash", int | None), ("token_ids", list[int]),
+        ("block_size", int), ("lora_id", int | None), ("medium", str | None), ("lora_name", str | None)],
+        bases=(base,), tag="BlockStored")
+    removed = msgspec.defstruct("VBlockRemoved", [("block_hashes", list[int]), ("medium", str | None)],
+                                bases=(base,), tag="BlockRemoved")
+    cleared = msgspec.defstruct("VAllBlocksCleared", [], bases=(base,), tag="AllBlocksCleared")
+    batch = msgspec.defstruct("VKVEventBatch", [("events", list[stored | removed | cleared])], bases=(_Batch,))
+    return msgspec.msgpack.Decoder(batch)
 
 
-class VBlockStored(_Event, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class VBlockRemoved(_Event, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class VAllBlocksCleared(_Event, tag="AllBlocksCleared"):
-    pass
-
-
-class VKVEventBatch(_Batch):
-    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+DECODER, ARRAY_DECODER = _event_types(False), _event_types(True)
 
 
 class CacheView:
@@ -239,15 +228,23 @@ def test_replayed_events_always_equal_the_cached_hashes(bs, pool_tokens, max_num
 
 # ---- the wire format and the publisher --------------------------------------------------------
 
-def test_the_payload_decodes_with_vllms_struct_definitions():
+@pytest.mark.parametrize("fmt,decoder", [("map", DECODER), ("array", ARRAY_DECODER)])
+def test_the_payload_decodes_with_vllms_struct_definitions(fmt, decoder):
     events = [BlockStored([2**64 - 1, 7], None, [1, 2, 3, 4], 2), BlockRemoved([7]), AllBlocksCleared()]
-    batch = DECODER.decode(encode_batch(events, 12.5))
+    payload = encode_batch(events, 12.5, format=fmt)
+    batch = decoder.decode(payload)
     assert batch.ts == 12.5 and batch.data_parallel_rank == 0
     stored, removed, cleared = batch.events
     assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size,
-            stored.lora_id, stored.medium) == ([2**64 - 1, 7], None, [1, 2, 3, 4], 2, None, "GPU")
+            stored.lora_id, stored.medium, stored.lora_name) == ([2**64 - 1, 7], None, [1, 2, 3, 4], 2,
+                                                                 None, "GPU", None)
     assert (removed.block_hashes, removed.medium) == ([7], "GPU")
-    assert isinstance(cleared, VAllBlocksCleared)
+    assert type(cleared).__name__ == "VAllBlocksCleared"
+    other = ARRAY_DECODER if decoder is DECODER else DECODER
+    with pytest.raises(msgspec.ValidationError):  # the two layouts are not interchangeable
+        other.decode(payload)
+    with pytest.raises(ValueError, match="format"):
+        KVEventsOptions("tcp://127.0.0.1:5557", format="json")
 
 
 def test_non_loopback_endpoints_are_refused_unless_allowed():

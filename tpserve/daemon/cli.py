@@ -105,6 +105,9 @@ kv_events_options = [
                  help="ROUTER address where subscribers ask for missed event batches"),
     click.option("--kv-events-topic", default="", show_envvar=True, envvar="TPSERVE_KV_EVENTS_TOPIC",
                  help="topic frame of every event message [default: empty]"),
+    click.option("--kv-events-format", type=click.Choice(["map", "array"]), default="map", show_default=True,
+                 show_envvar=True, envvar="TPSERVE_KV_EVENTS_FORMAT",
+                 help="each event a tagged map (current vLLM) or a positional array (earlier vLLM releases)"),
     click.option("--kv-events-allow-remote", is_flag=True, default=False, show_envvar=True,
                  envvar="TPSERVE_KV_EVENTS_ALLOW_REMOTE",
                  help="allow non-loopback event addresses (the events carry prompt token ids)"),
@@ -118,7 +121,7 @@ def _kv_events_options(kw: dict) -> KVEventsOptions | None:
         return None
     try:
         return KVEventsOptions(kw["kv_events_endpoint"], kw["kv_events_replay_endpoint"] or None,
-                               kw["kv_events_topic"], kw["kv_events_allow_remote"])
+                               kw["kv_events_topic"], kw["kv_events_allow_remote"], kw["kv_events_format"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--kv-events-endpoint'") from None
 
@@ -127,7 +130,8 @@ def _kv_events_argv(kw: dict) -> list[str]:
     """The --kv-events-* options again, for the daemon `start` spawns."""
     if not kw["kv_events_endpoint"]:
         return []
-    argv = ["--kv-events-endpoint", kw["kv_events_endpoint"], "--kv-events-topic", kw["kv_events_topic"]]
+    argv = ["--kv-events-endpoint", kw["kv_events_endpoint"], "--kv-events-topic", kw["kv_events_topic"],
+            "--kv-events-format", kw["kv_events_format"]]
     if kw["kv_events_replay_endpoint"]:
         argv += ["--kv-events-replay-endpoint", kw["kv_events_replay_endpoint"]]
     return argv + (["--kv-events-allow-remote"] if kw["kv_events_allow_remote"] else [])

@@ -9,10 +9,14 @@ The format is vLLM's (``vllm/distributed/kv_events.py``, msgspec structs with
   sequence number counts batches from 0 and never skips, except for batches dropped here
   (below), so a gap tells a subscriber it missed something;
 * payload: msgpack ``[ts, [event, ...], data_parallel_rank]`` with ``ts`` in seconds since the
-  epoch and rank 0; events (docs/scaling.md has the field table):
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]``,
-  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``;
-  ``lora_id`` and ``lora_name`` are nil, ``medium`` is ``"GPU"`` (the device KV pool, also on CPU);
+  epoch and rank 0; each event a map tagged by ``"type"``, as current vLLM sends them
+  (docs/scaling.md has the field table): ``{"type": "BlockStored", "block_hashes",
+  "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
+  ``{"type": "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``;
+  ``lora_id`` and ``lora_name`` are nil, ``medium`` is ``"GPU"`` (the device KV pool, also on
+  CPU). ``format="array"`` sends each event as the positional array earlier vLLM releases
+  sent (``["BlockStored", block_hashes, ...]``, fields in the order above) for consumers of
+  that layout;
 * replay (optional ROUTER socket, as vLLM's): a client sends ``start_seq`` (8 bytes,
   big-endian) after an empty delimiter frame and gets every buffered batch from it as
   ``["", seq, payload]`` messages, then ``["", -1, ""]``. Use a DEALER: a REQ socket keeps
@@ -50,20 +54,29 @@ MEDIUM = "GPU"  # vLLM's name of the device KV pool
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def encode_event(event) -> list:
-    """One event as vLLM's tagged array."""
+FORMATS = ("map", "array")
+
+
+def encode_event(event, format: str = "map") -> dict | list:
+    """One event as vLLM's tagged struct: a map with ``"type"`` first, or (``"array"``) the
+    positional array of earlier vLLM releases."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
-                event.block_size, None, MEDIUM, None]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, MEDIUM]
-    assert isinstance(event, AllBlocksCleared), event
-    return ["AllBlocksCleared"]
+        fields = {"block_hashes": event.block_hashes, "parent_block_hash": event.parent_block_hash,
+                  "token_ids": event.token_ids, "block_size": event.block_size, "lora_id": None,
+                  "medium": MEDIUM, "lora_name": None}
+    elif isinstance(event, BlockRemoved):
+        fields = {"block_hashes": event.block_hashes, "medium": MEDIUM}
+    else:
+        assert isinstance(event, AllBlocksCleared), event
+        fields = {}
+    tag = type(event).__name__
+    return [tag, *fields.values()] if format == "array" else {"type": tag, **fields}
 
 
-def encode_batch(events, ts: float, data_parallel_rank: int = 0) -> bytes:
-    """The msgpack payload of one batch (vLLM's ``KVEventBatch``)."""
-    return msgpack.packb([ts, [encode_event(e) for e in events], data_parallel_rank], use_bin_type=True)
+def encode_batch(events, ts: float, data_parallel_rank: int = 0, format: str = "map") -> bytes:
+    """The msgpack payload of one batch (vLLM's ``KVEventBatch``, a positional array)."""
+    return msgpack.packb([ts, [encode_event(e, format) for e in events], data_parallel_rank],
+                         use_bin_type=True)
 
 
 def check_kv_events_endpoint(endpoint: str, allow_remote: bool) -> None:
@@ -85,14 +98,17 @@ class KVEventsOptions:
     replay_endpoint: str | None = None
     topic: str = ""
     allow_remote: bool = False
+    format: str = "map"
 
     def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"KV events format {self.format!r}: must be one of {', '.join(FORMATS)}")
         for ep in (self.endpoint, self.replay_endpoint):
             if ep is not None:
                 check_kv_events_endpoint(ep, self.allow_remote)
 
     def publisher(self) -> "KVEventPublisher":
-        return KVEventPublisher(self.endpoint, self.replay_endpoint, self.topic)
+        return KVEventPublisher(self.endpoint, self.replay_endpoint, self.topic, format=self.format)
 
 
 class KVEventPublisher:
@@ -101,8 +117,9 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = 10_000, max_queue: int = 4096, hwm: int = 100_000,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, format: str = "map"):
         self.endpoint = endpoint
+        self.format = format
         self.replay_endpoint = replay_endpoint
         self._topic = topic.encode()
         self._ctx = context or zmq.Context.instance()
@@ -178,7 +195,7 @@ class KVEventPublisher:
                 self._send(*item)
 
     def _send(self, seq: int, ts: float, events: list) -> None:
-        payload = encode_batch(events, ts)
+        payload = encode_batch(events, ts, format=self.format)
         seq_bytes = seq.to_bytes(8, "big")
         try:
             self._pub.send_multipart([self._topic, seq_bytes, payload], zmq.NOBLOCK)
