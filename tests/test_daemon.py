@@ -116,6 +116,12 @@ class FakeEngine:
     def health_fd(self):
         return None
 
+    def enable_kv_events(self, capacity=65536):
+        self.kv_events_enabled = True
+
+    def drain_kv_events(self, resync=False):
+        return []
+
     def check_health(self):
         pass
 
@@ -1066,7 +1072,8 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
     assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
-                          "start_profile", "stop_profile", "health_fd", "check_health", "shutdown"}
+                          "start_profile", "stop_profile", "health_fd", "check_health", "shutdown",
+                          "enable_kv_events", "drain_kv_events"}
     for cls in (Engine, FakeEngine):
         for name in names:
             want = list(inspect.signature(getattr(ServingEngine, name)).parameters)

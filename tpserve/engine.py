@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
 from tpserve.errors import InvalidFieldError, InvalidRequestError, StepFailedError, WorkerDiedError
@@ -332,6 +333,23 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    # ---- KV-cache events (routers' prefix indexes) -----------------------------------------
+    def enable_kv_events(self, capacity: int = 65536) -> None:
+        """Start recording prefix-cache events (blockpool/kv_events.py) for drain_kv_events."""
+        self.scheduler.block_manager.kv_events = KVEventSink(capacity)
+
+    def drain_kv_events(self, resync: bool = False) -> list:
+        """The events recorded since the last call, oldest first ([] when not enabled). After
+        the sink overflowed, or with ``resync``, a full resync of the cache instead."""
+        bm = self.scheduler.block_manager
+        sink = bm.kv_events
+        if sink is None:
+            return []
+        events = sink.drain()
+        if sink.take_overflow() or resync:
+            return resync_events(bm.cached_blocks(), bm.block_size)
+        return events
+
     def start_profile(self) -> None:
         """Start the torch profiler on every rank (steps keep running)."""
         self.executor.control(Command.PROFILE_START)
@@ -349,6 +367,7 @@ class Engine:
         hits, computed = s.get("prefix_cache_hit_tokens", 0), s.get("prompt_tokens_computed", 0)
         s.update(prompt_tokens=hits + computed, generation_tokens=s.get("decode_tokens", 0),
                  prefix_cache_hit_rate=hits / (hits + computed) if hits + computed else 0.0)
+        s["num_waiting_tokens"] = self.scheduler.num_waiting_tokens()  # O(waiting): not in scheduler.stats
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)

@@ -3,7 +3,8 @@
 The manager is the sole owner of block state. It works on any object shaped like a scheduler
 ``Sequence`` (``token_ids``, ``block(i)``, ``block_size``, ``block_table``, ``num_cached_tokens``,
 ``num_prefix_hit_tokens``, ``num_hashed_blocks``, ``block_hashes``); it never imports the
-scheduler. Block hashes and their memo are in ``prefix_hash``.
+scheduler. Block hashes and their memo are in ``prefix_hash``; the events it records for
+routers (``kv_events``, when a sink is attached) in ``kv_events``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections import deque
 
 from tpserve.blockpool.block import Block
 from tpserve.blockpool.free_blocks import FreeBlocks
+from tpserve.blockpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 
 
@@ -37,6 +39,9 @@ class BlockManager:
 
     ``deallocate`` walks a block table in reverse, so a sequence's tail blocks are freed before
     its head: among equally old cached blocks the tail (least likely to be shared) goes first.
+
+    With ``kv_events`` set to a KVEventSink, every key that enters or leaves
+    ``hash_to_block_id`` is recorded there (kv_events.py); None (the default) records nothing.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -52,6 +57,7 @@ class BlockManager:
         # Live sequences (allocated, not yet deallocated), keyed by identity.
         self._live: dict[object, None] = {}
         self._next_serial = 0
+        self.kv_events: KVEventSink | None = None
 
     # ---- views ---------------------------------------------------------------------------
     @property
@@ -95,6 +101,8 @@ class BlockManager:
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+            if self.kv_events is not None:
+                self.kv_events.add(BlockRemoved([block.hash]))
         block.reset(self._next_serial)
         self._next_serial += 1
         self.used_block_ids.add(block_id)
@@ -225,6 +233,8 @@ class BlockManager:
             return
         blocks, table, index = self.blocks, seq.block_table, self.hash_to_block_id
         hashes = block_hashes(seq, num_full, self.compute_hash)
+        events = self.kv_events
+        new = [] if events is not None else None  # block indices whose hash is new to the cache
         for i in range(i, num_full):
             h, block_id = hashes[i], table[i]
             blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
@@ -232,8 +242,23 @@ class BlockManager:
             if old != -1 and old != block_id and self._free.is_cached(old):
                 self._free.uncache(old)
                 blocks[old].hash = -1
+            elif old == -1 and new is not None:
+                new.append(i)
             index[h] = block_id
         seq.num_hashed_blocks = num_full
+        if new:
+            self._record_stored(seq, hashes, new)
+
+    def _record_stored(self, seq, hashes: list[int], new: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks of ``seq``."""
+        start = 0
+        for k in range(1, len(new) + 1):
+            if k == len(new) or new[k] != new[k - 1] + 1:
+                first, last = new[start], new[k - 1]
+                tokens = [t for j in range(first, last + 1) for t in seq.block(j)]
+                self.kv_events.add(BlockStored(hashes[first:last + 1], hashes[first - 1] if first else None,
+                                               tokens, self.block_size))
+                start = k
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block that is free (e.g. after the weights changed).
@@ -241,11 +266,46 @@ class BlockManager:
         Returns True when the cache is now empty; False when blocks held by live sequences
         are still registered (call again once they are gone).
         """
+        dropped = []
         for block_id in self._free.uncache_all():
             block = self.blocks[block_id]
             del self.hash_to_block_id[block.hash]
+            dropped.append(block.hash)
             block.hash = -1
+        if self.kv_events is not None and dropped:
+            self.kv_events.add(BlockRemoved(dropped) if self.hash_to_block_id else AllBlocksCleared())
         return not self.hash_to_block_id
+
+    def cached_blocks(self) -> list[tuple[int, int | None, list[int]]]:
+        """(hash, parent hash, token ids) of every block in the prefix cache, each block after
+        its parent: what a router needs to rebuild its view from nothing. The parent is None
+        for a first block, and for a block whose parent's hash is no longer cached."""
+        blocks, index = self.blocks, self.hash_to_block_id
+        by_serial = {blk.serial: blk.block_id for blk in blocks if blk.hash != -1}
+
+        def parent(b: int) -> int | None:
+            """The hash of the block ``b`` was computed after, while it is cached."""
+            p = by_serial.get(blocks[b].parent_serial)
+            h = blocks[p].hash if p is not None and p != b else None
+            return h if h in index else None
+
+        depth: dict[int, int] = {}
+        for b in index.values():
+            chain, seen = [], set()
+            while b not in depth and b not in seen:
+                chain.append(b)
+                seen.add(b)
+                h = parent(b)
+                if h is None:
+                    break
+                b = index[h]
+            if not chain:
+                continue
+            d = depth.get(b, -1) if chain[-1] != b else -1
+            for c in reversed(chain):
+                d += 1
+                depth[c] = d
+        return [(blocks[b].hash, parent(b), blocks[b].token_ids) for b in sorted(index.values(), key=depth.__getitem__)]
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:

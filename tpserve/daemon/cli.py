@@ -22,6 +22,7 @@ from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
 from tpserve.daemon.http_front import HttpOptions, check_http_host
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
+from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
 from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, RuntimeDirError, check_address,
                                     cleanup_stale, client_address, connect_address, descendants,
@@ -88,10 +89,52 @@ def daemon_options(f):
         click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
                      metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
                                           "directory's name]"),
+        *kv_events_options,
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+kv_events_options = [
+    click.option("--kv-events-endpoint", default=None, show_envvar=True, envvar="TPSERVE_KV_EVENTS_ENDPOINT",
+                 metavar="ADDR", help="publish prefix-cache events (vLLM's KV-events format, ZMQ PUB) on "
+                 "this address, e.g. tcp://127.0.0.1:5557, for routers with a KV index"),
+    click.option("--kv-events-replay-endpoint", default=None, show_envvar=True,
+                 envvar="TPSERVE_KV_EVENTS_REPLAY_ENDPOINT", metavar="ADDR",
+                 help="ROUTER address where subscribers ask for missed event batches"),
+    click.option("--kv-events-topic", default="", show_envvar=True, envvar="TPSERVE_KV_EVENTS_TOPIC",
+                 help="topic frame of every event message [default: empty]"),
+    click.option("--kv-events-format", type=click.Choice(["map", "array"]), default="map", show_default=True,
+                 show_envvar=True, envvar="TPSERVE_KV_EVENTS_FORMAT",
+                 help="each event a tagged map (current vLLM) or a positional array (earlier vLLM releases)"),
+    click.option("--kv-events-allow-remote", is_flag=True, default=False, show_envvar=True,
+                 envvar="TPSERVE_KV_EVENTS_ALLOW_REMOTE",
+                 help="allow non-loopback event addresses (the events carry prompt token ids)"),
+]
+
+
+def _kv_events_options(kw: dict) -> KVEventsOptions | None:
+    if not kw["kv_events_endpoint"]:
+        if kw["kv_events_replay_endpoint"]:
+            raise click.BadParameter("needs --kv-events-endpoint", param_hint="'--kv-events-replay-endpoint'")
+        return None
+    try:
+        return KVEventsOptions(kw["kv_events_endpoint"], kw["kv_events_replay_endpoint"] or None,
+                               kw["kv_events_topic"], kw["kv_events_allow_remote"], kw["kv_events_format"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--kv-events-endpoint'") from None
+
+
+def _kv_events_argv(kw: dict) -> list[str]:
+    """The --kv-events-* options again, for the daemon `start` spawns."""
+    if not kw["kv_events_endpoint"]:
+        return []
+    argv = ["--kv-events-endpoint", kw["kv_events_endpoint"], "--kv-events-topic", kw["kv_events_topic"],
+            "--kv-events-format", kw["kv_events_format"]]
+    if kw["kv_events_replay_endpoint"]:
+        argv += ["--kv-events-replay-endpoint", kw["kv_events_replay_endpoint"]]
+    return argv + (["--kv-events-allow-remote"] if kw["kv_events_allow_remote"] else [])
 
 
 def client_options(timeout: float):
@@ -122,7 +165,7 @@ def _server_options(kw: dict) -> ServerOptions:
         if kw[name] < 0:
             raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
     opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"],
-                         served_model_name=kw["served_model_name"] or None)
+                         served_model_name=kw["served_model_name"] or None, kv_events=_kv_events_options(kw))
     if kw["curve_secret_key"]:
         try:
             opts.curve_public_key, opts.curve_secret_key = load_secret_keys(kw["curve_secret_key"])
@@ -268,6 +311,7 @@ def start(**kw):
         argv += ["--curve-client-keys", opts.curve_client_keys_dir]
     if opts.served_model_name:
         argv += ["--served-model-name", opts.served_model_name]
+    argv += _kv_events_argv(kw)
     env = dict(os.environ)
     if http is not None:
         argv += ["--http-port", str(http.port), "--http-host", http.host]

@@ -49,6 +49,13 @@ class ServingEngine(Protocol):
     def stop_profile(self, path: str) -> list[str]:
         """Stop it; every rank writes a trace file named after ``path``. Returns the files."""
 
+    def enable_kv_events(self, capacity: int = 65536) -> None:
+        """Start recording prefix-cache events (tpserve.blockpool.kv_events) for drain_kv_events."""
+
+    def drain_kv_events(self, resync: bool = False) -> list:
+        """Prefix-cache events since the last call, oldest first; with ``resync`` (or after
+        events were lost) AllBlocksCleared and a BlockStored for every cached block instead."""
+
     def health_fd(self) -> int | None:
         """A file descriptor that becomes readable when a worker dies (None: nothing to watch)."""
 

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpserve.daemon import openai_api as O
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
+from tpserve.daemon.router_api import make_router
 from tpserve.sampling import MAX_SEED
 
 log = logging.getLogger("tpserve.http")
@@ -41,6 +42,7 @@ class Front:
     def __init__(self, address: str, model_path: str, model_name: str, max_model_len: int,
                  api_key: str | None = None, server_public_key: bytes | None = None, tokenizer=None):
         self.address = address
+        self.model_path = model_path
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key
@@ -394,15 +396,7 @@ def create_app(front: Front):
                                             "max_model_len": front.max_model_len}]}
 
     app.include_router(v1)
-
-    @app.get("/health")
-    async def health():
-        try:
-            await front.client.ping(timeout=5.0)
-        except (ClientTimeout, RequestError) as e:
-            raise O.OpenAIError(503, f"the tpserve daemon does not answer: {e}", type_="server_error",
-                                code="daemon_unavailable") from None
-        return PlainTextResponse("")
+    app.include_router(make_router(front, authorize))  # /health, /version, /v1/loads, ... (router_api.py)
 
     @app.get("/metrics")
     async def metrics():

@@ -53,6 +53,7 @@ import zmq
 
 from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
+from tpserve.daemon.kv_events import KVEventPublisher, KVEventsOptions
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, StepFailedError
 from tpserve.sampling import SamplingParams
 from tpserve.daemon.metrics import ServingMetrics
@@ -81,6 +82,7 @@ class ServerOptions:
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
     served_model_name: str | None = None  # metrics label; default: the model directory's name
+    kv_events: KVEventsOptions | None = None  # publish prefix-cache events (kv_events.py)
 
 
 @dataclass
@@ -199,6 +201,13 @@ class Server:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._kv_events = None
+        if self.options.kv_events is not None:
+            try:
+                self._kv_events = self.options.kv_events.publisher()
+            except OSError:
+                self.close()
+                raise
 
     def _enable_curve(self) -> None:
         opts = self.options
@@ -238,6 +247,8 @@ class Server:
         """Serve until a requested shutdown completes or the engine fails. Returns the exit code."""
         log.info("serving on %s", self.address)
         self._health_fd = self.engine.health_fd()
+        if self._kv_events is not None:
+            self.engine.enable_kv_events()
         if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
             self.poller.register(self._health_fd, zmq.POLLIN)
         try:
@@ -288,6 +299,8 @@ class Server:
                 log.exception("engine step failed; shutting down")
                 self._engine_failed(e)
             self._dispatch(outputs)
+        if self._kv_events is not None:
+            self._kv_events.publish(self.engine.drain_kv_events(self._kv_events.resync_wanted()))
         if self._profile is not None and time.monotonic() >= self._profile.deadline:
             self._finish_profile()
         self._flush()
@@ -339,6 +352,8 @@ class Server:
             # A prompt being encoded finishes in the background; nobody waits for its result.
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.sock.close(linger=_CLOSE_LINGER_MS)
+        if self._kv_events is not None:
+            self._kv_events.close()
         self._stop_auth()
         if self._ipc_path:
             try:
@@ -673,6 +688,8 @@ class Server:
                      state="failed" if self.failure else "shutting_down" if self._stopping else "running",
                      requests_in_flight=len(self._requests) + len(self._tokenizing),
                      clients=len(self._peers))
+        if self._kv_events is not None:
+            stats.update(self._kv_events.stats())
         if self.failure:
             stats["failure"] = self.failure
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}

@@ -545,7 +545,17 @@ class Scheduler:
             "decode_tokens": self.decode_tokens,
             "kv_blocks_used": self.kv_blocks_used,
             "kv_blocks_total": self.kv_blocks_total,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
         }
+
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed: the waiting queue's (prefix-cache hits
+        not yet known) plus what the partial prefill has left. O(waiting)."""
+        left = sum(len(s.token_ids) for s in self.waiting)
+        if self._prefilling is not None:
+            left += len(self._prefilling.token_ids) - self._prefilling.num_cached_tokens
+        return left
 
     def check_integrity(self) -> None:
         """Block-pool invariants plus queue/slot consistency; raises AssertionError.
