@@ -6,9 +6,10 @@ Starts a daemon with `--http-port 0` on the bundled model (or ``--model``), star
 streaming and ``--whole`` non-streamed completions (greedy, ignore_eos, max_tokens 900), stops
 the front with SIGSTOP for ``--stop-s`` seconds once every stream has its first chunk, then
 resumes it and waits up to ``--wait-s`` seconds for every request to end. Prints one line: how
-many streams ended normally, ended with an error event then ``[DONE]``, or never ended; how many
-non-streamed requests got a response (and which statuses); whether the daemon dropped the front
-("not reading" in its log).
+many streams ended normally, ended with an error event then ``[DONE]``, or are still open at the end of the wait (and how
+many requests the daemon still runs then: open streams with none in flight hang for good); how
+many non-streamed requests got a response (and which statuses); whether the daemon dropped the
+front ("not reading" in its log).
 """
 from __future__ import annotations
 
@@ -106,18 +107,21 @@ def main() -> int:
         for t in streams + wholes:
             t.join(max(0.0, deadline - time.monotonic()))
         dropped = "not reading" in log_path.read_text(errors="replace")
+        from tpserve.daemon.client import Client
+        with Client(runtime_dir=rd, timeout=30) as c:  # streams still open with nothing in flight hang
+            in_flight = c.status()["requests_in_flight"]
         # Counted before the daemon stops: stopping it ends whatever still hangs.
         normal = sum(s.done and not s.errors and not s.is_alive() for s in streams)
         error_done = sum(s.done and s.errors > 0 and not s.is_alive() for s in streams)
-        hung = sum(s.is_alive() for s in streams)
-        statuses = collections.Counter(w.status if not w.is_alive() else "hung" for w in wholes)
+        still_open = sum(s.is_alive() for s in streams)
+        statuses = collections.Counter(w.status if not w.is_alive() else "open" for w in wholes)
     finally:
         subprocess.run(TPSERVE + ["stop", "--runtime-dir", rd], capture_output=True)
         shutil.rmtree(rd, ignore_errors=True)
-    broken = args.streams - normal - error_done - hung
+    broken = args.streams - normal - error_done - still_open
     print(f"probe_http_stall streams={args.streams} stop_s={args.stop_s:g} client_timeout_s={args.client_timeout:g} "
           f"daemon_dropped_front={int(dropped)} streams_finished={normal} streams_error_then_done={error_done} "
-          f"streams_cut_without_done={broken} streams_hung={hung} "
+          f"streams_cut_without_done={broken} streams_open={still_open} daemon_in_flight={in_flight} "
           f"whole={','.join(f'{k}:{v}' for k, v in sorted(statuses.items()))}")
     return 0
 
