@@ -463,3 +463,116 @@ def test_non_ascii_api_key_matches_its_utf8_header():
             return ok.status_code, wrong.status_code, none.status_code
 
     assert asyncio.run(go()) == (200, 401, 401)
+
+
+# ---- the connection cap and the rate limit, in process -------------------------------------------
+class SmallServer:
+    """uvicorn with the guarded protocol (2 connections at most) on a thread; its app answers
+    ``/wait`` once ``release`` is set and everything else at once."""
+
+    def __init__(self):
+        import uvicorn
+        from tpserve.daemon.http_conn import guarded_protocol
+        self.release = threading.Event()
+
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            while scope["path"] == "/wait" and not self.release.is_set():
+                await asyncio.sleep(0.01)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, lifespan="off", ws="none", http=guarded_protocol(2, 30.0))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "uvicorn started")
+
+    def connect(self, request: bytes | None = None) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        if request is not None:
+            s.sendall(request)
+        return s
+
+    def stop(self):
+        self.release.set()
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def _get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+
+
+def _read_all(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(4096):
+        got += chunk
+        if got.endswith(b"ok") or b"}}" in got:
+            break
+    return got
+
+
+def test_full_front_closes_its_longest_idle_connection():
+    server = SmallServer()
+    try:
+        oldest = server.connect()
+        newer = server.connect()
+        wait_until(lambda: len(server.server.server_state.connections) == 2, 30, "two connections accepted")
+        third = server.connect(_get("/now"))
+        assert _read_all(third).startswith(b"HTTP/1.1 200")
+        assert oldest.recv(4096) == b""  # closed to make room, without an answer
+        newer.sendall(_get("/now"))
+        assert _read_all(newer).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+
+
+def test_full_front_with_every_request_in_progress_answers_503():
+    server = SmallServer()
+    try:
+        busy = [server.connect(_get("/wait")) for _ in range(2)]
+        wait_until(lambda: len(server.server.server_state.tasks) == 2, 30, "two requests in progress")
+        refused = server.connect(_get("/now"))
+        reply = _read_all(refused)
+        assert reply.startswith(b"HTTP/1.1 503"), reply
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
+        server.release.set()
+        for s in busy:
+            assert _read_all(s).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()
+
+
+def test_rate_limit_writes_one_line_per_condition_and_interval():
+    import logging
+    from tpserve.daemon.quiet_log import RateLimit
+    now = [0.0]
+    limit = RateLimit(10.0, clock=lambda: now[0])
+    logger = logging.getLogger("tpserve.test_rate_limit")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    handler.addFilter(limit)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        for i in range(1000):
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                logger.error("accept failed on fd %d", i, exc_info=True)
+        logger.warning("another condition")
+        now[0] = 11.0
+        logger.error("accept failed on fd %d", 5000, exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "accept failed on fd 0", "another condition", "accept failed on fd 5000 [999 more like this in the last 11 s]"]
+    assert records[0].exc_info is not None and records[2].exc_info is None  # one traceback per condition
