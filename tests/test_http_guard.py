@@ -379,11 +379,11 @@ class FakeDaemon(threading.Thread):
         self.join(10)
 
 
-@pytest.fixture
-def fake_front(tmp_path):
+@pytest.fixture(scope="module")
+def fake_front(tmp_path_factory):
     """A real front process (client timeout 1 s) in front of a FakeDaemon."""
     from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
-    fake = FakeDaemon(f"ipc://{tmp_path}/fake.sock")
+    fake = FakeDaemon(f"ipc://{tmp_path_factory.mktemp('fake')}/fake.sock")
     fake.start()
     front = HttpFrontProcess(HttpOptions(0, allowed_hosts=("api.example.com",)), fake.address, str(BUNDLED),
                              "m", 64, client_timeout=1.0)
@@ -391,6 +391,14 @@ def fake_front(tmp_path):
     yield fake, front
     front.stop()
     fake.stop()
+
+
+def test_front_answers_the_configured_host_names(fake_front):
+    _, front = fake_front
+    assert httpx.get(front.url + "/v1/models", headers={"Host": "api.example.com:443"}, timeout=30).status_code == 200
+    assert httpx.get(front.url + "/v1/models", headers={"Host": "localhost"}, timeout=30).status_code == 200
+    refused = httpx.get(front.url + "/v1/models", headers={"Host": "other.example.com"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_host"
 
 
 def test_streams_of_a_stalled_front_end_with_an_error_then_done(fake_front):
@@ -418,14 +426,7 @@ def test_streams_of_a_stalled_front_end_with_an_error_then_done(fake_front):
     fake.mute.set()  # ...until the daemon stops answering pings
     assert late.join(60)
     assert_ended_with_upstream_error(late.events)
-
-
-def test_front_answers_the_configured_host_names(fake_front):
-    _, front = fake_front
-    assert httpx.get(front.url + "/v1/models", headers={"Host": "api.example.com:443"}, timeout=30).status_code == 200
-    assert httpx.get(front.url + "/v1/models", headers={"Host": "localhost"}, timeout=30).status_code == 200
-    refused = httpx.get(front.url + "/v1/models", headers={"Host": "other.example.com"}, timeout=30)
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_host"
+    fake.mute.clear()
 
 
 def test_allowed_hosts_option():
