@@ -20,7 +20,8 @@ import click
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
-from tpserve.daemon.http_front import HttpOptions, check_http_host
+from tpserve.daemon.http_front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
+from tpserve.daemon.http_guard import parse_allowed_hosts
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
@@ -86,6 +87,13 @@ def daemon_options(f):
                      envvar="TPSERVE_HTTP_HOST", help="HTTP address; a non-loopback one needs --api-key"),
         click.option("--api-key", default=None, show_envvar=True, envvar="TPSERVE_API_KEY", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every /v1 HTTP call"),
+        click.option("--http-allowed-hosts", default=None, show_envvar=True, envvar="TPSERVE_HTTP_ALLOWED_HOSTS",
+                     metavar="NAMES", help="Host header names the HTTP front answers besides loopback ones: "
+                     "comma-separated, '*.suffix' or '*' for any [default: loopback names only on a loopback "
+                     "--http-host, any name on another]"),
+        click.option("--http-request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_HTTP_REQUEST_TIMEOUT",
+                     help="seconds an HTTP client has to send a request head (then 408), and then its body"),
         click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
                      metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
                                           "directory's name]"),
@@ -194,7 +202,13 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
         check_http_host(kw["http_host"], kw["api_key"])
     except InsecureAddressError as e:
         raise click.BadParameter(str(e), param_hint="'--http-host'") from None
-    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None)
+    try:
+        allowed = parse_allowed_hosts(kw["http_allowed_hosts"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--http-allowed-hosts'") from None
+    if not kw["http_request_timeout"] > 0:
+        raise click.BadParameter(f"must be > 0, got {kw['http_request_timeout']}", param_hint="'--http-request-timeout'")
+    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed, kw["http_request_timeout"])
 
 
 def _check_address(address: str, opts: ServerOptions) -> None:
@@ -314,7 +328,10 @@ def start(**kw):
     argv += _kv_events_argv(kw)
     env = dict(os.environ)
     if http is not None:
-        argv += ["--http-port", str(http.port), "--http-host", http.host]
+        argv += ["--http-port", str(http.port), "--http-host", http.host,
+                 "--http-request-timeout", str(http.request_timeout)]
+        if http.allowed_hosts is not None:
+            argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     argv += options_argv(config)
@@ -410,6 +427,8 @@ _STATUS_LINES = [
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
     ("failure", "failure", "{}"),  # only once the engine failed
+    ("HTTP front", ("http_front", "http_front_restarts"), "{} (restarts: {})"),  # with --http-port
+    ("HTTP front exit", "http_front_last_exit", "{}"),  # once it has died
     ("requests running", "num_running", "{}"),
     ("requests waiting", "num_waiting", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),

@@ -168,6 +168,8 @@ class Server:
         self.failure: str | None = None  # why the engine stopped working, once it has
         self._health_fd: int | None = None
         self._metrics: ServingMetrics | None = None
+        #: more entries for the status map (the daemon's HTTP front reports its state here)
+        self.status_extras: Callable[[], dict] | None = None
 
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
@@ -692,6 +694,8 @@ class Server:
             stats.update(self._kv_events.stats())
         if self.failure:
             stats["failure"] = self.failure
+        if self.status_extras is not None:
+            stats.update(self.status_extras())
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
 
 
