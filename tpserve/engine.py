@@ -29,22 +29,10 @@ from tpserve.plan import Command
 from tpserve.requests import check_prompt_shape, check_request
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
+from tpserve.tokenizer import load_tokenizer
 from tpserve.workers.executor import make_executor
 
 log = logging.getLogger("tpserve.engine")
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path):
-    """The model directory's tokenizer, or None when it ships none (token-id prompts only)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
-        log.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 @dataclass
