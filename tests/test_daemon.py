@@ -684,9 +684,9 @@ def test_a_client_gone_when_its_request_finishes_costs_nothing_else():
     server = Server(engine, f"ipc://{d}/s.sock")  # driven by hand, no serving thread
     try:
         server._on_generate(b"gone", P.GenerateRequest(id="r", prompt="ab", params=SamplingParams(max_tokens=1)))
-        server._try_send = lambda peer, frame: server._drop_peer(peer, "disconnected")  # as on EHOSTUNREACH
+        server.peers.try_send = lambda peer, frame: server.peers.drop(peer, "disconnected")  # as on EHOSTUNREACH
         server._dispatch(engine.step())
-        assert server._requests == {} and server._peers == {} and not engine.has_unfinished()
+        assert server._requests == {} and len(server.peers) == 0 and not engine.has_unfinished()
     finally:
         server.close()
         shutil.rmtree(d, ignore_errors=True)
