@@ -290,9 +290,7 @@ def test_control_commands_pass_through(prefix):
     with PlanWriter.create(1, name=make_segment_name(prefix)) as writer, \
             PlanReader.attach(writer.name, 0) as reader:
         commands = [StepPlan.command(Command.PROFILE_START, path="/tmp/trace", steps=3),
-                    StepPlan.command(Command.RESET_PREFIX_CACHE),
-                    StepPlan.command(Command.PING, nonce=7),
-                    StepPlan.command(Command.PROFILE_STOP),
+                    StepPlan.command(Command.PROFILE_STOP, nonce=7),
                     StepPlan.command(Command.SHUTDOWN)]
         for c in commands:
             writer.publish(c)
@@ -525,7 +523,7 @@ def test_broadcast_channel_two_gloo_processes():
     rng = np.random.default_rng(77)
     plans = [random_plan(rng, n, width=w, step_id=i)
              for i, (n, w) in enumerate([(3, 2), (500, 64), (1, 1), (40, 8)])]
-    plans += [StepPlan(step_id=4), StepPlan.command(Command.RESET_PREFIX_CACHE),
+    plans += [StepPlan(step_id=4), StepPlan.command(Command.PROFILE_START),
               StepPlan.command(Command.SHUTDOWN)]
     payload = [p.to_bytes() for p in plans]
     port = free_port()

@@ -230,6 +230,16 @@ class Engine:
         if self.executor is not None:
             self.executor.check_health()
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the block pool, the queues
+        and, when nothing is unfinished, of an idle engine (every KV block free, no request
+        state left). O(number of blocks): for an idle engine, not for every step."""
+        self.scheduler.check_integrity()
+        if not self.scheduler.has_unfinished():
+            used = self.scheduler.block_manager.used_block_ids
+            assert not used, f"an idle engine still holds {len(used)} KV block(s): {sorted(used)[:16]}"
+            assert not self.requests, f"an idle engine still tracks requests {sorted(self.requests)[:16]}"
+
     # ---- control -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

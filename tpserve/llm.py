@@ -103,6 +103,8 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        if not engine.has_unfinished():
+            engine.check_integrity()
         for rid, sp in zip(ids, params):
             comp = results[rid].outputs[0]
             if not sp.stop and self.tokenizer is not None:

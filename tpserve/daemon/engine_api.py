@@ -49,6 +49,10 @@ class ServingEngine(Protocol):
     def stop_profile(self, path: str) -> list[str]:
         """Stop it; every rank writes a trace file named after ``path``. Returns the files."""
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an internal invariant is broken (an idle engine: also if any
+        KV block is still in use). The Server runs it when the engine has become idle."""
+
     def health_fd(self) -> int | None:
         """A file descriptor that becomes readable when a worker dies (None: nothing to watch)."""
 

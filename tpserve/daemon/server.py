@@ -33,6 +33,8 @@ Invariants:
   messages queue behind it in that client's outbox.
 * a client whose outbox has not moved for ``client_timeout`` seconds, or that disconnected
   (EHOSTUNREACH), is dropped: its requests are aborted in the engine, freeing their KV blocks.
+* whenever the engine has become idle, its integrity check runs once (``check_integrity``:
+  every KV block free, nothing queued); a broken invariant fails the daemon like a dead engine.
 * every frame received gets exactly one answer (docs/protocol.md), also frames still queued
   when a shutdown begins: they are drained and answered before the socket closes.
 """
@@ -132,6 +134,7 @@ class Server:
         self.failure: str | None = None  # why the engine stopped working, once it has
         self._health_fd: int | None = None
         self._metrics: ServingMetrics | None = None
+        self._checked_idle = True  # the engine's integrity was checked since it last worked
 
     def _tokenize(self, prompt: str) -> list[int]:
         return self.engine.tokenize(prompt)
@@ -169,6 +172,8 @@ class Server:
 
     def _turn(self) -> None:
         busy = self.engine.has_unfinished()
+        if not busy and not self._checked_idle:
+            self._check_idle_engine()
         if busy:
             timeout = 0
         elif self._stopping or self.peers.any_queued():
@@ -187,6 +192,7 @@ class Server:
         if self._tokenizer:
             self._admit_tokenized()
         if self.engine.has_unfinished():
+            self._checked_idle = False
             try:
                 outputs = self.engine.step()
             except StepFailedError as e:  # the engine aborted that step's requests and serves on
@@ -200,6 +206,16 @@ class Server:
         if deadline is not None and time.monotonic() >= deadline:
             self._finish_profile()
         self.peers.flush(self.options.client_timeout)
+
+    def _check_idle_engine(self) -> None:
+        """Once per idle period: the engine's invariants (every block free, queues empty). A
+        broken one means its KV state cannot be trusted: fail like a dead engine."""
+        self._checked_idle = True
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            log.error("the idle engine's integrity check failed: %s; shutting down", e)
+            self._engine_failed(e)
 
     def _check_engine_health(self) -> None:
         try:
@@ -350,6 +366,7 @@ class Server:
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
         else:
             peer.requests[req.client_id] = req
+            self._checked_idle = False
             self.metrics.on_admitted(req.prompt_tokens)
             self._requests[req.engine_id] = req
         self.peers.forget_if_idle(peer)
