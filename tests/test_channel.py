@@ -13,6 +13,8 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -515,6 +517,32 @@ def test_cleaner_ignores_live_and_foreign_names(prefix):
     finally:
         for name in (live, foreign):
             os.unlink(os.path.join(SHM_DIR, name))
+
+
+def test_cleaner_removes_a_segment_whose_pid_now_belongs_to_a_younger_process(prefix, monkeypatch):
+    """The creator's pid was reused: the process holding it started after the segment was
+    last changed, so it cannot have made it."""
+    from tpserve.workers import shm_ring
+    name = make_segment_name(prefix)  # this process's pid: alive
+    with open(os.path.join(SHM_DIR, name), "wb") as f:
+        f.write(b"x")
+    changed = os.stat(os.path.join(SHM_DIR, name)).st_ctime
+    monkeypatch.setattr(shm_ring, "process_start_time", lambda pid: changed + 1.0)  # within the slack
+    assert cleanup_stale_segments(prefix) == []
+    monkeypatch.setattr(shm_ring, "process_start_time", lambda pid: changed + 60.0)
+    assert cleanup_stale_segments(prefix) == [name]
+
+
+def test_process_start_time_is_this_process_start():
+    from tpserve.procs import process_start_time
+    started = process_start_time(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert started <= process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_start_time(child.pid) is None
 
 
 # ---- across nodes: gloo broadcast -----------------------------------------------------------

@@ -28,10 +28,17 @@ from tpserve.errors import WorkerDiedError
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
 from tpserve.workers.process_group import StoreListener, destroy_tp, device_for, init_tp, torchrun_env
+from tpserve.workers.shm_ring import cleanup_stale_segments
 
 log = logging.getLogger("tpserve.executor")
 
+
 def make_executor(config: EngineConfig):
+    """The executor for ``config``. Every start first removes the plan rings that killed
+    engines left in /dev/shm (whatever their tensor-parallel degree and this one's)."""
+    removed = cleanup_stale_segments()
+    if removed:
+        log.info("removed %d plan-channel segment(s) of dead processes: %s", len(removed), ", ".join(removed))
     if config.tensor_parallel_size == 1:
         return UniProcExecutor(config)
     return MultiProcExecutor(config)
