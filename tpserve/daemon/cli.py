@@ -6,9 +6,11 @@ operational failures (no daemon, daemon refused a request) exit with status 1.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,6 +341,13 @@ def start(**kw):
     log_path = rd / LOG_NAME
     with open(log_path, "ab") as log_file:
         offset = log_file.tell()
+        try:
+            # A line of our own first: a full disk shows here, not as a daemon dying silently
+            # (it could not write why: its output goes to this file).
+            log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} tpserve start: launching the daemon\n".encode())
+            log_file.flush()
+        except OSError as e:
+            _fail(_unwritable(log_path, e))
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True, env=env)
     deadline = time.monotonic() + startup_timeout
@@ -346,7 +355,7 @@ def start(**kw):
         code = proc.poll()
         if code is not None:
             _fail(f"the daemon exited with status {code} while starting; from {log_path}:\n"
-                  + _log_tail(log_path, offset))
+                  + _log_tail(log_path, offset, skip=1))
         ready = read_ready(rd)
         if ready and ready.get("pid") == proc.pid:
             break
@@ -354,7 +363,7 @@ def start(**kw):
             kill_tree(proc.pid)
             proc.wait()
             _fail(f"the daemon was not ready within {startup_timeout:g} s (killed); from {log_path}:\n"
-                  + _log_tail(log_path, offset))
+                  + _log_tail(log_path, offset, skip=1))
         time.sleep(0.1)
     # The ready file says the engine is loaded; a ping proves the socket answers. With a client
     # allow-list this process holds no allowed key, so the ready file has to do.
@@ -371,14 +380,41 @@ def start(**kw):
         click.echo(ready["http"])
 
 
-def _log_tail(path: Path, offset: int, lines: int = 30) -> str:
+def _log_tail(path: Path, offset: int, lines: int = 30, skip: int = 0) -> str:
+    """The last ``lines`` lines written after ``offset`` (past the first ``skip``: start's own).
+    An empty log on a full file system says so: the daemon could not write why it failed."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
             text = f.read().decode(errors="replace")
     except OSError:
         return "(no log)"
-    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(the log is empty)"
+    tail = "\n".join(text.rstrip().splitlines()[skip:][-lines:])
+    if tail:
+        return tail
+    free = _free_bytes(path.parent)
+    if free is not None and free < _MIN_FREE_BYTES:
+        return (f"(the log is empty) no space left on the file system of {path.parent} ({free} bytes free): "
+                "the daemon could not write its files or its log; free some space and start again")
+    return "(the log is empty)"
+
+
+# Less than this on the runtime dir's file system counts as full: the daemon writes its pid,
+# ready and log files there.
+_MIN_FREE_BYTES = 64 * 1024
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _unwritable(log_path: Path, e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the file system of {log_path} ({e.strerror}): free some space and start again"
+    return f"cannot write the daemon's log {log_path}: {e.strerror or e}"
 
 
 # ---- stop --------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Front:
         self.api_key = api_key
         self.server_public_key = server_public_key
         if tokenizer is None:
-            from tpserve.engine import load_tokenizer
+            from tpserve.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(model_path)
         self.tokenizer = tokenizer
         self.created = int(time.time())

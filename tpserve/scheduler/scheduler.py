@@ -195,10 +195,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or bool(self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick the next batch under the configured policy (see the module docstring)."""
