@@ -30,6 +30,7 @@ from tpserve.daemon import openai_api as O
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.router_api import make_router
+from tpserve.daemon.tokenizer_api import make_tokenizer_router
 from tpserve.daemon.http_guard import HostPolicy, RequestGuard
 from tpserve.daemon.http_upstream import UpstreamLost
 from tpserve.sampling import MAX_SEED
@@ -78,34 +79,57 @@ class Front:
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = False, field: str = "prompt") -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` as the tokenizer defines them (a Llama
+        tokenizer prepends BOS: vLLM's default for completion prompts)."""
         if self.tokenizer is None:
-            raise O.bad("prompt", "this model has no tokenizer: send token ids")
+            raise O.bad(field, "this model has no tokenizer: send token ids")
         if len(text) > P.MAX_PROMPT_CHARS:
-            raise O.bad("prompt", f"longer than {P.MAX_PROMPT_CHARS} characters")
-        ids = await self._in_pool(functools.partial(self.tokenizer.encode, text, add_special_tokens=False))
+            raise O.bad(field, f"longer than {P.MAX_PROMPT_CHARS} characters")
+        ids = await self._in_pool(functools.partial(self.tokenizer.encode, text,
+                                                    add_special_tokens=add_special_tokens))
         if not ids:
-            raise O.bad("prompt", "is empty after tokenization")
+            raise O.bad(field, "is empty after tokenization")
         return ids
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    async def chat_text(self, messages: list[dict], options: dict | None = None) -> str:
+        """The chat template's rendering of ``messages`` (``options``: Job.chat_options)."""
+        if self.tokenizer is None or not (getattr(self.tokenizer, "chat_template", None)
+                                          or (options or {}).get("chat_template")):
             raise O.bad("messages", "this model has no chat template; use /v1/completions",
                         code="chat_template_missing")
+        options = dict(options or {})
+        extra = dict(options.pop("chat_template_kwargs", None) or {})
+        clash = sorted(set(extra) & {"conversation", "tokenize", "add_generation_prompt",
+                                     "continue_final_message", "chat_template"})
+        if clash:
+            raise O.bad("chat_template_kwargs", f"must not set {clash[0]!r}; it is a request field of its own")
+        options.setdefault("add_generation_prompt", True)
+        if options.get("chat_template") is None:
+            options.pop("chat_template", None)
 
         def render():
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options, **extra)
         try:
-            text = await self._in_pool(render)
+            return await self._in_pool(render)
         except Exception as e:  # the template's own checks (roles, order) raise jinja errors
             raise O.bad("messages", f"the chat template rejected them: {e}") from None
-        return await self.encode(text)
+
+    async def chat_prompt(self, messages: list[dict], options: dict | None = None,
+                          add_special_tokens: bool = False) -> list[int]:
+        text = await self.chat_text(messages, options)
+        return await self.encode(text, add_special_tokens, field="messages")
 
     @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    async def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return await self._in_pool(functools.partial(self.tokenizer.decode, ids, skip_special_tokens=False))
 
     # ---- running choices -----------------------------------------------------------------
     def in_flight(self) -> int:
@@ -211,32 +235,72 @@ def _sse(obj) -> str:
 
 
 class Response:
-    """Builds one request's OpenAI response (whole or as SSE chunks) from choice events."""
+    """Builds one request's OpenAI response (whole or as SSE chunks) from choice events.
 
-    def __init__(self, front: Front, job: O.Job, num_prompts: int):
+    ``prompts[i]`` are prompt i's token ids and ``prompt_texts[i]`` its text (echo). With echo,
+    a choice's text starts with its prompt's, and with logprobs its logprobs start with the
+    prompt tokens' (from the daemon's prompt log-probabilities; the first token has none)."""
+
+    def __init__(self, front: Front, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
         self.front, self.job = front, job
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.n_choices = num_prompts * job.n
+        self.prompts = prompts
+        self.prompt_texts = prompt_texts or [""] * len(prompts)
+        self.n_choices = len(prompts) * job.n
         self.text = [[] for _ in range(self.n_choices)]
+        self.token_ids = [[] for _ in range(self.n_choices)]
         self.logprobs = [[] for _ in range(self.n_choices)]
+        self.prompt_lps: list = [None] * self.n_choices
         self.offset = [0] * self.n_choices
         self.results: dict[int, object] = {}
         self.role_sent = [False] * self.n_choices
+        self.echoed = [False] * self.n_choices
+        self.token_text = (lambda t: f"token_id:{t}") if job.token_ids_as_text else front.token_text
 
     def _entries(self, delta) -> list:
         if delta.logprobs is None:
             return []
         return [(tok, lp, top) for tok, (lp, top) in zip(delta.token_ids, delta.logprobs)]
 
+    def _take_prompt_logprobs(self, index: int, item) -> None:
+        lps = getattr(item, "prompt_logprobs", None)
+        if lps is not None and self.prompt_lps[index] is None:
+            self.prompt_lps[index] = lps
+
+    def _echo(self, index: int) -> tuple[str, list]:
+        """The prompt's text and logprobs entries a choice starts with (once)."""
+        if not self.job.echo or self.echoed[index]:
+            return "", []
+        self.echoed[index] = True
+        if self.job.chat:  # vLLM: the last message's content, when it is the assistant's
+            return self.prompt_texts[0], []
+        ids = self.prompts[index // self.job.n]
+        entries = []
+        if self.job.params.logprobs is not None:
+            lps = self.prompt_lps[index] or [None] * len(ids)
+            entries = [(t, None, None) if e is None else (t, e[0], e[1]) for t, e in zip(ids, lps)]
+        return self.prompt_texts[index // self.job.n], entries
+
     def _logprobs_obj(self, index: int, entries: list):
         if self.job.params.logprobs is None:
             return None
         if self.job.chat:
-            return O.chat_logprobs(entries, self.front.token_text)
-        obj = O.completion_logprobs(entries, self.front.token_text, self.offset[index])
+            return O.chat_logprobs(entries, self.token_text)
+        obj = O.completion_logprobs(entries, self.token_text, self.offset[index])
         self.offset[index] += sum(len(t) for t in obj["tokens"])
         return obj
+
+    def _extras(self, index: int) -> dict:
+        """vLLM's extra choice fields: prompt_logprobs, token_ids / prompt_token_ids."""
+        out = {}
+        if self.job.params.prompt_logprobs is not None and not self.job.chat:
+            out["prompt_logprobs"] = O.prompt_logprobs_obj(self.prompts[index // self.job.n],
+                                                           self.prompt_lps[index] or [], self.token_text)
+        if self.job.return_token_ids:
+            out["prompt_token_ids"] = self.prompts[index // self.job.n]
+            out["token_ids"] = self.token_ids[index]
+        return out
 
     def usage(self) -> dict:
         prompt = sum(r.prompt_tokens for i, r in self.results.items() if i % self.job.n == 0)
@@ -252,25 +316,37 @@ class Response:
 
     def chunks(self, index: int, item) -> list[str]:
         out = []
+        self._take_prompt_logprobs(index, item)
         if self.job.chat and not self.role_sent[index]:
             self.role_sent[index] = True
             out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
+        echo_text, echo_entries = self._echo(index)
         if isinstance(item, GenerateResult):
             self.results[index] = item
             if self.job.chat:
+                if echo_text:
+                    out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
+                                            "finish_reason": None}))
                 out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
                                         "finish_reason": item.finish_reason}))
             else:
-                out.append(self._chunk({"index": index, "text": "", "logprobs": None,
-                                        "finish_reason": item.finish_reason}))
+                choice = {"index": index, "text": echo_text, "logprobs": self._logprobs_obj(index, echo_entries)
+                          if echo_entries else None, "finish_reason": item.finish_reason}
+                if self.job.params.prompt_logprobs is not None:
+                    choice.update(self._extras(index))
+                out.append(self._chunk(choice))
             return out
-        lp = self._logprobs_obj(index, self._entries(item))
+        self.token_ids[index] += item.token_ids
+        lp = self._logprobs_obj(index, echo_entries + self._entries(item))
         if self.job.chat:
-            out.append(self._chunk({"index": index, "delta": {"content": item.text}, "logprobs": lp,
+            out.append(self._chunk({"index": index, "delta": {"content": echo_text + item.text}, "logprobs": lp,
                                     "finish_reason": None}))
         else:
-            out.append(self._chunk({"index": index, "text": item.text, "logprobs": lp, "finish_reason": None}))
+            choice = {"index": index, "text": echo_text + item.text, "logprobs": lp, "finish_reason": None}
+            if self.job.return_token_ids:
+                choice["token_ids"] = item.token_ids
+            out.append(self._chunk(choice))
         return out
 
     def final_chunks(self) -> list[str]:
@@ -285,25 +361,35 @@ class Response:
 
     # ---- whole -----------------------------------------------------------------------------
     def add(self, index: int, item) -> None:
+        self._take_prompt_logprobs(index, item)
         if isinstance(item, GenerateResult):
             self.results[index] = item
         else:
             self.text[index].append(item.text)
+            self.token_ids[index] += item.token_ids
             self.logprobs[index] += self._entries(item)
 
     def whole(self) -> dict:
         choices = []
         for i in range(self.n_choices):
-            text, reason = "".join(self.text[i]), self.results[i].finish_reason
-            lp = self._logprobs_obj(i, self.logprobs[i])
+            echo_text, echo_entries = self._echo(i)
+            text, reason = echo_text + "".join(self.text[i]), self.results[i].finish_reason
+            lp = self._logprobs_obj(i, echo_entries + self.logprobs[i])
             if self.job.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": reason})
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": lp, "finish_reason": reason}
             else:
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+            choice.update(self._extras(i))
+            choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.job.chat else "text_completion",
                 "created": self.created, "model": self.front.model_name, "choices": choices,
                 "usage": self.usage()}
+
+
+def _model_card(front: Front) -> dict:
+    return {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "tpserve",
+            "root": front.model_name, "max_model_len": front.max_model_len}
 
 
 def create_app(front: Front, hosts: HostPolicy | None = None):
@@ -360,8 +446,8 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
             raise O.OpenAIError(499, "client disconnected", code="client_closed") from None
         return O.decode_body(bytes(data))
 
-    async def run(request: Request, job: O.Job, prompts: list[list[int]]):
-        response = Response(front, job, len(prompts))
+    async def run(request: Request, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
+        response = Response(front, job, prompts, prompt_texts)
         events = front.choices(prompts, job.params, job.n)
         try:
             first = await anext(events)
@@ -408,25 +494,36 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     @v1.post("/completions")
     async def completions(request: Request):
         job = O.parse_completion(await read_json(request), front.model_name)
-        prompts = [await front.encode(p) if isinstance(p, str) else p for p in job.prompts]
-        return await run(request, job, prompts)
+        prompts = [await front.encode(p, job.add_special_tokens) if isinstance(p, str) else p for p in job.prompts]
+        texts = None
+        if job.echo:  # the prompt as sent, or its decoded token ids
+            texts = [p if isinstance(p, str) else await front.decode(p) for p in job.prompts]
+        return await run(request, job, prompts, texts)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         job = O.parse_chat(await read_json(request), front.model_name)
-        ids = await front.chat_prompt(job.messages)
+        ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens)
         if not job.max_tokens_given:
             job.params = replace(job.params, max_tokens=max(1, front.max_model_len - len(ids)))
-        return await run(request, job, [ids])
+        last = job.messages[-1]
+        texts = [last["content"] if job.echo and last["role"] == "assistant" else ""]
+        return await run(request, job, [ids], texts)
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != front.model_name:
+            raise O.OpenAIError(404, f"The model `{model_id}` does not exist; this server serves "
+                                     f"`{front.model_name}`.", "model", code="model_not_found")
+        return _model_card(front)
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": front.created,
-                                            "owned_by": "tpserve", "root": front.model_name,
-                                            "max_model_len": front.max_model_len}]}
+        return {"object": "list", "data": [_model_card(front)]}
 
     app.include_router(v1)
     app.include_router(make_router(front, authorize))  # /health, /version, /v1/loads, ... (router_api.py)
+    app.include_router(make_tokenizer_router(front, authorize, read_json))  # /tokenize, ... (tokenizer_api.py)
 
     @app.get("/metrics")
     async def metrics():

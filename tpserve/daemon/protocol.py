@@ -40,6 +40,7 @@ MAX_PROMPT_TOKENS = R.MAX_PROMPT_TOKENS
 MAX_TOKEN_ID = R.MAX_TOKEN_ID
 MAX_STOP_STRINGS = R.MAX_STOP_STRINGS
 MAX_STOP_CHARS = R.MAX_STOP_CHARS
+MAX_N = R.MAX_N
 MAX_STOP_TOKEN_IDS = R.MAX_STOP_TOKEN_IDS
 FINISH_REASONS = R.FINISH_REASONS
 MAX_METRICS_CHARS = 4 * 1024 * 1024  # Prometheus text exposition
@@ -172,6 +173,33 @@ def logprobs_list(name, v):
                 raise _bad(where, f"each top entry must be [token id, logprob], got {pair!r}"[:256])
             top.append([pair[0], float(pair[1])])
         out.append([float(entry[0]), top])
+    return out
+
+
+def prompt_logprobs_list(name, v):
+    """Per prompt token: nil for the first, then ``[logprob, [[token id, logprob], ...]]``."""
+    if not isinstance(v, (list, tuple)) or not v or v[0] is not None:
+        raise _bad(name, "must be an array starting with nil (the first prompt token has none)")
+    return [None] + logprobs_list(name, v[1:])
+
+
+def completions_list(name, v):
+    """The completions of an ``n`` > 1 request (done): maps of index, finish_reason,
+    completion_tokens and, for a request that was not streamed, text, token_ids, logprobs."""
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_N:
+        raise _bad(name, f"must be an array of at most {MAX_N} completion maps")
+    out = []
+    for i, c in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(c, dict):
+            raise _bad(where, f"must be a map, got {type(c).__name__}")
+        item = {"index": integer(0, MAX_N - 1)(f"{where}.index", c.get("index")),
+                "finish_reason": one_of(FINISH_REASONS)(f"{where}.finish_reason", c.get("finish_reason")),
+                "completion_tokens": count(f"{where}.completion_tokens", c.get("completion_tokens"))}
+        for key, check in (("text", text(2**31)), ("token_ids", token_ids(2**31)), ("logprobs", logprobs_list)):
+            if c.get(key) is not None:
+                item[key] = check(f"{where}.{key}", c[key])
+        out.append(item)
     return out
 
 
@@ -317,11 +345,15 @@ class DeltaReply(Message):
     TYPE = "delta"
     DIRECTION = "reply"
     FIELDS = {"id": (request_id, True), "text": (text(2**31), True),
-              "token_ids": (token_ids(2**31), True), "logprobs": (nullable(logprobs_list), False)}
+              "token_ids": (token_ids(2**31), True), "logprobs": (nullable(logprobs_list), False),
+              "index": (integer(0, MAX_N - 1), False),
+              "prompt_logprobs": (nullable(prompt_logprobs_list), False)}
     id: str
     text: str
     token_ids: list[int]
     logprobs: list | None = None
+    index: int = 0                      # which of the request's n completions
+    prompt_logprobs: list | None = None  # in the request's first message only
 
 
 @dataclass
@@ -335,7 +367,9 @@ class DoneReply(Message):
               "prompt_tokens": (count, True), "completion_tokens": (count, True),
               "text": (nullable(text(2**31)), False), "token_ids": (nullable(token_ids(2**31)), False),
               "abort_reason": (nullable(one_of(ABORT_REASONS)), False),
-              "logprobs": (nullable(logprobs_list), False)}
+              "logprobs": (nullable(logprobs_list), False),
+              "prompt_logprobs": (nullable(prompt_logprobs_list), False),
+              "completions": (nullable(completions_list), False)}
     id: str
     finish_reason: str
     prompt_tokens: int
@@ -344,6 +378,8 @@ class DoneReply(Message):
     token_ids: list[int] | None = None
     abort_reason: str | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # unless an earlier delta carried them
+    completions: list | None = None      # n > 1: every completion (the fields above: the first's)
 
 
 @dataclass

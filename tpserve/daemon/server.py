@@ -93,11 +93,15 @@ class _Request:
     stream: bool
     prompt_tokens: int
     completion_tokens: int = 0
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None  # wire entries gathered for a non-streamed reply
     arrival: float = 0.0
     last_token: float | None = None
+    n: int = 1
+    # n > 1: the finished completions' wire maps, and the unfinished ones' gathered output
+    done: list = field(default_factory=list)
+    parts: dict = field(default_factory=dict)   # index -> (text parts, token ids, logprobs)
+    prompt_logprobs_sent: bool = False
+    prompt_logprobs: list | None = None  # wire entries not yet sent (they go with the done)
+    logprobs_wanted: bool = False
 
 
 def served_model_name(engine, options: ServerOptions) -> str:
@@ -106,6 +110,12 @@ def served_model_name(engine, options: ServerOptions) -> str:
         return options.served_model_name
     path = getattr(getattr(engine, "config", None), "model_path", None)
     return os.path.basename(os.path.normpath(str(path))) if path else "tpserve"
+
+
+def _wire_prompt_logprobs(entries) -> list | None:
+    if entries is None:
+        return None
+    return [None if e is None else [e.logprob, [[t, v] for t, v in e.top]] for e in entries]
 
 
 def _wire_logprobs(logprobs) -> list | None:
@@ -342,7 +352,7 @@ class Server:
                          "that request continues", field="id")
         peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
-                       arrival=time.monotonic())
+                       arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None)
         if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
@@ -417,30 +427,49 @@ class Server:
                 metrics.on_tokens(len(out.new_token_ids), now, req.arrival, req.last_token, out.queue_time)
                 req.last_token = now
             logprobs = _wire_logprobs(out.logprobs)
+            prompt_lps = _wire_prompt_logprobs(out.prompt_logprobs)
             if req.stream:
                 if out.new_token_ids or out.new_text:
                     self.peers.send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
-                                                           logprobs=logprobs))
+                                                           logprobs=logprobs, index=out.index,
+                                                           prompt_logprobs=prompt_lps))
+                    req.prompt_logprobs_sent |= prompt_lps is not None
                     if out.request_id not in self._requests:
                         continue  # the send found the client gone and dropped its requests
             else:
-                req.text_parts.append(out.new_text)
-                req.token_ids.extend(out.new_token_ids)
+                text_parts, token_ids, lps = req.parts.setdefault(out.index, ([], [], []))
+                text_parts.append(out.new_text)
+                token_ids.extend(out.new_token_ids)
                 if logprobs is not None:
-                    if req.logprobs is None:
-                        req.logprobs = []
-                    req.logprobs.extend(logprobs)
+                    lps.extend(logprobs)
+            if prompt_lps is not None and not req.prompt_logprobs_sent:
+                req.prompt_logprobs = prompt_lps  # goes with the done message
             if out.finished:
-                metrics.on_finished(now, req.arrival)
-                self._close(req)
-                done = P.DoneReply(req.client_id, out.finish_reason or "stop", req.prompt_tokens,
-                                   out.num_completion_tokens or req.completion_tokens,
-                                   abort_reason=None)
-                if not req.stream:
-                    done.text, done.token_ids = "".join(req.text_parts), req.token_ids
-                    done.logprobs = req.logprobs
-                self.peers.send(req.peer, done)
-                self.peers.forget_if_idle(req.peer)
+                self._finish_completion(req, out, now)
+
+    def _finish_completion(self, req: _Request, out, now: float) -> None:
+        """One completion of ``req`` ended; the request's ``done`` goes out with its last."""
+        item = {"index": out.index, "finish_reason": out.finish_reason or "stop",
+                "completion_tokens": out.num_completion_tokens}
+        if not req.stream:
+            text_parts, token_ids, lps = req.parts.pop(out.index, ([], [], []))
+            item.update(text="".join(text_parts), token_ids=token_ids,
+                        logprobs=lps if req.logprobs_wanted else None)
+        req.done.append(item)
+        if len(req.done) < req.n:
+            return
+        self.metrics.on_finished(now, req.arrival)
+        self._close(req)
+        first = min(req.done, key=lambda c: c["index"])
+        done = P.DoneReply(req.client_id, first["finish_reason"], req.prompt_tokens,
+                           sum(c["completion_tokens"] for c in req.done) or req.completion_tokens,
+                           abort_reason=None, prompt_logprobs=req.prompt_logprobs)
+        if not req.stream:
+            done.text, done.token_ids, done.logprobs = first["text"], first["token_ids"], first["logprobs"]
+        if req.n > 1:
+            done.completions = sorted(req.done, key=lambda c: c["index"])
+        self.peers.send(req.peer, done)
+        self.peers.forget_if_idle(req.peer)
 
     def _abort(self, req: _Request, reason: str) -> None:
         """Abort ``req`` in the engine and tell its client (``done`` with finish_reason abort)."""
@@ -449,7 +478,8 @@ class Server:
         done = P.DoneReply(req.client_id, "abort", req.prompt_tokens, req.completion_tokens,
                            abort_reason=reason)
         if not req.stream:
-            done.text, done.token_ids = "".join(req.text_parts), req.token_ids
+            text_parts, token_ids, _ = req.parts.get(0, ([], [], []))
+            done.text, done.token_ids = "".join(text_parts), token_ids
         self.peers.send(req.peer, done)
         self.peers.forget_if_idle(req.peer)
 
