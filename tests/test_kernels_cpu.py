@@ -273,6 +273,7 @@ def test_cpu_arch_override_changes_flags_and_build_name(monkeypatch):
 
 
 AVX2_CHECK = r"""
+import sys
 import torch
 from tpserve.kernels import cpu_extension
 from tpserve.kernels.backend import get_backend
@@ -293,17 +294,22 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
     cpu_extension.ops().rms_norm(out, h, None, None, w, 1e-6)
     ref = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w
     assert (out.float() - ref.float()).abs().max() <= tol * 4
+sys.path.insert(0, TESTS_DIR)
+from test_packed_gemm import check_linear_kinds
+check_linear_kinds()  # the packed linear kernels: 8-float vectors, the AVX2 int8 path
 print("ok")
 """
 
 
 def test_an_avx2_build_of_the_operators_is_correct(tmp_path):
     """The operators built for an AVX2-only CPU (8-float vectors instead of 16) against the
-    dense reference: decode and prompt paths, argmax, RMSNorm. Runs on any x86-64 CPU."""
+    dense reference: decode and prompt paths, argmax, RMSNorm, the packed linear kernels of
+    every weight kind. Runs on any x86-64 CPU."""
     import os
     import subprocess
     import sys
     env = dict(os.environ, TPSERVE_CPU_ARCH="haswell")
-    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+    check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Building and loading tpserve's C++ CPU operators (``csrc/cpu_ops.cpp``).
+"""Building and loading tpserve's C++ CPU operators (``csrc/*.cpp``, ``csrc/*.h``).
 
 The operators are compiled on first use with ``torch.utils.cpp_extension.load`` into a build
 directory under ``$TPSERVE_CACHE_DIR`` (default ``~/.cache/tpserve``) named after a hash of the
@@ -27,7 +27,9 @@ import torch
 
 log = logging.getLogger("tpserve.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Translation units: attention and element-wise ops; the packed linear layers.
+SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "linear_ops.cpp"))
 # -march=native: the build is per machine anyway (its directory is keyed by the CPU's flags),
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
@@ -63,7 +65,8 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: changes whenever the source, torch, the flags or the CPU change."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(cflags()).encode(),
+    sources = [p.read_bytes() for p in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))]
+    for part in (*sources, torch.__version__.encode(), " ".join(cflags()).encode(),
                  _cpu_flags().encode(), sys.version.encode()):
         h.update(part)
     return f"tpserve_cpu_{h.hexdigest()[:16]}"
@@ -82,7 +85,7 @@ def _build() -> None:
     if shutil.which("ninja") is None and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(),
+        load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags(),
              build_directory=str(build_dir), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
