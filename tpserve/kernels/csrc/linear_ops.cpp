@@ -121,20 +121,6 @@ void quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int8_t* dst, fl
 //
 // acc[t][i] holds output channels [i * kLanes, (i + 1) * kLanes) of the panel for row t.
 
-template <int64_t TM>
-inline void tile_f32(const float* w, int64_t K, const float* x, int64_t ld, vfl (&acc)[kTile][4]) {
-  for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    const vfl w0 = loadl(w), w1 = loadl(w + kLanes), w2 = loadl(w + 2 * kLanes), w3 = loadl(w + 3 * kLanes);
-    for (int64_t t = 0; t < TM; ++t) {
-      const float xv = x[t * ld + k];
-      acc[t][0] += xv * w0;
-      acc[t][1] += xv * w1;
-      acc[t][2] += xv * w2;
-      acc[t][3] += xv * w3;
-    }
-  }
-}
-
 inline vfl load_i8(const int8_t* p) {
 #if defined(__AVX512F__)
   return (vfl)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -147,10 +133,14 @@ inline vfl load_i8(const int8_t* p) {
 #endif
 }
 
-template <int64_t TM>
-inline void tile_i8(const int8_t* w, int64_t K, const float* x, int64_t ld, vfl (&acc)[kTile][4]) {
+inline vfl load_w(const float* p) { return loadl(p); }
+inline vfl load_w(const int8_t* p) { return load_i8(p); }
+
+// fp32 weights, or int8 ones widened (their scale comes in the epilogue), times fp32 rows.
+template <int64_t TM, typename W>
+inline void tile_fma(const W* w, int64_t K, const float* x, int64_t ld, vfl (&acc)[kTile][4]) {
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    const vfl w0 = load_i8(w), w1 = load_i8(w + kLanes), w2 = load_i8(w + 2 * kLanes), w3 = load_i8(w + 3 * kLanes);
+    const vfl w0 = load_w(w), w1 = load_w(w + kLanes), w2 = load_w(w + 2 * kLanes), w3 = load_w(w + 3 * kLanes);
     for (int64_t t = 0; t < TM; ++t) {
       const float xv = x[t * ld + k];
       acc[t][0] += xv * w0;
@@ -293,7 +283,7 @@ void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T*
   const char* panel = static_cast<const char*>(w.data.data_ptr()) + p * K * bytes_per_k(w.kind);
   switch (w.kind) {
     case kFloat32:
-      tile_f32<TM>(reinterpret_cast<const float*>(panel), K,
+      tile_fma<TM>(reinterpret_cast<const float*>(panel), K,
                    static_cast<const float*>(rows.data) + r0 * rows.ld, rows.ld, acc);
       break;
     case kBFloat16:
@@ -306,7 +296,7 @@ void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T*
 #endif
       break;
     case kInt8:
-      tile_i8<TM>(reinterpret_cast<const int8_t*>(panel), K,
+      tile_fma<TM>(reinterpret_cast<const int8_t*>(panel), K,
                   static_cast<const float*>(rows.data) + r0 * rows.ld, rows.ld, acc);
       break;
     default:
