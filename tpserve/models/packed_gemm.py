@@ -115,12 +115,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class PackableLinear(nn.Module):
     """Mixin of a layer whose ``weight`` may be packed: ``forward`` calls ``self.matmul``.
 
-    ``weight_scale`` (fp32 [out, 1]) is set on layers whose weight is int8 (see
+    A ``weight_scale`` parameter (fp32 [out, 1]) is registered on layers whose weight is int8 (see
     quantization.py); ``int8_activations`` says whether their activations are quantized too.
     """
 
     packed: PackedWeight | None = None
-    weight_scale: torch.Tensor | None = None
     int8_activations: bool = False
     quantize_at_load: bool = False  # --quantization int8: quantize the float weight when packing
 
@@ -156,7 +155,7 @@ class PackableLinear(nn.Module):
             self.packed = pack_weight(w, kind)
         if not shared:
             self.weight.data = self.weight.data.new_empty(0)
-            if self.weight_scale is not None:
+            if getattr(self, "weight_scale", None) is not None:
                 self.weight_scale.data = self.weight_scale.data.new_empty(0)
         return True
 

@@ -95,8 +95,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
-                                device=self.device)
-        prepack_model(self.model)  # bf16 on CPU: oneDNN's packed weights (models/packed_gemm.py)
+                                device=self.device, quantization=config.quantization)
+        prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
         self.sampler = Sampler()
         self.stager = PlanStager(self.accel)
         self.graphs = None  # the warm-up inside the sizing runs eagerly
