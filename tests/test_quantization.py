@@ -6,22 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from model_factory import make_tiny_model
 from test_models import random_prompts, run_prefill_then_decode, tpserve_model
-from test_models_tp import _free_port
+from test_models_tp import gloo_group, run_two_ranks
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
-from tpserve.models import TPContext
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
 from tpserve.models.packed_gemm import INT8, INT8_DYNAMIC, prepack_model, quantize_int8
 from tpserve.models.quantization import checkpoint_tensors, unpack_int32
@@ -208,18 +203,12 @@ def test_llm_generates_with_int8(float_model, tmp_path):
 
 
 def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, port) as tp:
         for name, path, quant in cases:
-            model, sharded = _run(path, TPContext(rank=rank, size=2), quantization=quant)
+            _, sharded = _run(path, tp, quantization=quant)
             if rank == 0:
                 _, reference = _run(path, quantization=quant)
                 torch.save({"sharded": sharded, "reference": reference}, os.path.join(out_dir, f"{name}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
@@ -228,17 +217,7 @@ def test_tp2_shards_int8_weights_and_scales(float_model, tmp_path):
     row-parallel layer's activations over each rank's slice, so it stays close."""
     cases = [("w8a16", str(make_compressed(float_model, tmp_path / "w8a16", "W8A16", ignore=())), None, 1e-4),
              ("w8a8", str(float_model), "int8", 0.1)]
-    ctx = mp.spawn(_tp_worker, args=(_free_port(), [c[:3] for c in cases], str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 150
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "TP workers did not finish in 150 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    assert [p.exitcode for p in ctx.processes] == [0, 0]
+    run_two_ranks(_tp_worker, [c[:3] for c in cases], str(tmp_path))
     for name, _, _, tol in cases:
         r = torch.load(tmp_path / f"{name}.pt")
         for got, want in zip(r["sharded"], r["reference"]):
