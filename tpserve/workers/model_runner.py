@@ -35,6 +35,7 @@ A step's plan arrays reach the device through ``PlanStager``: one host buffer, o
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -103,6 +104,10 @@ class ModelRunner:
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
+            reason = self.model.enable_fused_decode()  # CPU decode steps: 2 C++ calls per layer
+            if reason is not None and self.device.type == "cpu":
+                log.info("decode steps run layer by layer: the fused decode %s", reason)
         if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
             graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
             graphs.capture()
@@ -173,7 +178,8 @@ class ModelRunner:
             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
             max_seqlen_q=int(plan.max_seqlen_q), max_seqlen_k=int(plan.max_seqlen_k),
             context_lens=t["context_lens"], block_tables=t["block_tables"],
-            slot_mapping=t["slot_mapping"])
+            slot_mapping=t["slot_mapping"],
+            num_decodes=plan.num_decodes if plan.num_decodes >= 0 else None)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, num_logprobs: int = -1):

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_ops.h"
 #include "vec.h"
 
 namespace {
@@ -468,6 +469,44 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   });
 }
 
+// Every sequence's keys fit its block-table row and every block they need is a valid id: what a
+// step's plan promises, checked once per step (check_block_tables) rather than once per layer.
+void check_tables(const int32_t* cu, const int32_t* ctx, const int32_t* tables, int64_t B,
+                  int64_t width, int64_t num_blocks, int64_t block_size) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    check_value(q_len >= 0 && ctx[b] >= q_len,
+                "context_lens: each sequence needs at least as many keys as new query rows");
+    const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
+    check_value(used_blocks <= width, "block_tables: fewer columns than a sequence's blocks");
+    for (int64_t c = 0; c < used_blocks; ++c) {
+      const int32_t blk = tables[b * width + c];
+      check_value(blk >= 0 && blk < num_blocks,
+                  "block_tables: a block a sequence's keys need is -1 or out of range");
+    }
+  }
+}
+
+void check_index_arrays(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                        const at::Tensor& context_lens) {
+  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens}) {
+    check_value(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_tables/cu_seqlens_q/context_lens: expected contiguous int32");
+  }
+  check_value(block_tables.dim() == 2, "block_tables: expected [B, W]");
+  const int64_t B = context_lens.size(0);
+  check_value(cu_seqlens_q.size(0) == B + 1 && block_tables.size(0) == B,
+              "cu_seqlens_q/block_tables: expected B+1 entries / B rows for B = len(context_lens)");
+}
+
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                        const at::Tensor& context_lens, int64_t num_blocks, int64_t block_size) {
+  check_index_arrays(block_tables, cu_seqlens_q, context_lens);
+  check_tables(cu_seqlens_q.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+               block_tables.data_ptr<int32_t>(), context_lens.size(0), block_tables.size(1),
+               num_blocks, block_size);
+}
+
 // out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
 // cache [num_blocks, block_size, Hkv, D]. Sequence b owns query rows cu_seqlens_q[b]..[b+1],
 // which are the last q_len rows of its context_lens[b] keys (causal). Keys come from
@@ -476,10 +515,12 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 // Paths (fp32/bf16 with head_dim % 16 == 0; anything else takes the general kernel): a plan of
 // one row per sequence takes the decode path unless `prompt` is set; any other plan, or one with
 // `prompt`, takes the tiled prompt path, whose rows do not depend on how a prompt was split.
+// `num_decodes` (>= 0) says how many leading sequences have one row each, as the plan states it
+// (-1: count them); `checked`: check_block_tables already ran on these arrays for this step.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-                     double scale, bool prompt) {
+                     double scale, bool prompt, int64_t num_decodes, bool checked) {
   check_dtype(q, "q: expected float32, bfloat16 or float16");
   check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
   check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
@@ -493,35 +534,22 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_value(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim, "q: head_dim must be in [1, 512]");
   const int64_t hkv = k_cache.size(2);
   check_value(hkv > 0 && q.size(1) % hkv == 0, "k_cache: num_kv_heads must divide q's num_heads");
-  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens}) {
-    check_value(t->scalar_type() == at::kInt && t->is_contiguous(),
-                "block_tables/cu_seqlens_q/context_lens: expected contiguous int32");
-  }
-  check_value(block_tables.dim() == 2, "block_tables: expected [B, W]");
+  check_index_arrays(block_tables, cu_seqlens_q, context_lens);
   const int64_t B = context_lens.size(0);
-  check_value(cu_seqlens_q.size(0) == B + 1 && block_tables.size(0) == B,
-              "cu_seqlens_q/block_tables: expected B+1 entries / B rows for B = len(context_lens)");
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t width = block_tables.size(1);
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   check_value(cu[0] == 0 && cu[B] == q.size(0), "cu_seqlens_q: must run from 0 to T");
+  check_value(num_decodes <= B, "num_decodes: more than the sequences");
 
   const int64_t group = q.size(1) / hkv;
-  bool one_row_each = true;  // a decode plan: the decode path below
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t q_len = cu[b + 1] - cu[b];
-    one_row_each = one_row_each && q_len == 1;
-    check_value(q_len >= 0 && ctx[b] >= q_len,
-                "context_lens: each sequence needs at least as many keys as new query rows");
-    const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
-    check_value(used_blocks <= width, "block_tables: fewer columns than a sequence's blocks");
-    for (int64_t c = 0; c < used_blocks; ++c) {
-      const int32_t blk = tables[b * width + c];
-      check_value(blk >= 0 && blk < num_blocks,
-                  "block_tables: a block a sequence's keys need is -1 or out of range");
-    }
+  if (!checked) check_tables(cu, ctx, tables, B, width, num_blocks, block_size);
+  bool one_row_each = num_decodes == B;  // a decode plan: the decode path below
+  if (num_decodes < 0) {
+    one_row_each = true;
+    for (int64_t b = 0; b < B; ++b) one_row_each = one_row_each && cu[b + 1] - cu[b] == 1;
   }
   if (q.size(0) == 0) return;
   const bool vector_path = q.size(2) % 16 == 0 &&
@@ -880,26 +908,163 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
   });
 }
 
+
+// ---- a decoder layer's decode step in two calls ---------------------------------------------------
+//
+// A decode step at batch 1 is ~45 small operators per layer when Python calls them one by one,
+// and their dispatch cost more than the arithmetic of a small model. These two ops run the
+// same operators (the same functions, so the same bits) in one call each: the attention half of
+// a layer up to o_proj, and the MLP half. Between them and after them, a tensor-parallel model
+// all-reduces the partial sums in Python. The plan's block tables are checked once per step
+// (check_block_tables) before the first layer, not here.
+
+PackedLinear packed_linear(const at::Tensor& data, int64_t kind, int64_t n, int64_t k,
+                           const c10::optional<at::Tensor>& scales,
+                           const c10::optional<at::Tensor>& colsum,
+                           const c10::optional<at::Tensor>& bias, const char* what) {
+  PackedLinear w;
+  w.data = data;
+  w.kind = kind;
+  w.n = n;
+  w.k = k;
+  if (scales.has_value()) w.scales = *scales;
+  if (colsum.has_value()) w.colsum = *colsum;
+  if (bias.has_value()) w.bias = *bias;
+  check_packed(w, what);
+  return w;
+}
+
+// residual (in/out) and normed: norm(hidden + residual) with the sum kept as the new residual,
+// or, for the first layer, residual = hidden and norm(hidden).
+void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor& residual,
+                        bool has_residual, const at::Tensor& weight, double eps) {
+  if (has_residual) {
+    rms_norm(normed, hidden, residual, residual, weight, eps);
+  } else {
+    residual.copy_(hidden);
+    rms_norm(normed, hidden, c10::nullopt, c10::nullopt, weight, eps);
+  }
+}
+
+// out [M, H] = o_proj(attention(rotary(qkv_proj(norm(hidden (+ residual)))))) for M decode
+// rows, one per sequence; residual [M, H] is updated in place (see norm_with_residual).
+void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
+                      bool has_residual, const at::Tensor& positions, const at::Tensor& k_cache_in,
+                      const at::Tensor& v_cache_in, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      const at::Tensor& ln_weight, double eps, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, double scale,
+                      const at::Tensor& qkv_data, int64_t qkv_kind, const c10::optional<at::Tensor>& qkv_scales,
+                      const c10::optional<at::Tensor>& qkv_colsum, const c10::optional<at::Tensor>& qkv_bias,
+                      const at::Tensor& o_data, int64_t o_kind, const c10::optional<at::Tensor>& o_scales,
+                      const c10::optional<at::Tensor>& o_colsum, const c10::optional<at::Tensor>& o_bias) {
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
+                  out.sizes() == hidden.sizes(),
+              "hidden/residual/out: expected contiguous [M, hidden] tensors");
+  check_value(context_lens.size(0) == M && slot_mapping.size(0) == M && positions.size(0) == M,
+              "context_lens/slot_mapping/positions: one entry per decode row");
+  check_value(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == M,
+              "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
+  check_value(head_dim % 16 == 0 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "hidden: the fused decode takes fp32/bf16 and head_dim % 16 == 0");
+  const PackedLinear qkv = packed_linear(qkv_data, qkv_kind, q_size + 2 * kv_size, H, qkv_scales,
+                                         qkv_colsum, qkv_bias, "qkv_proj");
+  const PackedLinear o = packed_linear(o_data, o_kind, H, q_size, o_scales, o_colsum, o_bias, "o_proj");
+  at::Tensor normed = at::empty_like(hidden);
+  norm_with_residual(normed, hidden, residual, has_residual, ln_weight, eps);
+  at::Tensor qkv_out = at::empty({M, qkv.n}, hidden.options());
+  linear_into(qkv_out, normed, qkv);
+  at::Tensor q = qkv_out.narrow(1, 0, q_size).view({M, num_heads, head_dim});
+  at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
+  at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
+  if (q_norm.has_value()) {
+    at::Tensor qn = at::empty_like(q, at::MemoryFormat::Contiguous);
+    at::Tensor kn = at::empty_like(k, at::MemoryFormat::Contiguous);
+    rms_norm(qn, q, c10::nullopt, c10::nullopt, *q_norm, eps);
+    rms_norm(kn, k, c10::nullopt, c10::nullopt, *k_norm, eps);
+    q = qn;
+    k = kn;
+  }
+  rotary_embedding(positions, q, k, cos, sin);
+  at::Tensor k_cache = k_cache_in, v_cache = v_cache_in;
+  store_kvcache(k, v, k_cache, v_cache, slot_mapping);
+  at::Tensor attn = at::empty({M, num_heads, head_dim}, hidden.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  if (hidden.scalar_type() == at::kFloat) {
+    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, static_cast<float>(scale));
+  } else {
+    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M,
+                               static_cast<float>(scale));
+  }
+  linear_into(out, attn.view({M, q_size}), o);
+}
+
+// out [M, H] = down_proj(silu_and_mul(gate_up_proj(norm(hidden + residual)))); residual is
+// updated in place.
+void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
+                const at::Tensor& ln_weight, double eps, int64_t intermediate,
+                const at::Tensor& gu_data, int64_t gu_kind, const c10::optional<at::Tensor>& gu_scales,
+                const c10::optional<at::Tensor>& gu_colsum, const c10::optional<at::Tensor>& gu_bias,
+                const at::Tensor& down_data, int64_t down_kind, const c10::optional<at::Tensor>& down_scales,
+                const c10::optional<at::Tensor>& down_colsum, const c10::optional<at::Tensor>& down_bias) {
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
+                  out.sizes() == hidden.sizes(),
+              "hidden/residual/out: expected contiguous [M, hidden] tensors");
+  const PackedLinear gu = packed_linear(gu_data, gu_kind, 2 * intermediate, H, gu_scales, gu_colsum,
+                                        gu_bias, "gate_up_proj");
+  const PackedLinear down = packed_linear(down_data, down_kind, H, intermediate, down_scales,
+                                          down_colsum, down_bias, "down_proj");
+  at::Tensor normed = at::empty_like(hidden);
+  norm_with_residual(normed, hidden, residual, true, ln_weight, eps);
+  at::Tensor gate_up = at::empty({M, 2 * intermediate}, hidden.options());
+  linear_into(gate_up, normed, gu);
+  at::Tensor act = at::empty({M, intermediate}, hidden.options());
+  silu_and_mul(act, gate_up);
+  linear_into(out, act, down);
+}
 }  // namespace
 
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
-        "bool prompt=False) -> ()");
+        "bool prompt=False, int num_decodes=-1, bool checked=False) -> ()");
+  m.def("check_block_tables(Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, "
+        "int num_blocks, int block_size) -> ()");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
         "Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("decode_attention(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, bool has_residual, "
+        "Tensor positions, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor ln_weight, float eps, Tensor? q_norm, "
+        "Tensor? k_norm, int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
+        "float scale, Tensor qkv_data, int qkv_kind, Tensor? qkv_scales, Tensor? qkv_colsum, "
+        "Tensor? qkv_bias, Tensor o_data, int o_kind, Tensor? o_scales, Tensor? o_colsum, "
+        "Tensor? o_bias) -> ()");
+  m.def("decode_mlp(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, Tensor ln_weight, float eps, "
+        "int intermediate, Tensor gu_data, int gu_kind, Tensor? gu_scales, Tensor? gu_colsum, "
+        "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
+        "Tensor? down_colsum, Tensor? down_bias) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("check_block_tables", &check_block_tables);
   m.impl("store_kvcache", &store_kvcache);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_mlp", &decode_mlp);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("rotary_embedding", &rotary_embedding);
 }
