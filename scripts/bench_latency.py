@@ -11,7 +11,8 @@ their last token (the prompt's prefill included), for
 with tpserve's offline engine in bf16 and with ``--quantization int8``, and, with
 ``--llamacpp DIR`` (scripts/peer_llamacpp.sh builds it), llama-server on the same model
 converted by llama.cpp's own converter, in bf16 and quantized to Q8_0 by llama-quantize,
-``--parallel`` slots for the batch, continuous batching, as many threads as tpserve. Engines
+``--parallel`` slots for the batch, continuous batching, as many threads as tpserve; a server is
+stopped (SIGSTOP) while the other engines run, since an idle one keeps polling. Engines
 alternate run by run (tpserve bf16, tpserve int8, llama bf16, llama Q8_0, then again), so a
 shared machine's drift spreads over all of them. It prints one line per engine and batch, the
 ratios, the ISA and the dtypes, and the load average before and after (a loaded machine makes
@@ -23,6 +24,7 @@ its pre-tokenizer is GPT-2's (it is: byte-level, GPT-2 regex). Only token ids ar
 tokenizer never touches the benchmark.
 
     python scripts/bench_latency.py [--shape 40m|0.6b] [--llamacpp /work/peers/llamacpp] [--runs 3]
+                                    [--threads N] [--batches 8,64]
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -152,7 +155,15 @@ class LlamaServer:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server did not start (see {self.log.name})")
             time.sleep(0.5)
-        self.run([[5] * PROMPT], 4)  # warm
+        self.run([[5] * PROMPT], 4)  # warm; leaves the server stopped
+
+    # Between its runs a server is stopped (SIGSTOP): an idle llama-server's threads keep
+    # polling for work, and while two of them polled, every other engine ran 2-4x slower.
+    def pause(self):
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
 
     def _one(self, prompt, out: int, counts: list, i: int) -> None:
         body = json.dumps({"prompt": prompt, "n_predict": out, "temperature": 0, "ignore_eos": True,
@@ -163,6 +174,13 @@ class LlamaServer:
             counts[i] = json.loads(r.read())["tokens_predicted"]
 
     def run(self, prompts, out: int) -> float:
+        self.resume()
+        try:
+            return self._run(prompts, out)
+        finally:
+            self.pause()
+
+    def _run(self, prompts, out: int) -> float:
         counts = [0] * len(prompts)
         threads = [threading.Thread(target=self._one, args=(p, out, counts, i)) for i, p in enumerate(prompts)]
         t = time.perf_counter()
@@ -173,6 +191,7 @@ class LlamaServer:
         return sum(counts) / (time.perf_counter() - t)
 
     def close(self):
+        self.resume()
         self.proc.terminate()
         try:
             self.proc.wait(timeout=30)
@@ -202,6 +221,9 @@ def main() -> int:
     ap.add_argument("--llamacpp", metavar="DIR", help="llama.cpp peer (scripts/peer_llamacpp.sh)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--batches", default=None,
+                    help="comma-separated batch sizes besides the single stream (default: 8,64 for "
+                         "40m, 8,16 for 0.6b; empty: the single stream only)")
     ap.add_argument("--skip-tpserve", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -209,16 +231,18 @@ def main() -> int:
     name = "qwen3-0.6b-shape" if args.shape == "0.6b" else "qwen3-40m"
     path = build_bench_model(f"/tmp/tpserve-bench/{name}", **overrides)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    batches = BATCHES[args.shape]
+    batches = BATCHES[args.shape] if args.batches is None else tuple(
+        int(b) for b in args.batches.split(",") if b.strip())
     load0 = os.getloadavg()[0]
     engines = []
     try:
         if not args.skip_tpserve:
-            engines += [Tpserve(path, None, max(batches)), Tpserve(path, "int8", max(batches))]
+            engines += [Tpserve(path, None, max(batches, default=1)), Tpserve(path, "int8", max(batches, default=1))]
         if args.llamacpp:
             peer = Path(args.llamacpp)
             files = gguf_models(peer, path, vocab)
-            engines += [LlamaServer(peer, files[k], k, max(batches), args.threads) for k in ("bf16", "q8_0")]
+            engines += [LlamaServer(peer, files[k], k, max(batches, default=1), args.threads)
+                        for k in ("bf16", "q8_0")]
         res = measure(engines, vocab, batches, args.runs)
     finally:
         for e in engines:

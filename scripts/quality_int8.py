@@ -8,7 +8,10 @@ benchmark model (random token prompts), 20 prompts of 32 tokens, 64 greedy token
     changes the rest of the completion);
   * same-prefix agreement: both models read bf16's completion; the fraction of positions where
     their next-token argmax agrees;
-  * mean KL(bf16 || int8) of the next-token distributions over those positions (nats).
+  * mean KL(bf16 || int8) of the next-token distributions over those positions (nats);
+  * the same three figures for fp32 against bf16: how far bf16's own rounding moves the
+    outputs, the scale to read int8's figures on (random weights give next-token
+    distributions so flat that any rounding flips many greedy choices).
 
 For the bundled model also the held-out loss (nats/token) in bf16 and int8, on the held-out
 text and windows ``scripts/train_default_model.py`` evaluates (its training report has the
@@ -36,11 +39,11 @@ BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
 PROMPTS, PROMPT_LEN, OUT = 20, 32, 64
 
 
-def load(path: Path, quantization: str | None):
+def load(path: Path, quantization: str | None, dtype: str = "bfloat16"):
     from tpserve.kernels.backend import get_backend
     from tpserve.models.loader import load_model
     from tpserve.models.packed_gemm import prepack_model
-    model = load_model(path, dtype="bfloat16", quantization=quantization,
+    model = load_model(path, dtype=dtype, quantization=quantization,
                        backend=get_backend("auto", "cpu", 16))
     prepack_model(model)
     return model
@@ -60,9 +63,9 @@ def logits_of(model, seqs: list[list[int]]) -> torch.Tensor:
     return model.compute_logits(model.forward(ids, pos, meta)).float()
 
 
-def generate(path: Path, quantization: str | None, prompts) -> list[list[int]]:
+def generate(path: Path, quantization: str | None, prompts, dtype: str = "bfloat16") -> list[list[int]]:
     from tpserve import LLM, SamplingParams
-    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, kv_cache_memory_gb=0.5)
+    llm = LLM(str(path), dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.5)
     try:
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True),
                            use_tqdm=False)
@@ -71,20 +74,30 @@ def generate(path: Path, quantization: str | None, prompts) -> list[list[int]]:
         llm.shutdown()
 
 
-def compare(name: str, path: Path, prompts) -> tuple:
-    bf16_out, int8_out = generate(path, None, prompts), generate(path, "int8", prompts)
-    free = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(bf16_out, int8_out)]))
-    seqs = [p + o for p, o in zip(prompts, bf16_out)]
-    ref, q = logits_of(load(path, None), seqs), logits_of(load(path, "int8"), seqs)
+def agreement(path: Path, prompts, ref_out, ref_logits, other: dict) -> tuple[float, float, float]:
+    """(free-running, same-prefix agreement, mean KL(ref || other)) of the engine ``other``
+    (LLM/load keyword arguments) against the reference outputs and logits."""
+    out = generate(path, prompts=prompts, **other)
+    free = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref_out, out)]))
+    seqs = [p + o for p, o in zip(prompts, ref_out)]
     # Positions that predict a generated token: the last prompt token onwards, less the end.
     rows = torch.tensor([start + PROMPT_LEN - 1 + i for start in np.cumsum([0] + [len(s) for s in seqs[:-1]])
                          for i in range(OUT)])
-    lp_ref, lp_q = ref[rows].log_softmax(-1), q[rows].log_softmax(-1)
-    same = float((lp_ref.argmax(-1) == lp_q.argmax(-1)).float().mean())
-    kl = float((lp_ref.exp() * (lp_ref - lp_q)).sum(-1).mean())
-    print(f"quality {name}: greedy agreement free-running {free:.1%}, same-prefix {same:.1%}; "
-          f"mean KL(bf16||int8) {kl:.4f} nats ({PROMPTS} prompts x {OUT} tokens)", flush=True)
+    lp_ref = ref_logits[rows].log_softmax(-1)
+    lp = logits_of(load(path, **other), seqs)[rows].log_softmax(-1)
+    same = float((lp_ref.argmax(-1) == lp.argmax(-1)).float().mean())
+    kl = float((lp_ref.exp() * (lp_ref - lp)).sum(-1).mean())
     return free, same, kl
+
+
+def compare(name: str, path: Path, prompts) -> None:
+    bf16_out = generate(path, None, prompts)
+    ref = logits_of(load(path, None), [p + o for p, o in zip(prompts, bf16_out)])
+    for label, other in (("int8", dict(quantization="int8")), ("fp32", dict(quantization=None, dtype="float32"))):
+        free, same, kl = agreement(path, prompts, bf16_out, ref, other)
+        print(f"quality {name}, {label} against bf16: greedy agreement free-running {free:.1%}, "
+              f"same-prefix {same:.1%}; mean KL(bf16||{label}) {kl:.4f} nats "
+              f"({PROMPTS} prompts x {OUT} tokens)", flush=True)
 
 
 def heldout(path: Path) -> tuple[torch.Tensor, int]:
@@ -121,7 +134,7 @@ def main() -> int:
     ids, context = heldout(BUNDLED)
     starts = np.linspace(0, len(ids) - PROMPT_LEN - 1, PROMPTS).astype(int)
     bundled = [ids[s:s + PROMPT_LEN].tolist() for s in starts]
-    free, same, _ = compare("bundled model", BUNDLED, bundled)
+    compare("bundled model", BUNDLED, bundled)
     report = json.loads((BUNDLED / "training_report.json").read_text())
     loss_bf16 = heldout_loss(load(BUNDLED, None), ids, context)
     loss_int8 = heldout_loss(load(BUNDLED, "int8"), ids, context)

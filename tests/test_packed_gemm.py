@@ -150,3 +150,16 @@ def test_bf16_model_generates_the_same_with_and_without_packing(tmp_path, monkey
         assert tok0 == tok1
         for a, b in zip(lp0, lp1):
             assert abs(a.logprob - b.logprob) < 5e-2
+
+
+def test_packed_weights_share_one_huge_page_buffer():
+    model = _layers(torch.bfloat16)
+    x = torch.randn(3, 48).bfloat16()
+    want = model(x)
+    assert packed_gemm.prepack_model(model) == 2
+    a, b = model[0].packed.data, model[1].packed.data
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one buffer
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    torch.testing.assert_close(model(x), want, rtol=2e-2, atol=2e-2)
+    buf = packed_gemm.huge_page_buffer(5 << 20)
+    assert buf.numel() == 5 << 20 and buf.data_ptr() % (2 << 20) == 0

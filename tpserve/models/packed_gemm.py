@@ -22,6 +22,7 @@ weight; a weight shared with another module (a tied LM head) stays dense beside 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -160,13 +161,51 @@ class PackableLinear(nn.Module):
         return True
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` whose memory the kernel is asked to back with
+    2 MB pages (``madvise(MADV_HUGEPAGE)`` before any page is touched; a no-op where the call
+    is unavailable, or transparent huge pages are off)."""
+    buf = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    addr = buf.data_ptr()
+    start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes // _HUGE_PAGE * _HUGE_PAGE),
+                     _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+    return buf[start - addr:start - addr + nbytes]
+
+
+def _gather_in_huge_pages(packs: list[PackedWeight]) -> None:
+    """Move every packed weight into one buffer of 2 MB pages. A decode step streams all the
+    weights once: with 4 KB pages that is ~20,000 TLB misses per step on the 40M model, and the
+    matmuls of a step (84 MB of bf16, one thread) took 9.3 -> 3.6 ms with huge pages (loaded
+    machine, minimum of 30)."""
+    sizes = [-(-p.data.nbytes // 64) * 64 for p in packs]
+    arena = huge_page_buffer(sum(sizes))
+    off = 0
+    for p, size in zip(packs, sizes):
+        view = arena[off:off + p.data.nbytes].view(p.data.dtype)
+        view.copy_(p.data)
+        p.data = view
+        off += size
+
+
 def prepack_model(model: nn.Module) -> int:
-    """Pack every packable layer's weight (after loading); returns how many were packed."""
+    """Pack every packable layer's weight (after loading), into huge pages; returns how many
+    were packed."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
-    packed = 0
+    packs = []
     for m in model.modules():
-        if isinstance(m, PackableLinear):
-            packed += m.prepack(shared=counts.get(id(m.weight), 0) > 1)
-    return packed
+        if isinstance(m, PackableLinear) and m.prepack(shared=counts.get(id(m.weight), 0) > 1):
+            packs.append(m.packed)
+    if packs:
+        _gather_in_huge_pages(packs)
+    return len(packs)
