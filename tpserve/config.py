@@ -34,6 +34,9 @@ class EngineConfig:
     ``max_model_len`` None means the model's ``max_position_embeddings``.
     ``startup_timeout``: seconds the engine may take to start (workers joining and loading the
     model); `tpserve start` waits as long for the daemon to be ready.
+    ``quantization``: None (the checkpoint as it is, int8 if its config.json says
+    compressed-tensors), "int8" (quantize the linear layers at load) or "compressed-tensors";
+    see tpserve/quantization.py. ``resolve`` refuses a quantization it cannot load.
 
     ``scheduling_policy``: "mixed" (default) fills each step's ``max_num_batched_tokens``
     budget with every running decode first, then prefill chunks, so running streams never wait
