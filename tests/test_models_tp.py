@@ -25,6 +25,7 @@ from tpserve.models import TPContext
 from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
+from tpserve.workers.process_group import destroy_tp
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -186,7 +187,7 @@ def gloo_group(rank: int, port: int):
         yield TPContext(rank=rank, size=2)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_tp()  # frees the group now, not during interpreter exit (process_group.py)
 
 
 def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
