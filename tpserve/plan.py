@@ -39,8 +39,8 @@ Notes for runners:
       reads keys through the block tables.
     * ``has_context`` is always False for decode plans (decode always reads the cache).
     * A mixed step (decode rows and prefill rows in one forward) is a prefill plan with
-      context: its decode rows come first, each a sequence with a query length of 1 whose
-      key length is its whole length. ``is_prefill`` False therefore means pure decode, the
+      context: its decode rows come first (``num_decodes`` of them), each a sequence with a
+      query length of 1 whose key length is its whole length. ``is_prefill`` False therefore means pure decode, the
       only kind of plan a decode CUDA graph may run.
     * Decode plans may share read-only arrays between consecutive steps: copy, never write.
 """
@@ -57,8 +57,8 @@ import numpy as np
 
 MAGIC = 0x7470_5331  # "tpS1"
 _PREFIX = struct.Struct("<II")
-# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, T, B, S, W, L
-_FIXED = struct.Struct("<B??xiiqiiiii")
+# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, num_decodes, T, B, S, W, L
+_FIXED = struct.Struct("<B??xiiqiiiiii")
 _ALIGN = 8
 
 
@@ -157,6 +157,9 @@ class StepPlan:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     step_id: int = 0
+    # Leading sequences that are decode rows (query length 1, always sampled), as the scheduler
+    # knows it: B for a decode plan. -1: not stated (runners count them from cu_seqlens_q).
+    num_decodes: int = -1
     # Free-form scalars for control commands (e.g. a profile output path).
     args: dict = field(default_factory=dict)
     input_ids: np.ndarray = field(default_factory=lambda: _empty("input_ids"))
@@ -221,7 +224,7 @@ class StepPlan:
         # the free-form args of control commands follow as msgpack, only when present.
         extra = msgpack.packb(self.args) if self.args else b""
         return _FIXED.pack(int(self.cmd), self.is_prefill, self.has_context, self.max_seqlen_q,
-                           self.max_seqlen_k, self.step_id, *self._dims()) + extra
+                           self.max_seqlen_k, self.step_id, self.num_decodes, *self._dims()) + extra
 
     def nbytes(self) -> int:
         return _area_offset(len(self._header())) + 4 * _layout(*self._dims())[1]
@@ -265,12 +268,12 @@ class StepPlan:
         magic, hlen = _PREFIX.unpack_from(mv, 0)
         if magic != MAGIC:
             raise ValueError(f"not a StepPlan buffer (magic {magic:#x})")
-        cmd, is_prefill, has_context, max_q, max_k, step_id, *dims = _FIXED.unpack_from(mv, _PREFIX.size)
+        cmd, is_prefill, has_context, max_q, max_k, step_id, num_decodes, *dims = _FIXED.unpack_from(mv, _PREFIX.size)
         args = (msgpack.unpackb(mv[_PREFIX.size + _FIXED.size:_PREFIX.size + hlen], strict_map_key=False)
                 if hlen > _FIXED.size else {})
         arrays = _cached_views(cache, mv, hlen, tuple(dims))
         return cls(cmd=Command(cmd), is_prefill=is_prefill, has_context=has_context, max_seqlen_q=max_q,
-                   max_seqlen_k=max_k, step_id=step_id, args=args, **arrays)
+                   max_seqlen_k=max_k, step_id=step_id, num_decodes=num_decodes, args=args, **arrays)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepPlan":

@@ -14,6 +14,7 @@ from dataclasses import fields
 import click
 
 from tpserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in EngineConfig.option_names()}
@@ -44,6 +45,10 @@ _OPTIONS = [
     ("num_kv_blocks", ("--num-kv-blocks",),
      dict(type=int, help="KV-cache blocks, overriding the memory-based size")),
     ("dtype", ("--dtype",), dict(type=click.Choice(DTYPES), help="model weight and activation dtype")),
+    ("quantization", ("--quantization",),
+     dict(type=click.Choice(QUANTIZATION_METHODS),
+          help="int8: quantize the linear layers at load (int8 weights per channel, int8 activations "
+               "per row); compressed-tensors: an int8 checkpoint (detected from config.json without it)")),
     ("attention_backend", ("--attention-backend",),
      dict(type=click.Choice(ATTENTION_BACKENDS), help="attention kernels")),
     ("enforce_eager", ("--enforce-eager",), dict(is_flag=True, help="disable CUDA graphs")),

@@ -1,4 +1,4 @@
-"""Building and loading tpserve's C++ CPU operators (``csrc/cpu_ops.cpp``).
+"""Building and loading tpserve's C++ CPU operators (``csrc/*.cpp``, ``csrc/*.h``).
 
 The operators are compiled on first use with ``torch.utils.cpp_extension.load`` and published
 as one shared library, ``$TPSERVE_CACHE_DIR/cpu_ops/tpserve_cpu_<key>.so`` (default cache
@@ -37,8 +37,9 @@ from tpserve.kernels.build_cache import publish_once
 
 log = logging.getLogger("tpserve.kernels")
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "cpu_ops.cpp", _CSRC / "sampling_ops.cpp")
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Translation units: attention and element-wise ops; the sampler's ops; the packed linear layers.
+SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "sampling_ops.cpp", "linear_ops.cpp"))
 # -march=native: the build is per machine anyway (its directory is keyed by the CPU's flags),
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
@@ -87,7 +88,9 @@ def build_inputs() -> dict[str, str]:
     virtualenvs or checkouts with the same inputs build the same binary and share it."""
     flags = cflags()
     return {
-        "source": hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)).hexdigest(),
+        # The translation units and the headers they include (csrc/*.h).
+        "source": hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, *sorted(CSRC.glob("*.h")))
+                                          )).hexdigest(),
         "torch": f"{torch.__version__} {torch.version.git_version}",
         "torch_cxx11_abi": str(torch._C._GLIBCXX_USE_CXX11_ABI),
         "python_abi": str(sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag),

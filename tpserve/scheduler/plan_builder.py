@@ -164,7 +164,7 @@ def _build_decode(batch, bs: int) -> StepPlan:
     np.add.accumulate(lens, out=cu_k[1:])
     return StepPlan(
         is_prefill=False, has_context=False, max_seqlen_q=1, max_seqlen_k=int(lens.max()),
-        step_id=batch.step_id,
+        step_id=batch.step_id, num_decodes=n,
         input_ids=t.last_tokens[idx],
         positions=pos,
         slot_mapping=slot_mapping,
@@ -215,7 +215,9 @@ def _build_mixed(batch, bs: int) -> StepPlan:
     ends = np.concatenate((dlens, pends))
     cu_k = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(ends, out=cu_k[1:])
-    sampled = np.concatenate((np.ones(nd, dtype=bool), pends == plens))
+    # Which prefill rows are sampled is the scheduler's decision (batch.sampled: the chunk ends
+    # its prompt); decode rows always are.
+    sampled = np.concatenate((np.ones(nd, dtype=bool), np.asarray(batch.sampled, dtype=bool)))
     lp_rows = _prompt_logprob_rows(batch, pseqs, starts.tolist(), qlens.tolist(), (pcu[:-1] + nd).tolist())
     sidx = idx[sampled]
     lens = np.concatenate((dlens, plens))
@@ -223,7 +225,7 @@ def _build_mixed(batch, bs: int) -> StepPlan:
     return StepPlan(
         is_prefill=True, has_context=bool(nd) or bool((starts > 0).any()),
         max_seqlen_q=int(qlens.max()) if m else 1, max_seqlen_k=int(ends.max()),
-        step_id=batch.step_id,
+        step_id=batch.step_id, num_decodes=nd,
         input_ids=np.concatenate((t.last_tokens[didx], np.array(ids, dtype=np.int32))),
         positions=np.concatenate((dpos, ppos)),
         slot_mapping=np.concatenate((t.tail_blocks[didx] * bs + dpos % bs,

@@ -38,6 +38,7 @@ A step's plan arrays reach the device through ``PlanStager``: one host buffer, o
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -100,14 +101,18 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
-                                device=self.device)
-        prepack_model(self.model)  # bf16 on CPU: oneDNN's packed weights (models/packed_gemm.py)
+                                device=self.device, quantization=config.quantization)
+        prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
         self.sampler = Sampler(device=self.device)
         self.stager = PlanStager(self.accel)
         self.graphs = None  # the warm-up inside the sizing runs eagerly
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
+            reason = self.model.enable_fused_decode()  # CPU decode steps: 2 C++ calls per layer
+            if reason is not None and self.device.type == "cpu":
+                log.info("decode steps run layer by layer: the fused decode %s", reason)
         if self.accel.is_accelerator:
             # Triton compiles a kernel variant on its first launch: here, not in a serving step.
             for plan in kernel_warmup_plans(config):
@@ -200,7 +205,8 @@ class ModelRunner:
             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
             max_seqlen_q=int(plan.max_seqlen_q), max_seqlen_k=int(plan.max_seqlen_k),
             context_lens=t["context_lens"], block_tables=t["block_tables"],
-            slot_mapping=t["slot_mapping"])
+            slot_mapping=t["slot_mapping"],
+            num_decodes=plan.num_decodes if plan.num_decodes >= 0 else None)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, sample: SamplePlan | None = None) -> StepOutput | None:
