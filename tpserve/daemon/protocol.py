@@ -225,7 +225,7 @@ def sampling_params(name, v):
     The bounds are SamplingParams' own (tpserve.requests); this only adds the wire's field names.
     """
     if isinstance(v, SamplingParams):
-        v = params_to_wire(v)
+        return v  # validated when it was constructed (tpserve.requests): not rebuilt here
     if not isinstance(v, dict):
         raise _bad(name, f"must be a map of sampling parameters, got {type(v).__name__}")
     for key in v:

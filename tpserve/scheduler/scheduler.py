@@ -60,7 +60,7 @@ import numpy as np
 
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
-from tpserve.errors import AdmissionError, ConfigError
+from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError
 from tpserve import requests as R
 from tpserve.plan import StepPlan
 from tpserve.sample_plan import SamplePlan
@@ -159,15 +159,15 @@ class Scheduler:
         """Queue a new request, or raise if it could never be scheduled."""
         rid = seq.request_id
         if not isinstance(rid, str) or not rid:
-            raise ConfigError("request_id", f"must be a non-empty string, got {rid!r}")
+            raise InvalidFieldError("request_id", f"must be a non-empty string, got {rid!r}")
         if rid in self._requests:
-            raise ConfigError("request_id", f"{rid!r} is already used by an unfinished request; "
+            raise InvalidRequestError("request_id", f"{rid!r} is already used by an unfinished request; "
                               "ids must be unique among unfinished requests")
         prompt_len = seq.num_prompt_tokens
         if prompt_len == 0:
-            raise ConfigError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
+            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
         if min(seq.token_ids) < 0:
-            raise ConfigError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
+            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
                               f"got {min(seq.token_ids)}")
         assert seq.status is WAITING and not seq.block_table and len(seq) == prompt_len, \
             "add() takes a fresh sequence"
@@ -442,7 +442,7 @@ class Scheduler:
         Returns False when the request is unknown or already finished (nothing changes).
         """
         if reason not in FINISH_REASONS:
-            raise ConfigError("finish_reason", f"must be one of {FINISH_REASONS}, got {reason!r}")
+            raise InvalidFieldError("finish_reason", f"must be one of {FINISH_REASONS}, got {reason!r}")
         if isinstance(seq_or_request_id, Sequence):
             seq = seq_or_request_id
             if self._requests.get(seq.request_id) is not seq:
