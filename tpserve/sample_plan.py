@@ -75,6 +75,11 @@ class SamplePlan:
                 or self.penalty_rows is not None or self.min_p_rows is not None
                 or self.mask_rows is not None)
 
+    @property
+    def can_leave_no_token(self) -> bool:
+        """Only masks (allowed tokens, bans, a bitmask) can leave a row nothing to sample."""
+        return self.allow_rows is not None or self.ban_rows is not None or self.mask_rows is not None
+
     def check(self, num_samples: int, vocab_size: int) -> None:
         """Internal consistency (shapes, rows and tokens in range); raises AssertionError."""
         for f in fields(self):
