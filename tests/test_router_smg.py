@@ -71,23 +71,36 @@ def test_smg_identifies_the_replicas_reads_their_load_and_routes_to_both(replica
 
 
 def test_least_load_sees_a_busy_replica_through_its_live_load(replicas):
-    """A long request keeps one replica busy; smg's view of it (from /v1/loads) says so."""
+    """Requests kept running on one replica; smg's view of it (from /v1/loads) says so.
+
+    One request can end between two of smg's polls on a fast machine, so the replica is kept
+    busy with back-to-back requests until smg has seen one of them."""
     smg = bench_router.Smg(str(SMG), [r.url for r in replicas], "least_load")
     busy = replicas[0]
+    seen = threading.Event()
+    served = []
+
+    def keep_busy():
+        while not seen.is_set():
+            served.append(post(busy.url + "/v1/completions",
+                               {"model": "bench", "prompt": "x = 1", "max_tokens": 200,
+                                "ignore_eos": True, "temperature": 0}))
+
+    t = threading.Thread(target=keep_busy)
+    t.start()
     try:
-        t = threading.Thread(target=post, args=(busy.url + "/v1/completions",
-                                                {"model": "bench", "prompt": "x = 1", "max_tokens": 400,
-                                                 "ignore_eos": True, "temperature": 0}))
-        t.start()
         deadline = time.monotonic() + 60
         while True:
             loads = {w["url"]: w.get("engine_load", {}).get("loads", [{}])[0].get("num_running_reqs")
                      for w in smg.workers()}
             if loads.get(busy.url) == 1:
                 break
+            assert t.is_alive(), "the request keeping the replica busy failed"
             assert time.monotonic() < deadline, f"smg never saw the running request: {loads}"
             time.sleep(0.1)
         assert loads[replicas[1].url] == 0
-        t.join(120)
     finally:
+        seen.set()
+        t.join(120)
         smg.stop()
+    assert served and all(o["usage"]["completion_tokens"] == 200 for o in served)
