@@ -13,6 +13,8 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -291,9 +293,7 @@ def test_control_commands_pass_through(prefix):
     with PlanWriter.create(1, name=make_segment_name(prefix)) as writer, \
             PlanReader.attach(writer.name, 0) as reader:
         commands = [StepPlan.command(Command.PROFILE_START, path="/tmp/trace", steps=3),
-                    StepPlan.command(Command.RESET_PREFIX_CACHE),
-                    StepPlan.command(Command.PING, nonce=7),
-                    StepPlan.command(Command.PROFILE_STOP),
+                    StepPlan.command(Command.PROFILE_STOP, nonce=7),
                     StepPlan.command(Command.SHUTDOWN)]
         for c in commands:
             writer.publish(c)
@@ -520,13 +520,39 @@ def test_cleaner_ignores_live_and_foreign_names(prefix):
             os.unlink(os.path.join(SHM_DIR, name))
 
 
+def test_cleaner_removes_a_segment_whose_pid_now_belongs_to_a_younger_process(prefix, monkeypatch):
+    """The creator's pid was reused: the process holding it started after the segment was
+    last changed, so it cannot have made it."""
+    from tpserve.workers import shm_ring
+    name = make_segment_name(prefix)  # this process's pid: alive
+    with open(os.path.join(SHM_DIR, name), "wb") as f:
+        f.write(b"x")
+    changed = os.stat(os.path.join(SHM_DIR, name)).st_ctime
+    monkeypatch.setattr(shm_ring, "process_start_time", lambda pid: changed + 1.0)  # within the slack
+    assert cleanup_stale_segments(prefix) == []
+    monkeypatch.setattr(shm_ring, "process_start_time", lambda pid: changed + 60.0)
+    assert cleanup_stale_segments(prefix) == [name]
+
+
+def test_process_start_time_is_this_process_start():
+    from tpserve.procs import process_start_time
+    started = process_start_time(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert started <= process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_start_time(child.pid) is None
+
+
 # ---- across nodes: gloo broadcast -----------------------------------------------------------
 
 def test_broadcast_channel_two_gloo_processes():
     rng = np.random.default_rng(77)
     plans = [random_plan(rng, n, width=w, step_id=i)
              for i, (n, w) in enumerate([(3, 2), (500, 64), (1, 1), (40, 8)])]
-    plans += [StepPlan(step_id=4), StepPlan.command(Command.RESET_PREFIX_CACHE),
+    plans += [StepPlan(step_id=4), StepPlan.command(Command.PROFILE_START),
               StepPlan.command(Command.SHUTDOWN)]
     payload = [p.to_bytes() for p in plans]
     port = free_port()

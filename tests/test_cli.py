@@ -215,6 +215,30 @@ def test_start_refuses_an_exposed_address_without_keys(tiny_models_root, tmp_pat
     assert result.exit_code == 2 and "cannot read key file" in result.output
 
 
+def test_start_on_a_full_disk_says_so(tiny_models_root, tmp_path):  # noqa: F811
+    """Writes to /dev/full fail as on a full file system (ENOSPC)."""
+    model = make_tiny_model(tiny_models_root, arch="qwen3")
+    rd = tmp_path / "rt"
+    rd.mkdir(mode=0o700)
+    (rd / "tpserve.log").symlink_to("/dev/full")
+    result = CliRunner().invoke(main, ["start", "--model", str(model), "--runtime-dir", str(rd)])
+    assert result.exit_code == 1, result.output
+    assert "no space left on the file system of" in result.output and "(the log is empty)" not in result.output
+    assert not (rd / "tpserve.pid").exists() and not (rd / "tpserve.ready").exists()
+
+
+def test_a_daemon_that_died_silently_on_a_full_disk_is_explained(tmp_path, monkeypatch):
+    from tpserve.daemon import cli
+    log = tmp_path / "tpserve.log"
+    log.write_bytes(b"old run\nstart's own line\n")
+    offset = len(b"old run\n")
+    assert cli._log_tail(log, offset, skip=1) == "(the log is empty)"
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    assert "no space left on the file system of" in cli._log_tail(log, offset, skip=1)
+    log.write_bytes(b"old run\nstart's own line\nTraceback: boom\n")
+    assert cli._log_tail(log, offset, skip=1) == "Traceback: boom"
+
+
 # ---- real daemons ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tiny_models_root):  # noqa: F811

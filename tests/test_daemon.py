@@ -70,6 +70,8 @@ class FakeEngine:
         self.shutdown_called = False
         self.profiling = False
         self.profiles: list[str] = []
+        self.integrity_checks = 0
+        self.broken = False  # check_integrity fails
 
     @staticmethod
     def expected_tokens(prompt, params: SamplingParams, vocab=1000, eos=None) -> list[int]:
@@ -121,6 +123,11 @@ class FakeEngine:
 
     def drain_kv_events(self, resync=False):
         return []
+
+    def check_integrity(self):
+        assert not self.requests, "check_integrity called while requests are unfinished"
+        self.integrity_checks += 1
+        assert not self.broken, "block 3 is both free and used"
 
     def check_health(self):
         pass
@@ -625,6 +632,41 @@ def test_engine_failure_fails_requests_and_exits_1():
         r.close()
 
 
+def test_the_engine_is_checked_once_each_time_it_becomes_idle():
+    engine = FakeEngine()
+    with ServerThread(engine) as s:
+        r = Raw(s.address)
+        for i in range(3):
+            r.send_msg(gen(f"r{i}", max_tokens=3))
+            r.recv_until_done(f"r{i}")
+            for _ in range(3):  # each pong: the loop went through an idle turn (and sleeps again)
+                r.send_msg(P.PingRequest())
+                assert isinstance(r.recv(), P.PongReply)
+            assert engine.integrity_checks == i + 1
+        r.send_msg(gen("gone", max_tokens=10**6))
+        r.send_msg(P.AbortRequest("gone"))  # idle again through an abort: checked at the next turn
+        assert r.recv_until_done("gone")[-1].finish_reason == "abort"
+        # A drain answers at most max_messages_per_step frames, so these pings span new turns.
+        for _ in range(ServerOptions().max_messages_per_step + 1):
+            r.send_msg(P.PingRequest())
+            assert isinstance(r.recv(), P.PongReply)
+        assert engine.integrity_checks == 4
+        r.close()
+        assert s.stop() == 0
+
+
+def test_a_broken_invariant_when_idle_fails_the_daemon():
+    engine = FakeEngine()
+    engine.broken = True
+    with ServerThread(engine) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("r", max_tokens=2))
+        assert r.recv_until_done("r")[-1].finish_reason == "length"
+        s.thread.join(10)
+        assert s.exit_code == 1 and "block 3 is both free and used" in s.server.failure
+        r.close()
+
+
 class DyingEngine(FakeEngine):
     """FakeEngine whose worker can be killed: like Engine, it reports it through health_fd."""
 
@@ -690,9 +732,9 @@ def test_a_client_gone_when_its_request_finishes_costs_nothing_else():
     server = Server(engine, f"ipc://{d}/s.sock")  # driven by hand, no serving thread
     try:
         server._on_generate(b"gone", P.GenerateRequest(id="r", prompt="ab", params=SamplingParams(max_tokens=1)))
-        server._try_send = lambda peer, frame: server._drop_peer(peer, "disconnected")  # as on EHOSTUNREACH
+        server.peers.try_send = lambda peer, frame: server.peers.drop(peer, "disconnected")  # as on EHOSTUNREACH
         server._dispatch(engine.step())
-        assert server._requests == {} and server._peers == {} and not engine.has_unfinished()
+        assert server._requests == {} and len(server.peers) == 0 and not engine.has_unfinished()
     finally:
         server.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -1072,8 +1114,8 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
     assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
-                          "start_profile", "stop_profile", "health_fd", "check_health", "shutdown",
-                          "enable_kv_events", "drain_kv_events"}
+                          "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
+                          "shutdown", "enable_kv_events", "drain_kv_events"}
     for cls in (Engine, FakeEngine):
         for name in names:
             want = list(inspect.signature(getattr(ServingEngine, name)).parameters)

@@ -109,3 +109,26 @@ def test_profile_writes_a_trace_per_rank(engine, tmp_path):
     assert files == [str(tmp_path / "trace.rank0.json")]
     assert (tmp_path / "trace.rank0.json").stat().st_size > 0
     assert idle(engine)
+
+
+
+def test_the_idle_check_finds_state_left_behind(engine):
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.check_integrity()  # busy: consistent, with blocks in use
+    run(engine)
+    engine.check_integrity()
+    engine.requests["ghost"] = None
+    try:
+        with pytest.raises(AssertionError, match="ghost"):
+            engine.check_integrity()
+    finally:
+        del engine.requests["ghost"]
+    bm = engine.scheduler.block_manager
+    block_id = bm._allocate_block()  # held by no sequence
+    try:
+        with pytest.raises(AssertionError):
+            engine.check_integrity()
+    finally:
+        bm.blocks[block_id].ref_count = 0
+        bm._deallocate_block(block_id)
+    engine.check_integrity()

@@ -153,3 +153,28 @@ def test_unknown_option_is_a_config_error(tiny_models_root):  # noqa: F811
         LLM(str(path), blok_size=16)
     with pytest.raises(ConfigError, match="block_size"):
         LLM(str(path), block_size=0)
+
+
+def test_a_single_process_start_removes_rings_of_dead_engines(tiny_models_root):  # noqa: F811
+    """A killed TP >= 2 engine leaves its plan ring in /dev/shm; any later start removes it."""
+    import os
+    import secrets
+    import subprocess
+
+    from tpserve.workers.shm_ring import SHM_DIR
+    path = make_tiny_model(tiny_models_root, arch="qwen3")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"tpserve-{dead.pid}-{secrets.token_hex(4)}"
+    live = f"tpserve-{os.getpid()}-{secrets.token_hex(4)}"  # this process may still use it
+    for name in (stale, live):
+        with open(os.path.join(SHM_DIR, name), "wb") as f:
+            f.write(b"x")
+    try:
+        with LLM(str(path), dtype="float32", num_kv_blocks=16):
+            assert not os.path.exists(os.path.join(SHM_DIR, stale))
+            assert os.path.exists(os.path.join(SHM_DIR, live))
+    finally:
+        for name in (stale, live):
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))

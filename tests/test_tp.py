@@ -15,7 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def shm_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("tpserve-")}
+    """This process's plan-ring segments (other processes on the machine may run tpserve too)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"tpserve-{os.getpid()}-")}
 
 
 def child_pids() -> set[int]:
@@ -105,3 +106,52 @@ def test_torchrun_two_nodes_use_the_broadcast_channel(tiny_models_root):  # noqa
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert f"token_ids={ref}" in outs[0][0]
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """(address as /proc/net writes it, port) of every TCP socket ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    address, port = cols[1].split(":")
+                    out.append((address, int(port, 16)))
+    return out
+
+
+_LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+def test_tp_ranks_listen_on_loopback_only_and_the_store_closes(tiny_models_root, monkeypatch):  # noqa: F811
+    """The rendezvous store (and gloo) are not reachable from other machines, and nobody can
+    connect to the store once the group is up."""
+    import socket
+
+    from tpserve.workers import executor, process_group
+    listeners = []
+
+    class Recorded(process_group.StoreListener):
+        def __init__(self):
+            super().__init__()
+            listeners.append(self)
+    monkeypatch.setattr(executor, "StoreListener", Recorded)
+    path = make_tiny_model(tiny_models_root, arch="qwen3")
+    with LLM(str(path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        pids = [os.getpid()] + [p.pid for p in llm.engine.executor.procs]
+        sockets = {pid: _listening(pid) for pid in pids}
+        assert all(address in _LOOPBACK for s in sockets.values() for address, _ in s), sockets
+        (store,) = listeners
+        assert all(port != store.port for s in sockets.values() for _, port in s), sockets
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
+        assert llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].token_ids

@@ -34,25 +34,13 @@ from tpserve.plan import Command
 from tpserve.requests import MAX_SEED, check_prompt_shape, check_request
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
+from tpserve.tokenizer import load_tokenizer
 from tpserve.workers.executor import make_executor
 
 log = logging.getLogger("tpserve.engine")
 
 # How long an idle step waits for a compiling grammar before it returns (the caller polls again).
 _GRAMMAR_WAIT_S = 0.005
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path):
-    """The model directory's tokenizer, or None when it ships none (token-id prompts only)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
-        log.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 @dataclass
@@ -359,6 +347,16 @@ class Engine:
         """Raise WorkerDiedError if a worker has died."""
         if self.executor is not None:
             self.executor.check_health()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the block pool, the queues
+        and, when nothing is unfinished, of an idle engine (every KV block free, no request
+        state left). O(number of blocks): for an idle engine, not for every step."""
+        self.scheduler.check_integrity()
+        if not self.scheduler.has_unfinished():
+            used = self.scheduler.block_manager.used_block_ids
+            assert not used, f"an idle engine still holds {len(used)} KV block(s): {sorted(used)[:16]}"
+            assert not self.requests, f"an idle engine still tracks requests {sorted(self.requests)[:16]}"
 
     # ---- control -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -114,6 +114,8 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        if not engine.has_unfinished():
+            engine.check_integrity()
         for rid, sp in zip(ids, params):
             if sp.stop or self.tokenizer is None:
                 continue

@@ -67,10 +67,8 @@ class Command(enum.IntEnum):
 
     STEP = 0
     SHUTDOWN = 1
-    RESET_PREFIX_CACHE = 2
-    PROFILE_START = 3
+    PROFILE_START = 3  # 2 and 5 were commands no runner acted on; their numbers stay unused
     PROFILE_STOP = 4
-    PING = 5
 
 
 # name -> dtype, in encoding order.

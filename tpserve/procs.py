@@ -36,6 +36,21 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch, within about a second), or None where it
+    cannot be read (no such process, no procfs)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    # Field 22 (starttime, clock ticks after boot), counted after the parenthesised name.
+    ticks = int(stat[stat.rfind(b")") + 2:].split()[19])
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():

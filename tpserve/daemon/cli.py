@@ -6,9 +6,11 @@ operational failures (no daemon, daemon refused a request) exit with status 1.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +22,8 @@ import click
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
-from tpserve.daemon.http_front import HttpOptions, check_http_host
+from tpserve.daemon.http_front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
+from tpserve.daemon.http_guard import parse_allowed_hosts
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
@@ -86,6 +89,13 @@ def daemon_options(f):
                      envvar="TPSERVE_HTTP_HOST", help="HTTP address; a non-loopback one needs --api-key"),
         click.option("--api-key", default=None, show_envvar=True, envvar="TPSERVE_API_KEY", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every /v1 HTTP call"),
+        click.option("--http-allowed-hosts", default=None, show_envvar=True, envvar="TPSERVE_HTTP_ALLOWED_HOSTS",
+                     metavar="NAMES", help="Host header names the HTTP front answers besides loopback ones: "
+                     "comma-separated, '*.suffix' or '*' for any [default: loopback names only on a loopback "
+                     "--http-host, any name on another]"),
+        click.option("--http-request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_HTTP_REQUEST_TIMEOUT",
+                     help="seconds an HTTP client has to send a request head (then 408), and then its body"),
         click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
                      metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
                                           "directory's name]"),
@@ -194,7 +204,13 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
         check_http_host(kw["http_host"], kw["api_key"])
     except InsecureAddressError as e:
         raise click.BadParameter(str(e), param_hint="'--http-host'") from None
-    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None)
+    try:
+        allowed = parse_allowed_hosts(kw["http_allowed_hosts"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--http-allowed-hosts'") from None
+    if not kw["http_request_timeout"] > 0:
+        raise click.BadParameter(f"must be > 0, got {kw['http_request_timeout']}", param_hint="'--http-request-timeout'")
+    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed, kw["http_request_timeout"])
 
 
 def _check_address(address: str, opts: ServerOptions) -> None:
@@ -314,7 +330,10 @@ def start(**kw):
     argv += _kv_events_argv(kw)
     env = dict(os.environ)
     if http is not None:
-        argv += ["--http-port", str(http.port), "--http-host", http.host]
+        argv += ["--http-port", str(http.port), "--http-host", http.host,
+                 "--http-request-timeout", str(http.request_timeout)]
+        if http.allowed_hosts is not None:
+            argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     argv += options_argv(config)
@@ -322,6 +341,13 @@ def start(**kw):
     log_path = rd / LOG_NAME
     with open(log_path, "ab") as log_file:
         offset = log_file.tell()
+        try:
+            # A line of our own first: a full disk shows here, not as a daemon dying silently
+            # (it could not write why: its output goes to this file).
+            log_file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} tpserve start: launching the daemon\n".encode())
+            log_file.flush()
+        except OSError as e:
+            _fail(_unwritable(log_path, e))
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True, env=env)
     deadline = time.monotonic() + startup_timeout
@@ -329,7 +355,7 @@ def start(**kw):
         code = proc.poll()
         if code is not None:
             _fail(f"the daemon exited with status {code} while starting; from {log_path}:\n"
-                  + _log_tail(log_path, offset))
+                  + _log_tail(log_path, offset, skip=1))
         ready = read_ready(rd)
         if ready and ready.get("pid") == proc.pid:
             break
@@ -337,7 +363,7 @@ def start(**kw):
             kill_tree(proc.pid)
             proc.wait()
             _fail(f"the daemon was not ready within {startup_timeout:g} s (killed); from {log_path}:\n"
-                  + _log_tail(log_path, offset))
+                  + _log_tail(log_path, offset, skip=1))
         time.sleep(0.1)
     # The ready file says the engine is loaded; a ping proves the socket answers. With a client
     # allow-list this process holds no allowed key, so the ready file has to do.
@@ -354,14 +380,41 @@ def start(**kw):
         click.echo(ready["http"])
 
 
-def _log_tail(path: Path, offset: int, lines: int = 30) -> str:
+def _log_tail(path: Path, offset: int, lines: int = 30, skip: int = 0) -> str:
+    """The last ``lines`` lines written after ``offset`` (past the first ``skip``: start's own).
+    An empty log on a full file system says so: the daemon could not write why it failed."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
             text = f.read().decode(errors="replace")
     except OSError:
         return "(no log)"
-    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(the log is empty)"
+    tail = "\n".join(text.rstrip().splitlines()[skip:][-lines:])
+    if tail:
+        return tail
+    free = _free_bytes(path.parent)
+    if free is not None and free < _MIN_FREE_BYTES:
+        return (f"(the log is empty) no space left on the file system of {path.parent} ({free} bytes free): "
+                "the daemon could not write its files or its log; free some space and start again")
+    return "(the log is empty)"
+
+
+# Less than this on the runtime dir's file system counts as full: the daemon writes its pid,
+# ready and log files there.
+_MIN_FREE_BYTES = 64 * 1024
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _unwritable(log_path: Path, e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the file system of {log_path} ({e.strerror}): free some space and start again"
+    return f"cannot write the daemon's log {log_path}: {e.strerror or e}"
 
 
 # ---- stop --------------------------------------------------------------------------------
@@ -410,6 +463,8 @@ _STATUS_LINES = [
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
     ("failure", "failure", "{}"),  # only once the engine failed
+    ("HTTP front", ("http_front", "http_front_restarts"), "{} (restarts: {})"),  # with --http-port
+    ("HTTP front exit", "http_front_last_exit", "{}"),  # once it has died
     ("requests running", "num_running", "{}"),
     ("requests waiting", "num_waiting", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),

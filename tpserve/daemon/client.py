@@ -107,16 +107,65 @@ def _configure(sock: zmq.Socket, server_public_key, client_keys) -> None:
     sock.curve_secretkey = secret
 
 
-class _Common:
-    def __init__(self, address, timeout, runtime_dir):
+class _ClientCore:
+    """What ``Client`` and ``AsyncClient`` share: the socket's set-up, building requests and
+    reading replies. Subclasses only add the waiting (blocking or awaited)."""
+
+    def __init__(self, address, timeout, runtime_dir, context, server_public_key, client_keys):
         self.address = client_address(address, runtime_dir)
         self.timeout = timeout
+        self._sock = context.socket(zmq.DEALER)
+        _configure(self._sock, server_public_key, client_keys)
+        self._sock.connect(self.address)
 
     def _timeout(self, timeout):
         return self.timeout if timeout is _DEFAULT else timeout
 
+    @staticmethod
+    def _new_id() -> str:
+        return uuid.uuid4().hex
 
-class Client(_Common):
+    def _generate_frame(self, prompt, params, request_id, stream: bool, in_use) -> tuple[str, bytes]:
+        """The id and frame of a ``generate``, checked locally before anything is sent."""
+        rid = request_id or self._new_id()
+        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream))
+        if rid in in_use:
+            raise ValueError(f"request id {rid!r} is already in use on this client")
+        return rid, frame
+
+    def _send_abort_nowait(self, rid: str) -> None:
+        """Best effort: a full or closed socket loses the abort, never blocks."""
+        try:
+            self._sock.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
+def _checked(reply: P.Message) -> P.Message:
+    """``reply``, unless it is an ``error``: then RequestError."""
+    if isinstance(reply, P.ErrorReply):
+        raise RequestError.from_reply(reply)
+    return reply
+
+
+def _result(rid: str, msg: P.Message, text: str | None = None, token_ids: list[int] | None = None) -> GenerateResult:
+    """The GenerateResult of a request's final reply (RequestError for an ``error``); a stream
+    passes the ``text``/``token_ids`` its deltas carried."""
+    msg = _checked(msg)
+    assert isinstance(msg, P.DoneReply), msg
+    if text is None:
+        text, token_ids, logprobs = msg.text or "", msg.token_ids or [], msg.logprobs
+    else:
+        logprobs = None
+    return GenerateResult(rid, text, token_ids, msg.finish_reason, msg.prompt_tokens, msg.completion_tokens,
+                          msg.abort_reason, logprobs)
+
+
+def _delta(msg: P.DeltaReply) -> Delta:
+    return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs)
+
+
+class Client(_ClientCore):
     """Blocking client. Not thread-safe: use one per thread (they are cheap).
 
     ``server_public_key`` (Z85 key or key file) enables CurveZMQ; ``client_keys`` is this
@@ -126,10 +175,8 @@ class Client(_Common):
     def __init__(self, address: str | None = None, timeout: float | None = 30.0,
                  runtime_dir: str | os.PathLike | None = None, server_public_key=None,
                  client_keys=None, context: zmq.Context | None = None):
-        super().__init__(address, timeout, runtime_dir)
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        _configure(self._sock, server_public_key, client_keys)
-        self._sock.connect(self.address)
+        super().__init__(address, timeout, runtime_dir, context or zmq.Context.instance(),
+                         server_public_key, client_keys)
         self._open: dict[str, deque] = {}  # replies received for ids being waited on
 
     # ---- public API --------------------------------------------------------------------------
@@ -140,15 +187,11 @@ class Client(_Common):
         try:
             msg = self._next(rid, self._timeout(timeout))
         except ClientTimeout:
-            self._send_abort_quietly(rid)
+            self._send_abort_nowait(rid)
             raise
         finally:
             self._open.pop(rid, None)
-        if isinstance(msg, P.ErrorReply):
-            raise RequestError.from_reply(msg)
-        assert isinstance(msg, P.DoneReply), msg
-        return GenerateResult(rid, msg.text or "", msg.token_ids or [], msg.finish_reason,
-                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason, msg.logprobs)
+        return _result(rid, msg)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout=_DEFAULT, **sampling) -> "Stream":
@@ -175,8 +218,7 @@ class Client(_Common):
 
     def status(self, timeout=_DEFAULT) -> dict:
         """The daemon's status map (engine counters, pid, uptime...)."""
-        msg = self._call(P.StatusRequest(id=self._new_id()), timeout)
-        return msg.stats
+        return self._call(P.StatusRequest(id=self._new_id()), timeout).stats
 
     def metrics(self, timeout=_DEFAULT) -> str:
         """The daemon's Prometheus metrics, in the text exposition format."""
@@ -206,15 +248,8 @@ class Client(_Common):
         self.close()
 
     # ---- internals ---------------------------------------------------------------------------
-    @staticmethod
-    def _new_id() -> str:
-        return uuid.uuid4().hex
-
     def _submit(self, prompt, params, request_id, stream) -> str:
-        rid = request_id or self._new_id()
-        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream))  # validates locally first
-        if rid in self._open:
-            raise ValueError(f"request id {rid!r} is already in use on this client")
+        rid, frame = self._generate_frame(prompt, params, request_id, stream, self._open)
         self._open[rid] = deque()
         self._sock.send(frame)
         return rid
@@ -226,15 +261,7 @@ class Client(_Common):
             reply = self._next(msg.id, self._timeout(timeout))
         finally:
             self._open.pop(msg.id, None)
-        if isinstance(reply, P.ErrorReply):
-            raise RequestError.from_reply(reply)
-        return reply
-
-    def _send_abort_quietly(self, rid: str) -> None:
-        try:
-            self._sock.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        return _checked(reply)
 
     def _next(self, rid: str, timeout: float | None, peek: bool = False) -> P.Message:
         """The next reply for ``rid`` (with ``peek``: the first terminal one, left queued)."""
@@ -289,13 +316,9 @@ class Stream:
         if isinstance(msg, P.DeltaReply):
             self._text.append(msg.text)
             self._tokens.extend(msg.token_ids)
-            return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs)
+            return _delta(msg)
         self._finish()
-        if isinstance(msg, P.ErrorReply):
-            raise RequestError.from_reply(msg)
-        assert isinstance(msg, P.DoneReply), msg
-        self.result = GenerateResult(self.request_id, "".join(self._text), self._tokens, msg.finish_reason,
-                                     msg.prompt_tokens, msg.completion_tokens, msg.abort_reason)
+        self.result = _result(self.request_id, msg, "".join(self._text), self._tokens)
         raise StopIteration
 
     def _finish(self) -> None:
@@ -306,7 +329,7 @@ class Stream:
         """Stop listening; aborts the request on the daemon if it is still running."""
         if not self._closed:
             self._finish()
-            self.client._send_abort_quietly(self.request_id)
+            self.client._send_abort_nowait(self.request_id)
 
     def __enter__(self):
         return self
@@ -321,7 +344,7 @@ class Stream:
             pass
 
 
-class AsyncClient(_Common):
+class AsyncClient(_ClientCore):
     """asyncio client with the same API; safe to use from many tasks of one event loop.
 
     A reader task routes replies by id to per-request queues; it starts with the first call.
@@ -330,10 +353,8 @@ class AsyncClient(_Common):
     def __init__(self, address: str | None = None, timeout: float | None = 30.0,
                  runtime_dir: str | os.PathLike | None = None, server_public_key=None,
                  client_keys=None, context: zmq.asyncio.Context | None = None):
-        super().__init__(address, timeout, runtime_dir)
-        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        _configure(self._sock, server_public_key, client_keys)
-        self._sock.connect(self.address)
+        super().__init__(address, timeout, runtime_dir, context or zmq.asyncio.Context.instance(),
+                         server_public_key, client_keys)
         self._queues: dict[str, asyncio.Queue] = {}
         self._abort_waiters: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
@@ -346,10 +367,7 @@ class AsyncClient(_Common):
             msg = await self._get(rid, self._timeout(timeout))
         finally:
             self._queues.pop(rid, None)
-        if isinstance(msg, P.ErrorReply):
-            raise RequestError.from_reply(msg)
-        return GenerateResult(rid, msg.text or "", msg.token_ids or [], msg.finish_reason,
-                              msg.prompt_tokens, msg.completion_tokens, msg.abort_reason, msg.logprobs)
+        return _result(rid, msg)
 
     async def stream(self, prompt, params: SamplingParams | None = None, *, request_id=None,
                      timeout=_DEFAULT, final: bool = False, **sampling) -> AsyncIterator[Delta]:
@@ -363,14 +381,12 @@ class AsyncClient(_Common):
             while True:
                 msg = await self._get(rid, self._timeout(timeout))
                 if isinstance(msg, P.DeltaReply):
-                    yield Delta(msg.id, msg.text, msg.token_ids, msg.logprobs)
+                    yield _delta(msg)
                     continue
                 done = True
-                if isinstance(msg, P.ErrorReply):
-                    raise RequestError.from_reply(msg)
+                result = _result(rid, msg, "", [])
                 if final:
-                    yield GenerateResult(rid, "", [], msg.finish_reason, msg.prompt_tokens,
-                                         msg.completion_tokens, msg.abort_reason)
+                    yield result
                 return
         finally:
             self._queues.pop(rid, None)
@@ -389,14 +405,14 @@ class AsyncClient(_Common):
             self._abort_waiters.pop(request_id, None)
 
     async def status(self, timeout=_DEFAULT) -> dict:
-        return (await self._call(P.StatusRequest(id=uuid.uuid4().hex), timeout)).stats
+        return (await self._call(P.StatusRequest(id=self._new_id()), timeout)).stats
 
     async def metrics(self, timeout=_DEFAULT) -> str:
-        return (await self._call(P.MetricsRequest(id=uuid.uuid4().hex), timeout)).text
+        return (await self._call(P.MetricsRequest(id=self._new_id()), timeout)).text
 
     async def ping(self, timeout=_DEFAULT) -> float:
         start = time.perf_counter()
-        await self._call(P.PingRequest(id=uuid.uuid4().hex), timeout)
+        await self._call(P.PingRequest(id=self._new_id()), timeout)
         return time.perf_counter() - start
 
     async def close(self) -> None:
@@ -416,10 +432,7 @@ class AsyncClient(_Common):
 
     # ---- internals ---------------------------------------------------------------------------
     async def _submit(self, prompt, params, request_id, stream) -> str:
-        rid = request_id or uuid.uuid4().hex
-        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream))
-        if rid in self._queues:
-            raise ValueError(f"request id {rid!r} is already in use on this client")
+        rid, frame = self._generate_frame(prompt, params, request_id, stream, self._queues)
         self._queues[rid] = asyncio.Queue()
         self._ensure_reader()
         await self._sock.send(frame)
@@ -433,9 +446,7 @@ class AsyncClient(_Common):
             reply = await self._get(msg.id, self._timeout(timeout))
         finally:
             self._queues.pop(msg.id, None)
-        if isinstance(reply, P.ErrorReply):
-            raise RequestError.from_reply(reply)
-        return reply
+        return _checked(reply)
 
     async def _get(self, rid: str, timeout):
         try:
@@ -451,12 +462,6 @@ class AsyncClient(_Common):
             if self._reader_error is not None:
                 raise self._reader_error from None
             raise ClientTimeout(self.address, timeout) from None
-
-    def _send_abort_nowait(self, rid: str) -> None:
-        try:
-            self._sock.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():

@@ -56,6 +56,10 @@ class ServingEngine(Protocol):
         """Prefix-cache events since the last call, oldest first; with ``resync`` (or after
         events were lost) AllBlocksCleared and a BlockStored for every cached block instead."""
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an internal invariant is broken (an idle engine: also if any
+        KV block is still in use). The Server runs it when the engine has become idle."""
+
     def health_fd(self) -> int | None:
         """A file descriptor that becomes readable when a worker dies (None: nothing to watch)."""
 

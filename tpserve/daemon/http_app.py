@@ -24,11 +24,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tpserve.daemon import openai_api as O
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.router_api import make_router
+from tpserve.daemon.http_guard import HostPolicy, RequestGuard
+from tpserve.daemon.http_upstream import UpstreamLost
 from tpserve.sampling import MAX_SEED
 
 log = logging.getLogger("tpserve.http")
@@ -48,7 +51,7 @@ class Front:
         self.api_key = api_key
         self.server_public_key = server_public_key
         if tokenizer is None:
-            from tpserve.engine import load_tokenizer
+            from tpserve.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(model_path)
         self.tokenizer = tokenizer
         self.created = int(time.time())
@@ -56,6 +59,9 @@ class Front:
         # event loop free while a long prompt is encoded.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._client = None
+        self._in_flight: dict[asyncio.Queue, float] = {}  # each request's queue -> loop time it began
+        self.restarts = 0            # times the daemon restarted this front (reported by /health)
+        self.last_exit: str | None = None
 
     @property
     def client(self):
@@ -102,11 +108,24 @@ class Front:
         return self.tokenizer.decode([token_id])
 
     # ---- running choices -----------------------------------------------------------------
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def fail_requests(self, exc: Exception, before: float) -> int:
+        """End every request in flight since before loop time ``before`` with ``exc``."""
+        ended = [q for q, began in self._in_flight.items() if began < before]
+        for q in ended:
+            del self._in_flight[q]
+            q.put_nowait((None, exc))
+        return len(ended)
+
     async def choices(self, prompts: list[list[int]], params, n: int):
         """Async generator of (choice index, Delta | GenerateResult) for every prompt x n;
-        each choice ends with its GenerateResult. Closing it aborts what still runs."""
+        each choice ends with its GenerateResult. Closing it aborts what still runs.
+        ``fail_requests`` can end it with an exception."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
+        self._in_flight[queue] = asyncio.get_running_loop().time()
 
         async def one(index, prompt, p, started: asyncio.Event | None):
             ok = False
@@ -146,6 +165,7 @@ class Front:
                     remaining -= 1
                 yield index, item
         finally:
+            self._in_flight.pop(queue, None)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -158,9 +178,10 @@ def _sibling(params, j: int):
     return replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
 
 
-# What a daemon round trip can raise: the daemon's error reply, a timeout, or the client's own
-# check of the message before sending it (e.g. a token id beyond the protocol's range).
-_DAEMON_ERRORS = (RequestError, ClientTimeout, P.ProtocolError)
+# What a daemon round trip can raise: the daemon's error reply, a timeout, the client's own
+# check of the message before sending it (e.g. a token id beyond the protocol's range), or the
+# upstream watch ending the request (http_upstream.py).
+_DAEMON_ERRORS = (RequestError, ClientTimeout, P.ProtocolError, UpstreamLost)
 
 
 def daemon_error(e, job) -> O.OpenAIError:
@@ -168,6 +189,8 @@ def daemon_error(e, job) -> O.OpenAIError:
     if isinstance(e, ClientTimeout):
         return O.OpenAIError(503, f"the tpserve daemon did not answer: {e}", type_="server_error",
                              code="daemon_unavailable")
+    if isinstance(e, UpstreamLost):
+        return O.OpenAIError(503, str(e), type_="server_error", code="upstream_lost")
     if e.code == P.ADMISSION:
         param = "messages" if job.chat else "prompt"
         code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
@@ -283,17 +306,22 @@ class Response:
                 "usage": self.usage()}
 
 
-def create_app(front: Front):
-    """The FastAPI application of one front."""
+def create_app(front: Front, hosts: HostPolicy | None = None):
+    """The FastAPI application of one front; ``hosts``: the Host names it answers (None: any)."""
+    key = f"Bearer {front.api_key}".encode() if front.api_key is not None else None
+
     def authorize(request: Request) -> None:
-        if front.api_key is None:
+        if key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
+        # Header values arrive decoded as latin-1: back to their bytes, which clients send as
+        # UTF-8 (so a non-ASCII key matches what they send).
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, key):
             raise O.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
                                 code="invalid_api_key")
 
     app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGuard, hosts=hosts)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     @app.exception_handler(O.OpenAIError)
@@ -311,9 +339,9 @@ def create_app(front: Front):
 
     @app.exception_handler(Exception)
     async def internal_error(request, e):
-        log.exception("request failed")
-        return JSONResponse(O.OpenAIError(500, f"{type(e).__name__}: {e}", type_="server_error").body(),
-                            status_code=500)
+        log.exception("request failed")  # quiet_log keeps the first traceback, then one line per interval
+        return JSONResponse(O.OpenAIError(500, f"internal error of the HTTP front ({type(e).__name__}); "
+                                          "see the daemon's log", type_="server_error").body(), status_code=500)
 
     async def read_json(request: Request):
         length = request.headers.get("content-length")
@@ -321,14 +349,16 @@ def create_app(front: Front):
             raise O.OpenAIError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}",
                                 code="request_too_large")
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY_BYTES:
-                raise O.OpenAIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
         try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise O.bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > MAX_BODY_BYTES:
+                    raise O.OpenAIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes",
+                                        code="request_too_large")
+        except ClientDisconnect:  # nobody is left to answer: one (rate-limited) line, no traceback
+            log.info("HTTP client left before sending its whole request body")
+            raise O.OpenAIError(499, "client disconnected", code="client_closed") from None
+        return O.decode_body(bytes(data))
 
     async def run(request: Request, job: O.Job, prompts: list[list[int]]):
         response = Response(front, job, len(prompts))

@@ -12,7 +12,9 @@ The builders below produce the response maps for ``/v1/completions`` and
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from tpserve.errors import ConfigError, InvalidRequestError
@@ -54,6 +56,57 @@ class Job:
     chat: bool = False
     messages: list = field(default_factory=list)
     max_tokens_given: bool = True  # False: chat's default, the rest of the context
+
+
+# ---- the body -------------------------------------------------------------------------------
+# A JSON string can hold an escaped UTF-16 surrogate (\ud800-\udfff). In pairs they decode to one
+# character; alone they decode to a code point that no UTF-8 text can carry, which tokenizers,
+# msgpack and the JSON encoder of the answer all refuse. Only bodies with such an escape are walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_body(data: bytes):
+    """The request body as JSON, or a 400 naming what is wrong (syntax, nesting, lone surrogates)."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise bad(None, "the body is not acceptable JSON: nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(data):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad(where or None, f"{'' if where else 'the body '}contains a lone UTF-16 surrogate (an "
+                                     "unpaired \\ud800-\\udfff escape), which is not text", code="invalid_json")
+    return body
+
+
+def _lone_surrogate(body) -> str | None:
+    """The path ("messages[0].content") of the first string not encodable as UTF-8 (of the object
+    holding it, for a key; "" at the top level), else None."""
+    stack = [(body, "")]
+    while stack:  # iterative: the nesting json.loads accepts can exceed Python's recursion limit
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                sub = f"{path}.{k}" if path else k
+                if not _is_text(k):
+                    return path
+                stack.append((v, sub))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value) if isinstance(v, (str, list, dict)))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # ---- field checks ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import os
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 
 import tpserve
 from tpserve.daemon import openai_api as O
@@ -94,7 +94,8 @@ def make_router(front, authorize) -> APIRouter:
                                            else f"the daemon is {state}")
             raise O.OpenAIError(503, why, type_="server_error",
                                 code="draining" if state == "shutting_down" else "unhealthy")
-        return PlainTextResponse("")
+        # The body says how often the daemon restarted this front (http_front.py).
+        return {"status": "ok", "http_front_restarts": front.restarts, "http_front_last_exit": front.last_exit}
 
     @router.get("/version")
     async def version():

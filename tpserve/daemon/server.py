@@ -7,14 +7,14 @@
 * one ``engine.step()`` while the engine has unfinished work, sending each output as a ``delta``
   and/or ``done`` to the client that asked (a step that fails with StepFailedError costs only
   its own requests, answered ``step_failed``; any other engine failure ends the daemon),
-* admitting text prompts longer than ``inline_tokenize_chars`` once a tokenizer thread has
-  encoded them: tokenizing megabytes takes seconds, and no other client may wait for that,
-* retrying sends that a slow client's high-water mark refused.
+* admitting text prompts longer than ``inline_tokenize_chars`` once they are tokenized off the
+  loop (tokenizing.py): tokenizing megabytes takes seconds, and no other client may wait for that,
+* retrying sends that a slow client's high-water mark refused (outbox.py).
 
-When the engine is idle it blocks in ``zmq.Poller.poll`` on the socket, a wake-up socket pair
-(written by signal handlers and ``request_shutdown``) and the engine's health fd (readable once
-a tensor-parallel worker died), so an idle daemon uses no CPU and still notices a dead worker
-at once: it then fails every request in flight, reports ``state: failed`` and exits 1.
+When the engine is idle it sleeps in the listener's poll (listener.py) on the socket, a wake-up
+socket pair (written by signal handlers and ``request_shutdown``) and the engine's health fd
+(readable once a tensor-parallel worker died), so an idle daemon uses no CPU and still notices a
+dead worker at once: it then fails every request in flight, reports ``state: failed`` and exits 1.
 
 Request ids are scoped per connection (the ZMQ routing id of the client's DEALER): two clients
 may use the same id; one client may reuse an id once its ``done``/``error`` was sent. The engine
@@ -27,25 +27,22 @@ Invariants:
 * every request in ``_requests`` is unfinished in the engine, and vice versa for requests the
   server added; a request leaves ``_requests`` exactly when its ``done`` or ``error`` is queued
   (or its client is dropped), and the engine is told to abort it unless it finished there.
-* a request whose prompt is being tokenized is in ``_tokenizing`` and its peer's ``requests``
+* a request whose prompt is being tokenized is in ``_tokenizer`` and its peer's ``requests``
   (so ``abort`` and ``duplicate_id`` see it) but not yet in the engine.
 * messages to one client leave in the order they were produced: once a send is refused, later
   messages queue behind it in that client's outbox.
 * a client whose outbox has not moved for ``client_timeout`` seconds, or that disconnected
   (EHOSTUNREACH), is dropped: its requests are aborted in the engine, freeing their KV blocks.
+* whenever the engine has become idle, its integrity check runs once (``check_integrity``:
+  every KV block free, nothing queued); a broken invariant fails the daemon like a dead engine.
 * every frame received gets exactly one answer (docs/protocol.md), also frames still queued
   when a shutdown begins: they are drained and answered before the socket closes.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import socket
-import tempfile
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,16 +51,19 @@ import zmq
 from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
 from tpserve.daemon.kv_events import KVEventPublisher, KVEventsOptions
+from tpserve.daemon.listener import Listener
+from tpserve.daemon.metrics import ServingMetrics
+from tpserve.daemon.outbox import Peer, Peers
+from tpserve.daemon.profiling import ProfileRecorder
+from tpserve.daemon.tokenizing import PromptTokenizer
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, StepFailedError
 from tpserve.sampling import SamplingParams
-from tpserve.daemon.metrics import ServingMetrics
 
 log = logging.getLogger("tpserve.daemon")
 
 _STALL_ON_EXIT = 2.0   # s without progress before a client's last messages are given up at exit
 _EXIT_FLUSH = 10.0     # s at most spent delivering last messages at exit
 _EXIT_DRAIN_ROUNDS = 100  # rounds of max_messages_per_step frames answered at exit
-_CLOSE_LINGER_MS = 2000  # then at most this long for ZMQ to hand queued frames to the kernel
 
 
 @dataclass
@@ -74,7 +74,7 @@ class ServerOptions:
     shutdown_grace: float = 0.0
     max_messages_per_step: int = 64
     send_hwm: int = 1000
-    #: Text prompts longer than this are tokenized on a worker thread, not the serving loop.
+    #: Text prompts longer than this are tokenized off the serving loop.
     inline_tokenize_chars: int = 8192
     #: Where ``profile`` traces are written (the daemon uses its runtime dir); None: the temp dir.
     profile_dir: str | None = None
@@ -86,17 +86,8 @@ class ServerOptions:
 
 
 @dataclass
-class _Peer:
-    identity: bytes
-    tag: int
-    requests: dict[str, "_Request"] = field(default_factory=dict)
-    outbox: deque = field(default_factory=deque)
-    blocked_since: float = 0.0
-
-
-@dataclass
 class _Request:
-    peer: _Peer
+    peer: Peer
     client_id: str
     engine_id: str
     stream: bool
@@ -123,24 +114,6 @@ def _wire_logprobs(logprobs) -> list | None:
     return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in logprobs]
 
 
-@dataclass
-class _Profile:
-    """A ``profile`` request being recorded until ``deadline``."""
-
-    identity: bytes
-    id: str | None
-    deadline: float
-
-
-@dataclass
-class _Tokenizing:
-    """A request waiting for its prompt's tokens (see ``inline_tokenize_chars``)."""
-
-    req: _Request
-    params: SamplingParams
-    future: Future
-
-
 class Server:
     """See the module docstring. Construct (binds), then ``run()``; ``close()`` when done."""
 
@@ -148,18 +121,13 @@ class Server:
                  context: zmq.Context | None = None):
         self.engine = engine
         self.address = address
-        self.options = options or ServerOptions()
-        # An own context by default, so close() can wait (term) until final replies are out.
-        self._own_context = context is None
-        self._ctx = context or zmq.Context()
-        self._auth = None
-        self._peers: dict[bytes, _Peer] = {}
+        self.options = options = options or ServerOptions()
+        self.listener = Listener(address, options.send_hwm, context, options.curve_public_key,
+                                 options.curve_secret_key, options.curve_client_keys_dir)
+        self.peers = Peers(self.listener.sock, self._on_peer_gone)
         self._requests: dict[str, _Request] = {}  # by engine id
-        self._tokenizing: dict[str, _Tokenizing] = {}  # by engine id
-        self._tokenizer_pool: ThreadPoolExecutor | None = None
-        self._profile: _Profile | None = None
-        self._num_profiles = 0
-        self._next_tag = 0
+        self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
+        self._profiler = ProfileRecorder(options.profile_dir)
         self._started = time.monotonic()
         self._stop_requested = False
         self._stopping = False
@@ -168,39 +136,8 @@ class Server:
         self.failure: str | None = None  # why the engine stopped working, once it has
         self._health_fd: int | None = None
         self._metrics: ServingMetrics | None = None
-
-        self.sock = self._ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        self.sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-        # Mandatory routing turns "peer gone" and "peer full" into errors (EHOSTUNREACH, EAGAIN)
-        # instead of silent drops, so a stream is never missing a piece.
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if self.options.curve_secret_key is not None:
-            self._enable_curve()
-        # An ipc socket file is created by bind() in this thread; a umask keeps it private from
-        # the start (not only after the chmod), and close() removes it.
-        self._ipc_path = address[len("ipc://"):] if address.startswith("ipc://") else None
-        old_umask = os.umask(0o177) if self._ipc_path else None
-        try:
-            self.sock.bind(address)
-            if self._ipc_path:
-                os.chmod(self._ipc_path, 0o600)
-        except zmq.ZMQError as e:
-            self.sock.close(linger=0)
-            self._stop_auth()
-            if self._own_context:
-                self._ctx.term()
-            raise OSError(e.errno, f"cannot bind {address}: {e.strerror}") from None
-        finally:
-            if old_umask is not None:
-                os.umask(old_umask)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        #: more entries for the status map (the daemon's HTTP front reports its state here)
+        self.status_extras: Callable[[], dict] | None = None
         self._kv_events = None
         if self.options.kv_events is not None:
             try:
@@ -208,40 +145,21 @@ class Server:
             except OSError:
                 self.close()
                 raise
+        self._checked_idle = True  # the engine's integrity was checked since it last worked
 
-    def _enable_curve(self) -> None:
-        opts = self.options
-        if opts.curve_client_keys_dir is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("tpserve.daemon.auth"))
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(opts.curve_client_keys_dir))
-        self.sock.curve_server = True
-        self.sock.curve_secretkey = opts.curve_secret_key
-        self.sock.curve_publickey = opts.curve_public_key
-
-    def _stop_auth(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+    def _tokenize(self, prompt: str) -> list[int]:
+        return self.engine.tokenize(prompt)
 
     # ---- life cycle --------------------------------------------------------------------------
     def request_shutdown(self) -> None:
         """Begin a graceful shutdown at the next loop turn (safe from signal handlers/threads)."""
         self._stop_requested = True
-        self._wake()
-
-    def _wake(self, *_) -> None:
-        """Make a sleeping ``poll`` return (safe from signal handlers and other threads)."""
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # buffer full: a wake-up is already pending
+        self.listener.wake()
 
     @property
     def wake_fd(self) -> int:
         """Write end of the wake-up pair, for ``signal.set_wakeup_fd``."""
-        return self._wake_w.fileno()
+        return self.listener.wake_fd
 
     def run(self) -> int:
         """Serve until a requested shutdown completes or the engine fails. Returns the exit code."""
@@ -250,12 +168,12 @@ class Server:
         if self._kv_events is not None:
             self.engine.enable_kv_events()
         if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
-            self.poller.register(self._health_fd, zmq.POLLIN)
+            self.listener.watch(self._health_fd)
         try:
             while True:
                 if self._stop_requested and not self._stopping:
                     self._begin_shutdown()
-                if self._stopping and (not (self._requests or self._tokenizing)
+                if self._stopping and (not (self._requests or self._tokenizer)
                                        or time.monotonic() >= self._stop_deadline):
                     break
                 self._turn()
@@ -267,29 +185,27 @@ class Server:
 
     def _turn(self) -> None:
         busy = self.engine.has_unfinished()
+        if not busy and not self._checked_idle:
+            self._check_idle_engine()
         if busy:
             timeout = 0
-        elif self._stopping or any(p.outbox for p in self._peers.values()):
+        elif self._stopping or self.peers.any_queued():
             timeout = 20  # ms: retry refused sends / watch the grace deadline
         else:
             timeout = None  # idle: sleep until a message or a wake-up
-        if self._profile is not None and timeout != 0:
-            left_ms = max(0, int((self._profile.deadline - time.monotonic()) * 1000) + 1)
+        deadline = self._profiler.deadline
+        if deadline is not None and timeout != 0:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
             timeout = left_ms if timeout is None else min(timeout, left_ms)
-        events = dict(self.poller.poll(timeout))
-        if self._wake_r.fileno() in events:
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except (BlockingIOError, InterruptedError):
-                pass
+        events = self.listener.poll(timeout)
         if self._health_fd is not None and self._health_fd in events:
             self._check_engine_health()
-        if self.sock in events:
+        if self.listener.sock in events:
             self._drain()
-        if self._tokenizing:
+        if self._tokenizer:
             self._admit_tokenized()
         if self.engine.has_unfinished():
+            self._checked_idle = False
             try:
                 outputs = self.engine.step()
             except StepFailedError as e:  # the engine aborted that step's requests and serves on
@@ -301,9 +217,20 @@ class Server:
             self._dispatch(outputs)
         if self._kv_events is not None:
             self._kv_events.publish(self.engine.drain_kv_events(self._kv_events.resync_wanted()))
-        if self._profile is not None and time.monotonic() >= self._profile.deadline:
+        deadline = self._profiler.deadline
+        if deadline is not None and time.monotonic() >= deadline:
             self._finish_profile()
-        self._flush()
+        self.peers.flush(self.options.client_timeout)
+
+    def _check_idle_engine(self) -> None:
+        """Once per idle period: the engine's invariants (every block free, queues empty). A
+        broken one means its KV state cannot be trusted: fail like a dead engine."""
+        self._checked_idle = True
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            log.error("the idle engine's integrity check failed: %s; shutting down", e)
+            self._engine_failed(e)
 
     def _check_engine_health(self) -> None:
         try:
@@ -313,7 +240,7 @@ class Server:
             self._engine_failed(e)
         # Readable but healthy breaks the engine's contract; stop polling it rather than spin.
         log.error("the engine's health fd is readable but check_health() passed; no longer watching it")
-        self.poller.unregister(self._health_fd)
+        self.listener.unwatch(self._health_fd)
         self._health_fd = None
 
     def _engine_failed(self, e: Exception) -> None:
@@ -333,44 +260,33 @@ class Server:
         for _ in range(_EXIT_DRAIN_ROUNDS):
             if self._drain() < self.options.max_messages_per_step:
                 break
-        if self._profile is not None:
+        if self._profiler.deadline is not None:
             self._finish_profile()
-        for req in [*self._requests.values(), *(t.req for t in self._tokenizing.values())]:
+        for req in [*self._requests.values(), *self._tokenizer.requests()]:
             self._abort(req, "shutting_down")
         # Let clients take their final messages while they keep reading; a client whose queue
         # has not moved for STALL_ON_EXIT seconds is dropped, and nobody delays exit past EXIT_FLUSH.
         stall = min(self.options.client_timeout, _STALL_ON_EXIT)
         deadline = time.monotonic() + _EXIT_FLUSH
-        while any(p.outbox for p in self._peers.values()) and time.monotonic() < deadline:
-            self._flush(stall)
+        while self.peers.any_queued() and time.monotonic() < deadline:
+            self.peers.flush(stall)
             time.sleep(0.005)
         log.info("front stopped")
 
     def close(self) -> None:
         """Close and remove the socket; returns once queued replies are delivered (at most 2 s)."""
-        if self._tokenizer_pool is not None:
-            # A prompt being encoded finishes in the background; nobody waits for its result.
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        self.sock.close(linger=_CLOSE_LINGER_MS)
+        self._tokenizer.close()
+        self.listener.close()
         if self._kv_events is not None:
             self._kv_events.close()
-        self._stop_auth()
-        if self._ipc_path:
-            try:
-                os.unlink(self._ipc_path)
-            except FileNotFoundError:
-                pass
-        self._wake_r.close()
-        self._wake_w.close()
-        if self._own_context:
-            self._ctx.term()  # waits for the linger of the socket above
 
     # ---- receiving ---------------------------------------------------------------------------
     def _drain(self) -> int:
         """Handle at most max_messages_per_step queued frames; returns how many there were."""
+        sock = self.listener.sock
         for n in range(self.options.max_messages_per_step):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return n
             try:
@@ -379,79 +295,76 @@ class Server:
                 raise
             except Exception as e:  # a bug must cost one request, not the daemon
                 log.exception("failed to handle a message")
-                self._reply(frames[0], P.ErrorReply(P.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS]))
+                self.peers.reply(frames[0], P.ErrorReply(P.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS]))
         return self.options.max_messages_per_step
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
+        reply = self.peers.reply
         if len(frames) != 2:
-            self._reply(identity, P.ErrorReply(P.BAD_MESSAGE,
-                        f"a message is exactly one frame (a DEALER send of one msgpack map); got {len(frames) - 1}"))
+            reply(identity, P.ErrorReply(P.BAD_MESSAGE,
+                  f"a message is exactly one frame (a DEALER send of one msgpack map); got {len(frames) - 1}"))
             return
         obj = None
         try:
             obj = P.unpack_frame(frames[1])
             msg = P.decode(obj, "request")
         except P.ProtocolError as e:
-            self._reply(identity, P.ErrorReply(e.code, e.message[:P.MAX_MESSAGE_CHARS],
-                                               id=P.readable_id(obj), field=e.field))
+            reply(identity, P.ErrorReply(e.code, e.message[:P.MAX_MESSAGE_CHARS], id=P.readable_id(obj),
+                                         field=e.field))
             return
         if isinstance(msg, P.GenerateRequest):
             self._on_generate(identity, msg)
         elif isinstance(msg, P.AbortRequest):
             self._on_abort(identity, msg)
         elif isinstance(msg, P.StatusRequest):
-            self._reply(identity, P.StatusReply(self.stats(), id=msg.id))
+            reply(identity, P.StatusReply(self.stats(), id=msg.id))
         elif isinstance(msg, P.ProfileRequest):
-            self._on_profile(identity, msg)
+            error = self._profiler.start(self.engine, identity, msg)
+            if error is not None:
+                reply(identity, error)
         elif isinstance(msg, P.MetricsRequest):
-            self._reply(identity, P.MetricsReply(self.metrics.render(), id=msg.id))
+            reply(identity, P.MetricsReply(self.metrics.render(), id=msg.id))
         else:
             assert isinstance(msg, P.PingRequest)
-            self._reply(identity, P.PongReply(id=msg.id))
+            reply(identity, P.PongReply(id=msg.id))
 
     def _on_generate(self, identity: bytes, msg: P.GenerateRequest) -> None:
         def error(code, message, **kw):
-            self._reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
+            self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
 
         if self._stopping:
             return error(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", id=msg.id)
-        peer = self._peers.get(identity)
+        peer = self.peers.get(identity)
         if peer is not None and msg.id in peer.requests:
             # No ``id``: an error with an id ends that request, and this one keeps running.
             return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
                          "that request continues", field="id")
-        peer = self._peer(identity)
+        peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
                        arrival=time.monotonic())
         if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
-            if self._tokenizer_pool is None:
-                self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tpserve-tokenize")
-            future = self._tokenizer_pool.submit(self.engine.tokenize, msg.prompt)
             peer.requests[msg.id] = req
-            self._tokenizing[req.engine_id] = _Tokenizing(req, msg.params, future)
-            future.add_done_callback(self._wake)
+            self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
             return
         self._admit(req, lambda: msg.prompt, msg.params)
 
     def _admit_tokenized(self) -> None:
-        """Add the requests whose prompts the tokenizer thread has finished."""
-        for engine_id, t in list(self._tokenizing.items()):
-            if not t.future.done():
-                continue
+        """Add the requests whose prompts have been tokenized."""
+        for job in self._tokenizer.finished():
             if self._stopping:
-                self._abort(t.req, "shutting_down")
+                self._abort(job.req, "shutting_down")
                 continue
-            del self._tokenizing[engine_id]
-            del t.req.peer.requests[t.req.client_id]
-            self._admit(t.req, t.future.result, t.params)
+            self._tokenizer.discard(job.req.engine_id)
+            del job.req.peer.requests[job.req.client_id]
+            self._admit(job.req, job.result, job.params)
 
     def _admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
         """Add ``req`` to the engine, or answer the error that refused it."""
         peer = req.peer
 
         def error(code, message, **kw):
-            self._send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
+            self.peers.send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
 
         try:
             req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params)
@@ -470,49 +383,24 @@ class Server:
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
         else:
             peer.requests[req.client_id] = req
+            self._checked_idle = False
             self.metrics.on_admitted(req.prompt_tokens)
             self._requests[req.engine_id] = req
-        self._forget_if_idle(peer)
+        self.peers.forget_if_idle(peer)
 
     def _on_abort(self, identity: bytes, msg: P.AbortRequest) -> None:
-        peer = self._peers.get(identity)
+        peer = self.peers.get(identity)
         req = peer.requests.get(msg.id) if peer is not None else None
         if req is None:
-            self._reply(identity, P.ErrorReply(P.UNKNOWN_ID, f"no request {msg.id!r} is in flight on this "
-                                               "connection (finished, never started, or sent by another "
-                                               "connection)", id=msg.id, field="id"))
+            self.peers.reply(identity, P.ErrorReply(P.UNKNOWN_ID, f"no request {msg.id!r} is in flight on "
+                                                    "this connection (finished, never started, or sent by "
+                                                    "another connection)", id=msg.id, field="id"))
             return
         self._abort(req, "client")
 
-    # ---- profiling ---------------------------------------------------------------------------
-    def _on_profile(self, identity: bytes, msg: P.ProfileRequest) -> None:
-        if self._profile is not None:
-            self._reply(identity, P.ErrorReply(P.INVALID_REQUEST, "a profile is already being recorded; "
-                                               "try again when it is written", id=msg.id))
-            return
-        try:
-            self.engine.start_profile()
-        except Exception as e:
-            log.exception("could not start the profiler")
-            self._reply(identity, P.ErrorReply(P.INVALID_REQUEST, f"cannot start the profiler: "
-                                               f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS], id=msg.id))
-            return
-        self._profile = _Profile(identity, msg.id, time.monotonic() + msg.seconds)
-        log.info("profiling for %g s", msg.seconds)
-
     def _finish_profile(self) -> None:
-        prof, self._profile = self._profile, None
-        self._num_profiles += 1
-        stem = os.path.join(self.options.profile_dir or tempfile.gettempdir(),
-                            f"tpserve-profile-{os.getpid()}-{self._num_profiles}")
-        try:
-            reply = P.ProfileReply(self.engine.stop_profile(stem), id=prof.id)
-            log.info("profile written: %s", ", ".join(reply.files))
-        except Exception as e:
-            log.exception("could not write the profile")
-            reply = P.ErrorReply(P.INVALID_REQUEST, f"cannot write the profile: "
-                                 f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS], id=prof.id)
-        self._reply(prof.identity, reply)
+        identity, reply = self._profiler.finish(self.engine)
+        self.peers.reply(identity, reply)
 
     # ---- engine outputs ----------------------------------------------------------------------
     def _dispatch(self, outputs) -> None:
@@ -540,8 +428,8 @@ class Server:
             logprobs = _wire_logprobs(out.logprobs)
             if req.stream:
                 if out.new_token_ids or out.new_text:
-                    self._send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
-                                                      logprobs=logprobs))
+                    self.peers.send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
+                                                           logprobs=logprobs))
                     if out.request_id not in self._requests:
                         continue  # the send found the client gone and dropped its requests
             else:
@@ -560,8 +448,8 @@ class Server:
                 if not req.stream:
                     done.text, done.token_ids = "".join(req.text_parts), req.token_ids
                     done.logprobs = req.logprobs
-                self._send(req.peer, done)
-                self._forget_if_idle(req.peer)
+                self.peers.send(req.peer, done)
+                self.peers.forget_if_idle(req.peer)
 
     def _abort(self, req: _Request, reason: str) -> None:
         """Abort ``req`` in the engine and tell its client (``done`` with finish_reason abort)."""
@@ -571,111 +459,33 @@ class Server:
                            abort_reason=reason)
         if not req.stream:
             done.text, done.token_ids = "".join(req.text_parts), req.token_ids
-        self._send(req.peer, done)
-        self._forget_if_idle(req.peer)
+        self.peers.send(req.peer, done)
+        self.peers.forget_if_idle(req.peer)
 
     def _close(self, req: _Request) -> None:
         """Forget ``req`` (admitted, or still being tokenized: its tokens are then dropped)."""
         if self._requests.pop(req.engine_id, None) is None:
-            del self._tokenizing[req.engine_id]
+            known = self._tokenizer.discard(req.engine_id)
+            assert known, req.engine_id
         del req.peer.requests[req.client_id]
 
+    def _on_peer_gone(self, peer: Peer, why: str) -> None:
+        for req in list(peer.requests.values()):
+            self._close(req)
+            self.engine.abort_request(req.engine_id)
+
     def _fail_all(self, message: str) -> None:
-        self._fail_requests([*self._requests, *self._tokenizing], P.INTERNAL, message)
+        self._fail_requests([*self._requests, *self._tokenizer], P.INTERNAL, message)
 
     def _fail_requests(self, engine_ids, code: str, message: str) -> None:
         """Answer ``code`` to each request still known by ``engine_ids``; they end here."""
         for engine_id in engine_ids:
-            req = self._requests.get(engine_id) or getattr(self._tokenizing.get(engine_id), "req", None)
+            req = self._requests.get(engine_id) or getattr(self._tokenizer.get(engine_id), "req", None)
             if req is None:
                 continue
             self._close(req)
-            self._send(req.peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id))
-            self._forget_if_idle(req.peer)
-
-    # ---- sending -----------------------------------------------------------------------------
-    def _peer(self, identity: bytes) -> _Peer:
-        peer = self._peers.get(identity)
-        if peer is None:
-            self._next_tag += 1
-            peer = self._peers[identity] = _Peer(identity, self._next_tag)
-        return peer
-
-    def _forget_if_idle(self, peer: _Peer) -> None:
-        if not peer.requests and not peer.outbox and self._peers.get(peer.identity) is peer:
-            del self._peers[peer.identity]
-
-    def _reply(self, identity: bytes, msg: P.Message) -> None:
-        """Answer a request outside any generation (errors, status, pong)."""
-        peer = self._peer(identity)
-        self._send(peer, msg)
-        self._forget_if_idle(peer)
-
-    def _send(self, peer: _Peer, msg: P.Message) -> None:
-        try:
-            frame = P.encode(msg)
-        except P.ProtocolError as e:
-            if not isinstance(msg, P.ErrorReply):
-                log.exception("dropping a reply that does not encode: %r", msg)
-                return
-            # The answer to a frame must not be lost (docs/protocol.md): keep its code and id,
-            # drop the details that did not encode.
-            log.error("an error reply did not encode (%s); sending it without details", e)
-            frame = P.encode(P.ErrorReply(msg.code if msg.code in P.ERROR_CODES else P.INTERNAL,
-                                          str(msg.message)[:P.MAX_MESSAGE_CHARS],
-                                          id=P.readable_id({"id": msg.id})))
-        if peer.outbox:
-            peer.outbox.append(frame)
-            return
-        self._try_send(peer, frame)
-
-    def _try_send(self, peer: _Peer, frame: bytes) -> bool:
-        """Send one frame now; on refusal queue it (full) or drop the peer (gone)."""
-        try:
-            self.sock.send_multipart([peer.identity, frame], zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            if not peer.outbox:
-                peer.blocked_since = time.monotonic()
-            peer.outbox.append(frame)
-        except zmq.ZMQError as e:
-            if e.errno != errno.EHOSTUNREACH:
-                raise
-            self._drop_peer(peer, "disconnected")
-        return False
-
-    def _flush(self, stall_timeout: float | None = None) -> None:
-        stall_timeout = self.options.client_timeout if stall_timeout is None else stall_timeout
-        now = time.monotonic()
-        for peer in [p for p in self._peers.values() if p.outbox]:
-            while peer.outbox:
-                frame = peer.outbox[0]
-                try:
-                    self.sock.send_multipart([peer.identity, frame], zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError as e:
-                    if e.errno != errno.EHOSTUNREACH:
-                        raise
-                    self._drop_peer(peer, "disconnected")
-                    break
-                peer.outbox.popleft()
-                peer.blocked_since = now
-            if peer.outbox and now - peer.blocked_since > stall_timeout:
-                self._drop_peer(peer, f"not reading for {stall_timeout:g} s")
-            else:
-                self._forget_if_idle(peer)
-
-    def _drop_peer(self, peer: _Peer, why: str) -> None:
-        """Abort every request of a client that is gone or stalled; nothing more is sent to it."""
-        if peer.requests:
-            log.warning("client %s %s: aborting %d request(s)", peer.identity.hex(), why, len(peer.requests))
-        for req in list(peer.requests.values()):
-            self._close(req)
-            self.engine.abort_request(req.engine_id)
-        peer.outbox.clear()
-        if self._peers.get(peer.identity) is peer:
-            del self._peers[peer.identity]
+            self.peers.send(req.peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id))
+            self.peers.forget_if_idle(req.peer)
 
     # ---- status ------------------------------------------------------------------------------
     @property
@@ -695,12 +505,14 @@ class Server:
         stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
                      state="failed" if self.failure else "shutting_down" if self._stopping else "running",
-                     requests_in_flight=len(self._requests) + len(self._tokenizing),
-                     clients=len(self._peers))
+                     requests_in_flight=len(self._requests) + len(self._tokenizer),
+                     clients=len(self.peers))
         if self._kv_events is not None:
             stats.update(self._kv_events.stats())
         if self.failure:
             stats["failure"] = self.failure
+        if self.status_extras is not None:
+            stats.update(self.status_extras())
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
 
 

@@ -68,9 +68,3 @@ class TPContext:
         dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.gather(x, parts, dst=dst, group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
-
-    def shard_range(self, total: int) -> tuple[int, int]:
-        """``[start, end)`` of this rank's equal slice of ``total`` items (``total % size == 0``)."""
-        assert total % self.size == 0, (total, self.size)
-        per = total // self.size
-        return self.rank * per, (self.rank + 1) * per

@@ -260,10 +260,6 @@ class Scheduler:
                 done.append((seq, "stop"))
         return done
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick the next batch under the configured policy (see the module docstring)."""

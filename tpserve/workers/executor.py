@@ -27,11 +27,18 @@ from tpserve.config import EngineConfig
 from tpserve.errors import WorkerDiedError
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
-from tpserve.workers.process_group import destroy_tp, device_for, free_port, init_tp, torchrun_env
+from tpserve.workers.process_group import StoreListener, destroy_tp, device_for, init_tp, torchrun_env
+from tpserve.workers.shm_ring import cleanup_stale_segments
 
 log = logging.getLogger("tpserve.executor")
 
+
 def make_executor(config: EngineConfig):
+    """The executor for ``config``. Every start first removes the plan rings that killed
+    engines left in /dev/shm (whatever their tensor-parallel degree and this one's)."""
+    removed = cleanup_stale_segments()
+    if removed:
+        log.info("removed %d plan-channel segment(s) of dead processes: %s", len(removed), ", ".join(removed))
     if config.tensor_parallel_size == 1:
         return UniProcExecutor(config)
     return MultiProcExecutor(config)
@@ -78,12 +85,14 @@ class MultiProcExecutor:
         os.set_blocking(self._dead_r, False)
         self._pipe_lock = threading.Lock()  # the watchdog's write vs shutdown's close
         env = torchrun_env()
+        store_listener = None
         try:
             if env is not None:
                 self._init_torchrun(config, env)
             else:
                 self.channel = create_ring(num_readers=self.world - 1)
-                init_method = f"tcp://127.0.0.1:{free_port()}"
+                store_listener = StoreListener()
+                init_method = store_listener.init_method
                 ctx = mp.get_context("spawn")
                 conns = []
                 for rank in range(1, self.world):
@@ -96,10 +105,13 @@ class MultiProcExecutor:
                     self.procs.append(p)
                     conns.append(parent)
                 self._watch()
-                tp = init_tp(0, self.world, init_method, timeout_s=self.startup_timeout)
+                tp = init_tp(0, self.world, init_method, timeout_s=self.startup_timeout,
+                             store_listener=store_listener)
                 self.runner = ModelRunner(config, tp, device_for(0))
                 self._wait_ready(conns)
         except BaseException:
+            if store_listener is not None:
+                store_listener.close()
             self.shutdown()
             if self.dead is not None:
                 raise WorkerDiedError(*self.dead)

@@ -265,7 +265,6 @@ class ModelRunner:
             if path:
                 self._profiler.export_chrome_trace(f"{path}.rank{self.tp.rank}.json")
             self._profiler = None
-        # RESET_PREFIX_CACHE and PING need nothing from a runner: block state lives on rank 0.
         return None
 
 

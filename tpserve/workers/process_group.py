@@ -1,5 +1,14 @@
 """Process groups for tensor parallelism: NCCL on CUDA, gloo on CPU; loopback rendezvous.
 
+Rendezvous of spawned (single-node) ranks: rank 0 serves the group's c10d TCPStore, which has
+no authentication. Left to itself the store listens on every interface for the life of the
+process; here rank 0 binds its listening socket to 127.0.0.1 (``StoreListener``, made before
+the workers are spawned so they know the port), the store waits until every rank has
+connected, and the socket then stops accepting: the ranks keep their connections, and nobody
+else, local or remote, can reach the store afterwards. Gloo's own connections between the
+ranks are made on the loopback interface too. Under torchrun (env://) the rendezvous is
+torchrun's.
+
 Start-up order on CUDA: a rank makes ``cuda:local_rank`` its current device *before* it joins
 the group, and passes it as ``device_id``. NCCL binds a communicator to the current device when
 it is created (eagerly with ``device_id``, else at the first collective); a rank that has not
@@ -31,6 +40,34 @@ from tpserve.models.parallel import TPContext
 from tpserve.workers import device as devices
 
 
+class StoreListener:
+    """Rank 0's listening socket for the group's store, on loopback, on a port the kernel picks.
+
+    ``init_method`` names it for the workers; ``close`` stops it accepting (the store's
+    established connections stay)."""
+
+    def __init__(self):
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self.init_method = f"tcp://127.0.0.1:{self.port}"
+
+    def store_fd(self) -> int:
+        """A descriptor of the socket for the store to own (it closes its copy itself)."""
+        return os.dup(self._sock.fileno())
+
+    def close(self) -> None:
+        if self._sock.fileno() < 0:
+            return
+        try:
+            # The store's copy of the socket shares the listening state: this ends it for both.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -46,11 +83,15 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def init_tp(rank: int, world_size: int, init_method: str | None = None,
-            timeout_s: float = 120.0, local_rank: int | None = None) -> TPContext:
+            timeout_s: float = 120.0, local_rank: int | None = None,
+            store_listener: StoreListener | None = None) -> TPContext:
     """Join the default process group; ``init_method`` None means torchrun's env://.
 
-    ``local_rank`` (default ``rank``, right for single-node spawns) picks this rank's device,
-    which is made current before the group exists and bound to it through ``device_id``.
+    A ``tcp://127.0.0.1:PORT`` init method is the single-node rendezvous of the module
+    docstring: rank 0 passes the ``store_listener`` whose port it names, and closes it once
+    every rank has connected. ``local_rank`` (default ``rank``, right for single-node spawns)
+    picks this rank's device, which is made current before the group exists and bound to it
+    through ``device_id``.
     """
     if world_size == 1:
         return TPContext()
@@ -63,10 +104,39 @@ def init_tp(rank: int, world_size: int, init_method: str | None = None,
         kwargs = {}
         if accel.dist_device_id() is not None:
             kwargs["device_id"] = accel.dist_device_id()
-        dist.init_process_group(backend=accel.dist_backend, init_method=init_method or "env://",
-                                rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        single_node = init_method is not None and init_method.startswith("tcp://")
+        if single_node:
+            kwargs["store"] = _loopback_store(rank, world_size, init_method, timeout, store_listener)
+        else:
+            kwargs["init_method"] = init_method or "env://"
+        # Gloo picks its interface when the group is made (from the host name unless told):
+        # ranks of one machine talk over loopback only.
+        loopback_gloo = (single_node and accel.dist_backend == "gloo" and sys.platform.startswith("linux")
+                         and "GLOO_SOCKET_IFNAME" not in os.environ)
+        if loopback_gloo:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        try:
+            dist.init_process_group(backend=accel.dist_backend, rank=rank, world_size=world_size,
+                                    timeout=timeout, **kwargs)
+        finally:
+            if loopback_gloo:
+                del os.environ["GLOO_SOCKET_IFNAME"]
     return TPContext(rank=rank, size=world_size, group=None)
+
+
+def _loopback_store(rank: int, world_size: int, init_method: str, timeout: datetime.timedelta,
+                    listener: StoreListener | None) -> dist.TCPStore:
+    host, port = init_method[len("tcp://"):].rsplit(":", 1)
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    assert listener is not None and listener.port == int(port), "rank 0 serves the store it names"
+    try:
+        # Returns once all world_size ranks are connected; none connects again afterwards.
+        return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=True, master_listen_fd=listener.store_fd(), use_libuv=True)
+    finally:
+        listener.close()
 
 
 def share_cpu_threads(world_size: int) -> None:

@@ -13,12 +13,10 @@ import torch.distributed as dist
 
 from tpserve.workers.broadcast_channel import BroadcastPlanChannel
 from tpserve.workers.channel import PlanReader, PlanWriter
-from tpserve.workers.shm_ring import cleanup_stale_segments
 
 
 def create_ring(num_readers: int) -> PlanWriter:
-    """Rank 0 before spawning workers: a fresh ring (after removing rings of dead creators)."""
-    cleanup_stale_segments()
+    """Rank 0 before spawning workers: a fresh ring."""
     return PlanWriter.create(num_readers=num_readers)
 
 

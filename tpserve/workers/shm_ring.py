@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import _posixshmem  # the primitive behind multiprocessing.shared_memory on POSIX
 
-from tpserve.procs import pid_alive
+from tpserve.procs import pid_alive, process_start_time
 
 MAGIC = 0x7470_5249_4E47_3031  # "tpRING01"
 VERSION = 1
@@ -270,12 +270,20 @@ def creator_pid(name: str, prefix: str = DEFAULT_PREFIX) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+# Slack when comparing a process's start with a segment's change time: the boot time that a
+# start time is computed from has one-second resolution.
+_CLOCK_SLACK_S = 2.0
+
+
 def cleanup_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Unlink every ``/dev/shm`` segment named ``<prefix><pid>-...`` whose creator is dead.
 
-    Covers writers that were SIGKILLed (no exit handler ran). Segments whose name carries no
-    pid are left alone. Returns the names removed. Where there is no ``/dev/shm`` to list
-    (not Linux) nothing can be found and the result is empty.
+    Covers writers that were SIGKILLed (no exit handler ran). The creator is proven dead when
+    no process has its pid, or when the process that has it now started after the segment was
+    last changed (the pid was reused; the creator made the segment before that). Segments
+    whose name carries no pid are left alone, and so is one whose creator may be alive.
+    Returns the names removed. Where there is no ``/dev/shm`` to list (not Linux) nothing can
+    be found and the result is empty.
     """
     try:
         entries = os.listdir(SHM_DIR)
@@ -284,6 +292,17 @@ def cleanup_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     removed = []
     for name in sorted(entries):
         pid = creator_pid(name, prefix)
-        if pid is not None and not pid_alive(pid) and unlink_segment(name):
+        if pid is not None and _creator_gone(pid, name) and unlink_segment(name):
             removed.append(name)
     return removed
+
+
+def _creator_gone(pid: int, name: str) -> bool:
+    if not pid_alive(pid):
+        return True
+    started = process_start_time(pid)
+    try:
+        changed = os.stat(os.path.join(SHM_DIR, name)).st_ctime  # never before the creation
+    except FileNotFoundError:
+        return False  # removed meanwhile: nothing to do
+    return started is not None and started > changed + _CLOCK_SLACK_S

@@ -1,0 +1,77 @@
+"""The torch-free tokenizer loader: the same ids as transformers.AutoTokenizer, and no torch."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
+import tpserve
+from tpserve.tokenizer import load_tokenizer, tokenizer_class
+
+DEFAULT_MODEL = str(Path(tpserve.__file__).parent / "assets" / "default-model")
+TEXTS = ["Hello world! Tensor parallel serving.", "  leading spaces\tand tabs\n\nnew lines",
+         "ünïcödé — and emoji 🙂 and 中文", "def f(x):\n    return x * 2  # code", "<|endoftext|> special"]
+
+
+def _same_as_auto(path) -> None:
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    for text in TEXTS:
+        ids = auto.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    if auto.chat_template:
+        messages = [{"role": "user", "content": TEXTS[0]}]
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_bundled_model_tokenizes_as_auto_tokenizer_does():
+    _same_as_auto(DEFAULT_MODEL)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_test_models_tokenize_as_auto_tokenizer_does(tiny_models_root, arch):  # noqa: F811
+    _same_as_auto(make_tiny_model(tiny_models_root, arch=arch))
+
+
+@pytest.mark.parametrize("declared,expected", [("Qwen2Tokenizer", "Qwen2Tokenizer"),
+                                               ("LlamaTokenizerFast", "TokenizersBackend"),
+                                               ("NoSuchTokenizer", "TokenizersBackend")])
+def test_the_declared_class_is_loaded(tmp_path, declared, expected):
+    """A declared class is used as declared, except LlamaTokenizer over a byte-level
+    tokenizer.json and unknown names, which load tokenizer.json generically."""
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{DEFAULT_MODEL}/{f}", tmp_path / f)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": declared}))
+    assert tokenizer_class(tmp_path).__name__ == expected
+    if declared != "NoSuchTokenizer":  # AutoTokenizer refuses an unknown class
+        _same_as_auto(tmp_path)
+
+
+def test_a_directory_without_tokenizer_files_has_none(tmp_path):
+    assert load_tokenizer(tmp_path) is None
+
+
+def test_the_http_front_imports_no_torch():
+    """The front's process loads its app and tokenizer, tokenizes and templates, without torch."""
+    code = textwrap.dedent(f"""
+        import asyncio, sys
+        import tpserve.daemon.http_front
+        from tpserve.daemon.http_app import Front, create_app
+        front = Front("ipc:///nonexistent/s.sock", {DEFAULT_MODEL!r}, "m", 1024)
+        create_app(front)
+        ids = asyncio.run(front.chat_prompt([{{"role": "user", "content": "hi"}}]))
+        assert ids and front.token_text(ids[0])
+        assert "torch" not in sys.modules, "torch was imported"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,0 +1,71 @@
+"""PromptTokenizer: long text prompts tokenized off the serving loop.
+
+Tokenizing megabytes of text takes seconds, and no other client may wait for that: the front
+hands a long prompt to ``submit`` and admits the request once its tokens are ready
+(``finished``). A job's completion wakes the loop through ``wake``. Jobs are keyed by the
+request's engine id; a request aborted meanwhile is ``discard``-ed and its tokens dropped.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+
+@dataclass
+class TokenizeJob:
+    """A request waiting for its prompt's tokens. ``result()`` returns them or raises the
+    tokenizer's error."""
+
+    req: Any
+    params: Any
+    future: Future
+
+    def result(self) -> list[int]:
+        return self.future.result()
+
+
+class PromptTokenizer:
+    """Runs ``tokenize(prompt)`` on a worker, one prompt at a time."""
+
+    def __init__(self, tokenize: Callable[[str], list[int]], wake: Callable[..., None]):
+        self._tokenize = tokenize
+        self._wake = wake
+        self._jobs: dict[str, TokenizeJob] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, engine_id: str) -> bool:
+        return engine_id in self._jobs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._jobs))
+
+    def get(self, engine_id: str) -> TokenizeJob | None:
+        return self._jobs.get(engine_id)
+
+    def requests(self) -> list:
+        return [job.req for job in self._jobs.values()]
+
+    def submit(self, engine_id: str, req, prompt: str, params) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpserve-tokenize")
+        future = self._pool.submit(self._tokenize, prompt)
+        self._jobs[engine_id] = TokenizeJob(req, params, future)
+        future.add_done_callback(self._wake)
+
+    def finished(self) -> list[TokenizeJob]:
+        """The jobs whose tokens (or error) are ready, in submission order; they stay known
+        until ``discard``-ed."""
+        return [job for job in self._jobs.values() if job.future.done()]
+
+    def discard(self, engine_id: str) -> bool:
+        """Forget a job (its tokens, if they come, are dropped); False if it was not known."""
+        return self._jobs.pop(engine_id, None) is not None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            # A prompt being encoded finishes in the background; nobody waits for its result.
+            self._pool.shutdown(wait=False, cancel_futures=True)
