@@ -415,9 +415,9 @@ class Server:
                 e = out.error
                 field = getattr(e, "field", None)
                 code = P.INVALID_FIELD if field else P.INVALID_REQUEST
-                self._send(req.peer, P.ErrorReply(code, str(getattr(e, "reason", e))[:P.MAX_MESSAGE_CHARS],
-                                                  id=req.client_id, field=field))
-                self._forget_if_idle(req.peer)
+                self.peers.send(req.peer, P.ErrorReply(code, str(getattr(e, "reason", e))[:P.MAX_MESSAGE_CHARS],
+                                                       id=req.client_id, field=field))
+                self.peers.forget_if_idle(req.peer)
                 continue
             if out.num_prompt_tokens:
                 req.prompt_tokens = out.num_prompt_tokens
