@@ -28,10 +28,12 @@ from starlette.requests import ClientDisconnect
 
 from tpserve.daemon import openai_api as O
 from tpserve.daemon import protocol as P
+from tpserve.daemon import structured_api
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.router_api import make_router
 from tpserve.daemon.http_guard import HostPolicy, RequestGuard
 from tpserve.daemon.http_upstream import UpstreamLost
+from tpserve.daemon.tool_calls import ToolCallStream, split_calls
 from tpserve.sampling import MAX_SEED
 
 log = logging.getLogger("tpserve.http")
@@ -88,13 +90,14 @@ class Front:
             raise O.bad("prompt", "is empty after tokenization")
         return ids
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise O.bad("messages", "this model has no chat template; use /v1/completions",
                         code="chat_template_missing")
 
         def render():
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            kw = {"tools": tools} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         try:
             text = await self._in_pool(render)
         except Exception as e:  # the template's own checks (roles, order) raise jinja errors
@@ -196,7 +199,8 @@ def daemon_error(e, job) -> O.OpenAIError:
         code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
         return O.OpenAIError(400, f"{e.message} (limit: {getattr(e, 'limit', None)})", param, code=code)
     if e.code in (P.INVALID_FIELD, P.INVALID_REQUEST, P.UNKNOWN_FIELD, P.MISSING_FIELD):
-        param = (e.field or "").removeprefix("params.").split("[")[0] or None
+        param = structured_api.daemon_field((e.field or "").removeprefix("params."), job.structured_param)
+        param = (param or "").split("[")[0] or None
         if param in ("prompt",) and job.chat:
             param = "messages"
         return O.bad(param, e.message)
@@ -223,6 +227,9 @@ class Response:
         self.offset = [0] * self.n_choices
         self.results: dict[int, object] = {}
         self.role_sent = [False] * self.n_choices
+        # Chat with tools whose tool_choice constrains the answer: calls are read back out.
+        tools = job.tools if job.chat and job.tools is not None and job.tools.constrains else None
+        self.tool_streams = [ToolCallStream() for _ in range(self.n_choices)] if tools else None
 
     def _entries(self, delta) -> list:
         if delta.logprobs is None:
@@ -258,15 +265,26 @@ class Response:
                                     "logprobs": None, "finish_reason": None}))
         if isinstance(item, GenerateResult):
             self.results[index] = item
+            reason = item.finish_reason
+            if self.tool_streams is not None:
+                ts = self.tool_streams[index]
+                out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
+                        for d in ts.flush()]
+                if ts.num_calls and reason == "stop":
+                    reason = "tool_calls"
             if self.job.chat:
                 out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
-                                        "finish_reason": item.finish_reason}))
+                                        "finish_reason": reason}))
             else:
                 out.append(self._chunk({"index": index, "text": "", "logprobs": None,
                                         "finish_reason": item.finish_reason}))
             return out
         lp = self._logprobs_obj(index, self._entries(item))
-        if self.job.chat:
+        if self.tool_streams is not None:
+            for d in self.tool_streams[index].feed(item.text):
+                out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
+                lp = None
+        elif self.job.chat:
             out.append(self._chunk({"index": index, "delta": {"content": item.text}, "logprobs": lp,
                                     "finish_reason": None}))
         else:
@@ -297,8 +315,13 @@ class Response:
             text, reason = "".join(self.text[i]), self.results[i].finish_reason
             lp = self._logprobs_obj(i, self.logprobs[i])
             if self.job.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": reason})
+                message = {"role": "assistant", "content": text}
+                if self.tool_streams is not None:
+                    message["content"], calls = split_calls(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
         return {"id": self.id, "object": "chat.completion" if self.job.chat else "text_completion",
@@ -407,14 +430,18 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     @v1.post("/completions")
     async def completions(request: Request):
-        job = O.parse_completion(await read_json(request), front.model_name)
+        body = await read_json(request)
+        job = O.parse_completion(body, front.model_name)
+        structured_api.apply(job, body)
         prompts = [await front.encode(p) if isinstance(p, str) else p for p in job.prompts]
         return await run(request, job, prompts)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        job = O.parse_chat(await read_json(request), front.model_name)
-        ids = await front.chat_prompt(job.messages)
+        body = await read_json(request)
+        job = O.parse_chat(body, front.model_name)
+        structured_api.apply(job, body)
+        ids = await front.chat_prompt(job.messages, job.tools.tools if job.tools is not None else None)
         if not job.max_tokens_given:
             job.params = replace(job.params, max_tokens=max(1, front.max_model_len - len(ids)))
         return await run(request, job, [ids])

@@ -56,6 +56,8 @@ class Job:
     chat: bool = False
     messages: list = field(default_factory=list)
     max_tokens_given: bool = True  # False: chat's default, the rest of the context
+    tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
+    structured_param: str | None = None  # the body field params.structured_outputs came from
 
 
 # ---- the body -------------------------------------------------------------------------------
