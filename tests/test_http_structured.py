@@ -8,11 +8,10 @@ import re
 from typing import Literal
 
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_http import API_KEY, MODEL, HttpDaemon, idle, post
+from test_http import MODEL, client, daemon, idle, post  # noqa: F401  (module-scoped fixtures: a daemon of this module's own)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -24,18 +23,6 @@ TIME = {"type": "function", "function": {
                                        "required": ["zone"], "additionalProperties": False}}}
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
 ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    d = HttpDaemon()
-    yield d
-    d.stop()
-
-
-@pytest.fixture(scope="module")
-def client(daemon):
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 class Item(BaseModel):
