@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_models import build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 

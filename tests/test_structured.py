@@ -163,6 +163,18 @@ def test_a_grammar_the_engine_rejects_raises_naming_the_field(llm, so, field):
     assert llm.generate(PROMPT, ok, use_tqdm=False)[0].finish_reason == "length"  # still serving
 
 
+def test_a_mask_with_no_token_left_ends_the_request_with_error(llm):
+    """allowed_token_ids (applied with the grammar's mask) leaves only EOS, which "ab" cannot
+    take first; a complete grammar ends the request even before min_tokens."""
+    dead, done = llm.generate([PROMPT, PROMPT], [
+        SamplingParams(max_tokens=5, allowed_token_ids=[0], structured_outputs=SO(choice=["ab"])),
+        SamplingParams(max_tokens=20, min_tokens=10, temperature=0.0, structured_outputs=SO(choice=["ab"]))],
+        use_tqdm=False)
+    assert dead.finish_reason == "error" and dead.token_ids == []
+    assert done.text == "ab" and done.finish_reason == "stop"
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("so,field,match", [
     (dict(choice=[]), "structured_outputs.choice", "1 to"),
     (dict(choice=["a", ""]), "structured_outputs.choice[1]", "non-empty"),

@@ -132,6 +132,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0)
         if matcher.is_error():
             raise InvalidFieldError(field, f"the grammar engine rejects it: {matcher.get_error()}"[:2048])
+        # The first mask builds the lexer states of the start (shared with every deep copy):
+        # here, not in the first step that serves the grammar.
+        matcher.compute_bitmask()
         self.num_compiled += 1
         return matcher
 

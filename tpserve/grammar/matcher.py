@@ -9,13 +9,14 @@ its waiting queue until then); ``error`` holds the InvalidFieldError of a gramma
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 log = logging.getLogger("tpserve.grammar")
 
 _executor = None
+_filler = None
 
 
 class RequestGrammar:
@@ -51,14 +52,28 @@ class RequestGrammar:
         return self.matcher.get_error() if self.matcher is not None else str(self.error)
 
 
-def fill_bitmask(grammars: list[RequestGrammar], words: int) -> np.ndarray:
+def fill_bitmask_async(grammars: list[RequestGrammar], words: int) -> tuple[np.ndarray, Future]:
+    """``fill_bitmask`` on a thread: (the bitmask array, the future that has written it).
+
+    The caller must not advance these matchers until the future is done; the engine does not
+    (the sampler waits for it, then postprocess consumes the sampled tokens). llguidance drops
+    the GIL while it computes, so the forward of the step runs meanwhile."""
+    global _filler
+    if _filler is None:
+        _filler = ThreadPoolExecutor(1, thread_name_prefix="tpserve-mask")
+    bitmask = np.empty((len(grammars), words), dtype=np.int32)
+    return bitmask, _filler.submit(fill_bitmask, grammars, words, bitmask)
+
+
+def fill_bitmask(grammars: list[RequestGrammar], words: int, bitmask: np.ndarray | None = None) -> np.ndarray:
     """int32 [len(grammars), words]: row i allows the tokens grammar i accepts next (bit t % 32
     of word t // 32). One call into llguidance for the whole batch, which spreads the rows
     over its own threads."""
     import llguidance
     import llguidance.numpy as lnp
     global _executor
-    bitmask = np.empty((len(grammars), words), dtype=np.int32)
+    if bitmask is None:
+        bitmask = np.empty((len(grammars), words), dtype=np.int32)
     if len(grammars) == 1:
         lnp.fill_next_token_bitmask(grammars[0].matcher, bitmask, 0)
         return bitmask

@@ -14,7 +14,8 @@ Rules that belong to the request rather than to the sampler are applied here:
 * a bad word of n tokens bans its last token when the request's last n - 1 output tokens are
   its first n - 1 (vLLM's rule: a word is matched within the output);
 * a request with ``structured_outputs`` gets its grammar's bitmask of the next allowed tokens
-  (``tpserve.grammar``; one batched llguidance call fills every such row);
+  (``tpserve.grammar``; one batched llguidance call fills every such row, on a thread, while
+  the step's forward runs: the sampler waits for it);
 * a request's penalty counts start over at its first sampled step after it got its slot
   (``init_*``: its prompt and the output so far, which is what makes preemption exact).
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpserve.grammar.matcher import fill_bitmask
+from tpserve.grammar.matcher import fill_bitmask_async
 from tpserve.sample_plan import SamplePlan
 
 # Flags of SlotControls.flags.
@@ -103,7 +104,8 @@ def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, n
     rows = np.flatnonzero(flags & GRAMMAR)
     if len(rows):
         plan.mask_rows = rows.astype(np.int32)
-        plan.bitmask = fill_bitmask([seqs[r].grammar for r in rows.tolist()], -(-vocab_size // 32))
+        plan.bitmask, plan.bitmask_pending = fill_bitmask_async([seqs[r].grammar for r in rows.tolist()],
+                                                                -(-vocab_size // 32))
     bans_r: list[np.ndarray] = []
     bans_t: list[np.ndarray] = []
     rows = np.flatnonzero((flags & MIN_TOKENS) != 0)

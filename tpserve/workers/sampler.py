@@ -220,6 +220,7 @@ class Sampler:
         if p.ban_rows is not None:
             x[self._t(p.ban_rows).long(), self._t(p.ban_tokens).long()] = inf
         if p.mask_rows is not None:
+            p.wait_bitmask()
             apply_token_bitmask(x, self._t(p.mask_rows).long(), self._t(p.bitmask))
         if p.penalty_rows is not None:
             state = self.penalties(x.shape[1])
