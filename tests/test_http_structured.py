@@ -97,8 +97,9 @@ def test_tool_choice_required_and_named(client, seed):
     assert len(single.choices[0].message.tool_calls) == 1
 
 
-def test_streamed_tool_calls_join_to_the_whole_answer(client):
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=300,
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_join_to_the_whole_answer(client, tool_choice):
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=300,
               temperature=1.0, seed=5)
     whole = client.chat.completions.create(**kw).choices[0]
     calls: dict[int, dict] = {}
@@ -125,6 +126,11 @@ def test_tool_choice_none_and_auto_answer_text(client):
     none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
                                           max_tokens=8, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
+    streamed_none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                                   max_tokens=8, temperature=0, stream=True)
+    chunks = [c for c in streamed_none if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == none.choices[0].message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
     plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0)
     # auto: this model's free text opens no call, so the text comes back as content.
     msg = plain.choices[0].message
