@@ -284,3 +284,22 @@ def test_penalty_operator_equals_the_torch_expressions():
     state.apply(a, rows, sl, rep, freq, pres)
     state.apply_reference(b, rows, sl, rep, freq, pres)
     assert torch.equal(a, b) and not torch.equal(a, x)
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 70, 32768])
+def test_bitmask_operator_masks_what_the_torch_reference_masks(vocab):
+    from tpserve.workers import sampler as S
+    assert cpu_extension.available()
+    rng = np.random.default_rng(vocab)
+    words = -(-vocab // 32)
+    bitmask = rng.integers(-2**31, 2**31, size=(4, words), dtype=np.int64).astype(np.int32)
+    bitmask[1] = 0                  # nothing allowed
+    bitmask[2] = -1                 # everything allowed
+    bitmask[3, ::2] = 0             # runs of 32 banned tokens
+    x = torch.randn(6, vocab)
+    rows = torch.tensor([5, 0, 3, 2])
+    ref = x.clone()
+    allowed = unpack_bitmask(torch.from_numpy(bitmask), vocab)
+    ref[rows] = ref[rows].masked_fill(~allowed, float("-inf"))
+    S.apply_token_bitmask(x, rows, torch.from_numpy(bitmask))
+    assert torch.equal(x, ref)

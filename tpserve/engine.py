@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,6 +28,7 @@ from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
 from tpserve.errors import InvalidFieldError, InvalidRequestError, StepFailedError, WorkerDiedError
+from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.outputs import RequestOutput, TokenLogprobs
 from tpserve.plan import Command
 from tpserve.requests import MAX_SEED, check_prompt_shape, check_request
@@ -36,6 +38,9 @@ from tpserve.tokenizer import load_tokenizer
 from tpserve.workers.executor import make_executor
 
 log = logging.getLogger("tpserve.engine")
+
+# How long an idle step waits for a compiling grammar before it returns (the caller polls again).
+_GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
@@ -64,6 +69,7 @@ class _Family:
     members: list[str]                   # internal ids of the completions queued so far
     detokenize: bool = True
     unfinished: int = 0
+    grammar: Future | None = None        # the compiled grammar (structured_outputs), shared
 
 
 # Separates a request id from a completion index in the internal id of completion i > 0.
@@ -99,6 +105,7 @@ class Engine:
         self._start = time.monotonic()
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)
         self.num_steps = 0
+        self._grammars = None  # GrammarCompiler, made at the first structured request
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -148,6 +155,8 @@ class Engine:
         bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         fam = _Family(request_id, ids, params, seed, bad, [], detokenize)
+        if params.structured_outputs is not None:
+            fam.grammar = self._compile(params.structured_outputs)
         self._add_member(fam, 0)  # raises (queuing nothing) if it can never run
         self.families[request_id] = fam
         return len(ids)
@@ -161,6 +170,8 @@ class Engine:
         rid = fam.request_id if index == 0 else f"{fam.request_id}{_SEP}{index}"
         seq = Sequence(rid, fam.prompt_ids, params, seed=seed)
         seq.bad_words_ids = fam.bad_words_ids
+        if fam.grammar is not None:
+            seq.grammar = RequestGrammar(fam.grammar)
         self.scheduler.add(seq)
         detok = None
         if (fam.detokenize or params.stop) and self.tokenizer is not None:
@@ -172,6 +183,20 @@ class Engine:
                                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         fam.members.append(rid)
         fam.unfinished += 1
+
+    def _compile(self, so) -> Future:
+        """Start compiling ``so``'s grammar (or find it cached); errors in the text itself
+        raise here, those of the grammar engine arrive with the request's output."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("params.structured_outputs", "needs a tokenizer; this model has none")
+        try:
+            text = grammar_text(so)
+        except InvalidFieldError as e:
+            raise InvalidFieldError(f"params.{e.field}", e.reason) from None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size or len(self.tokenizer),
+                                             self.config.eos_token_ids)
+        return self._grammars.compile(text, f"params.structured_outputs.{so.kind}")
 
     def _add_siblings(self, fam: _Family) -> None:
         for j in range(len(fam.members), fam.params.n):
@@ -200,8 +225,13 @@ class Engine:
         workers (they may be stuck inside a collective), propagate: the engine is unusable then.
         """
         batch = self.scheduler.schedule()
+        failed = self.scheduler.take_grammar_failures()
+        if failed:
+            failed = [self._output(seq) for seq in failed if seq.request_id in self.requests]
         if not batch:
-            return []
+            if not failed:  # only grammars compiling: wait for one rather than spin
+                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+            return failed
         try:
             plan = self.scheduler.build_plan(batch)
             plan.step_id = self.num_steps
@@ -237,7 +267,7 @@ class Engine:
         self._recent.append((time.monotonic(), len(tokens)))
         outputs = [self._output(seq) for seq in seqs]
         outputs += [self._output(sampled[p]) for p in dead.tolist() if sampled[p].request_id in self.requests]
-        return outputs
+        return failed + outputs if failed else outputs
 
     def _fail_step(self, batch, cause: Exception) -> StepFailedError:
         ids = list(dict.fromkeys(self.requests[s.request_id].family.request_id
@@ -277,6 +307,7 @@ class Engine:
         completion = seq.completion_token_ids
         new_ids = completion[req.sent_tokens:]
         finished, reason = seq.is_finished, seq.finish_reason
+        error = seq.grammar.error if finished and seq.grammar is not None else None
         text = ""
         if req.detok is not None:
             req.detok.add(new_ids)
@@ -293,17 +324,17 @@ class Engine:
         if req.logprobs is not None:
             logprobs, req.logprobs = req.logprobs, []
         prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
-        if req.index == 0 and len(fam.members) < fam.params.n:
+        if req.index == 0 and len(fam.members) < fam.params.n and error is None:
             self._add_siblings(fam)  # the prompt is computed: its blocks are in the cache
         if finished:
             del self.requests[seq.request_id]
             fam.unfinished -= 1
-            if not fam.unfinished and len(fam.members) == fam.params.n:
+            if not fam.unfinished and (len(fam.members) == fam.params.n or error is not None):
                 del self.families[fam.request_id]
         return RequestOutput(fam.request_id, list(new_ids), text, finished,
                              reason if finished else None, seq.num_prompt_tokens, len(completion),
                              logprobs=logprobs, queue_time=req.queue_time, index=req.index,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, error=error)
 
     # ---- health --------------------------------------------------------------------------
     def health_fd(self) -> int | None:
@@ -372,6 +403,9 @@ class Engine:
         return s
 
     def shutdown(self) -> None:
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars.shutdown()
+            self._grammars = None
         ex = getattr(self, "executor", None)
         if ex is not None:
             ex.shutdown()

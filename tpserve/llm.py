@@ -43,6 +43,10 @@ class LLM:
         ``prompts`` is a string, a list of token ids, or a list of either. ``sampling_params``
         is one SamplingParams for all, or one per prompt. Each output holds ``n`` completions
         (``outputs``), and ``prompt_logprobs`` when asked for.
+
+        A structured output whose grammar the engine rejects (``structured_outputs``: a bad
+        regex, an unsupported JSON-schema keyword, ...) raises InvalidFieldError naming the
+        field; the call's other requests are aborted and the engine is left as it was.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
@@ -79,6 +83,8 @@ class LLM:
                 if not outs and not engine.has_unfinished():
                     break
                 for out in outs:
+                    if out.error is not None:  # a grammar the engine rejects: aborted below
+                        raise out.error
                     res = results[out.request_id]
                     comp = res.outputs[out.index]
                     if out.prompt_logprobs is not None:

@@ -18,8 +18,10 @@ Field names are the wire's: ``prompt``, ``prompt[3]``, ``params.stop_token_ids[0
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from tpserve.errors import InvalidFieldError
@@ -53,6 +55,10 @@ MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 16
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
+#: structured_outputs: the text of a schema, regex or grammar; the number and size of choices.
+MAX_GRAMMAR_CHARS = 1 << 20
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 4096
 
 #: "error": the request could not go on (e.g. its logits controls left no token to sample).
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -181,6 +187,94 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     return out
 
 
+def _json_schema(name: str, value: Any) -> str | dict:
+    """A JSON schema object, as a dict or its JSON text (at most MAX_GRAMMAR_CHARS)."""
+    if isinstance(value, str):
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise InvalidFieldError(name, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(value)}")
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise InvalidFieldError(name, f"is not JSON text: {e}"[:512]) from None
+    elif isinstance(value, dict):
+        parsed = value
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidFieldError(name, f"is not a JSON value: {e}"[:512]) from None
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise InvalidFieldError(name, f"at most {MAX_GRAMMAR_CHARS} characters as JSON, got {len(text)}")
+    else:
+        raise InvalidFieldError(name, f"must be a JSON schema (an object or its JSON text), "
+                                      f"got {type(value).__name__}")
+    if not isinstance(parsed, dict):
+        raise InvalidFieldError(name, f"must be a JSON schema object, got {type(parsed).__name__}")
+    return value
+
+
+def _grammar_text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidFieldError(name, f"must be a string, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_GRAMMAR_CHARS:
+        raise InvalidFieldError(name, f"length must be in [1, {MAX_GRAMMAR_CHARS}] characters, got {len(value)}")
+    return check_text(name, value)
+
+
+#: The constraints of StructuredOutputsParams; exactly one is set.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def check_structured(so, name: str = "structured_outputs") -> None:
+    """Validate a StructuredOutputsParams ``so`` in place: exactly one constraint, each within
+    its bounds. Whether a schema, regex or grammar compiles is the grammar engine's answer
+    (tpserve/grammar), reported with the same field names."""
+    given = [k for k in STRUCTURED_KINDS if getattr(so, k) is not None]
+    if len(given) != 1:
+        raise InvalidFieldError(name, f"exactly one of {', '.join(STRUCTURED_KINDS)} must be set, "
+                                      f"got {', '.join(given) if given else 'none'}")
+    kind = given[0]
+    where = f"{name}.{kind}"
+    if kind == "json":
+        so.json = _json_schema(where, so.json)
+    elif kind in ("regex", "grammar"):
+        setattr(so, kind, _grammar_text(where, getattr(so, kind)))
+    elif kind == "choice":
+        if not isinstance(so.choice, (list, tuple)):
+            raise InvalidFieldError(where, f"must be a list of strings, got {type(so.choice).__name__}")
+        if not 1 <= len(so.choice) <= MAX_CHOICES:
+            raise InvalidFieldError(where, f"must hold 1 to {MAX_CHOICES} strings, got {len(so.choice)}")
+        for i, c in enumerate(so.choice):
+            if not isinstance(c, str) or not c:
+                raise InvalidFieldError(f"{where}[{i}]", "must be a non-empty string")
+            if len(c) > MAX_CHOICE_CHARS:
+                raise InvalidFieldError(f"{where}[{i}]", f"at most {MAX_CHOICE_CHARS} characters, got {len(c)}")
+            check_text(f"{where}[{i}]", c)
+        so.choice = list(so.choice)
+    elif so.json_object is not True:
+        raise InvalidFieldError(where, f"must be true when set (any JSON object), got {so.json_object!r}")
+    for flag in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        _boolean(f"{name}.{flag}", getattr(so, flag))
+    if so.whitespace_pattern is not None:
+        if kind not in ("json", "json_object"):
+            raise InvalidFieldError(f"{name}.whitespace_pattern", "applies to json and json_object only")
+        so.whitespace_pattern = _grammar_text(f"{name}.whitespace_pattern", so.whitespace_pattern)
+
+
+def _structured(value: Any):
+    """structured_outputs: a StructuredOutputsParams, or a map of its fields (the wire's form)."""
+    from tpserve.sampling import StructuredOutputsParams  # sampling imports this module
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidFieldError("structured_outputs", f"must be a map of constraints, got {type(value).__name__}")
+    known = [f.name for f in dataclass_fields(StructuredOutputsParams)]
+    for key in value:
+        if key not in known:
+            raise InvalidFieldError(f"structured_outputs.{str(key)[:64]}",
+                                    f"is not supported; allowed: {', '.join(known)}")
+    return StructuredOutputsParams(**value)
+
+
 def check_sampling(p) -> None:
     """Validate and normalise every field of the SamplingParams ``p`` in place (bounds above).
 
@@ -223,3 +317,4 @@ def check_sampling(p) -> None:
     if p.allowed_token_ids is not None:
         p.allowed_token_ids = check_token_ids("allowed_token_ids", p.allowed_token_ids,
                                               MAX_ALLOWED_TOKEN_IDS, min_len=1)
+    p.structured_outputs = _structured(p.structured_outputs)

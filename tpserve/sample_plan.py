@@ -21,7 +21,9 @@ gets ``SamplePlan()`` and the sampler runs its plain path.
     init_tokens         int32 [sum]
     min_p_rows/min_ps   int32/float32 [R]: rows with min-p filtering
     mask_rows           int32 [G] rows constrained by a token bitmask, and
-    bitmask             int32 [G, ceil(V / 32)]: bit t of a row set = token t allowed
+    bitmask             int32 [G, ceil(V / 32)]: bit t of a row set = token t allowed; it may
+                        still be filled on a thread while the forward runs: ``wait_bitmask()``
+                        (the sampler's call before it reads it) returns once it is written
     prompt_targets      int32 [L] for each row of ``StepPlan.logprob_rows``, the prompt token
                         whose log-probability that row gives
     num_prompt_logprobs the most alternatives any prompt-logprobs row asks for
@@ -67,6 +69,13 @@ class SamplePlan:
     bitmask: np.ndarray | None = None
     prompt_targets: np.ndarray | None = None
     num_prompt_logprobs: int = 0
+    bitmask_pending: object = None  # a concurrent.futures.Future filling ``bitmask``, or None
+
+    def wait_bitmask(self) -> None:
+        """Block until ``bitmask`` is written (re-raising what its filling raised)."""
+        if self.bitmask_pending is not None:
+            self.bitmask_pending.result()
+            self.bitmask_pending = None
 
     @property
     def processes_logits(self) -> bool:

@@ -3,7 +3,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpserve.requests import MAX_LOGPROBS, MAX_SEED, check_sampling  # noqa: F401  (re-exported)
+from tpserve.requests import MAX_LOGPROBS, MAX_SEED, check_sampling, check_structured  # noqa: F401  (re-exported)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar, as vLLM spells it: exactly one of
+
+    * ``json``: a JSON schema (a dict, or its JSON text); ``json_object`` True: any JSON object;
+    * ``regex``: the output fully matches the regular expression (Rust ``regex`` syntax);
+    * ``choice``: the output is one of these strings;
+    * ``grammar``: a Lark grammar (llguidance's dialect) or a GBNF/EBNF one.
+
+    Options of the JSON grammars: ``disable_any_whitespace`` True (tpserve's default; vLLM's is
+    False) allows no whitespace outside strings -- compact ``,`` and ``:`` separators -- and False
+    allows any JSON whitespace between tokens (a weak model can then emit whitespace until
+    max_tokens); ``whitespace_pattern`` (a regex) replaces the whitespace allowed when it is
+    flexible; ``disable_additional_properties`` adds ``additionalProperties: false`` to every
+    object schema that does not say. ``disable_fallback`` is accepted for vLLM clients: tpserve
+    has one grammar engine and never falls back.
+
+    The output is valid by construction: every sampled token keeps it a prefix of a string the
+    grammar accepts, and the request finishes with "stop" when the grammar is complete. A
+    request cut by ``max_tokens`` finishes with "length" and its text may not parse.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+    def __post_init__(self):
+        check_structured(self)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar", "json_object"):
+            if getattr(self, name) is not None:
+                return name
+        raise AssertionError("a validated StructuredOutputsParams sets one constraint")
 
 
 @dataclass
@@ -39,6 +83,9 @@ class SamplingParams:
     ``include_stop_str_in_output`` keeps a matched stop string in the text;
     ``skip_special_tokens`` / ``spaces_between_special_tokens`` shape the detokenized text;
     ``truncate_prompt_tokens`` k keeps only the last k prompt tokens.
+    ``structured_outputs`` (a StructuredOutputsParams, or a map of its fields) constrains the
+    output to a JSON schema, regex, choice or grammar: its token mask is applied with the
+    allowed/banned tokens, before penalties and temperature.
 
     Every field is checked at construction against the bounds of ``tpserve.requests``; a bad
     value raises ``InvalidFieldError`` naming the field (``stop_token_ids[2]``, ...).
@@ -67,6 +114,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if self.stop_token_ids is None:

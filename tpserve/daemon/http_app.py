@@ -28,11 +28,13 @@ from starlette.requests import ClientDisconnect
 
 from tpserve.daemon import openai_api as O
 from tpserve.daemon import protocol as P
+from tpserve.daemon import structured_api
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.router_api import make_router
 from tpserve.daemon.tokenizer_api import make_tokenizer_router
 from tpserve.daemon.http_guard import HostPolicy, RequestGuard
 from tpserve.daemon.http_upstream import UpstreamLost
+from tpserve.daemon.tool_calls import ToolCallStream, split_calls
 from tpserve.sampling import MAX_SEED
 
 log = logging.getLogger("tpserve.http")
@@ -92,7 +94,8 @@ class Front:
             raise O.bad(field, "is empty after tokenization")
         return ids
 
-    async def chat_text(self, messages: list[dict], options: dict | None = None) -> str:
+    async def chat_text(self, messages: list[dict], options: dict | None = None,
+                        tools: list[dict] | None = None) -> str:
         """The chat template's rendering of ``messages`` (``options``: Job.chat_options)."""
         if self.tokenizer is None or not (getattr(self.tokenizer, "chat_template", None)
                                           or (options or {}).get("chat_template")):
@@ -109,15 +112,16 @@ class Front:
             options.pop("chat_template", None)
 
         def render():
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options, **extra)
+            kw = {"tools": tools} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options, **extra, **kw)
         try:
             return await self._in_pool(render)
         except Exception as e:  # the template's own checks (roles, order) raise jinja errors
             raise O.bad("messages", f"the chat template rejected them: {e}") from None
 
     async def chat_prompt(self, messages: list[dict], options: dict | None = None,
-                          add_special_tokens: bool = False) -> list[int]:
-        text = await self.chat_text(messages, options)
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        text = await self.chat_text(messages, options, tools)
         return await self.encode(text, add_special_tokens, field="messages")
 
     @functools.lru_cache(maxsize=65536)
@@ -220,7 +224,8 @@ def daemon_error(e, job) -> O.OpenAIError:
         code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
         return O.OpenAIError(400, f"{e.message} (limit: {getattr(e, 'limit', None)})", param, code=code)
     if e.code in (P.INVALID_FIELD, P.INVALID_REQUEST, P.UNKNOWN_FIELD, P.MISSING_FIELD):
-        param = (e.field or "").removeprefix("params.").split("[")[0] or None
+        param = structured_api.daemon_field((e.field or "").removeprefix("params."), job.structured_param)
+        param = (param or "").split("[")[0] or None
         if param in ("prompt",) and job.chat:
             param = "messages"
         return O.bad(param, e.message)
@@ -257,6 +262,9 @@ class Response:
         self.role_sent = [False] * self.n_choices
         self.echoed = [False] * self.n_choices
         self.token_text = (lambda t: f"token_id:{t}") if job.token_ids_as_text else front.token_text
+        # Chat with tools whose tool_choice constrains the answer: calls are read back out.
+        tools = job.tools if job.chat and job.tools is not None and job.tools.constrains else None
+        self.tool_streams = [ToolCallStream() for _ in range(self.n_choices)] if tools else None
 
     def _entries(self, delta) -> list:
         if delta.logprobs is None:
@@ -324,12 +332,19 @@ class Response:
         echo_text, echo_entries = self._echo(index)
         if isinstance(item, GenerateResult):
             self.results[index] = item
+            reason = item.finish_reason
+            if self.tool_streams is not None:
+                ts = self.tool_streams[index]
+                out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
+                        for d in ts.flush()]
+                if ts.num_calls and reason == "stop":
+                    reason = "tool_calls"
             if self.job.chat:
                 if echo_text:
                     out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
                                             "finish_reason": None}))
                 out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
-                                        "finish_reason": item.finish_reason}))
+                                        "finish_reason": reason}))
             else:
                 choice = {"index": index, "text": echo_text, "logprobs": self._logprobs_obj(index, echo_entries)
                           if echo_entries else None, "finish_reason": item.finish_reason}
@@ -339,7 +354,11 @@ class Response:
             return out
         self.token_ids[index] += item.token_ids
         lp = self._logprobs_obj(index, echo_entries + self._entries(item))
-        if self.job.chat:
+        if self.tool_streams is not None:
+            for d in self.tool_streams[index].feed(item.text):
+                out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
+                lp = None
+        elif self.job.chat:
             out.append(self._chunk({"index": index, "delta": {"content": echo_text + item.text}, "logprobs": lp,
                                     "finish_reason": None}))
         else:
@@ -376,8 +395,13 @@ class Response:
             text, reason = echo_text + "".join(self.text[i]), self.results[i].finish_reason
             lp = self._logprobs_obj(i, echo_entries + self.logprobs[i])
             if self.job.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text},
-                          "logprobs": lp, "finish_reason": reason}
+                message = {"role": "assistant", "content": text}
+                if self.tool_streams is not None:
+                    message["content"], calls = split_calls(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
             choice.update(self._extras(i))
@@ -493,7 +517,9 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     @v1.post("/completions")
     async def completions(request: Request):
-        job = O.parse_completion(await read_json(request), front.model_name)
+        body = await read_json(request)
+        job = O.parse_completion(body, front.model_name)
+        structured_api.apply(job, body)
         prompts = [await front.encode(p, job.add_special_tokens) if isinstance(p, str) else p for p in job.prompts]
         texts = None
         if job.echo:  # the prompt as sent, or its decoded token ids
@@ -502,8 +528,11 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        job = O.parse_chat(await read_json(request), front.model_name)
-        ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens)
+        body = await read_json(request)
+        job = O.parse_chat(body, front.model_name)
+        structured_api.apply(job, body)
+        ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens,
+                                      tools=job.tools.tools if job.tools is not None else None)
         if not job.max_tokens_given:
             job.params = replace(job.params, max_tokens=max(1, front.max_model_len - len(ids)))
         last = job.messages[-1]

@@ -62,6 +62,8 @@ class Job:
     return_token_ids: bool = False   # vLLM's: token ids in each choice (and the prompt's)
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (BOS)
     chat_options: dict = field(default_factory=dict)  # apply_chat_template's options
+    tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
+    structured_param: str | None = None  # the body field params.structured_outputs came from
 
 
 # ---- the body -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Type strings are looked up per direction: ``REQUESTS`` (client -> daemon) and ``
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields as dc_fields
 from typing import Any, Callable, ClassVar
 
@@ -22,7 +23,7 @@ import msgpack
 
 from tpserve import requests as R
 from tpserve.errors import InvalidFieldError, TpserveError
-from tpserve.sampling import MAX_LOGPROBS, SamplingParams
+from tpserve.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 PROTOCOL_VERSION = 1
 
@@ -223,6 +224,7 @@ def sampling_params(name, v):
     """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults).
 
     The bounds are SamplingParams' own (tpserve.requests); this only adds the wire's field names.
+    ``structured_outputs`` is a map of StructuredOutputsParams fields.
     """
     if isinstance(v, SamplingParams):
         return v  # validated when it was constructed (tpserve.requests): not rebuilt here
@@ -245,6 +247,22 @@ def params_to_wire(params: SamplingParams) -> dict:
     d = {k: v for k, v in d.items() if v is not None}
     if "logit_bias" in d:
         d["logit_bias"] = {str(t): b for t, b in d["logit_bias"].items()}
+    if "structured_outputs" in d:
+        d["structured_outputs"] = structured_to_wire(d["structured_outputs"])
+    return d
+
+
+def structured_to_wire(so: StructuredOutputsParams) -> dict:
+    """StructuredOutputsParams as its wire map: the constraint and the options that differ
+    from their defaults; a ``json`` schema travels as its JSON text (a wire map holds at most
+    MAX_STATUS_ENTRIES entries, a schema's ``properties`` may hold more)."""
+    d = {}
+    for f in dc_fields(StructuredOutputsParams):
+        v = getattr(so, f.name)
+        if v is not None and v != f.default:
+            d[f.name] = v
+    if isinstance(d.get("json"), dict):
+        d["json"] = json.dumps(d["json"], separators=(",", ":"))
     return d
 
 

@@ -420,6 +420,15 @@ class Server:
             req = self._requests.get(out.request_id)
             if req is None:
                 continue  # aborted or dropped since the engine produced it
+            if out.error is not None:  # its grammar did not compile: no token was produced
+                self._close(req)
+                e = out.error
+                field = getattr(e, "field", None)
+                code = P.INVALID_FIELD if field else P.INVALID_REQUEST
+                self.peers.send(req.peer, P.ErrorReply(code, str(getattr(e, "reason", e))[:P.MAX_MESSAGE_CHARS],
+                                                       id=req.client_id, field=field))
+                self.peers.forget_if_idle(req.peer)
+                continue
             if out.num_prompt_tokens:
                 req.prompt_tokens = out.num_prompt_tokens
             req.completion_tokens += len(out.new_token_ids)

@@ -13,6 +13,9 @@ Rules that belong to the request rather than to the sampler are applied here:
   ignore_eos, and stop_token_ids), as vLLM does;
 * a bad word of n tokens bans its last token when the request's last n - 1 output tokens are
   its first n - 1 (vLLM's rule: a word is matched within the output);
+* a request with ``structured_outputs`` gets its grammar's bitmask of the next allowed tokens
+  (``tpserve.grammar``; one batched llguidance call fills every such row, on a thread, while
+  the step's forward runs: the sampler waits for it);
 * a request's penalty counts start over at its first sampled step after it got its slot
   (``init_*``: its prompt and the output so far, which is what makes preemption exact).
 """
@@ -20,10 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpserve.grammar.matcher import fill_bitmask_async
 from tpserve.sample_plan import SamplePlan
 
 # Flags of SlotControls.flags.
-PENALTY, MIN_P, BIAS, ALLOWED, BAD_WORDS, MIN_TOKENS = (1 << i for i in range(6))
+PENALTY, MIN_P, BIAS, ALLOWED, BAD_WORDS, MIN_TOKENS, GRAMMAR = (1 << i for i in range(7))
 _SPARSE = BIAS | ALLOWED | BAD_WORDS
 
 
@@ -41,6 +45,8 @@ def _flags(sp) -> int:
         f |= BAD_WORDS
     if sp.min_tokens > 0:
         f |= MIN_TOKENS
+    if sp.structured_outputs is not None:
+        f |= GRAMMAR
     return f
 
 
@@ -77,10 +83,11 @@ def _ids(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int32).reshape(-1)
 
 
-def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, num_logprobs: int
-                      ) -> SamplePlan:
+def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, num_logprobs: int,
+                      vocab_size: int = 0) -> SamplePlan:
     """The SamplePlan of one step's sample rows: ``seqs[i]`` holds slot ``slots[i]`` and has
-    ``steps[i]`` completion tokens so far (the plan's ``sample_steps``)."""
+    ``steps[i]`` completion tokens so far (the plan's ``sample_steps``). ``vocab_size`` (the
+    logits' width) sizes the grammar bitmask rows."""
     c: SlotControls = table.controls
     if not c.num_controlled or not len(slots):
         return SamplePlan(num_logprobs=num_logprobs)
@@ -94,6 +101,11 @@ def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, n
     rows = np.flatnonzero(flags & PENALTY)
     if len(rows):
         _penalties(plan, seqs, slots, rows, c)
+    rows = np.flatnonzero(flags & GRAMMAR)
+    if len(rows):
+        plan.mask_rows = rows.astype(np.int32)
+        plan.bitmask, plan.bitmask_pending = fill_bitmask_async([seqs[r].grammar for r in rows.tolist()],
+                                                                -(-vocab_size // 32))
     bans_r: list[np.ndarray] = []
     bans_t: list[np.ndarray] = []
     rows = np.flatnonzero((flags & MIN_TOKENS) != 0)

@@ -53,7 +53,9 @@ updates lengths and checks EOS / stop tokens / length limits vectorized.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,9 +67,11 @@ from tpserve import requests as R
 from tpserve.plan import StepPlan
 from tpserve.sample_plan import SamplePlan
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
-from tpserve.scheduler.sample_inputs import build_sample_plan
+from tpserve.scheduler.sample_inputs import GRAMMAR, build_sample_plan
 from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("tpserve.scheduler")
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -148,6 +152,13 @@ class Scheduler:
         self._dropped_in_flight = False
         self._step_id = 0
         self._num_logprob_seqs = 0  # unfinished requests with logprobs set (0: skip the scan)
+        self.vocab_size = int(config.hf_config.get("vocab_size") or 0)
+        # Structured output: requests whose grammar still compiles (kept out of `waiting`),
+        # those whose grammar failed (finished "error", not yet reported), and how many
+        # unfinished requests have a grammar (0: postprocess skips the matchers).
+        self._compiling: list[Sequence] = []
+        self._grammar_failures: list[Sequence] = []
+        self._num_grammar_seqs = 0
         # Counters (see stats()).
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
@@ -186,20 +197,76 @@ class Scheduler:
                                  f"{blocks} blocks of {self.block_size} tokens; the KV pool has {pool}")
         seq.block_size = self.block_size
         self._requests[rid] = seq
-        self.waiting.append(seq)
         self._num_logprob_seqs += seq.sampling_params.logprobs is not None
+        if seq.grammar is not None:
+            self._num_grammar_seqs += 1
+            if not seq.grammar.ready():
+                self._compiling.append(seq)  # schedule() queues it once its grammar is built
+                return
+            if seq.grammar.error is not None:
+                self._compiling.append(seq)  # reported by the next schedule(), like a late failure
+                return
+        self.waiting.append(seq)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or bool(self._compiling)
+
+    # ---- grammars (structured output) -----------------------------------------------------
+    def _queue_compiled(self) -> None:
+        """Move requests whose grammar is built to the back of ``waiting`` (in arrival order);
+        finish those whose grammar failed with "error" (``take_grammar_failures``)."""
+        still = []
+        for seq in self._compiling:
+            if not seq.grammar.ready():
+                still.append(seq)
+            elif seq.grammar.error is not None:
+                self._grammar_failures.append(seq)
+            else:
+                self.waiting.append(seq)
+        self._compiling = still
+        if self._grammar_failures:
+            self._finish_many([(seq, "error") for seq in self._grammar_failures
+                               if seq.status is WAITING])
+
+    def take_grammar_failures(self) -> list[Sequence]:
+        """The requests finished "error" because their grammar did not compile since the last
+        call (``seq.grammar.error`` says why)."""
+        out, self._grammar_failures = self._grammar_failures, []
+        return out
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until a compiling grammar is done (nothing else is
+        runnable: the caller would otherwise spin)."""
+        if self._compiling and not (self.waiting or self.running):
+            futures_wait([s.grammar.future for s in self._compiling], timeout, FIRST_COMPLETED)
+
+    def _advance_grammars(self, seqs: list[Sequence], toks: list[int]) -> list[tuple[Sequence, str]]:
+        """Feed each constrained sequence its sampled token (EOS included: where the grammar
+        may end, EOS completes it): (seq, "stop") when its grammar is complete, (seq, "error")
+        if the token broke it (the mask makes that an internal fault)."""
+        done = []
+        for seq, tok in zip(seqs, toks):
+            g = seq.grammar
+            if g is None:
+                continue
+            if not g.accept(tok):
+                log.error("request %r: its grammar refused sampled token %d: %s", seq.request_id, tok,
+                          g.describe_error())
+                done.append((seq, "error"))
+            elif g.is_complete:
+                done.append((seq, "stop"))
+        return done
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick the next batch under the configured policy (see the module docstring)."""
         self._step_id += 1
         self._dropped_in_flight = False
+        if self._compiling:
+            self._queue_compiled()
         if self.policy == "mixed":
             return self._schedule_mixed()
         batch = self._schedule_prefill(self.max_num_batched_tokens, [], 0)
@@ -399,7 +466,10 @@ class Scheduler:
                 out.append(seq)
             bm.hash_blocks(seq)
             if sampled:
-                if (t.stop_ids[:, seq.slot] == tok).any():
+                ended = self._advance_grammars([seq], [tok]) if seq.grammar is not None else ()
+                if ended:
+                    done.extend(ended)
+                elif (t.stop_ids[:, seq.slot] == tok).any():
                     done.append((seq, "stop"))
                 elif len(seq) >= t.stop_lens[seq.slot]:
                     done.append((seq, "length"))
@@ -428,11 +498,17 @@ class Scheduler:
             for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist():
                 bm.hash_blocks(seqs[p])
         stop = t.stop_hits(slots, toks32)
+        grammar_ends: list[tuple[Sequence, str]] = []
+        if self._num_grammar_seqs:
+            rows = np.flatnonzero(t.controls.flags[slots] & GRAMMAR).tolist()
+            if rows:
+                grammar_ends = self._advance_grammars([seqs[p] for p in rows], toks[rows].tolist())
         ended = np.flatnonzero(stop | (lens >= t.stop_lens[slots]))
-        if len(ended):
+        if len(ended) or grammar_ends:
             stop_list = stop.tolist()
-            self._finish_many([(seqs[p], "stop" if stop_list[p] else "length")
-                               for p in ended.tolist()])
+            by_grammar = {id(s) for s, _ in grammar_ends}
+            self._finish_many(grammar_ends + [(seqs[p], "stop" if stop_list[p] else "length")
+                                              for p in ended.tolist() if id(seqs[p]) not in by_grammar])
         return seqs
 
     # ---- finishing -----------------------------------------------------------------------
@@ -466,6 +542,7 @@ class Scheduler:
         left_running = 0
         for seq, reason in items:
             self._num_logprob_seqs -= seq.sampling_params.logprobs is not None
+            self._num_grammar_seqs -= seq.grammar is not None
             was = seq.status
             seq.status = FINISHED
             seq.finish_reason = reason
@@ -476,7 +553,9 @@ class Scheduler:
                 left_running += 1
                 if self._prefilling is seq:
                     self._prefilling = None
-            else:
+            elif seq in self._compiling:
+                self._compiling.remove(seq)
+            elif seq not in self._grammar_failures:
                 self.waiting.remove(seq)
         if left_running == 1 and len(items) == 1:
             self.running.remove(items[0][0])
@@ -493,7 +572,7 @@ class Scheduler:
         ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
             if self._num_logprob_seqs else ()
         sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
-                                   self.table, max(ks, default=-1))
+                                   self.table, max(ks, default=-1), self.vocab_size)
         if batch.prompt_logprobs:
             sample.prompt_targets = batch.prompt_logprob_targets
             sample.num_prompt_logprobs = max(s.sampling_params.prompt_logprobs for s, _, _ in batch.prompt_logprobs)
@@ -560,7 +639,8 @@ class Scheduler:
         bm, t, bs = self.block_manager, self.table, self.block_size
         bm.check_integrity()
         assert len(self.running) <= self.max_num_seqs, "more running sequences than max_num_seqs"
-        ids = [s.request_id for s in self.running] + [s.request_id for s in self.waiting]
+        ids = ([s.request_id for s in self.running] + [s.request_id for s in self.waiting]
+               + [s.request_id for s in self._compiling])
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
         assert set(ids) == set(self._requests), "queues and request index disagree"
         assert set(map(id, self.running)) == set(map(id, bm.live_sequences())), \
