@@ -41,7 +41,7 @@ class Sequence:
                  "block_size", "status", "is_prefill", "num_scheduled_tokens", "block_table",
                  "_num_cached_tokens", "_cached_follows_len", "num_prefix_hit_tokens",
                  "num_hashed_blocks", "block_hashes", "finish_reason", "slot", "bad_words_ids",
-                 "num_prompt_logprobs_done")
+                 "num_prompt_logprobs_done", "proposer_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16):
@@ -72,6 +72,8 @@ class Sequence:
         # Prompt positions whose log-probability was computed (position 0 has none); kept
         # across preemption so that recomputing a prompt does not report a position twice.
         self.num_prompt_logprobs_done = 1
+        # A draft proposer's memo over token_ids (scheduler/proposer.py); None until it is asked.
+        self.proposer_state = None
 
     # ---- KV accounting -------------------------------------------------------------------
     @property
