@@ -71,10 +71,10 @@ class Speculator:
         drafts = self.proposer.propose(seqs, caps.tolist())
         kept: list[list[int]] = []
         for seq, slot, d in zip(seqs, slots.tolist(), drafts):
-            if d and budget > 0:
+            if d:
                 # Tokens the held and free blocks have slots for, from position len - 1 on.
                 fits = (len(seq.block_table) + bm.num_free_blocks) * bs - (len(seq.token_ids) - 1)
-                d = d[:min(budget, fits - 1)]
+                d = d[:max(min(budget, fits - 1), 0)]
             if d:
                 before = len(seq.block_table)
                 bm.may_append(seq, 1 + len(d))
