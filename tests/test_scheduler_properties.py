@@ -205,6 +205,27 @@ class Harness:
             self.s.preempt(running[k % len(running)])
             self.s.check_integrity()
 
+    def run(self, ops, vocab=None):
+        """Apply the drawn operations (add_st / op_st tuples); ``vocab`` folds token ids."""
+        cfg = self.cfg
+        for op in ops:
+            if op[0] == "add":
+                _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
+                if vocab is not None:
+                    prompt, stop_ids = [t % vocab for t in prompt], [t % vocab for t in stop_ids]
+                if clamp:
+                    max_tokens = min(max_tokens, cfg.max_model_len - len(prompt),
+                                     cfg.num_kv_blocks * cfg.block_size + 1 - len(prompt))
+                    if max_tokens < 1:
+                        continue
+                self.add(prompt, max_tokens, ignore_eos, stop_ids)
+            elif op[0] == "step":
+                self.step()
+            elif op[0] == "abort":
+                self.abort(op[1])
+            else:
+                self.preempt(op[1])
+
     def drain(self, limit=5000):
         for _ in range(limit):
             if not self.s.has_unfinished():
@@ -258,20 +279,7 @@ def test_random_interleavings_keep_invariants(policy, bs, pool_tokens, max_num_s
     blocks = -(-pool_tokens // bs)
     h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=6, salt=salt,
                 policy=policy, max_stall=max_stall)
-    for op in initial + ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
-            if clamp:
-                max_tokens = min(max_tokens, max_model_len - len(prompt), blocks * bs + 1 - len(prompt))
-                if max_tokens < 1:
-                    continue
-            h.add(prompt, max_tokens, ignore_eos, stop_ids)
-        elif op[0] == "step":
-            h.step()
-        elif op[0] == "abort":
-            h.abort(op[1])
-        else:
-            h.preempt(op[1])
+    h.run(initial + ops)
     h.drain()
     h.check_outputs()
     st_ = h.s.stats()
@@ -283,15 +291,15 @@ def test_random_interleavings_keep_invariants(policy, bs, pool_tokens, max_num_s
 
 # ---- block sizes, with preemption, chunking and prefix hits ---------------------------------
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("bs", [1, 2, 16, 256])
-def test_outputs_match_reference_across_block_sizes(bs, policy):
-    rng = np.random.default_rng(bs)
+def block_size_workload(bs, policy, seed, **harness_options) -> Harness:
+    """8 requests sharing prefixes, in a pool of about 1.5 of the largest (forces preemption),
+    chunked prefills; run to the end and checked against the reference."""
+    rng = np.random.default_rng(seed)
     scale = bs if bs > 2 else 8
     longest = 4 * scale + 4                   # prompt + max_tokens of the largest request
     blocks = -(-3 * longest // (2 * bs))      # room for about 1.5 of them: forces preemption
     h = Harness(bs, blocks, max_num_seqs=4, max_batched=3 * scale, max_model_len=4 * scale * 8,
-                prefix=True, vocab=50, salt=bs, policy=policy, max_stall=12 * scale)
+                prefix=True, vocab=50, salt=bs, policy=policy, max_stall=12 * scale, **harness_options)
     base = rng.integers(1, 50, size=2 * scale).tolist()
     for i in range(8):
         shared = base[:int(rng.integers(scale // 2, 2 * scale))]
@@ -301,6 +309,13 @@ def test_outputs_match_reference_across_block_sizes(bs, policy):
             h.step()
     h.drain()
     h.check_outputs()
+    return h
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bs", [1, 2, 16, 256])
+def test_outputs_match_reference_across_block_sizes(bs, policy):
+    h = block_size_workload(bs, policy, seed=bs)
     st_ = h.s.stats()
     assert st_["prefix_cache_hit_tokens"] > 0
     assert st_["num_preemptions"] > 0
@@ -329,20 +344,7 @@ def test_random_interleavings_with_drafts(policy, bs, pool_tokens, max_num_seqs,
                 prompt_lookup_max=lookup[1], disable_by_batch_size=limit)
     h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=vocab, salt=salt,
                 policy=policy, max_stall=max_stall, spec=spec, copy_period=copy_period)
-    for op in initial + ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
-            if clamp:
-                max_tokens = min(max_tokens, max_model_len - len(prompt), blocks * bs + 1 - len(prompt))
-                if max_tokens < 1:
-                    continue
-            h.add([t % vocab for t in prompt], max_tokens, ignore_eos, [t % vocab for t in stop_ids])
-        elif op[0] == "step":
-            h.step()
-        elif op[0] == "abort":
-            h.abort(op[1])
-        else:
-            h.preempt(op[1])
+    h.run(initial + ops, vocab)
     h.drain()
     h.check_outputs()
     event(f"drafted steps: {h.drafted_steps > 0}")
@@ -354,23 +356,8 @@ def test_random_interleavings_with_drafts(policy, bs, pool_tokens, max_num_seqs,
 @pytest.mark.parametrize("bs", [1, 2, 16])
 def test_outputs_match_reference_with_drafts_across_block_sizes(bs, policy):
     """Long copy runs (drafts of 6 mostly accepted), preemption, prefix hits and chunking."""
-    rng = np.random.default_rng(100 + bs)
-    scale = bs if bs > 2 else 8
-    longest = 4 * scale + 4
-    blocks = -(-3 * longest // (2 * bs))
     spec = dict(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=3)
-    h = Harness(bs, blocks, max_num_seqs=4, max_batched=3 * scale, max_model_len=4 * scale * 8,
-                prefix=True, vocab=50, salt=bs, policy=policy, max_stall=12 * scale, spec=spec,
-                copy_period=3)
-    base = rng.integers(1, 50, size=2 * scale).tolist()
-    for i in range(8):
-        shared = base[:int(rng.integers(scale // 2, 2 * scale))]
-        tail = rng.integers(1, 50, size=int(rng.integers(1, scale))).tolist()
-        h.add(shared + tail, max_tokens=int(rng.integers(scale // 2, scale + 4)), ignore_eos=True)
-        if i % 4 == 3:
-            h.step()
-    h.drain()
-    h.check_outputs()
+    h = block_size_workload(bs, policy, seed=100 + bs, spec=spec, copy_period=3)
     st_ = h.s.stats()
     assert st_["prefix_cache_hit_tokens"] > 0 and st_["num_preemptions"] > 0
     assert h.drafted_steps > 0 and st_["spec_decode_num_accepted_tokens_per_pos"][2] > 0
