@@ -309,3 +309,51 @@ def test_preempt_and_abort_with_drafts_in_flight():
     assert s.postprocess(batch, rows, counts) == []
     s.check_integrity()
     assert s.block_manager.num_free_blocks == 32 and [q.request_id for q in s.waiting] == ["A"]
+
+
+# ---- the option everywhere, and the metrics -----------------------------------------------------
+
+def test_speculative_config_option_cli_env_and_child_argv(monkeypatch):
+    import click
+    from click.testing import CliRunner
+
+    from tpserve.daemon.options import config_from_options, engine_options, options_argv
+
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def cmd(**kwargs):
+        seen["config"] = config_from_options(kwargs, resolve=False)
+
+    runner = CliRunner()
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    assert runner.invoke(cmd, ["--speculative-config", spec]).exit_code == 0
+    config = seen["config"]
+    assert config.speculative == SpeculativeConfig("ngram", 4, 4, 2)
+    assert runner.invoke(cmd, options_argv(config)).exit_code == 0  # what `start` gives its child
+    assert seen["config"].to_dict() == config.to_dict()
+    assert runner.invoke(cmd, []).exit_code == 0 and seen["config"].speculative is None
+    monkeypatch.setenv("TPSERVE_SPECULATIVE_CONFIG", '{"num_speculative_tokens": 2}')
+    assert runner.invoke(cmd, []).exit_code == 0 and seen["config"].speculative.num_speculative_tokens == 2
+    for bad, words in (('{"num_speculative_tokens": 2, "lookup": 3}', "speculative_config.lookup"),
+                       ("[1, 2]", "must be a JSON object"), ("{oops", "is not valid JSON")):
+        result = runner.invoke(cmd, ["--speculative-config", bad])
+        assert result.exit_code == 2 and "--speculative-config" in result.output and words in result.output
+
+
+def test_spec_decode_metrics_use_vllm_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tpserve.daemon.metrics import ServingMetrics
+
+    stats = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+             "spec_decode_num_accepted_tokens": 25, "spec_decode_num_accepted_tokens_per_pos": [9, 7, 5, 4]}
+    text = ServingMetrics("m", lambda: stats).render()
+    samples = {(s.name, s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("tpserve:spec_decode_num_drafts_total", None)] == 10
+    assert samples[("tpserve:spec_decode_num_draft_tokens_total", None)] == 40
+    assert samples[("tpserve:spec_decode_num_accepted_tokens_total", None)] == 25
+    assert [samples[("tpserve:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)] == [9, 7, 5, 4]
+    assert "spec_decode" not in ServingMetrics("m", lambda: {}).render()  # off: no series
