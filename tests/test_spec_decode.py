@@ -357,3 +357,22 @@ def test_spec_decode_metrics_use_vllm_names():
     assert samples[("tpserve:spec_decode_num_accepted_tokens_total", None)] == 25
     assert [samples[("tpserve:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)] == [9, 7, 5, 4]
     assert "spec_decode" not in ServingMetrics("m", lambda: {}).render()  # off: no series
+
+
+def test_decode_cuda_graphs_refuse_plans_with_draft_rows():
+    """A step verifying drafts has rows with several queries over cached context: it is a
+    prefill plan with context, which decode graphs never run (they run eagerly)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tpserve.workers.cuda_graph import DecodeGraphs
+    s = make_sched(bs=16, blocks=32)
+    s.add(make_seq("a", [1, 2, 3, 1, 2, 3, 1]))
+    step_loop(s)
+    batch = s.schedule()
+    plan = s.build_plan(batch)
+    assert batch.drafts and plan.is_prefill and plan.has_context and plan.max_seqlen_q == 4
+    graphs = DecodeGraphs(None, SimpleNamespace(device=torch.device("cpu")),
+                          SimpleNamespace(block_size=16, max_model_len=256), max_batch=8)
+    assert not graphs.can_run(plan)
