@@ -352,3 +352,38 @@ def test_acceptance_rule_against_two_wrong_ones():
     for wrong in wrong_rules:
         stat, df = chi_square(np.bincount(wrong, minlength=v), p0)
         assert stat > chi_square_critical(df), (stat, df)
+
+
+def test_prompt_logprobs_beside_draft_rows(qwen3):
+    """A prompt scored in chunks while other sequences verify drafts in the same steps: its
+    prompt log-probabilities (rows after the draft rows) equal those of a plain run."""
+    path, _ = qwen3
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)]
+    prompts = [[7] * 33, [5, 6, 7, 8] * 3, [42] * 20, list(range(30, 90))]
+    runs = {}
+    for name, spec in (("plain", None), ("spec", SPEC)):
+        with LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=4, max_num_batched_tokens=24,
+                 max_stall_tokens=24, speculative_config=spec) as llm:
+            llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+            engine = llm.engine
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                engine.add_request(f"q{i}", p, sp, detokenize=False)
+            schedule, together = engine.scheduler.schedule, []
+
+            def watched():
+                batch = schedule()
+                together.append(bool(batch.drafts) and any(
+                    q.sampling_params.prompt_logprobs is not None for q in batch.seqs[batch.num_decodes:]))
+                return batch
+
+            engine.scheduler.schedule = watched
+            lps = None
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.prompt_logprobs is not None:
+                        lps = (lps or []) + out.prompt_logprobs
+            runs[name] = lps
+    assert any(together)  # (of the speculative run) draft rows and prompt-logprob rows in one step
+    plain, spec = runs["plain"], runs["spec"]
+    assert plain[0] is None and spec[0] is None and len(plain) == len(spec) == 60
+    assert [x.logprob for x in spec[1:]] == pytest.approx([x.logprob for x in plain[1:]], abs=1e-4)
