@@ -307,7 +307,7 @@ class Engine:
                     if cut < len(new_ids):  # tokens after it came in the same step (drafts)
                         if req.logprobs is not None:
                             del req.logprobs[len(req.logprobs) - (len(new_ids) - cut):]
-                        del seq.token_ids[seq.num_prompt_tokens + req.sent_tokens + cut:]
+                        self.scheduler.truncate_finished(seq, req.sent_tokens + cut)
                         completion = seq.completion_token_ids
                         new_ids = new_ids[:cut]
             else:

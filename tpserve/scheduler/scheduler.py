@@ -548,6 +548,15 @@ class Scheduler:
         self._finish_many([(seq, reason)])
         return True
 
+    def truncate_finished(self, seq: Sequence, num_completion_tokens: int) -> None:
+        """Drop the tokens of a finished sequence after its first ``num_completion_tokens``
+        (a stop string completed inside a run of accepted drafts). Its blocks are already
+        free; blocks it filled stay valid in the prefix cache (their KV is of accepted tokens)."""
+        assert seq.is_finished, "truncate_finished() of an unfinished sequence"
+        end = seq.num_prompt_tokens + num_completion_tokens
+        self.decode_tokens -= max(len(seq.token_ids) - end, 0)
+        del seq.token_ids[end:]
+
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if unknown or already finished."""
         return self.finish(request_id, "abort")
