@@ -53,13 +53,13 @@ if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                                if p)
 
-SECTIONS = ("env", "kernels", "graphs", "start", "hf", "e2e", "tp")
+SECTIONS = ("env", "kernels", "graphs", "start", "hf", "e2e", "tp", "spec")
 # Modules each section imports beyond torch (the engine's runtime dependencies for the rest).
 _ENGINE_MODULES = ("triton", "numpy", "transformers", "tokenizers", "safetensors", "msgpack",
                    "xxhash", "tqdm")
 NEEDS = {"env": ("triton",), "kernels": ("triton",), "graphs": _ENGINE_MODULES,
          "start": _ENGINE_MODULES, "hf": _ENGINE_MODULES, "e2e": _ENGINE_MODULES,
-         "tp": _ENGINE_MODULES}
+         "tp": _ENGINE_MODULES, "spec": _ENGINE_MODULES}
 
 
 def missing_modules(names) -> list[str]:
@@ -593,6 +593,34 @@ def check_tp(report: Report, model_dir, gpus: int, max_model_len: int = 512):
                                               f"; stderr tail: {proc.stderr[-400:]!r}"))
 
 
+def check_spec(report: Report, model_dir, max_tokens: int = 32, max_model_len: int = 512, **options):
+    """Speculative decoding on the device: rows verifying drafts are prefill rows over cached
+    context (the prefill kernel, eager) beside plain decode rows (captured graphs). Greedy
+    tokens (fp32) equal those without drafts; a divergence counts only at a near-tie of the
+    plain run's top two (``HF_TIE``). Drafts must be accepted."""
+    from tpserve import LLM, SamplingParams
+    prompts = [[42] * 64, [5, 6, 7, 8] * 8, list(range(100, 180)), [7, 9] * 20]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    runs = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        with LLM(str(model_dir), dtype="float32", max_model_len=max_model_len,
+                 speculative_config=config, **options) as llm:
+            runs[name] = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            stats = llm.stats()
+    for i, (a, b) in enumerate(zip(runs["plain"], runs["spec"])):
+        j = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if j is None:
+            report.check(f"spec: prompt {i} greedy equals the plain run", True, f"{len(a.token_ids)} tokens")
+        else:
+            top = a.logprobs[j].top
+            gap = top[0][1] - top[1][1]
+            report.check(f"spec: prompt {i} greedy equals the plain run", gap < HF_TIE,
+                         f"token {j}: {a.token_ids[j]} vs {b.token_ids[j]} (plain top-2 gap {gap:.1e})")
+    report.check("spec: drafts accepted", stats["spec_decode_num_accepted_tokens"] > 0,
+                 f"mean acceptance length {stats['spec_decode_mean_acceptance_length']:.2f}")
+
+
 def host_graphs_accelerator():
     """The host accelerator with the device path on (--dry-run): decode graphs are captured
     through the seam and replay by re-running their function."""
@@ -637,6 +665,7 @@ def gpu_steps(report: Report, args, gpus: int, checkpoint) -> dict:
         "hf": lambda: check_hf_greedy(report, checkpoint("float32"), "cuda"),
         "e2e": lambda: run_e2e(report, checkpoint("bfloat16"), args.requests),
         "tp": lambda: check_tp(report, checkpoint("float32"), gpus),
+        "spec": lambda: check_spec(report, checkpoint("float32")),
     }
 
 
@@ -659,6 +688,7 @@ def dry_run_steps(report: Report, args, tiny) -> dict:
         "e2e": lambda: run_e2e(report, tiny(), min(args.requests, 3), max_model_len=64,
                                workload=dict(min_len=2, max_input=20, max_output=6, vocab=500)),
         "tp": lambda: check_tp(report, tiny(), gpus=2, max_model_len=128),
+        "spec": lambda: check_spec(report, tiny(), max_tokens=8, max_model_len=128),
     }
 
 

@@ -251,3 +251,11 @@ def test_shell_skips_stages_past_its_budget_and_refuses_unknown_stages(tmp_path)
     bad = subprocess.run(["bash", script, "--timeout", "kernels"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--timeout: expected STAGE=SECONDS" in bad.stderr
+
+
+def test_spec_section_runs_on_a_tiny_model(tmp_path):
+    path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
+    r = _report()
+    gpu_check.check_spec(r, path, max_tokens=12, max_model_len=128)
+    assert r.ok and r.counts["PASS"] == 5, r.lines
+    assert r.lines[-1].startswith("PASS spec: drafts accepted: mean acceptance length")

@@ -275,3 +275,38 @@ def test_tp2_constrained_outputs_equal_tp1(llm):
     for schema, o in zip(schemas, outs):
         jsonschema.validate(json.loads(o.text), schema)
     assert re.fullmatch(r"\w{3} \d\d", outs[3].text)
+
+
+def test_constrained_requests_get_no_drafts_beside_speculating_neighbours(llm):
+    """With ngram speculation on, grammar-constrained rows stay plain decode rows (no drafts:
+    a mask per draft position is not built), while their unconstrained neighbours verify
+    drafts; every output equals the one without speculation."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    loop = "x = 1\nx = 1\nx = 1\nx = 1\n"  # a copy-heavy prompt: the proposer finds drafts
+    prompts = [loop, PROMPT, loop + "y", PROMPT]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=12, structured_outputs=SO(regex="[a-c]{3,9}"))]
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(str(BUNDLED), dtype="float32", num_kv_blocks=256, block_size=4, max_num_seqs=24,
+             speculative_config=spec) as sllm:
+        drafted: list[str] = []
+        speculator = sllm.engine.scheduler.speculator
+        add = speculator.add_drafts
+
+        def spy(batch, *a, **k):
+            add(batch, *a, **k)
+            for seq, d in zip(batch.seqs, batch.drafts or []):
+                if d:
+                    drafted.append(seq.request_id)
+        speculator.add_drafts = spy
+        outs = sllm.generate(prompts, params, use_tqdm=False)
+        stats = sllm.stats()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert stats["spec_decode_num_drafts"] > 0
+    jsonschema.validate(json.loads(outs[1].text), schema)
+    assert re.fullmatch("[a-c]{3,9}", outs[3].text)
+    assert drafted and not set(drafted) & {outs[1].request_id, outs[3].request_id}, drafted

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tpserve.errors import ConfigError
 from tpserve.quantization import QUANTIZATION_METHODS, resolve_quantization
+from tpserve.spec_config import SpeculativeConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "cpu", "torch")
@@ -64,6 +65,10 @@ class EngineConfig:
     at 0.5 requests/s): inter-token latency p99 84 ms with a fixed 256-token budget, 13 ms with
     this rule; first-token p99 2.36 -> 1.57 s; the 16-stream stall (0.17 s) is unchanged. Set
     it to ``max_num_batched_tokens`` (or lower) for a fixed budget.
+
+    ``speculative_config`` (None: off) turns on speculative decoding with vLLM's keys, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}`` (tpserve/spec_config.py); validation fills in the defaults.
     """
 
     model: str | None = None
@@ -85,6 +90,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     startup_timeout: float = 600.0
+    speculative_config: dict | None = None
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -129,6 +135,14 @@ class EngineConfig:
                               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError("model", f"must be a path, got {type(self.model).__name__}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config).to_dict()
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (None when speculative decoding is off)."""
+        c = self.speculative_config
+        return None if c is None else SpeculativeConfig(**c)
 
     # ---- model directory -----------------------------------------------------------------
     @property

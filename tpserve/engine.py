@@ -32,6 +32,7 @@ from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.outputs import RequestOutput, TokenLogprobs
 from tpserve.plan import Command
 from tpserve.requests import MAX_SEED, check_prompt_shape, check_request
+from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
 from tpserve.tokenizer import load_tokenizer
@@ -253,20 +254,26 @@ class Engine:
                 raise
             raise self._fail_step(batch, e) from e
         sampled = batch.sampled_seqs()
-        if out.logprobs is not None:
-            self._keep_logprobs(sampled, out.logprobs)
+        tokens, logprobs, counts = out.tokens, out.logprobs, out.accepted
+        row_seq = None  # the sampled sequence of each kept token (None: the i-th has the i-th)
+        if counts is not None:  # speculative decoding: keep each sequence's accepted rows
+            keep = kept_rows(sample.draft_counts, counts)
+            row_seq = draft_row_positions(sample.draft_counts)[0][keep]
+            tokens = tokens[keep]
+            logprobs = tuple(a[keep] for a in logprobs) if logprobs is not None else None
+        if logprobs is not None:
+            self._keep_logprobs(sampled, logprobs, row_seq)
         if out.prompt_logprobs is not None:
             self._keep_prompt_logprobs(batch.prompt_logprobs, out.prompt_logprobs)
-        tokens = out.tokens
-        dead = np.flatnonzero(tokens < 0)
-        for p in dead.tolist():  # no token left to sample: the request cannot go on
-            log.warning("request %r: its logits controls left no token to sample", sampled[p].request_id)
-            self.scheduler.finish(sampled[p], "error")
+        dead = [sampled[p if row_seq is None else row_seq[p]] for p in np.flatnonzero(tokens < 0).tolist()]
+        for seq in dead:  # no token left to sample: the request cannot go on
+            log.warning("request %r: its logits controls left no token to sample", seq.request_id)
+            self.scheduler.finish(seq, "error")
         self.num_steps += 1
-        seqs = self.scheduler.postprocess(batch, np.maximum(tokens, 0) if len(dead) else tokens)
+        seqs = self.scheduler.postprocess(batch, np.maximum(tokens, 0) if dead else tokens, counts)
         self._recent.append((time.monotonic(), len(tokens)))
         outputs = [self._output(seq) for seq in seqs]
-        outputs += [self._output(sampled[p]) for p in dead.tolist() if sampled[p].request_id in self.requests]
+        outputs += [self._output(seq) for seq in dead if seq.request_id in self.requests]
         return failed + outputs if failed else outputs
 
     def _fail_step(self, batch, cause: Exception) -> StepFailedError:
@@ -278,9 +285,10 @@ class Engine:
             self.abort_request(rid)
         return StepFailedError(ids, cause)
 
-    def _keep_logprobs(self, sampled: list[Sequence], logprobs) -> None:
+    def _keep_logprobs(self, sampled: list[Sequence], logprobs, row_seq=None) -> None:
         sampled_lp, top_ids, top_lp = logprobs
-        for row, seq in enumerate(sampled):
+        rows = enumerate(sampled) if row_seq is None else ((r, sampled[i]) for r, i in enumerate(row_seq.tolist()))
+        for row, seq in rows:
             k = seq.sampling_params.logprobs
             req = self.requests.get(seq.request_id)
             if k is None or req is None:
@@ -310,12 +318,19 @@ class Engine:
         error = seq.grammar.error if finished and seq.grammar is not None else None
         text = ""
         if req.detok is not None:
-            req.detok.add(new_ids)
-            if len(completion) < seq.sampling_params.min_tokens:
-                req.detok.ignore_stops_so_far()
-            elif not finished and req.detok.find_stop():
-                self.scheduler.finish(seq, "stop")
-                finished, reason = True, "stop"
+            if req.detok.stop:
+                cut = self._find_stop_string(req, new_ids, finished)
+                if cut is not None:
+                    self.scheduler.finish(seq, "stop")
+                    finished, reason = True, "stop"
+                    if cut < len(new_ids):  # tokens after it came in the same step (drafts)
+                        if req.logprobs is not None:
+                            del req.logprobs[len(req.logprobs) - (len(new_ids) - cut):]
+                        self.scheduler.truncate_finished(seq, req.sent_tokens + cut)
+                        completion = seq.completion_token_ids
+                        new_ids = new_ids[:cut]
+            else:
+                req.detok.add(new_ids)
             if finished:
                 req.detok.flush()
             text = req.detok.take_new_text(final=finished)
@@ -335,6 +350,20 @@ class Engine:
                              reason if finished else None, seq.num_prompt_tokens, len(completion),
                              logprobs=logprobs, queue_time=req.queue_time, index=req.index,
                              prompt_logprobs=prompt_logprobs, error=error)
+
+    @staticmethod
+    def _find_stop_string(req: _Request, new_ids: list[int], finished: bool) -> int | None:
+        """Feed ``new_ids`` to the detokenizer one by one; the number of them up to and
+        including the one that completes a stop string, or None. Stop strings do not count
+        before min_tokens, nor in the text of a token that already finished the request."""
+        detok, min_tokens = req.detok, req.seq.sampling_params.min_tokens
+        for i, tok in enumerate(new_ids):
+            detok.add([tok])
+            if req.sent_tokens + i + 1 < min_tokens:
+                detok.ignore_stops_so_far()
+            elif (i + 1 < len(new_ids) or not finished) and detok.find_stop():
+                return i + 1
+        return None
 
     # ---- health --------------------------------------------------------------------------
     def health_fd(self) -> int | None:
@@ -397,6 +426,11 @@ class Engine:
         s.update(prompt_tokens=hits + computed, generation_tokens=s.get("decode_tokens", 0),
                  prefix_cache_hit_rate=hits / (hits + computed) if hits + computed else 0.0)
         s["num_waiting_tokens"] = self.scheduler.num_waiting_tokens()  # O(waiting): not in scheduler.stats
+        if "spec_decode_num_drafts" in s:
+            drafts, accepted = s["spec_decode_num_drafts"], s["spec_decode_num_accepted_tokens"]
+            s["spec_decode_acceptance_rate"] = accepted / max(s["spec_decode_num_draft_tokens"], 1)
+            # vLLM's mean acceptance length: tokens per verifying step of a sequence.
+            s["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)

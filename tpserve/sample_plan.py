@@ -14,6 +14,9 @@ gets ``SamplePlan()`` and the sampler runs its plain path.
     penalty_rows        int32 [P] rows with a repetition, frequency or presence penalty, and
     penalty_slots       int32 [P] the scheduler slot keying each one's token counts;
     repetition/frequency/presence  float32 [P] their penalties
+    penalty_draft_index/tokens  int32 [E]: (index into penalty_rows, token) pairs: that row
+                        counts one more output occurrence of the token (the drafts before a
+                        draft position, speculative decoding); the slot's counts are unchanged
     init_slots          int32 [I] slots whose counts start over this step (a new request, or
                         one readmitted after preemption), with its tokens so far:
     init_cu             int32 [I+1] prefix sums into init_tokens
@@ -27,6 +30,15 @@ gets ``SamplePlan()`` and the sampler runs its plain path.
     prompt_targets      int32 [L] for each row of ``StepPlan.logprob_rows``, the prompt token
                         whose log-probability that row gives
     num_prompt_logprobs the most alternatives any prompt-logprobs row asks for
+    draft_counts        int32 [Q] speculative decoding: per sampled sequence (in sample order),
+                        its number of draft tokens k; its k + 1 sample rows are consecutive, row
+                        j sampling the token after the first j drafts (row controls above are
+                        per row, as if those drafts were accepted)
+    draft_tokens        int32 [sum k] the drafts, sequence after sequence
+
+Speculative decoding and a token bitmask (structured output): each draft position would need
+its own row of ``bitmask``, computed by advancing the grammar over the drafts before it; rows
+are per sample row, so the layout holds it, but no builder produces it yet.
 """
 from __future__ import annotations
 
@@ -69,6 +81,10 @@ class SamplePlan:
     bitmask: np.ndarray | None = None
     prompt_targets: np.ndarray | None = None
     num_prompt_logprobs: int = 0
+    penalty_draft_index: np.ndarray | None = None
+    penalty_draft_tokens: np.ndarray | None = None
+    draft_counts: np.ndarray | None = None
+    draft_tokens: np.ndarray | None = None
     bitmask_pending: object = None  # a concurrent.futures.Future filling ``bitmask``, or None
 
     def wait_bitmask(self) -> None:
@@ -108,6 +124,13 @@ class SamplePlan:
             assert len(self.init_cu) == len(self.init_slots) + 1 and self.init_cu[-1] == len(self.init_tokens)
         if self.mask_rows is not None:
             assert self.bitmask.shape == (len(self.mask_rows), -(-vocab_size // 32))
+        if self.penalty_draft_index is not None:
+            i = self.penalty_draft_index
+            assert self.penalty_rows is not None and i.shape == self.penalty_draft_tokens.shape
+            assert i.size == 0 or (0 <= i.min() and i.max() < len(self.penalty_rows))
+        if self.draft_counts is not None:
+            assert int((self.draft_counts + 1).sum()) == num_samples, "draft rows != sample rows"
+            assert len(self.draft_tokens) == int(self.draft_counts.sum())
 
 
 @dataclass
@@ -116,6 +139,9 @@ class StepOutput:
 
     tokens            int64 [S] the sampled token of each sample row; -1 where the logits
                       controls left no token to sample
+    accepted          with SamplePlan.draft_counts: int32 [Q] how many of each sampled
+                      sequence's rows it keeps (accepted drafts + 1): its tokens are the first
+                      ``accepted[i]`` of its rows (``kept_rows``); None: one row each
     logprobs          with SamplePlan.num_logprobs k >= 0: (float32 [S] the sampled tokens'
                       log-probabilities, int64 [S, k] the k best token ids, float32 [S, k] theirs)
     prompt_logprobs   with StepPlan.logprob_rows: (float32 [L] the targets' log-probabilities,
@@ -125,3 +151,18 @@ class StepOutput:
     tokens: np.ndarray
     logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None
+    accepted: np.ndarray | None = None
+
+
+def draft_row_positions(draft_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sequences with ``draft_counts[i]`` drafts each (k + 1 consecutive sample rows):
+    the sequence of every row and the row's position j within its sequence."""
+    rows = np.asarray(draft_counts, dtype=np.int64) + 1
+    seq = np.repeat(np.arange(len(rows)), rows)
+    return seq, np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+
+
+def kept_rows(draft_counts: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """bool [S]: the sample rows whose tokens their sequences keep."""
+    seq, j = draft_row_positions(draft_counts)
+    return j < np.asarray(accepted)[seq]

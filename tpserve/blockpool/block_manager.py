@@ -182,7 +182,7 @@ class BlockManager:
         seq.block_table.clear()
         self._live.pop(seq, None)
 
-    # ---- decode --------------------------------------------------------------------------
+    # ---- decode ----------------------------------------------------------------------------
     def needs_block(self, seq) -> bool:
         """True when the next decode step writes the first token of a new block.
 
@@ -191,18 +191,56 @@ class BlockManager:
         """
         return (len(seq.token_ids) - 1) % self.block_size == 0
 
-    def can_append(self, seq) -> bool:
-        return self.num_free_blocks >= self.needs_block(seq)
+    def num_append_blocks(self, seq, num_tokens: int = 1) -> int:
+        """Free blocks ``seq`` needs so that the KV of ``num_tokens`` tokens from position
+        ``len(seq) - 1`` on has slots (its last token, then ``num_tokens - 1`` draft tokens
+        under speculative decoding). For one token: 1 exactly on a block boundary."""
+        if num_tokens == 1:
+            return int(self.needs_block(seq))
+        end = len(seq.token_ids) - 1 + num_tokens
+        return max(0, -(-end // self.block_size) - len(seq.block_table))
 
-    def may_append(self, seq) -> int:
-        """Add a block to ``seq`` if its next decode step needs one; returns it, or -1."""
-        if (len(seq.token_ids) - 1) % self.block_size:
-            return -1
-        assert len(seq.block_table) == (len(seq.token_ids) - 1) // self.block_size, \
-            "block table out of step with the sequence length"
-        block_id = self._allocate_block()
-        seq.block_table.append(block_id)
-        return block_id
+    def can_append(self, seq, num_tokens: int = 1) -> bool:
+        if num_tokens == 1:
+            return self.num_free_blocks >= self.needs_block(seq)
+        return self.num_free_blocks >= self.num_append_blocks(seq, num_tokens)
+
+    def may_append(self, seq, num_tokens: int = 1) -> int:
+        """Give ``seq`` the blocks its next step's ``num_tokens`` tokens need (see
+        :meth:`num_append_blocks`; the caller checked :meth:`can_append`). Returns the block
+        appended for one token, or -1 if none; with more tokens, the first one appended (the
+        rest follow it at the end of the block table), or -1."""
+        if num_tokens == 1:
+            if (len(seq.token_ids) - 1) % self.block_size:
+                return -1
+            assert len(seq.block_table) == (len(seq.token_ids) - 1) // self.block_size, \
+                "block table out of step with the sequence length"
+            block_id = self._allocate_block()
+            seq.block_table.append(block_id)
+            return block_id
+        need = self.num_append_blocks(seq, num_tokens)
+        assert need <= self.num_free_blocks, "may_append without room: check can_append first"
+        first = -1
+        for _ in range(need):
+            block_id = self._allocate_block()
+            seq.block_table.append(block_id)
+            first = block_id if first == -1 else first
+        return first
+
+    def truncate(self, seq, num_blocks: int) -> int:
+        """Give back the blocks of ``seq`` past its first ``num_blocks``: slots reserved for
+        draft tokens that were not accepted. They hold no accepted token's KV, so they are
+        neither hashed nor shared; they return to the free list. Returns how many."""
+        table = seq.block_table
+        n = len(table) - num_blocks
+        for _ in range(n):
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash == -1, \
+                f"block {block_id} past the accepted tokens is shared or hashed"
+            block.ref_count = 0
+            self._deallocate_block(block_id)
+        return max(n, 0)
 
     def append_blocks(self, seqs) -> list[int]:
         """``may_append`` for sequences that are all on a block boundary, in order; the caller

@@ -470,6 +470,9 @@ _STATUS_LINES = [
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),
     ("prefix cache hits", "prefix_cache_hit_rate", "{:.1%}"),
     ("preemptions", "num_preemptions", "{}"),
+    # only with speculative decoding on
+    ("spec acceptance", ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length"),
+     "{:.1%} of draft tokens, mean acceptance length {:.2f}"),
     ("tokens/s", "tokens_per_s", "{:.1f}"),
     ("prompt tokens", "prompt_tokens", "{}"),
     ("generated tokens", "generation_tokens", "{}"),

@@ -16,6 +16,10 @@ adapters, so ``vllm:lora_requests_info`` is absent, as the protocol allows.
 
 Exposed at ``/metrics`` of the HTTP front and through the ZMQ ``metrics`` request
 (``tpserve status --metrics``), both in the Prometheus text format.
+
+With speculative decoding configured, also vLLM's spec_decode counters: drafts (verifications
+of one sequence's draft tokens), draft tokens, accepted tokens, and accepted tokens per draft
+position (label ``position``, from 0).
 """
 from __future__ import annotations
 
@@ -75,7 +79,24 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", hits)
         yield counter("num_preemptions", "Preemptions of running requests (recomputed later).",
                       s.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in s:
+            yield from self._spec_decode(s, counter)
         yield from self._gie(s, gauge, total)
+
+    def _spec_decode(self, s: dict, counter):
+        """Speculative decoding's counters (only when it is configured), vLLM's names."""
+        yield counter("spec_decode_num_drafts", "Verifications of a sequence's draft tokens.",
+                      s["spec_decode_num_drafts"])
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                      s["spec_decode_num_draft_tokens"])
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s["spec_decode_num_accepted_tokens"])
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
 
     def _gie(self, s: dict, gauge, total: int):
         """The model-server protocol's gauges, same values under vLLM's names."""

@@ -17,14 +17,21 @@ Rules that belong to the request rather than to the sampler are applied here:
   (``tpserve.grammar``; one batched llguidance call fills every such row, on a thread, while
   the step's forward runs: the sampler waits for it);
 * a request's penalty counts start over at its first sampled step after it got its slot
-  (``init_*``: its prompt and the output so far, which is what makes preemption exact).
+  (``init_*``: its prompt and the output so far, which is what makes preemption exact);
+* with draft tokens (speculative decoding) a sequence has a sample row per draft position, and
+  each row is controlled as if the drafts before it were accepted: its min_tokens step counts
+  them, bad words are matched against the output with them, and penalties count them
+  (``penalty_draft_*``, for that row only). A sampled row then gets the token it would get
+  without drafts, whenever those drafts are what was generated.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from itertools import chain
+
 from tpserve.grammar.matcher import fill_bitmask_async
-from tpserve.sample_plan import SamplePlan
+from tpserve.sample_plan import SamplePlan, draft_row_positions
 
 # Flags of SlotControls.flags.
 PENALTY, MIN_P, BIAS, ALLOWED, BAD_WORDS, MIN_TOKENS, GRAMMAR = (1 << i for i in range(7))
@@ -84,28 +91,39 @@ def _ids(values) -> np.ndarray:
 
 
 def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, num_logprobs: int,
-                      vocab_size: int = 0) -> SamplePlan:
-    """The SamplePlan of one step's sample rows: ``seqs[i]`` holds slot ``slots[i]`` and has
-    ``steps[i]`` completion tokens so far (the plan's ``sample_steps``). ``vocab_size`` (the
-    logits' width) sizes the grammar bitmask rows."""
+                      vocab_size: int = 0, drafts: list[list[int]] | None = None) -> SamplePlan:
+    """The SamplePlan of one step's sample rows: ``seqs[i]`` holds slot ``slots[i]``; ``steps``
+    (the plan's ``sample_steps``) gives each sample row's completion tokens so far.
+    ``vocab_size`` (the logits' width) sizes the grammar bitmask rows.
+
+    ``drafts[i]`` (speculative decoding; None: none) are the draft tokens of ``seqs[i]``,
+    which then has ``len(drafts[i]) + 1`` consecutive sample rows (module docstring). A
+    sequence with a grammar never has drafts (the scheduler proposes none for it), so its
+    mask row is its one sample row."""
     c: SlotControls = table.controls
+    plan = SamplePlan(num_logprobs=num_logprobs)
+    rows_of = _Rows(seqs, drafts)
+    if rows_of.spec:
+        plan.draft_counts = rows_of.counts
+        plan.draft_tokens = np.fromiter(chain.from_iterable(drafts), dtype=np.int32,
+                                        count=int(rows_of.counts.sum()))
+        slots = slots[rows_of.seq]
     if not c.num_controlled or not len(slots):
-        return SamplePlan(num_logprobs=num_logprobs)
+        return plan
     flags = c.flags[slots]
     if not flags.any():
-        return SamplePlan(num_logprobs=num_logprobs)
-    plan = SamplePlan(num_logprobs=num_logprobs)
+        return plan
     rows = np.flatnonzero(flags & MIN_P)
     if len(rows):
         plan.min_p_rows, plan.min_ps = rows.astype(np.int32), c.min_ps[slots[rows]]
     rows = np.flatnonzero(flags & PENALTY)
     if len(rows):
-        _penalties(plan, seqs, slots, rows, c)
+        _penalties(plan, rows_of, slots, rows, c)
     rows = np.flatnonzero(flags & GRAMMAR)
     if len(rows):
         plan.mask_rows = rows.astype(np.int32)
-        plan.bitmask, plan.bitmask_pending = fill_bitmask_async([seqs[r].grammar for r in rows.tolist()],
-                                                                -(-vocab_size // 32))
+        plan.bitmask, plan.bitmask_pending = fill_bitmask_async(
+            [rows_of.seq_of(r).grammar for r in rows.tolist()], -(-vocab_size // 32))
     bans_r: list[np.ndarray] = []
     bans_t: list[np.ndarray] = []
     rows = np.flatnonzero((flags & MIN_TOKENS) != 0)
@@ -117,7 +135,7 @@ def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, n
             bans_r.append(rows[j].astype(np.int32))
             bans_t.append(stop[k, j].astype(np.int32))
     for r in np.flatnonzero(flags & _SPARSE).tolist():
-        seq, f = seqs[r], int(flags[r])
+        seq, f = rows_of.seq_of(r), int(flags[r])
         sp = seq.sampling_params
         if f & BIAS:
             plan.bias_rows = _cat(plan.bias_rows, np.full(len(sp.logit_bias), r, np.int32))
@@ -129,13 +147,32 @@ def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, n
             plan.allow_index = _cat(plan.allow_index, np.full(len(sp.allowed_token_ids), n, np.int32))
             plan.allow_tokens = _cat(plan.allow_tokens, _ids(sp.allowed_token_ids))
         if f & BAD_WORDS:
-            banned = bad_word_bans(seq.bad_words_ids, seq.token_ids, seq.num_prompt_tokens)
+            before = rows_of.drafts_before(r)
+            banned = bad_word_bans(seq.bad_words_ids, seq.token_ids + before if before else seq.token_ids,
+                                   seq.num_prompt_tokens)
             if banned:
                 bans_r.append(np.full(len(banned), r, np.int32))
                 bans_t.append(_ids(banned))
     if bans_r:
         plan.ban_rows, plan.ban_tokens = np.concatenate(bans_r), np.concatenate(bans_t)
     return plan
+
+
+class _Rows:
+    """Which sequence, and which drafts before it, each sample row has."""
+
+    def __init__(self, seqs: list, drafts: list[list[int]] | None):
+        self.seqs, self.drafts = seqs, drafts
+        self.spec = drafts is not None and any(drafts)
+        if self.spec:
+            self.counts = np.fromiter(map(len, drafts), dtype=np.int32, count=len(drafts))
+            self.seq, self.pos = draft_row_positions(self.counts)
+
+    def seq_of(self, r: int):
+        return self.seqs[int(self.seq[r])] if self.spec else self.seqs[r]
+
+    def drafts_before(self, r: int) -> list[int]:
+        return self.drafts[int(self.seq[r])][:int(self.pos[r])] if self.spec else []
 
 
 def _cat(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
@@ -155,17 +192,28 @@ def bad_word_bans(words: list[list[int]], tokens: list[int], num_prompt: int) ->
     return banned
 
 
-def _penalties(plan: SamplePlan, seqs: list, slots: np.ndarray, rows: np.ndarray, c: SlotControls) -> None:
+def _penalties(plan: SamplePlan, rows_of: _Rows, slots: np.ndarray, rows: np.ndarray, c: SlotControls) -> None:
     ps = slots[rows]
     plan.penalty_rows = rows.astype(np.int32)
     plan.penalty_slots = ps.astype(np.int32)
     plan.repetition, plan.frequency, plan.presence = c.repetition[ps], c.frequency[ps], c.presence[ps]
+    if rows_of.spec:
+        index, toks = [], []
+        for i, r in enumerate(rows.tolist()):
+            before = rows_of.drafts_before(r)
+            index += [i] * len(before)
+            toks += before
+        if index:
+            plan.penalty_draft_index = np.asarray(index, np.int32)
+            plan.penalty_draft_tokens = np.asarray(toks, np.int32)
     fresh = np.flatnonzero(c.fresh[ps])
     if not len(fresh):
         return
+    # A sequence with drafts has several rows on its slot: its counts start over once.
+    fresh = fresh[np.unique(ps[fresh], return_index=True)[1]]
     init_slots, lens, plens, toks = [], [], [], []
     for i in fresh.tolist():
-        seq = seqs[int(rows[i])]
+        seq = rows_of.seq_of(int(rows[i]))
         init_slots.append(int(ps[i]))
         lens.append(len(seq.token_ids))
         plens.append(seq.num_prompt_tokens)

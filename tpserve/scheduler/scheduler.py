@@ -36,6 +36,11 @@ itself when nothing is left behind it. A preempted sequence loses its blocks (th
 entries survive for prefix-cache recovery), goes back to prefill and to the *front* of
 ``waiting``.
 
+Speculative decoding (``EngineConfig.speculative_config``): after the decode and prefill rows
+are chosen as above, small steps give decode rows draft tokens to verify (spec_decode.py);
+``postprocess`` then appends several tokens to such a row, cut at a stop token or a length
+limit. Without it, or in steps above its batch-size limit, nothing changes.
+
 A prompt fully covered by cached blocks still computes its last token (for logits): that
 token's KV is already in a shared cached block, so its slot in the plan is -1.
 
@@ -68,6 +73,7 @@ from tpserve.plan import StepPlan
 from tpserve.sample_plan import SamplePlan
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
 from tpserve.scheduler.sample_inputs import GRAMMAR, build_sample_plan
+from tpserve.scheduler.spec_decode import Speculator
 from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
 
@@ -87,7 +93,9 @@ class ScheduledBatch:
     the rest are prefill rows, and ``sampled[j]`` says whether ``seqs[num_decodes + j]`` gets a
     token this step (only when its last prompt token is computed). ``is_prefill`` is True when
     there is any prefill row: a pure decode batch and a mixed one differ only in that.
-    Falsy when empty.
+    ``drafts`` (speculative decoding; None when the step has none) holds the draft tokens of
+    each decode row, ``[]`` for rows without; rows with drafts come after those without, and a
+    row with k drafts has k + 1 sample rows. Falsy when empty.
     """
 
     seqs: list[Sequence]
@@ -105,13 +113,25 @@ class ScheduledBatch:
     # StepPlan.logprob_rows order, and the target token of each row (set by build_plan).
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprob_targets: np.ndarray | None = None
+    drafts: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts)) if self.drafts else 0
+
+    @property
     def num_samples(self) -> int:
-        return self.num_decodes + sum(self.sampled)
+        """Sample rows: one per sampled sequence, plus one per draft token."""
+        return self.num_decodes + sum(self.sampled) + self.num_draft_tokens
+
+    def sample_drafts(self) -> list[list[int]] | None:
+        """The drafts of each sampled sequence (sampled_seqs order), or None without drafts."""
+        if not self.drafts:
+            return None
+        return self.drafts + [[] for s in self.sampled if s]
 
     def sampled_seqs(self) -> list[Sequence]:
         """The sequences that get a token this step, in sample-row order."""
@@ -122,7 +142,8 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decodes + sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
+        return (self.num_decodes + self.num_draft_tokens
+                + sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:]))
 
 
 class Scheduler:
@@ -145,6 +166,8 @@ class Scheduler:
         max_len = self.max_model_len or config.num_kv_blocks * bs
         max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
         self.table = SlotTable(self.max_num_seqs, max_blocks, bs)
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running = RunningQueue()
         self._requests: dict[str, Sequence] = {}
@@ -268,10 +291,15 @@ class Scheduler:
         if self._compiling:
             self._queue_compiled()
         if self.policy == "mixed":
-            return self._schedule_mixed()
-        batch = self._schedule_prefill(self.max_num_batched_tokens, [], 0)
-        if batch is None:
-            batch = self._schedule_decode(self.max_num_seqs)
+            batch = self._schedule_mixed()
+            budget = self.step_budget(batch.num_decodes)
+        else:
+            batch = self._schedule_prefill(self.max_num_batched_tokens, [], 0)
+            if batch is None:
+                batch = self._schedule_decode(self.max_num_seqs)
+            budget = self.max_num_batched_tokens
+        if self.speculator is not None and batch.num_decodes:
+            self.speculator.add_drafts(batch, budget - batch.num_tokens, self.block_manager, self.table)
         return batch
 
     def step_budget(self, num_decodes: int) -> int:
@@ -419,7 +447,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, token_ids, counts=None) -> list[Sequence]:
         """Apply one step's sampled tokens (one per sampled sequence, in batch order).
 
         Advances prefill progress, appends tokens, enters blocks that became full into the
@@ -427,18 +455,79 @@ class Scheduler:
         are freed). Returns the sequences that received a token, finished ones included.
         One batch is in flight at a time: call it once per ``schedule()``, before the next.
         Sequences aborted, finished or preempted while the batch ran are skipped.
+
+        With drafts (``batch.drafts``), ``counts[i]`` is how many tokens the i-th sampled
+        sequence keeps (its accepted drafts plus one; ``token_ids`` holds them back to back);
+        a run is cut after a stop token or at the length limit.
         """
         if not batch.seqs:
             return []
         toks = np.asarray(token_ids).reshape(-1)
+        nd = batch.num_decodes
+        if batch.drafts:
+            return self._postprocess_speculative(batch, toks, np.asarray(counts).reshape(-1))
+        assert counts is None or (np.asarray(counts) == 1).all(), "several tokens without drafts"
         assert len(toks) == batch.num_samples, \
             f"got {len(toks)} tokens for {batch.num_samples} sampled sequences"
-        nd = batch.num_decodes
         if not batch.is_prefill:
             return self._postprocess_decode(batch.seqs, batch.slots, toks, batch.token_lists)
         out = self._postprocess_decode(batch.seqs[:nd], batch.slots[:nd], toks[:nd],
                                        batch.token_lists) if nd else []
         return out + self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[nd:])
+
+    def _postprocess_speculative(self, batch: ScheduledBatch, toks: np.ndarray,
+                                 counts: np.ndarray) -> list[Sequence]:
+        nd, drafts = batch.num_decodes, batch.drafts
+        assert len(counts) == len(batch.sampled_seqs()) and len(toks) == counts.sum() \
+            and (counts >= 1).all(), "token counts do not match the sampled sequences"
+        n0 = next(i for i, d in enumerate(drafts) if d)  # rows with drafts follow those without
+        assert (counts[:n0] == 1).all() and (counts[nd:] == 1).all()
+        end = n0 + int(counts[n0:nd].sum())
+        out = self._postprocess_decode(batch.seqs[:n0], batch.slots[:n0], toks[:n0],
+                                       batch.token_lists[:n0] if batch.token_lists else None) if n0 else []
+        out += self._postprocess_runs(batch.seqs[n0:nd], batch.slots[n0:nd].tolist(), drafts[n0:],
+                                      toks[n0:end].tolist(), counts[n0:nd].tolist())
+        if batch.is_prefill:
+            out += self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[end:])
+        return out
+
+    def _postprocess_runs(self, seqs: list[Sequence], slots: list[int], drafts: list[list[int]],
+                          toks: list[int], counts: list[int]) -> list[Sequence]:
+        """Decode rows that verified drafts: append each kept run up to a stop token or the
+        length limit, give back the blocks reserved past it, hash the blocks it filled."""
+        bm, t, bs = self.block_manager, self.table, self.block_size
+        out: list[Sequence] = []
+        done: list[tuple[Sequence, str]] = []
+        i = 0
+        for seq, slot, d, c in zip(seqs, slots, drafts, counts):
+            run = toks[i:i + c]
+            i += c
+            self.speculator.record(len(d), c - 1)
+            if seq.status is not RUNNING:  # aborted, finished or preempted while the step ran
+                continue
+            stop_ids, stop_len = t.stop_ids[:, slot], int(t.stop_lens[slot])
+            tokens = seq.token_ids
+            reason = None
+            for tok in run:
+                tokens.append(tok)
+                if (stop_ids == tok).any():
+                    reason = "stop"
+                    break
+                if len(tokens) >= stop_len:
+                    reason = "length"
+                    break
+            n = len(tokens)
+            self.decode_tokens += n - int(t.seq_lens[slot])
+            t.seq_lens[slot], t.last_tokens[slot] = n, tokens[-1]
+            keep = -(-(n - 1) // bs)
+            if bm.truncate(seq, keep):
+                t.truncate_blocks(slot, keep)
+            bm.hash_blocks(seq)
+            out.append(seq)
+            if reason is not None:
+                done.append((seq, reason))
+        self._finish_many(done)
+        return out
 
     def _postprocess_prefill(self, seqs: list[Sequence], sampled_flags: list[bool],
                              toks: np.ndarray) -> list[Sequence]:
@@ -531,6 +620,15 @@ class Scheduler:
         self._finish_many([(seq, reason)])
         return True
 
+    def truncate_finished(self, seq: Sequence, num_completion_tokens: int) -> None:
+        """Drop the tokens of a finished sequence after its first ``num_completion_tokens``
+        (a stop string completed inside a run of accepted drafts). Its blocks are already
+        free; blocks it filled stay valid in the prefix cache (their KV is of accepted tokens)."""
+        assert seq.is_finished, "truncate_finished() of an unfinished sequence"
+        end = seq.num_prompt_tokens + num_completion_tokens
+        self.decode_tokens -= max(len(seq.token_ids) - end, 0)
+        del seq.token_ids[end:]
+
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if unknown or already finished."""
         return self.finish(request_id, "abort")
@@ -572,7 +670,8 @@ class Scheduler:
         ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
             if self._num_logprob_seqs else ()
         sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
-                                   self.table, max(ks, default=-1), self.vocab_size)
+                                   self.table, max(ks, default=-1), self.vocab_size,
+                                   batch.sample_drafts())
         if batch.prompt_logprobs:
             sample.prompt_targets = batch.prompt_logprob_targets
             sample.num_prompt_logprobs = max(s.sampling_params.prompt_logprobs for s, _, _ in batch.prompt_logprobs)
@@ -580,6 +679,7 @@ class Scheduler:
 
     @staticmethod
     def _sample_rows(batch: ScheduledBatch) -> np.ndarray | slice:
+        """Indices into ``batch.slots`` of the sampled sequences, in sample order."""
         if not batch.is_prefill:
             return slice(None)
         nd = batch.num_decodes
@@ -622,6 +722,7 @@ class Scheduler:
             "kv_blocks_total": self.kv_blocks_total,
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     def num_waiting_tokens(self) -> int:

@@ -41,7 +41,7 @@ class Sequence:
                  "block_size", "status", "is_prefill", "num_scheduled_tokens", "block_table",
                  "_num_cached_tokens", "_cached_follows_len", "num_prefix_hit_tokens",
                  "num_hashed_blocks", "block_hashes", "finish_reason", "slot", "bad_words_ids",
-                 "num_prompt_logprobs_done", "grammar")
+                 "num_prompt_logprobs_done", "grammar", "proposer_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16):
@@ -75,6 +75,8 @@ class Sequence:
         # With structured_outputs: the request's grammar matcher (tpserve.grammar.RequestGrammar),
         # set by the engine; it has consumed every completion token so far.
         self.grammar = None
+        # A draft proposer's memo over token_ids (scheduler/proposer.py); None until it is asked.
+        self.proposer_state = None
 
     # ---- KV accounting -------------------------------------------------------------------
     @property

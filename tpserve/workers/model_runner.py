@@ -2,7 +2,8 @@
 
 Every rank (the scheduler's rank 0 and each worker) owns one runner. A runner never sees a
 Sequence: it gets a StepPlan, copies its arrays to the device once, runs the forward, and on
-rank 0 samples one token per sampled row. Ranks > 0 run the same forward (their shards take
+rank 0 samples one token per sampled row (and, with draft tokens, says how many rows each
+sequence keeps: StepOutput.accepted). Ranks > 0 run the same forward (their shards take
 part in the collectives) and return None.
 
 Device calls go through an ``Accelerator`` (``device.py``); ``is_accelerator`` selects the
@@ -231,9 +232,9 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         if not self.tp.is_first:
             return None
-        tokens = self.sampler(logits, t["temperatures"], t["top_ks"], t["top_ps"], t["seeds"],
-                              t["sample_steps"], sample)
-        out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp)
+        tokens, accepted = self.sampler.sample(logits, t["temperatures"], t["top_ks"], t["top_ps"],
+                                               t["seeds"], t["sample_steps"], sample)
+        out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp, accepted=accepted)
         if sample.num_logprobs >= 0:
             lp, top_ids, top_lp = compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs)
             out.logprobs = (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())

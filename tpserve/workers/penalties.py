@@ -62,6 +62,20 @@ class PenaltyState:
                 self.output[slot].index_add_(0, toks[p:b], torch.ones(b - p, dtype=torch.int32,
                                                                       device=self.device))
 
+    def with_drafts(self, slots: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor) -> "PenaltyState":
+        """A scratch state whose row i holds the counts of ``slots[i]`` plus one output
+        occurrence of ``tokens[e]`` for each e with ``index[e] == i``: a request's counts as
+        they would be after the draft tokens before a draft position. The state is unchanged."""
+        view = PenaltyState.__new__(PenaltyState)
+        view.vocab_size, view.device = self.vocab_size, self.device
+        slots = slots.long()
+        view.output = self.output[slots]
+        view.prompt = self.prompt[slots]
+        view.output.index_put_((index.long(), tokens.long()),
+                               torch.ones(index.shape[0], dtype=torch.int32, device=self.device),
+                               accumulate=True)
+        return view
+
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Add one occurrence of ``tokens[i]`` to the output counts of ``slots[i]``."""
         if slots.numel():

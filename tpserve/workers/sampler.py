@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from tpserve.kernels import cpu_extension
-from tpserve.sample_plan import SamplePlan
+from tpserve.sample_plan import SamplePlan, kept_rows
 from tpserve.workers.penalties import PenaltyState
+from tpserve.workers.rejection import accept
 
 _MASK = (1 << 64) - 1
 
@@ -157,6 +160,8 @@ class Sampler:
     step with no ``SamplePlan`` controls takes the plain path (nothing over the vocabulary
     beyond what temperature/top-k/top-p need; an all-greedy batch is one argmax over the logits
     as the LM head wrote them). A row left with no allowed token gets token -1.
+    With draft tokens (``SamplePlan.draft_counts``), speculative acceptance comes last
+    (rejection.py), and only the rows a sequence keeps count towards its penalties.
     """
 
     def __init__(self, vocab_size: int | None = None, device: torch.device | str = "cpu"):
@@ -173,13 +178,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                  top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                  extra: SamplePlan | None = None) -> torch.Tensor:
+        """One token per row (a plan without drafts)."""
+        assert extra is None or extra.draft_counts is None, "drafts need sample()"
+        return self.sample(logits, temperatures, top_ks, top_ps, seeds, steps, extra)[0]
+
+    def sample(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+               top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+               extra: SamplePlan | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The token of every row, and with drafts how many rows each sequence keeps
+        (StepOutput.accepted; None without drafts)."""
         greedy = temperatures <= 0
         processed = extra is not None and extra.processes_logits
         if not processed:
             # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
             greedy_tokens = argmax_rows(logits)
             if bool(greedy.all()):
-                return greedy_tokens
+                return greedy_tokens, self._accept(greedy_tokens, extra)
             x = logits.float()
         else:
             x = self._scratch(logits)
@@ -198,12 +212,21 @@ class Sampler:
             dead = torch.isneginf(x.amax(dim=-1)) if x.shape[1] else torch.ones_like(greedy)
             if bool(dead.any()):
                 tokens = torch.where(dead, torch.full_like(tokens, -1), tokens)
-        if processed:
-            if extra.penalty_rows is not None:
-                rows = self._t(extra.penalty_rows).long()
-                live = tokens[rows] >= 0
-                self._penalties.count(self._t(extra.penalty_slots)[live], tokens[rows][live])
-        return tokens
+        accepted = self._accept(tokens, extra)
+        if processed and extra.penalty_rows is not None:
+            rows = self._t(extra.penalty_rows).long()
+            live = tokens[rows] >= 0
+            if accepted is not None:  # rows past a rejected draft generate nothing
+                keep = kept_rows(extra.draft_counts, accepted)[extra.penalty_rows]
+                live &= torch.from_numpy(keep).to(live.device)
+            self._penalties.count(self._t(extra.penalty_slots)[live], tokens[rows][live])
+        return tokens, accepted
+
+    @staticmethod
+    def _accept(tokens: torch.Tensor, extra: SamplePlan | None) -> np.ndarray | None:
+        if extra is None or extra.draft_counts is None:
+            return None
+        return accept(tokens.cpu().numpy(), extra.draft_counts, extra.draft_tokens)
 
     def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``logits`` in a buffer kept between steps: a fresh [S, V] tensor
@@ -237,11 +260,30 @@ class Sampler:
             p.wait_bitmask()
             apply_token_bitmask(x, self._t(p.mask_rows).long(), self._t(p.bitmask))
         if p.penalty_rows is not None:
-            state = self.penalties(x.shape[1])
-            if p.init_slots is not None:
-                state.start(p.init_slots, p.init_cu, p.init_prompt_lens, p.init_tokens)
-            state.apply(x, self._t(p.penalty_rows), self._t(p.penalty_slots), self._t(p.repetition),
-                        self._t(p.frequency), self._t(p.presence))
+            self._penalize(x, p)
+
+    def _penalize(self, x: torch.Tensor, p: SamplePlan) -> None:
+        state = self.penalties(x.shape[1])
+        if p.init_slots is not None:
+            state.start(p.init_slots, p.init_cu, p.init_prompt_lens, p.init_tokens)
+
+        def apply(st: PenaltyState, sel, slots) -> None:
+            st.apply(x, self._t(p.penalty_rows[sel]), self._t(slots), self._t(p.repetition[sel]),
+                     self._t(p.frequency[sel]), self._t(p.presence[sel]))
+
+        if p.penalty_draft_index is None:
+            apply(state, slice(None), p.penalty_slots)
+            return
+        # Rows after draft tokens see counts that include those drafts (SamplePlan): a scratch
+        # state for them, the slots' own counts for the other rows.
+        drafted = np.zeros(len(p.penalty_rows), dtype=bool)
+        drafted[p.penalty_draft_index] = True
+        if not drafted.all():
+            apply(state, ~drafted, p.penalty_slots[~drafted])
+        local = (np.cumsum(drafted) - 1)[p.penalty_draft_index].astype(np.int32)
+        view = state.with_drafts(self._t(p.penalty_slots[drafted]), self._t(local),
+                                 self._t(p.penalty_draft_tokens))
+        apply(view, drafted, np.arange(int(drafted.sum()), dtype=np.int32))
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
