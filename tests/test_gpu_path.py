@@ -107,9 +107,9 @@ def test_warmup_samples_max_num_seqs_rows_with_top_k_and_top_p(tiny, monkeypatch
     calls = []
 
     class Recording(runner_mod.Sampler):
-        def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
+        def sample(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
             calls.append((logits.shape, top_ks.clone(), top_ps.clone(), temperatures.clone()))
-            return super().__call__(logits, temperatures, top_ks, top_ps, seeds, steps)
+            return super().sample(logits, temperatures, top_ks, top_ps, seeds, steps, extra)
 
     monkeypatch.setattr(runner_mod, "Sampler", Recording)
     cfg = _config(tiny, max_num_seqs=6, max_num_batched_tokens=40, enforce_eager=True)
