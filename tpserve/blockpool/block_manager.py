@@ -120,28 +120,30 @@ class BlockManager:
         self.used_block_ids.remove(block_id)
         self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
 
+    def prefix_hits(self, seq, use_cache: bool = True) -> list[int]:
+        """The cached blocks holding ``seq``'s leading full blocks, in order (the prefix-cache
+        hit an admission would get); [] without the cache or with ``use_cache`` False."""
+        hits: list[int] = []
+        if self.enable_prefix_caching and use_cache:
+            parent_serial = -1
+            for i in range(len(seq.token_ids) // self.block_size):
+                block_id = self._lookup(seq, i, parent_serial)
+                if block_id == -1:
+                    break
+                hits.append(block_id)
+                parent_serial = self.blocks[block_id].serial
+        return hits
+
     def can_allocate(self, seq, use_cache: bool = True) -> int:
         """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
         blocks sitting in the free list are taken back and so count against the free blocks.
         ``use_cache`` False looks nothing up (the sequence computes every token)."""
-        bs = self.block_size
-        num_new_blocks = seq.num_blocks
-        num_cached_blocks = 0
-        if self.enable_prefix_caching and use_cache:
-            parent_serial = -1
-            for i in range(len(seq.token_ids) // bs):
-                block_id = self._lookup(seq, i, parent_serial)
-                if block_id == -1:
-                    break
-                num_cached_blocks += 1
-                block = self.blocks[block_id]
-                if block.ref_count > 0:
-                    num_new_blocks -= 1
-                parent_serial = block.serial
+        hits = self.prefix_hits(seq, use_cache)
+        num_new_blocks = seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count > 0)
         if self.num_free_blocks < num_new_blocks:
             return -1
-        return num_cached_blocks
+        return len(hits)
 
     def allocate(self, seq, num_cached_blocks: int) -> None:
         """Give ``seq`` blocks for all its tokens; the first ``num_cached_blocks`` come from the
