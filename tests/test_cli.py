@@ -284,7 +284,8 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model):
-    d = Daemon(tiny_model)
+    # No queue limits: these tests flood the daemon to compare it with the offline API.
+    d = Daemon(tiny_model, "--max-waiting-requests", "none", "--max-waiting-tokens", "none")
     yield d
     d.kill()
 
@@ -460,7 +461,8 @@ def test_sigterm_during_generation_on_a_curve_socket(tiny_model):
     log = open(Path(rd) / "serve.log", "wb")
     proc = subprocess.Popen(TPSERVE + ["serve", "--model", str(tiny_model), "--runtime-dir", rd,
                                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--address", address,
-                                       "--curve-secret-key", str(keys / "tpserve.key_secret")],
+                                       "--curve-secret-key", str(keys / "tpserve.key_secret"),
+                                       "--shutdown-grace", "0"],  # SIGTERM aborts at once
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     tree = [proc.pid]
     try:

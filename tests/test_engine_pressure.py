@@ -107,7 +107,7 @@ def test_a_full_queue_refuses_with_a_retry_estimate_and_queues_nothing(engine):
     with pytest.raises(OverloadedError) as e:
         engine.add_request("refused", [1, 2, 3], SamplingParams(n=4))
     assert e.value.limit == "max_waiting_requests" and 1 <= e.value.retry_after <= 60
-    assert "refused" not in engine.families and engine.stats()["num_refused_max_waiting_requests"] == 1
+    assert "refused" not in engine.families and engine.scheduler.num_refused["max_waiting_requests"] == 1
     outs = run(engine)
     assert sorted(k[0] for k in outs) == ["hold", "q0", "q1", "q2"] and idle(engine)
 

@@ -205,7 +205,7 @@ def test_replayed_events_always_equal_the_cached_hashes(bs, pool_tokens, max_num
 
     for op in ops:
         if op[0] == "add":
-            _, prompt, max_tokens, ignore_eos, stop_ids, _ = op
+            _, prompt, max_tokens, ignore_eos, stop_ids = op[:5]
             max_tokens = min(max_tokens, 40 - len(prompt), blocks * bs + 1 - len(prompt))
             if max_tokens >= 1:
                 h.add(prompt, max_tokens, ignore_eos, stop_ids)

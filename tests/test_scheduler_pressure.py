@@ -274,8 +274,7 @@ def test_queue_limits_refuse_new_requests_and_count_them(policy):
     with pytest.raises(OverloadedError) as e:
         s.add(seq("big", range(400, 427), max_tokens=1))  # 4 queued + 27 > 30
     assert (e.value.limit, e.value.requested, e.value.allowed) == ("max_waiting_tokens", 31, 30)
-    stats = s.stats()
-    assert stats["num_refused_max_waiting_requests"] == 1 and stats["num_refused_max_waiting_tokens"] == 1
+    assert s.num_refused == {"max_waiting_requests": 1, "max_waiting_tokens": 1}
     s.abort("w1")
     s.add(seq("big", range(400, 440), max_tokens=1))     # 40 > 30, but into an empty queue
     s.check_integrity()

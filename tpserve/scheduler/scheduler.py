@@ -626,8 +626,6 @@ class Scheduler:
             "scheduling_order": "priority" if self.by_priority else "fcfs",
             "num_priority_preemptions": self.num_priority_preemptions,
             "num_timed_out": self.num_timed_out,
-            "num_refused_max_waiting_requests": self.num_refused["max_waiting_requests"],
-            "num_refused_max_waiting_tokens": self.num_refused["max_waiting_tokens"],
             "max_waiting_requests": self.max_waiting_requests,
             "max_waiting_tokens": self.max_waiting_tokens,
         }
