@@ -312,6 +312,9 @@ def test_start_status_generate(daemon, offline, tiny_model):
     assert lines["KV blocks used"].split()[-3:] == ["0", "/", str(NUM_KV_BLOCKS)]
     for key in ("uptime", "requests running", "requests waiting", "prefix cache hits", "preemptions", "tokens/s"):
         assert key in lines
+    assert lines["ready"].strip() == "True" and lines["scheduling order"].strip() == "fcfs"
+    assert lines["requests waiting"].strip() == "0 (limit none)" and lines["timed out"].strip() == "0"
+    assert lines["refused"].strip() == "queue full 0 / queued tokens 0 / draining 0 / never fits 0"
 
     refused = daemon.cli("generate", "Hello", "--max-tokens", 100000)
     assert refused.returncode == 1 and "admission" in refused.stderr and "max_model_len" in refused.stderr
