@@ -239,7 +239,8 @@ class BlockManager:
         new = [] if events is not None else None  # block indices whose hash is new to the cache
         for i in range(i, num_full):
             h, block_id = hashes[i], table[i]
-            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
+            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1,
+                                    hashes[i - 1] if i else -1)
             old = index.get(h, -1)
             if old != -1 and old != block_id and self._free.is_cached(old):
                 self._free.uncache(old)
@@ -280,16 +281,15 @@ class BlockManager:
 
     def cached_blocks(self) -> list[tuple[int, int | None, list[int]]]:
         """(hash, parent hash, token ids) of every block in the prefix cache, each block after
-        its parent: what a router needs to rebuild its view from nothing. The parent is None
-        for a first block, and for a block whose parent's hash is no longer cached."""
+        its parent while that is cached: what a router needs to rebuild its view from nothing.
+        The parent is None for a first block only: a block whose parent left the cache still
+        names it (its hash is chained from it, and a first block it is not)."""
         blocks, index = self.blocks, self.hash_to_block_id
-        by_serial = {blk.serial: blk.block_id for blk in blocks if blk.hash != -1}
 
         def parent(b: int) -> int | None:
-            """The hash of the block ``b`` was computed after, while it is cached."""
-            p = by_serial.get(blocks[b].parent_serial)
-            h = blocks[p].hash if p is not None and p != b else None
-            return h if h in index else None
+            """The hash the hash of block ``b`` was chained from, while that is cached."""
+            h = blocks[b].parent_hash
+            return h if h in index and index[h] != b else None
 
         depth: dict[int, int] = {}
         for b in index.values():
@@ -307,7 +307,8 @@ class BlockManager:
             for c in reversed(chain):
                 d += 1
                 depth[c] = d
-        return [(blocks[b].hash, parent(b), blocks[b].token_ids) for b in sorted(index.values(), key=depth.__getitem__)]
+        return [(blocks[b].hash, None if blocks[b].parent_hash == -1 else blocks[b].parent_hash, blocks[b].token_ids)
+                for b in sorted(index.values(), key=depth.__getitem__)]
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:
