@@ -1,6 +1,6 @@
 """Serving under live arrivals: TTFT, inter-token latency, end-to-end latency and throughput.
 
-    python scripts/bench_serving.py [--requests 40] [--rates 0.25 1 4] [--mode both]
+    python scripts/bench_serving.py [--requests 40] [--rates 0.25 1 4] [--mode both|overload]
         [--peer-vllm PYTHON] [--peer-transformers PYTHON] [--tpserve-http]
         [--transformers-args ARGS] [--model DIR] [--prompt-scale 1.0] [--output-scale 1.0]
         [--time-limit 900]
@@ -14,6 +14,16 @@ warm-up request, not measured. Scenario mode: 16 streams decode
 when a 3,000-token prompt arrives; it prints the longest gap between two tokens of any running
 stream from that arrival until the prompt's first token, per engine, and the mixed /
 prefill-first ratio (target <= 0.25).
+
+Overload mode (``--mode overload``, tpserve ``mixed`` only): first the saturated rate, measured
+as the requests/s one daemon finishes when ``2 * --max-num-seqs`` requests of the trace's mix
+arrive at once (or ``--saturated-rate``); then one seeded Poisson trace at twice that rate for
+``--overload-seconds`` (60) is replayed against a daemon without queue limits
+(``--max-waiting-requests none --max-waiting-tokens none``) and one with its default limits,
+sized from the KV pool. Per daemon it prints goodput (requests finished with a TTFT within
+``--ttft-bound`` seconds, 2, and that per second of the trace), the requests refused
+(``overloaded`` / HTTP 429) and the TTFT p50/p99 of the admitted requests that finished; then
+the capped / uncapped TTFT p99 ratio (target <= 1/3) and whether goodput is not lower.
 
 Engines: tpserve ``mixed`` and ``prefill-first``, each a daemon started with ``tpserve start``
 on a private runtime directory and stopped after, driven through ``tpserve.AsyncClient`` (or,
@@ -116,6 +126,7 @@ class Record:
     done: float | None = None
     error: str | None = None
     server_prompt_tokens: int | None = None             # the final ``usage``, when sent
+    refused: bool = False                                # the server's queue was full (429)
 
 
 def pct(xs, q) -> float:
@@ -150,10 +161,16 @@ class TpserveDriver:
         await self.client.close()
 
     async def stream(self, prompt: list[int], max_tokens: int, rec: Record) -> None:
-        async for delta in self.client.stream(prompt, temperature=0.0, max_tokens=max_tokens,
-                                              ignore_eos=True):
-            now = time.perf_counter()
-            rec.times += [now] * len(delta.token_ids)
+        from tpserve.daemon.client import RequestError
+        try:
+            async for delta in self.client.stream(prompt, temperature=0.0, max_tokens=max_tokens,
+                                                  ignore_eos=True):
+                now = time.perf_counter()
+                rec.times += [now] * len(delta.token_ids)
+        except RequestError as e:
+            if e.code != "overloaded" or rec.times:
+                raise
+            rec.refused = True
 
 
 class OpenAIDriver:
@@ -192,6 +209,9 @@ class OpenAIDriver:
             writer.write(payload)
             await writer.drain()
             status = await reader.readline()
+            if b" 429 " in status:                           # the queue is full: refused
+                rec.refused = True
+                return
             if b" 200 " not in status:
                 rest = await reader.read(2000)
                 raise RuntimeError(f"HTTP {status.decode().strip()}: {rest[-500:]!r}")
@@ -250,8 +270,9 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def tpserve_server(model: Path, policy: str, args, http: bool):
-    """A tpserve daemon (``tpserve start``) with ``policy``; yields its driver."""
+async def tpserve_server(model: Path, policy: str, args, http: bool, extra: tuple[str, ...] = ()):
+    """A tpserve daemon (``tpserve start``) with ``policy`` (and ``extra`` options); yields its
+    driver."""
     rd = tempfile.mkdtemp(prefix="tpserve-bench-serving-")
     port = free_port() if http else None
     cmd = TPSERVE + ["start", "--runtime-dir", rd, "--log-level", "warning", "--model", str(model),
@@ -260,6 +281,7 @@ async def tpserve_server(model: Path, policy: str, args, http: bool):
                      "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     if args.budget:
         cmd += ["--max-num-batched-tokens", str(args.budget)]
+    cmd += list(extra)
     if http:
         # The daemon's OpenAI endpoint; its clients are measured like the HTTP peers'.
         cmd += ["--http-port", str(port)]
@@ -414,7 +436,8 @@ async def replay(driver, trace: list[Request], time_limit: float) -> list[Record
         rec.sent = time.perf_counter()
         try:
             await driver.stream(req.prompt, req.max_tokens, rec)
-            rec.done = time.perf_counter()
+            if not rec.refused:
+                rec.done = time.perf_counter()
         except Exception as e:                      # reported, never hidden
             rec.error = f"{type(e).__name__}: {e}"
 
@@ -466,6 +489,59 @@ async def scenario(driver, vocab: int, max_len: int, args) -> tuple[float, float
     return float(np.median(before)) if before else float("nan"), max(after)
 
 
+async def saturated_rate(driver, vocab: int, max_len: int, args) -> float:
+    """Requests/s finished when ``2 * max_num_seqs`` requests of the mix arrive at once."""
+    burst = make_trace(2 * args.max_num_seqs, 1e9, vocab, args.seed + 100, args.prompt_scale,
+                       args.output_scale, max_len)
+    records = await replay(driver, burst, args.time_limit)
+    done = [r for r in records if r.done is not None]
+    if not done:
+        raise RuntimeError("no request of the saturation burst finished: "
+                           + (count_note(burst, records) or "time limit"))
+    return len(done) / (max(r.done for r in done) - min(r.sent for r in records))
+
+
+def overload_summary(records: list[Record], ttft_bound: float, seconds: float) -> dict:
+    """Goodput (finished with a TTFT within ``ttft_bound``), its rate over the trace's
+    ``seconds``, refusals, and the TTFT of the admitted requests that finished."""
+    s = summarize(records)
+    good = sum(t <= ttft_bound for t in s["ttft"])
+    return dict(good=good, good_per_s=good / seconds, refused=sum(r.refused for r in records),
+                done=s["done"], unfinished=sum(r.done is None and not r.refused and not r.error
+                                               for r in records),
+                errors=sum(bool(r.error) for r in records), ttft=s["ttft"])
+
+
+UNCAPPED = ("--max-waiting-requests", "none", "--max-waiting-tokens", "none")
+
+
+async def overload(model: Path, vocab: int, max_len: int, args) -> None:
+    """The overload scenario (module docstring): uncapped, then capped, on one trace."""
+    trace = None
+    results = {}
+    for name, extra in (("uncapped", UNCAPPED), ("capped", ())):
+        async with tpserve_server(model, "mixed", args, http=args.tpserve_http, extra=extra) as driver:
+            await driver.stream(list(range(3, 11)), 2, Record())    # warm-up, not measured
+            if trace is None:
+                rate = args.saturated_rate or await saturated_rate(driver, vocab, max_len, args)
+                n = max(1, round(2 * rate * args.overload_seconds))
+                trace = make_trace(n, 2 * rate, vocab, args.seed + 200, args.prompt_scale,
+                                   args.output_scale, max_len)
+                print(f"bench_serving overload saturated_rate={rate:.2f}/s arrivals={2 * rate:.2f}/s "
+                      f"for {args.overload_seconds:g} s: {n} requests, ttft_bound={args.ttft_bound:g} s",
+                      flush=True)
+            records = await replay(driver, trace, args.time_limit)
+        s = results[name] = overload_summary(records, args.ttft_bound, args.overload_seconds)
+        print(f"bench_serving overload {name} goodput={s['good']} ({s['good_per_s']:.2f}/s) "
+              f"refused={s['refused']} finished={s['done']}/{len(trace)} unfinished={s['unfinished']} "
+              f"errors={s['errors']} admitted_ttft_ms p50={pct(s['ttft'], 50) * 1e3:.0f} "
+              f"p99={pct(s['ttft'], 99) * 1e3:.0f}", flush=True)
+    ratio = pct(results["capped"]["ttft"], 99) / pct(results["uncapped"]["ttft"], 99)
+    print(f"bench_serving overload capped/uncapped ttft_p99={ratio:.3f} (target <= 0.333) "
+          f"goodput capped={results['capped']['good']} uncapped={results['uncapped']['good']} "
+          f"(target: not lower)", flush=True)
+
+
 def count_note(trace: list[Request], records: list[Record]) -> str:
     """What differs between the trace and what the server did: prompt tokens it counted, output
     tokens of finished requests, errors. Empty when everything matches."""
@@ -482,6 +558,9 @@ def count_note(trace: list[Request], records: list[Record]) -> str:
     errors = [r.error for r in records if r.error]
     if errors:
         parts.append(f"errors={len(errors)} first: {errors[0][:300]}")
+    refused = sum(r.refused for r in records)
+    if refused:
+        parts.append(f"refused={refused} (the server's queue was full)")
     return " ".join(parts)
 
 
@@ -502,12 +581,15 @@ async def main_async(args) -> int:
     model = Path(args.model).resolve() if args.model else default_model(Path(args.cache_dir))
     cfg = json.loads((model / "config.json").read_text())
     vocab, max_len = int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048))
-    if args.scenario_prompt + 1 > max_len:
+    if args.mode in ("scenario", "both") and args.scenario_prompt + 1 > max_len:
         raise SystemExit(f"--scenario-prompt {args.scenario_prompt} does not fit the model's "
                          f"{max_len} positions")
     print(f"bench_serving model={model.name} dtype={args.dtype} {machine()} "
           f"budget={args.budget or 'default'} requests/rate={args.requests} "
           f"rates={args.rates} (timings on a shared machine are noisy)", flush=True)
+    if args.mode == "overload":
+        await overload(model, vocab, max_len, args)
+        return 0
     gaps = {}
     for name, server in engines(model, args):
         try:
@@ -550,7 +632,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory [default: the 40M benchmark model, 8k context]")
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "tpserve-bench-models"))
-    ap.add_argument("--mode", choices=("trace", "scenario", "both"), default="both")
+    ap.add_argument("--mode", choices=("trace", "scenario", "both", "overload"), default="both")
     ap.add_argument("--requests", type=int, default=40, help="requests per rate")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.25, 1.0, 4.0],
                     help="arrival rates, requests/s (light to saturating)")
@@ -562,6 +644,12 @@ def main() -> int:
     ap.add_argument("--scenario-tokens", type=int, default=1500,
                     help="tokens each scenario stream may decode (must outlast the long prefill)")
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds per rate and engine")
+    ap.add_argument("--overload-seconds", type=float, default=60.0,
+                    help="overload mode: how long arrivals come at twice the saturated rate")
+    ap.add_argument("--saturated-rate", type=float, default=None,
+                    help="overload mode: requests/s at saturation [default: measured]")
+    ap.add_argument("--ttft-bound", type=float, default=2.0,
+                    help="overload mode: a request counts as goodput when its TTFT is within this")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget", type=int, default=None,

@@ -114,3 +114,31 @@ def test_transformers_cache_holds_the_kv_budget_capped_at_max_num_seqs_contexts(
     assert bench_serving.transformers_kv_blocks(cfg, args) == 1024
     args.max_num_seqs = 4                                  # 4 x 8,192 tokens: 128 blocks
     assert bench_serving.transformers_kv_blocks(cfg, args) == 128
+
+
+def test_a_429_marks_the_request_refused_and_the_overload_summary_counts_it():
+    async def run():
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(handle, bench_serving.HOST, 0)
+        try:
+            records = await bench_serving.replay(
+                bench_serving.OpenAIDriver(server.sockets[0].getsockname()[1], None),
+                [bench_serving.Request(0.0, [5, 6], 4)], 30)
+        finally:
+            server.close()
+            await server.wait_closed()
+        return records
+    (refused,) = asyncio.run(run())
+    assert refused.refused and refused.done is None and refused.error is None
+    fast = bench_serving.Record(sent=0.0, times=[0.5, 0.6], done=0.7)
+    slow = bench_serving.Record(sent=0.0, times=[3.0], done=3.5)
+    lost = bench_serving.Record(sent=0.0, times=[0.1])                   # never finished
+    s = bench_serving.overload_summary([fast, slow, refused, lost], ttft_bound=2.0, seconds=4.0)
+    assert (s["good"], s["good_per_s"], s["refused"], s["done"], s["unfinished"]) == (1, 0.25, 1, 2, 1)
+    assert s["ttft"] == [0.5, 3.0]
+    assert "refused=1" in bench_serving.count_note([bench_serving.Request(0.0, [1], 1)] * 4,
+                                                   [fast, slow, refused, lost])

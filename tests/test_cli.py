@@ -284,7 +284,8 @@ class Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model):
-    d = Daemon(tiny_model)
+    # No queue limits: these tests flood the daemon to compare it with the offline API.
+    d = Daemon(tiny_model, "--max-waiting-requests", "none", "--max-waiting-tokens", "none")
     yield d
     d.kill()
 
@@ -311,6 +312,9 @@ def test_start_status_generate(daemon, offline, tiny_model):
     assert lines["KV blocks used"].split()[-3:] == ["0", "/", str(NUM_KV_BLOCKS)]
     for key in ("uptime", "requests running", "requests waiting", "prefix cache hits", "preemptions", "tokens/s"):
         assert key in lines
+    assert lines["ready"].strip() == "True" and lines["scheduling order"].strip() == "fcfs"
+    assert lines["requests waiting"].strip() == "0 (limit none)" and lines["timed out"].strip() == "0"
+    assert lines["refused"].strip() == "queue full 0 / queued tokens 0 / draining 0 / never fits 0"
 
     refused = daemon.cli("generate", "Hello", "--max-tokens", 100000)
     assert refused.returncode == 1 and "admission" in refused.stderr and "max_model_len" in refused.stderr
@@ -460,7 +464,8 @@ def test_sigterm_during_generation_on_a_curve_socket(tiny_model):
     log = open(Path(rd) / "serve.log", "wb")
     proc = subprocess.Popen(TPSERVE + ["serve", "--model", str(tiny_model), "--runtime-dir", rd,
                                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--address", address,
-                                       "--curve-secret-key", str(keys / "tpserve.key_secret")],
+                                       "--curve-secret-key", str(keys / "tpserve.key_secret"),
+                                       "--shutdown-grace", "0"],  # SIGTERM aborts at once
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     tree = [proc.pid]
     try:

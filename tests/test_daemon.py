@@ -90,8 +90,9 @@ class FakeEngine:
             assert self.release_tokenize.wait(60), "the test never released the tokenizer"
         return [ord(c) % self.vocab for c in prompt]
 
-    def add_request(self, request_id, prompt, params=None):
+    def add_request(self, request_id, prompt, params=None, *, priority=0, timeout=None, arrival=None):
         params = params or SamplingParams()
+        self.last_priority, self.last_timeout = priority, timeout
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt = check_request(prompt, params, self.vocab)
@@ -190,7 +191,9 @@ class ServerThread:
         self.engine = engine or FakeEngine()
         self.dir = short_tmpdir()
         self.address = address or f"ipc://{self.dir}/s.sock"
-        self.server = Server(self.engine, self.address, options or ServerOptions(), context=context)
+        # No drain by default: these tests stop at once unless they test the drain.
+        self.server = Server(self.engine, self.address, options or ServerOptions(shutdown_grace=0.0),
+                             context=context)
         self.exit_code = None
         self.thread = threading.Thread(target=self._run, name="tpserve-test-server", daemon=True)
         self.thread.start()
@@ -484,7 +487,7 @@ def test_token_ids_outside_the_vocabulary_are_rejected(srv, raw):
 
 def test_engine_input_errors_become_invalid_request():
     class Picky(FakeEngine):
-        def add_request(self, request_id, prompt, params):
+        def add_request(self, request_id, prompt, params, **kw):
             if prompt == "typed":
                 raise InvalidRequestError("prompt", "is empty after tokenization")
             raise ValueError("the engine does not like this")
@@ -828,7 +831,8 @@ DAEMON_SCRIPT = textwrap.dedent("""
             print("engine shutdown started", flush=True)
             super().shutdown()
     engine = Announcing(shutdown_delay={shutdown_delay})
-    code = run_daemon(EngineConfig(), None, {rd!r}, ServerOptions(), engine_factory=lambda cfg: engine)
+    code = run_daemon(EngineConfig(), None, {rd!r}, ServerOptions(shutdown_grace={grace}),
+                      engine_factory=lambda cfg: engine)
     print("shutdown_called", engine.shutdown_called, flush=True)
     sys.exit(code)
 """)
@@ -850,8 +854,8 @@ def wait_for_line(proc, text, timeout=30.0):
             seen.append(line)
 
 
-def _spawn_fake_daemon(rd, shutdown_delay=0.0):
-    script = DAEMON_SCRIPT.format(tests=str(TESTS_DIR), rd=rd, shutdown_delay=shutdown_delay)
+def _spawn_fake_daemon(rd, shutdown_delay=0.0, grace=0.0):
+    script = DAEMON_SCRIPT.format(tests=str(TESTS_DIR), rd=rd, shutdown_delay=shutdown_delay, grace=grace)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 60
@@ -909,7 +913,7 @@ def test_second_daemon_on_the_same_runtime_dir_is_refused():
     rd = short_tmpdir()
     proc = _spawn_fake_daemon(rd)
     try:
-        script = DAEMON_SCRIPT.format(tests=str(TESTS_DIR), rd=rd, shutdown_delay=0.0)
+        script = DAEMON_SCRIPT.format(tests=str(TESTS_DIR), rd=rd, shutdown_delay=0.0, grace=0.0)
         second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         assert second.returncode != 0
         assert f"(pid {proc.pid}) is already running" in second.stderr
@@ -971,7 +975,7 @@ def test_admission_error_at_the_max_tokens_bound_is_answered():
 
 def test_an_error_reply_that_cannot_encode_still_answers():
     class Overflowing(FakeEngine):
-        def add_request(self, request_id, prompt, params=None):
+        def add_request(self, request_id, prompt, params=None, **kw):
             raise AdmissionError(request_id, "max_model_len", 2**70, 10)
     with ServerThread(Overflowing()) as s:
         r = Raw(s.address)
@@ -1044,7 +1048,7 @@ def test_a_long_prompt_is_tokenized_off_the_serving_loop():
 
 def test_abort_while_tokenizing_and_shutdown_while_tokenizing():
     engine = FakeEngine()
-    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16)) as s:
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16, shutdown_grace=0.0)) as s:
         r = Raw(s.address)
         prompt = "y" * 50 + engine.hold_marker
         r.send_msg(gen("a", prompt))
@@ -1120,11 +1124,15 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
                           "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
                           "shutdown", "enable_kv_events", "drain_kv_events"}
+    def split(fn):
+        params = inspect.signature(fn).parameters.values()
+        return ([p.name for p in params if p.kind is not p.KEYWORD_ONLY],
+                {p.name for p in params if p.kind is p.KEYWORD_ONLY})
+
     for cls in (Engine, FakeEngine):
         for name in names:
-            want = list(inspect.signature(getattr(ServingEngine, name)).parameters)
-            got = list(inspect.signature(getattr(cls, name)).parameters)
-            assert got[:len(want)] == want, (cls.__name__, name, got)
+            (want, want_kw), (got, got_kw) = split(getattr(ServingEngine, name)), split(getattr(cls, name))
+            assert got[:len(want)] == want and want_kw <= got_kw, (cls.__name__, name, got, got_kw)
 
 
 def test_profile_records_while_serving_and_answers_with_the_files():

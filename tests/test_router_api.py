@@ -92,7 +92,8 @@ def test_health_is_503_while_draining_and_when_the_daemon_is_gone(served):
     engine = FakeEngine(step_delay=0.02)
     server, http = served(engine, ServerOptions(shutdown_grace=30.0))
     with http, Client(server.address, timeout=30) as c:
-        assert http.get("/health").status_code == 200
+        assert http.get("/health").status_code == 200 and http.get("/health").json()["ready"] is True
+        assert http.get("/ready").status_code == 200 and http.get("/ready").json() == {"ready": True}
         t = threading.Thread(target=c.generate, args=([1, 2, 3], SamplingParams(max_tokens=100)))
         t.start()
         deadline = time.monotonic() + 10
@@ -105,16 +106,22 @@ def test_health_is_503_while_draining_and_when_the_daemon_is_gone(served):
             assert time.monotonic() < deadline, "health never turned unhealthy while draining"
             time.sleep(0.01)
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        body = r.json()
+        assert (body["status"], body["ready"]) == ("draining", False) and body["drain_left_s"] > 0
+        ready = http.get("/ready")
+        assert ready.status_code == 503 and ready.json() == {"ready": False, "state": "shutting_down"}
         t.join(30)
         server.thread.join(30)
         r = http.get("/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
+        assert http.get("/ready").status_code == 503
 
 
 def test_an_api_key_guards_everything_but_health_and_version(served):
     _, http = served(api_key="k")
     with http:
         assert http.get("/health").status_code == 200
+        assert http.get("/ready").status_code == 200
         assert http.get("/version").status_code == 200
         for path in ("/v1/loads", "/server_info", "/model_info"):
             assert http.get(path).status_code == 401, path

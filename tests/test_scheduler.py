@@ -1,7 +1,8 @@
 """Scheduler: the seed's section-5 walk-through, decode outcomes, prefix cache, admission.
 
-Every test runs under both scheduling policies (the ``policy`` fixture); where the policies
-batch differently the test says what each does.
+Every test runs under both scheduling policies and both scheduling orders (the ``policy``
+fixture); where the policies batch differently the test says what each does. Every request
+here has priority 0, so the "priority" order must make the seed's decisions too.
 """
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ from tpserve.scheduler import Scheduler, Sequence, SequenceStatus
 
 EOS = 0
 POLICIES = ("prefill-first", "mixed")
-CURRENT = {"policy": "mixed"}
+ORDERS = ("fcfs", "priority")
+CURRENT = {"policy": "mixed", "order": "fcfs"}
 
 
-@pytest.fixture(autouse=True, params=POLICIES)
+@pytest.fixture(autouse=True, params=[(p, o) for p in POLICIES for o in ORDERS],
+                ids=lambda p: "-".join(p))
 def policy(request, monkeypatch):
-    """Runs every test of this module once per scheduling policy (read by make_sched)."""
-    monkeypatch.setitem(CURRENT, "policy", request.param)
-    return request.param
+    """Runs every test of this module once per scheduling policy and order (read by
+    make_sched); the tests see the policy."""
+    monkeypatch.setitem(CURRENT, "policy", request.param[0])
+    monkeypatch.setitem(CURRENT, "order", request.param[1])
+    return request.param[0]
 
 
 def make_sched(bs=16, blocks=6, max_num_seqs=16, max_batched=4096, max_model_len=1024,
@@ -33,7 +38,7 @@ def make_sched(bs=16, blocks=6, max_num_seqs=16, max_batched=4096, max_model_len
                                   max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                                   enable_prefix_caching=prefix, eos_token_ids=list(eos),
                                   scheduling_policy=policy or CURRENT["policy"],
-                                  max_stall_tokens=1))
+                                  scheduling_order=CURRENT["order"], max_stall_tokens=1))
 
 
 def make_seq(rid, tokens, max_tokens=16, **sp):

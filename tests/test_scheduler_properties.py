@@ -5,8 +5,11 @@ the whole token prefix up to that position (as real KV depends on the whole pref
 context only through the plan's block tables and writes only through its slot mapping, and the
 next token is a pseudo-random function of the last digest. A wrong block table, slot, position,
 prefix-cache hit or preemption recovery therefore changes the tokens; the outputs must equal a
-plain sequential reference, whatever the block size, pool size, chunking, preemption or
-scheduling policy (every test runs under both).
+plain sequential reference, whatever the block size, pool size, chunking, preemption,
+scheduling policy or scheduling order (every test runs under both policies and both orders;
+under "priority" requests get random priorities, and every priority preemption is checked
+against a brute force on a copy of the scheduler). Requests may carry a deadline in steps; one
+that passes ends the request with "timeout" and a prefix of the reference.
 
 With speculative decoding the fake runner samples every draft row and the harness accepts as
 the sampling rank does (workers/rejection.py). To make drafts match often, a runner with a
@@ -14,6 +17,8 @@ the sampling rank does (workers/rejection.py). To make drafts match often, a run
 its KV cache through the block table (so a wrong table or slot still shows in the tokens).
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -30,6 +35,7 @@ from tpserve.workers.rejection import accept
 MOD = (1 << 61) - 1
 EOS = 0
 POLICIES = ("prefill-first", "mixed")
+ORDERS = ("fcfs", "priority")
 
 
 def digest(prev: int, tok: int) -> int:
@@ -117,13 +123,16 @@ def reference(runner: FakeRunner, prompt, sp: SamplingParams, eos, max_model_len
 
 class Harness:
     def __init__(self, bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab, salt,
-                 policy, max_stall=1, spec=None, copy_period=0):
+                 policy, max_stall=1, spec=None, copy_period=0, order="fcfs"):
         self.cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                                 enable_prefix_caching=prefix, eos_token_ids=[EOS],
                                 scheduling_policy=policy, max_stall_tokens=max_stall,
-                                speculative_config=spec)
+                                speculative_config=spec, scheduling_order=order)
         self.s = Scheduler(self.cfg)
+        self.clock = 0           # steps taken: the unit of the requests' deadlines
+        self.timed_out: set[str] = set()
+        self.batches: list[list[str]] = []
         self.runner = FakeRunner(blocks, bs, vocab, salt, copy_period)
         self.seqs: dict[str, Sequence] = {}
         self.aborted: set[str] = set()
@@ -132,12 +141,15 @@ class Harness:
         self.drafted_steps = 0
         self.accepted = 0
 
-    def add(self, prompt, max_tokens, ignore_eos=False, stop_token_ids=()):
+    def add(self, prompt, max_tokens, ignore_eos=False, stop_token_ids=(), priority=0, timeout=None):
         rid = f"r{self.n}"
         self.n += 1
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
                             stop_token_ids=list(stop_token_ids))
-        seq = Sequence(rid, prompt, sp, seed=self.n)
+        if not self.s.by_priority:
+            priority = 0
+        deadline = None if timeout is None else self.clock + timeout
+        seq = Sequence(rid, prompt, sp, seed=self.n, priority=priority, deadline=deadline)
         bs, cfg = self.cfg.block_size, self.cfg
         total = len(prompt) + max_tokens
         expect = ("max_model_len" if total > cfg.max_model_len else
@@ -152,9 +164,32 @@ class Harness:
         return seq
 
     def step(self):
+        expired = self.s.expire(self.clock)
+        assert all(q.finish_reason == "timeout" and q.deadline <= self.clock for q in expired)
+        self.timed_out.update(q.request_id for q in expired)
+        self.s.check_integrity()
+        self.clock += 1
         had_work = self.s.has_unfinished()
-        batch = self.s.schedule()
+        victims, waiting_before = expected_room_victims(self.s), list(self.s.waiting)
+        preempted_before = self.s.num_priority_preemptions
+        preempted: list[Sequence] = []
+        real = self.s._preempt
+        self.s._preempt = lambda q: (preempted.append(q), real(q))
+        try:
+            batch = self.s.schedule()
+        finally:
+            del self.s._preempt
         assert bool(batch) == had_work, "nothing scheduled although work is runnable"
+        # Priority preemption happens first and picks exactly the brute force's victims.
+        k = self.s.num_priority_preemptions - preempted_before
+        assert [q.request_id for q in preempted[:k]] == [q.request_id for q in victims]
+        # Admission never passes over a waiting sequence of a better priority.
+        nd = batch.num_decodes
+        admitted = [q for q in batch.seqs[nd:] if q in waiting_before]
+        still = [q for q in self.s.waiting if q in waiting_before]
+        if admitted and still:
+            assert max(q.priority for q in admitted) <= min(q.priority for q in still)
+        self.batches.append([q.request_id for q in batch.seqs])
         plan = self.s.build_plan(batch)
         if plan.is_prefill:
             assert plan.has_context == any(q.num_cached_tokens > 0 for q in batch.seqs)
@@ -210,7 +245,7 @@ class Harness:
         cfg = self.cfg
         for op in ops:
             if op[0] == "add":
-                _, prompt, max_tokens, ignore_eos, stop_ids, clamp = op
+                _, prompt, max_tokens, ignore_eos, stop_ids, clamp, priority, timeout = op
                 if vocab is not None:
                     prompt, stop_ids = [t % vocab for t in prompt], [t % vocab for t in stop_ids]
                 if clamp:
@@ -218,7 +253,7 @@ class Harness:
                                      cfg.num_kv_blocks * cfg.block_size + 1 - len(prompt))
                     if max_tokens < 1:
                         continue
-                self.add(prompt, max_tokens, ignore_eos, stop_ids)
+                self.add(prompt, max_tokens, ignore_eos, stop_ids, priority, timeout)
             elif op[0] == "step":
                 self.step()
             elif op[0] == "abort":
@@ -242,11 +277,46 @@ class Harness:
             assert q.status is SequenceStatus.FINISHED
             ref, reason = reference(self.runner, q.prompt_token_ids, q.sampling_params, [EOS],
                                     self.cfg.max_model_len)
-            if rid in self.aborted:
-                assert q.finish_reason == "abort"
+            if rid in self.aborted or rid in self.timed_out:
+                assert q.finish_reason == ("abort" if rid in self.aborted else "timeout")
                 assert q.completion_token_ids == ref[:len(q.completion_token_ids)]
             else:
                 assert (q.completion_token_ids, q.finish_reason) == (ref, reason), rid
+
+
+def expected_room_victims(s: Scheduler) -> list[Sequence]:
+    """The running sequences a "priority" scheduler must preempt at the start of its next
+    step so that its best waiting sequence fits, by brute force: the shortest prefix of the
+    worse-priority running sequences (worst first, latest admitted first) after whose
+    preemption -- done on a copy of the scheduler, with the blocks this step's decodes take
+    first (mixed) taken too -- the block manager can allocate it and a slot is free."""
+    if not s.by_priority or not s.waiting:
+        return []
+    head = s.waiting[0]
+    order = sorted(enumerate(s.running), key=lambda p: (-p[1].priority, -p[0]))
+    cands = [q for _, q in order if q.priority > head.priority]
+    if not cands:
+        return []
+
+    def fits(k: int) -> bool:
+        c = copy.deepcopy(s)
+        for q in cands[:k]:
+            c.preempt(c.get(q.request_id))
+        bm = c.block_manager
+        if c.policy == "mixed":
+            cap = min(c.max_num_batched_tokens, c.max_num_seqs)
+            for q in [q for q in c.running if not q.is_prefill][:cap]:
+                if bm.needs_block(q):
+                    if not bm.num_free_blocks:
+                        return False
+                    bm._allocate_block()
+        h = c.waiting[0]
+        return len(c.running) < c.max_num_seqs and bm.can_allocate(h, c._uses_cache(h)) >= 0
+
+    for k in range(len(cands) + 1):
+        if fits(k):
+            return cands[:k]
+    return []
 
 
 # ---- hypothesis: random interleavings -------------------------------------------------------
@@ -258,7 +328,8 @@ prompt_st = st.builds(lambda k, tail: (BASE[:k] + tail) or BASE[:1], st.integers
 # The last field: 0 submits max_tokens as drawn (may be rejected), else it is clamped so the
 # request fits the engine's limits.
 add_st = st.tuples(st.just("add"), prompt_st, st.integers(1, 12), st.booleans(),
-                   st.lists(st.integers(1, 5), max_size=2), st.integers(0, 4))
+                   st.lists(st.integers(1, 5), max_size=2), st.integers(0, 4), st.integers(-2, 2),
+                   st.one_of(st.none(), st.none(), st.integers(0, 12)))
 op_st = st.one_of(
     add_st, add_st,
     st.tuples(st.just("step")), st.tuples(st.just("step")), st.tuples(st.just("step")),
@@ -267,6 +338,7 @@ op_st = st.one_of(
 )
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(6, 32),
@@ -274,11 +346,11 @@ op_st = st.one_of(
        max_model_len=st.integers(12, 40), prefix=st.booleans(), salt=st.integers(0, 1000),
        initial=st.lists(add_st, min_size=1, max_size=6), ops=st.lists(op_st, max_size=40),
        max_stall=st.sampled_from([1, 8, 24, 64]))
-def test_random_interleavings_keep_invariants(policy, bs, pool_tokens, max_num_seqs, max_batched,
+def test_random_interleavings_keep_invariants(policy, order, bs, pool_tokens, max_num_seqs, max_batched,
                                               max_model_len, prefix, salt, initial, ops, max_stall):
     blocks = -(-pool_tokens // bs)
     h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=6, salt=salt,
-                policy=policy, max_stall=max_stall)
+                policy=policy, max_stall=max_stall, order=order)
     h.run(initial + ops)
     h.drain()
     h.check_outputs()
@@ -287,13 +359,63 @@ def test_random_interleavings_keep_invariants(policy, bs, pool_tokens, max_num_s
     event(f"prefix hit: {st_['prefix_cache_hit_tokens'] > 0}")
     event(f"finished: {sum(not q.finish_reason == 'abort' for q in h.seqs.values()) > 0}")
     event(f"{policy}, mixed steps: {h.mixed_steps > 0}")
+    event(f"{order}, priority preemptions: {st_['num_priority_preemptions'] > 0}")
+    event(f"timed out: {st_['num_timed_out'] > 0}")
+
+
+low_st = st.tuples(st.just("add"), prompt_st, st.integers(4, 12), st.just(True), st.just([]), st.just(1),
+                   st.integers(1, 3), st.none())
+high_st = st.tuples(st.just("add"), prompt_st, st.integers(1, 12), st.booleans(), st.just([]), st.just(1),
+                    st.integers(-2, 0), st.one_of(st.none(), st.integers(0, 12)))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bs=st.sampled_from([1, 2, 4]), pool_tokens=st.integers(8, 32), max_num_seqs=st.sampled_from([2, 3, 4, 8]),
+       max_batched=st.integers(2, 16), prefix=st.booleans(), salt=st.integers(0, 1000),
+       low=st.lists(low_st, min_size=2, max_size=6), warmup=st.integers(0, 6),
+       high=st.lists(high_st, min_size=1, max_size=3), ops=st.lists(op_st, max_size=20))
+def test_better_arrivals_preempt_the_brute_force_victims(policy, bs, pool_tokens, max_num_seqs, max_batched,
+                                                         prefix, salt, low, warmup, high, ops):
+    """Worse-priority streams fill the pool, better ones arrive: every priority preemption is
+    the brute force's (Harness.step), outputs match the reference, nothing is lost."""
+    blocks = -(-pool_tokens // bs)
+    h = Harness(bs, blocks, max_num_seqs, max_batched, 40, prefix, vocab=6, salt=salt, policy=policy,
+                order="priority")
+    h.run(low + [("step",)] * warmup + high + ops)
+    h.drain()
+    h.check_outputs()
+    event(f"priority preemptions: {h.s.num_priority_preemptions > 0}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bs=st.sampled_from([1, 2, 4]), pool_tokens=st.integers(6, 32), max_num_seqs=st.sampled_from([1, 2, 4]),
+       max_batched=st.integers(1, 16), prefix=st.booleans(), salt=st.integers(0, 1000),
+       initial=st.lists(add_st, min_size=1, max_size=6), ops=st.lists(op_st, max_size=40))
+def test_priority_order_with_equal_priorities_is_the_seed(policy, bs, pool_tokens, max_num_seqs, max_batched,
+                                                          prefix, salt, initial, ops):
+    """With every priority 0, "priority" makes every decision "fcfs" (the seed) makes: the
+    same batches step by step, the same outputs."""
+    blocks = -(-pool_tokens // bs)
+    ops = [op[:6] + (0,) + op[7:] if op[0] == "add" else op for op in initial + ops]
+    runs = []
+    for order in ORDERS:
+        h = Harness(bs, blocks, max_num_seqs, max_batched, 30, prefix, vocab=6, salt=salt, policy=policy,
+                    order=order)
+        h.run(ops)
+        h.drain()
+        runs.append((h.batches, {rid: (q.completion_token_ids, q.finish_reason) for rid, q in h.seqs.items()},
+                     h.s.num_preemptions))
+    assert runs[0] == runs[1]
 
 
 # ---- block sizes, with preemption, chunking and prefix hits ---------------------------------
 
 def block_size_workload(bs, policy, seed, **harness_options) -> Harness:
-    """8 requests sharing prefixes, in a pool of about 1.5 of the largest (forces preemption),
-    chunked prefills; run to the end and checked against the reference."""
+    """8 requests sharing prefixes (random priorities under "priority"), in a pool of about 1.5
+    of the largest (forces preemption), chunked prefills; run to the end and checked against
+    the reference."""
     rng = np.random.default_rng(seed)
     scale = bs if bs > 2 else 8
     longest = 4 * scale + 4                   # prompt + max_tokens of the largest request
@@ -304,7 +426,8 @@ def block_size_workload(bs, policy, seed, **harness_options) -> Harness:
     for i in range(8):
         shared = base[:int(rng.integers(scale // 2, 2 * scale))]
         tail = rng.integers(1, 50, size=int(rng.integers(1, scale))).tolist()
-        h.add(shared + tail, max_tokens=int(rng.integers(scale // 2, scale + 4)), ignore_eos=True)
+        h.add(shared + tail, max_tokens=int(rng.integers(scale // 2, scale + 4)), ignore_eos=True,
+              priority=int(rng.integers(0, 3)))
         if i % 4 == 3:
             h.step()
     h.drain()
@@ -312,10 +435,11 @@ def block_size_workload(bs, policy, seed, **harness_options) -> Harness:
     return h
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("bs", [1, 2, 16, 256])
-def test_outputs_match_reference_across_block_sizes(bs, policy):
-    h = block_size_workload(bs, policy, seed=bs)
+def test_outputs_match_reference_across_block_sizes(bs, policy, order):
+    h = block_size_workload(bs, policy, seed=bs, order=order)
     st_ = h.s.stats()
     assert st_["prefix_cache_hit_tokens"] > 0
     assert st_["num_preemptions"] > 0
@@ -325,8 +449,9 @@ def test_outputs_match_reference_across_block_sizes(bs, policy):
 
 # ---- speculative decoding -------------------------------------------------------------------
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(6, 40),
        max_num_seqs=st.sampled_from([1, 2, 3, 4]), max_batched=st.integers(1, 16),
        max_model_len=st.integers(12, 40), prefix=st.booleans(), salt=st.integers(0, 1000),
@@ -334,7 +459,7 @@ def test_outputs_match_reference_across_block_sizes(bs, policy):
        limit=st.sampled_from([None, 1, 2]), copy_period=st.sampled_from([0, 1, 2, 3]),
        vocab=st.sampled_from([2, 3, 6]), initial=st.lists(add_st, min_size=1, max_size=6),
        ops=st.lists(op_st, max_size=40), max_stall=st.sampled_from([1, 8, 64]))
-def test_random_interleavings_with_drafts(policy, bs, pool_tokens, max_num_seqs, max_batched,
+def test_random_interleavings_with_drafts(policy, order, bs, pool_tokens, max_num_seqs, max_batched,
                                           max_model_len, prefix, salt, k, lookup, limit, copy_period,
                                           vocab, initial, ops, max_stall):
     """Everything the test above checks, with speculative decoding on: outputs equal the
@@ -343,7 +468,7 @@ def test_random_interleavings_with_drafts(policy, bs, pool_tokens, max_num_seqs,
     spec = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lookup[0],
                 prompt_lookup_max=lookup[1], disable_by_batch_size=limit)
     h = Harness(bs, blocks, max_num_seqs, max_batched, max_model_len, prefix, vocab=vocab, salt=salt,
-                policy=policy, max_stall=max_stall, spec=spec, copy_period=copy_period)
+                policy=policy, max_stall=max_stall, spec=spec, copy_period=copy_period, order=order)
     h.run(initial + ops, vocab)
     h.drain()
     h.check_outputs()
@@ -352,12 +477,13 @@ def test_random_interleavings_with_drafts(policy, bs, pool_tokens, max_num_seqs,
     event(f"preempted: {h.s.stats()['num_preemptions'] > 0}")
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("bs", [1, 2, 16])
-def test_outputs_match_reference_with_drafts_across_block_sizes(bs, policy):
+def test_outputs_match_reference_with_drafts_across_block_sizes(bs, policy, order):
     """Long copy runs (drafts of 6 mostly accepted), preemption, prefix hits and chunking."""
     spec = dict(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=3)
-    h = block_size_workload(bs, policy, seed=100 + bs, spec=spec, copy_period=3)
+    h = block_size_workload(bs, policy, seed=100 + bs, spec=spec, copy_period=3, order=order)
     st_ = h.s.stats()
     assert st_["prefix_cache_hit_tokens"] > 0 and st_["num_preemptions"] > 0
     assert h.drafted_steps > 0 and st_["spec_decode_num_accepted_tokens_per_pos"][2] > 0

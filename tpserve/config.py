@@ -18,6 +18,9 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "cpu", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("mixed", "prefill-first")
+SCHEDULING_ORDERS = ("fcfs", "priority")
+#: max_waiting_requests / max_waiting_tokens: sized from the KV pool when the engine starts.
+AUTO = "auto"
 # Tokens per engine step. Serving: small enough that one step (a prefill chunk plus every
 # running decode) stays short, so running streams keep their inter-token latency while a long
 # prompt is prefilled. Offline (the LLM API): large, for throughput.
@@ -69,6 +72,22 @@ class EngineConfig:
     ``speculative_config`` (None: off) turns on speculative decoding with vLLM's keys, e.g.
     ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     "prompt_lookup_min": 2}`` (tpserve/spec_config.py); validation fills in the defaults.
+
+    ``scheduling_order``: "fcfs" (default, the seed: first come, first served, tail
+    preemption) or "priority" (requests carry a ``priority``, lower first; better ones are
+    admitted first and preempt worse running ones for blocks; scheduler/ordering.py). Under
+    "fcfs" a request with a priority other than 0 is refused (as vLLM does), not ignored.
+
+    ``max_waiting_requests`` / ``max_waiting_tokens`` bound the waiting queue: a new request is
+    refused (OverloadedError; the daemon answers ``overloaded``, HTTP 429) when the queue
+    already holds that many sequences, or when its prompt would take the queue's prompt
+    tokens past the limit (a request into an empty queue is never refused for its length).
+    None: no limit (the offline API's default: it queues a whole batch at once). "auto" (the
+    daemon's default) sizes them from the KV pool once it is known: as many requests as one
+    full batch in the pool (``min(max_num_seqs, num_kv_blocks)``: a sequence holds a block at
+    least) and the pool's tokens (``num_kv_blocks * block_size``), i.e. what one turnover of
+    the running batch can take in; anything queued beyond that waits for
+    more than a full turnover, and its client learns nothing meanwhile.
     """
 
     model: str | None = None
@@ -77,6 +96,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = SERVING_MAX_NUM_BATCHED_TOKENS
     scheduling_policy: str = "mixed"
+    scheduling_order: str = "fcfs"
     max_stall_tokens: int = DEFAULT_MAX_STALL_TOKENS
     max_model_len: int | None = None
     kv_cache_memory_gb: float = 1.0
@@ -91,6 +111,8 @@ class EngineConfig:
     seed: int = 0
     startup_timeout: float = 600.0
     speculative_config: dict | None = None
+    max_waiting_requests: int | str | None = None
+    max_waiting_tokens: int | str | None = None
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -127,6 +149,12 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
+        if self.scheduling_order not in SCHEDULING_ORDERS:
+            raise ConfigError("scheduling_order", f"must be one of {', '.join(SCHEDULING_ORDERS)}, "
+                              f"got {self.scheduling_order!r}")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) not in (None, AUTO):
+                pos_int(name)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} "
                                               f"(or unset), got {self.quantization!r}")
@@ -184,6 +212,19 @@ class EngineConfig:
         if self.scheduling_policy == "mixed":
             return max(self.max_num_batched_tokens, self.max_stall_tokens)
         return self.max_num_batched_tokens
+
+    def queue_limits(self) -> tuple[int | None, int | None]:
+        """(max_waiting_requests, max_waiting_tokens) with "auto" sized from the KV pool
+        (``num_kv_blocks`` must be known); None: no limit."""
+        pool_tokens = (self.num_kv_blocks or 0) * self.block_size
+        requests, tokens = self.max_waiting_requests, self.max_waiting_tokens
+        if AUTO in (requests, tokens):
+            assert self.num_kv_blocks, "auto queue limits need the KV pool's size"
+        if requests == AUTO:
+            requests = min(self.max_num_seqs, self.num_kv_blocks)
+        if tokens == AUTO:
+            tokens = pool_tokens
+        return requests, tokens
 
     @classmethod
     def option_names(cls) -> list[str]:

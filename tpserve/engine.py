@@ -16,6 +16,7 @@ With ``tensor_parallel_size`` > 1 the executor publishes each plan to worker pro
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -27,11 +28,11 @@ import numpy as np
 from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
-from tpserve.errors import InvalidFieldError, InvalidRequestError, StepFailedError, WorkerDiedError
+from tpserve.errors import InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
 from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.outputs import RequestOutput, TokenLogprobs
 from tpserve.plan import Command
-from tpserve.requests import MAX_SEED, check_prompt_shape, check_request
+from tpserve.requests import MAX_SEED, check_priority, check_prompt_shape, check_request, check_timeout
 from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
@@ -71,6 +72,9 @@ class _Family:
     detokenize: bool = True
     unfinished: int = 0
     grammar: Future | None = None        # the compiled grammar (structured_outputs), shared
+    priority: int = 0
+    arrival: float = 0.0                 # time.monotonic() of its arrival
+    deadline: float | None = None        # arrival + timeout: every completion ends by then
 
 
 # Separates a request id from a completion index in the internal id of completion i > 0.
@@ -104,7 +108,7 @@ class Engine:
         self.families: dict[str, _Family] = {}
         self._rng = random.Random(self.config.seed)
         self._start = time.monotonic()
-        self._recent: deque[tuple[float, int]] = deque(maxlen=64)
+        self._recent: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, sampled, computed)
         self.num_steps = 0
         self._grammars = None  # GrammarCompiler, made at the first structured request
 
@@ -127,19 +131,27 @@ class Engine:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    detokenize: bool = True) -> int:
+                    detokenize: bool = True, *, priority: int = 0, timeout: float | None = None,
+                    arrival: float | None = None) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        Raises AdmissionError if it can never fit, InvalidFieldError if a field is out of its
-        bounds (tpserve.requests; token ids must be below the vocabulary size) and
-        InvalidRequestError if it cannot be served otherwise (empty after tokenizing, an id in
-        use). Nothing is queued when it raises.
+        Raises AdmissionError if it can never fit, OverloadedError if the waiting queue is
+        full (EngineConfig.max_waiting_*; try again later), InvalidFieldError if a field is
+        out of its bounds (tpserve.requests; token ids must be below the vocabulary size; a
+        priority other than 0 under the fcfs order) and InvalidRequestError if it cannot be
+        served otherwise (empty after tokenizing, an id in use). Nothing is queued when it raises.
+
+        ``priority``: lower is served first (scheduling_order "priority"). ``timeout``: seconds
+        after ``arrival`` (a time.monotonic() value; default now) by which every completion
+        ends, with finish_reason "timeout" if it has not finished by then.
 
         ``params.n`` > 1 generates n completions, reported with ``RequestOutput.index``.
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
         """
         params = params or SamplingParams()
+        priority, timeout = check_priority(priority), check_timeout(timeout)
+        arrival = time.monotonic() if arrival is None else arrival
         if not isinstance(request_id, str) or not request_id or _SEP in request_id:
             raise InvalidFieldError("request_id", "must be a non-empty string without NUL characters")
         if request_id in self.families:
@@ -155,10 +167,15 @@ class Engine:
             ids = ids[-params.truncate_prompt_tokens:]
         bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        fam = _Family(request_id, ids, params, seed, bad, [], detokenize)
+        fam = _Family(request_id, ids, params, seed, bad, [], detokenize, priority=priority, arrival=arrival,
+                      deadline=None if timeout is None else arrival + timeout)
         if params.structured_outputs is not None:
             fam.grammar = self._compile(params.structured_outputs)
-        self._add_member(fam, 0)  # raises (queuing nothing) if it can never run
+        try:
+            self._add_member(fam, 0)  # raises (queuing nothing) if it can never run or the queue is full
+        except OverloadedError as e:
+            e.retry_after = self._retry_after()
+            raise
         self.families[request_id] = fam
         return len(ids)
 
@@ -169,17 +186,17 @@ class Engine:
             seed = (fam.seed + index) % (MAX_SEED + 1) if params.seed is not None else self._rng.getrandbits(62)
             params = replace(params, seed=seed if params.seed is not None else None, prompt_logprobs=None)
         rid = fam.request_id if index == 0 else f"{fam.request_id}{_SEP}{index}"
-        seq = Sequence(rid, fam.prompt_ids, params, seed=seed)
+        seq = Sequence(rid, fam.prompt_ids, params, seed=seed, priority=fam.priority, deadline=fam.deadline)
         seq.bad_words_ids = fam.bad_words_ids
         if fam.grammar is not None:
             seq.grammar = RequestGrammar(fam.grammar)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, limit_queue=index == 0)  # the family was admitted with completion 0
         detok = None
         if (fam.detokenize or params.stop) and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, fam.prompt_ids, params.stop,
                                            params.include_stop_str_in_output, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
-        self.requests[rid] = _Request(seq, detok, fam, index, arrival=time.monotonic(),
+        self.requests[rid] = _Request(seq, detok, fam, index, arrival=fam.arrival,
                                       logprobs=[] if params.logprobs is not None else None,
                                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         fam.members.append(rid)
@@ -220,11 +237,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output per request completion that advanced.
 
+        Completions past their deadline end first: when there are any, this call only ends
+        them (finish_reason "timeout", blocks freed) and returns their outputs; the next call
+        runs the step.
+
         A step that fails while its plan is built, or while a single-process forward runs,
         raises StepFailedError after aborting that step's requests (their blocks are freed);
         the engine stays usable. WorkerDiedError, and a failed forward with tensor-parallel
         workers (they may be stuck inside a collective), propagate: the engine is unusable then.
         """
+        expired = self.scheduler.expire(time.monotonic())
+        if expired:
+            return [self._output(seq) for seq in expired]
         batch = self.scheduler.schedule()
         failed = self.scheduler.take_grammar_failures()
         if failed:
@@ -271,10 +295,21 @@ class Engine:
             self.scheduler.finish(seq, "error")
         self.num_steps += 1
         seqs = self.scheduler.postprocess(batch, np.maximum(tokens, 0) if dead else tokens, counts)
-        self._recent.append((time.monotonic(), len(tokens)))
+        self._recent.append((time.monotonic(), len(tokens), batch.num_tokens))
         outputs = [self._output(seq) for seq in seqs]
         outputs += [self._output(seq) for seq in dead if seq.request_id in self.requests]
         return failed + outputs if failed else outputs
+
+    def _retry_after(self) -> float:
+        """Seconds until the waiting queue has likely moved on: its prompt tokens at the rate
+        recent steps computed tokens, 1 to 60."""
+        now = time.monotonic()
+        recent = [(t, n) for t, _, n in self._recent if now - t < 10.0]
+        span = now - recent[0][0] if recent else 0.0
+        rate = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+        if rate <= 0:
+            return 1.0
+        return float(min(60, max(1, math.ceil(self.scheduler.num_waiting_tokens() / rate))))
 
     def _fail_step(self, batch, cause: Exception) -> StepFailedError:
         ids = list(dict.fromkeys(self.requests[s.request_id].family.request_id
@@ -420,7 +455,7 @@ class Engine:
     def stats(self) -> dict:
         s = dict(self.scheduler.stats())
         now = time.monotonic()
-        recent = [(t, n) for t, n in self._recent if now - t < 10.0]
+        recent = [(t, n) for t, n, _ in self._recent if now - t < 10.0]
         span = now - recent[0][0] if len(recent) > 1 else 0.0
         hits, computed = s.get("prefix_cache_hit_tokens", 0), s.get("prompt_tokens_computed", 0)
         s.update(prompt_tokens=hits + computed, generation_tokens=s.get("decode_tokens", 0),

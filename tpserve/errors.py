@@ -72,6 +72,25 @@ class AdmissionError(TpserveError, ValueError):
         super().__init__(msg)
 
 
+class OverloadedError(TpserveError, RuntimeError):
+    """The waiting queue is full: the request was refused now and may succeed later.
+
+    ``limit`` names the queue limit (``max_waiting_requests`` or ``max_waiting_tokens``),
+    ``requested`` what the queue would hold with this request, ``allowed`` the limit;
+    ``retry_after`` (seconds, >= 1) estimates when the queue has room again.
+    """
+
+    def __init__(self, request_id: str, limit: str, requested: int, allowed: int, retry_after: float = 1.0):
+        self.request_id = request_id
+        self.limit = limit
+        self.requested = requested
+        self.allowed = allowed
+        self.retry_after = retry_after
+        what = "requests" if limit == "max_waiting_requests" else "prompt tokens"
+        super().__init__(f"the server is overloaded: its queue would hold {requested} {what}, over "
+                         f"{limit}={allowed}; retry in about {retry_after:.0f} s")
+
+
 class WorkerDiedError(TpserveError, RuntimeError):
     """A tensor-parallel worker process exited while the engine was running."""
 

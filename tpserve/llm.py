@@ -37,7 +37,8 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerateOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 timeout: float | Seq[float | None] | None = None) -> list[GenerateOutput]:
         """Generate for every prompt; returns outputs in input order.
 
         ``prompts`` is a string, a list of token ids, or a list of either. ``sampling_params``
@@ -47,6 +48,11 @@ class LLM:
         A structured output whose grammar the engine rejects (``structured_outputs``: a bad
         regex, an unsupported JSON-schema keyword, ...) raises InvalidFieldError naming the
         field; the call's other requests are aborted and the engine is left as it was.
+
+        ``priority``: one integer per prompt, lower first, as vLLM's (needs the engine option
+        ``scheduling_order="priority"``). ``timeout``: seconds from this call, for all prompts
+        or one per prompt (None: no limit); a completion still running then ends with
+        finish_reason "timeout".
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
@@ -58,13 +64,20 @@ class LLM:
             else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError("sampling_params", f"got {len(params)} for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ConfigError("priority", f"got {len(priorities)} for {len(prompts)} prompts")
+        timeouts = list(timeout) if isinstance(timeout, (list, tuple)) else [timeout] * len(prompts)
+        if len(timeouts) != len(prompts):
+            raise ConfigError("timeout", f"got {len(timeouts)} for {len(prompts)} prompts")
 
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         results: dict[str, GenerateOutput] = {}
         try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, sp, detokenize=False)
+            now = time.monotonic()
+            for rid, prompt, sp, prio, limit in zip(ids, prompts, params, priorities, timeouts):
+                engine.add_request(rid, prompt, sp, detokenize=False, priority=prio, timeout=limit, arrival=now)
                 token_ids = engine.families[rid].prompt_ids
                 results[rid] = GenerateOutput(rid, prompt if isinstance(prompt, str) else None,
                                               list(token_ids),

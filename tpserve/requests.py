@@ -60,8 +60,16 @@ MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
 
+#: Request priorities (lower is served first, under the "priority" scheduling order): vLLM
+#: takes any integer; these bounds keep it an int32.
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 2**31 - 1
+#: A request's timeout, seconds (about 11.5 days).
+MAX_TIMEOUT = 1_000_000.0
+
 #: "error": the request could not go on (e.g. its logits controls left no token to sample).
-FINISH_REASONS = ("stop", "length", "abort", "error")
+#: "timeout": its timeout passed before it finished.
+FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 
 
 def is_int(v: Any) -> bool:
@@ -116,6 +124,18 @@ def check_request(prompt: Any, params, vocab_size: int | None) -> str | list[int
             check_token_ids("params.allowed_token_ids", params.allowed_token_ids,
                             MAX_ALLOWED_TOKEN_IDS, 1, vocab_size)
     return prompt
+
+
+def check_priority(value: Any, name: str = "priority") -> int:
+    """A request's priority: an integer in [MIN_PRIORITY, MAX_PRIORITY] (lower first)."""
+    return _integer(name, value, MIN_PRIORITY, MAX_PRIORITY)
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float | None:
+    """A request's timeout in seconds: None (no limit) or a number in (0, MAX_TIMEOUT]."""
+    if value is None:
+        return None
+    return _number(name, value, 0.0, MAX_TIMEOUT, lo_open=True)
 
 
 # ---- sampling parameters -------------------------------------------------------------------------

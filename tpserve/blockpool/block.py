@@ -14,6 +14,8 @@ The tensors live on the runners; this object only carries the bookkeeping:
   of the sequence that hashed it (-1 for a first block). Together they let a cache hit check
   that the block was computed after exactly the blocks already matched, so even a collision of
   the chained hash cannot splice the KV of another prefix into a sequence.
+- ``parent_hash``: the hash the block's own was chained from (-1 for a first block), kept
+  for a KV-events resync: the parent may have left the cache while the block stays in it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 class Block:
     """Bookkeeping of one physical block. Fields are read directly (tests and the manager)."""
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "serial", "parent_serial")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "serial", "parent_serial", "parent_hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -30,12 +32,14 @@ class Block:
         self.token_ids: list[int] = []
         self.serial = -1
         self.parent_serial = -1
+        self.parent_hash = -1
 
-    def update(self, hash: int, token_ids: list[int], parent_serial: int) -> None:
-        """Record that the block is full and cacheable under ``hash``."""
+    def update(self, hash: int, token_ids: list[int], parent_serial: int, parent_hash: int = -1) -> None:
+        """Record that the block is full and cacheable under ``hash`` (chained from ``parent_hash``)."""
         self.hash = hash
         self.token_ids = token_ids
         self.parent_serial = parent_serial
+        self.parent_hash = parent_hash
 
     def reset(self, serial: int) -> None:
         """Hand the block out fresh: one holder, no hash, no contents yet."""
@@ -44,6 +48,7 @@ class Block:
         self.token_ids = []
         self.serial = serial
         self.parent_serial = -1
+        self.parent_hash = -1
 
     def __repr__(self) -> str:
         return (f"Block(id={self.block_id}, ref_count={self.ref_count}, hash={self.hash}, "

@@ -120,28 +120,30 @@ class BlockManager:
         self.used_block_ids.remove(block_id)
         self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
 
+    def prefix_hits(self, seq, use_cache: bool = True) -> list[int]:
+        """The cached blocks holding ``seq``'s leading full blocks, in order (the prefix-cache
+        hit an admission would get); [] without the cache or with ``use_cache`` False."""
+        hits: list[int] = []
+        if self.enable_prefix_caching and use_cache:
+            parent_serial = -1
+            for i in range(len(seq.token_ids) // self.block_size):
+                block_id = self._lookup(seq, i, parent_serial)
+                if block_id == -1:
+                    break
+                hits.append(block_id)
+                parent_serial = self.blocks[block_id].serial
+        return hits
+
     def can_allocate(self, seq, use_cache: bool = True) -> int:
         """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
         blocks sitting in the free list are taken back and so count against the free blocks.
         ``use_cache`` False looks nothing up (the sequence computes every token)."""
-        bs = self.block_size
-        num_new_blocks = seq.num_blocks
-        num_cached_blocks = 0
-        if self.enable_prefix_caching and use_cache:
-            parent_serial = -1
-            for i in range(len(seq.token_ids) // bs):
-                block_id = self._lookup(seq, i, parent_serial)
-                if block_id == -1:
-                    break
-                num_cached_blocks += 1
-                block = self.blocks[block_id]
-                if block.ref_count > 0:
-                    num_new_blocks -= 1
-                parent_serial = block.serial
+        hits = self.prefix_hits(seq, use_cache)
+        num_new_blocks = seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count > 0)
         if self.num_free_blocks < num_new_blocks:
             return -1
-        return num_cached_blocks
+        return len(hits)
 
     def allocate(self, seq, num_cached_blocks: int) -> None:
         """Give ``seq`` blocks for all its tokens; the first ``num_cached_blocks`` come from the
@@ -275,7 +277,8 @@ class BlockManager:
         new = [] if events is not None else None  # block indices whose hash is new to the cache
         for i in range(i, num_full):
             h, block_id = hashes[i], table[i]
-            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
+            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1,
+                                    hashes[i - 1] if i else -1)
             old = index.get(h, -1)
             if old != -1 and old != block_id and self._free.is_cached(old):
                 self._free.uncache(old)
@@ -316,16 +319,15 @@ class BlockManager:
 
     def cached_blocks(self) -> list[tuple[int, int | None, list[int]]]:
         """(hash, parent hash, token ids) of every block in the prefix cache, each block after
-        its parent: what a router needs to rebuild its view from nothing. The parent is None
-        for a first block, and for a block whose parent's hash is no longer cached."""
+        its parent while that is cached: what a router needs to rebuild its view from nothing.
+        The parent is None for a first block only: a block whose parent left the cache still
+        names it (its hash is chained from it, and a first block it is not)."""
         blocks, index = self.blocks, self.hash_to_block_id
-        by_serial = {blk.serial: blk.block_id for blk in blocks if blk.hash != -1}
 
         def parent(b: int) -> int | None:
-            """The hash of the block ``b`` was computed after, while it is cached."""
-            p = by_serial.get(blocks[b].parent_serial)
-            h = blocks[p].hash if p is not None and p != b else None
-            return h if h in index else None
+            """The hash the hash of block ``b`` was chained from, while that is cached."""
+            h = blocks[b].parent_hash
+            return h if h in index and index[h] != b else None
 
         depth: dict[int, int] = {}
         for b in index.values():
@@ -343,7 +345,8 @@ class BlockManager:
             for c in reversed(chain):
                 d += 1
                 depth[c] = d
-        return [(blocks[b].hash, parent(b), blocks[b].token_ids) for b in sorted(index.values(), key=depth.__getitem__)]
+        return [(blocks[b].hash, None if blocks[b].parent_hash == -1 else blocks[b].parent_hash, blocks[b].token_ids)
+                for b in sorted(index.values(), key=depth.__getitem__)]
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:

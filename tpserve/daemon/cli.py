@@ -34,6 +34,7 @@ from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, Ru
                                     resolve_runtime_dir, wait_gone)
 from tpserve.daemon.server import ServerOptions
 from tpserve.errors import InvalidFieldError, TpserveError
+from tpserve.requests import check_timeout
 from tpserve.sampling import SamplingParams
 
 CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
@@ -76,9 +77,14 @@ def daemon_options(f):
         click.option("--client-timeout", type=float, default=30.0, show_default=True,
                      show_envvar=True, envvar="TPSERVE_CLIENT_TIMEOUT",
                      help="abort the requests of a client that has not read its replies for this many seconds"),
-        click.option("--shutdown-grace", type=float, default=0.0, show_default=True,
+        click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
                      show_envvar=True, envvar="TPSERVE_SHUTDOWN_GRACE",
-                     help="on SIGTERM, let running requests finish for up to this many seconds before aborting them"),
+                     help="on SIGTERM (`tpserve stop`), stop admitting and let the requests in flight, queued "
+                          "ones included, finish for up to this many seconds before aborting them"),
+        click.option("--request-timeout", type=float, default=None, show_envvar=True,
+                     envvar="TPSERVE_REQUEST_TIMEOUT", metavar="SECONDS",
+                     help="end a request without a timeout of its own after this many seconds "
+                          "(finish_reason 'timeout') [default: no limit]"),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                      show_default=True, show_envvar=True, envvar="TPSERVE_LOG_LEVEL"),
         click.option("--http-port", type=click.IntRange(0, 65535), default=None, show_envvar=True,
@@ -174,7 +180,13 @@ def _server_options(kw: dict) -> ServerOptions:
     for name in ("client_timeout", "shutdown_grace"):
         if kw[name] < 0:
             raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
+    if kw["request_timeout"] is not None:
+        try:
+            check_timeout(kw["request_timeout"], "request_timeout")
+        except InvalidFieldError as e:
+            raise click.BadParameter(e.reason, param_hint="'--request-timeout'") from None
     opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"],
+                         request_timeout=kw["request_timeout"],
                          served_model_name=kw["served_model_name"] or None, kv_events=_kv_events_options(kw))
     if kw["curve_secret_key"]:
         try:
@@ -321,6 +333,8 @@ def start(**kw):
     argv = [sys.executable, "-m", "tpserve", "serve", "--runtime-dir", str(rd.absolute()),
             "--address", address, "--client-timeout", str(kw["client_timeout"]),
             "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"]]
+    if kw["request_timeout"] is not None:
+        argv += ["--request-timeout", str(kw["request_timeout"])]
     if kw["curve_secret_key"]:
         argv += ["--curve-secret-key", os.path.abspath(kw["curve_secret_key"])]
     if opts.curve_client_keys_dir:
@@ -418,19 +432,30 @@ def _unwritable(log_path: Path, e: OSError) -> str:
 
 
 # ---- stop --------------------------------------------------------------------------------
+_STOP_MARGIN = 30.0  # s `stop` waits beyond the daemon's drain before killing it
+
+
 @main.command(context_settings=CONTEXT)
 @runtime_dir_option
-@click.option("--timeout", type=float, default=30.0, show_default=True, show_envvar=True, envvar="TPSERVE_STOP_TIMEOUT",
-              help="seconds to wait for a graceful exit before killing the daemon and its workers")
-def stop(runtime_dir, timeout):
-    """Stop the daemon: SIGTERM, then SIGKILL of its whole process tree after --timeout."""
+@click.option("--timeout", type=float, default=None, show_envvar=True, envvar="TPSERVE_STOP_TIMEOUT",
+              help="seconds to wait for a graceful exit before killing the daemon and its workers "
+                   f"[default: the daemon's --shutdown-grace + {_STOP_MARGIN:g}; with --now, {_STOP_MARGIN:g}]")
+@click.option("--now", is_flag=True, help="abort the requests in flight at once instead of letting them "
+                                          "finish (SIGUSR1; a second SIGTERM does the same)")
+def stop(runtime_dir, timeout, now):
+    """Stop the daemon: SIGTERM (a drain: requests in flight finish for up to its --shutdown-grace,
+    new ones are refused), then SIGKILL of its whole process tree after --timeout."""
     rd = resolve_runtime_dir(runtime_dir)
     pid = _live_pid(rd) if rd.is_dir() else None
     if pid is None:
         _fail(f"no tpserve daemon is running with runtime dir {rd}")
+    if timeout is None:
+        ready = read_ready(rd) or {}
+        grace = ready.get("shutdown_grace") if ready.get("pid") == pid else None
+        timeout = _STOP_MARGIN + (0.0 if now else float(grace if isinstance(grace, (int, float)) else 30.0))
     tree = [pid] + descendants(pid)
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGUSR1 if now else signal.SIGTERM)
     except ProcessLookupError:
         pass
     if wait_gone([pid], timeout):
@@ -462,14 +487,22 @@ _STATUS_LINES = [
     ("tensor parallel", "tensor_parallel_size", "{}"),
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
+    ("ready", "ready", "{}"),
+    ("drain left", "drain_left_s", "{:.1f} s"),  # only while draining
     ("failure", "failure", "{}"),  # only once the engine failed
     ("HTTP front", ("http_front", "http_front_restarts"), "{} (restarts: {})"),  # with --http-port
     ("HTTP front exit", "http_front_last_exit", "{}"),  # once it has died
     ("requests running", "num_running", "{}"),
-    ("requests waiting", "num_waiting", "{}"),
+    ("requests waiting", ("num_waiting", "max_waiting_requests"), "{} (limit {})"),
+    ("waiting tokens", ("num_waiting_tokens", "max_waiting_tokens"), "{} (limit {})"),
+    ("refused", ("refused_max_waiting_requests", "refused_max_waiting_tokens", "refused_shutting_down",
+                 "refused_admission"),
+     "queue full {} / queued tokens {} / draining {} / never fits {}"),
+    ("timed out", "num_timed_out", "{}"),
+    ("scheduling order", "scheduling_order", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),
     ("prefix cache hits", "prefix_cache_hit_rate", "{:.1%}"),
-    ("preemptions", "num_preemptions", "{}"),
+    ("preemptions", ("num_preemptions", "num_priority_preemptions"), "{} ({} for a better priority)"),
     # only with speculative decoding on
     ("spec acceptance", ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length"),
      "{:.1%} of draft tokens, mean acceptance length {:.2f}"),
@@ -501,6 +534,10 @@ def status(as_json, as_metrics, **kw):
         click.echo(json.dumps(stats, indent=2, sort_keys=True))
         return
     click.echo(f"tpserve daemon at {client.address}")
+    stats = dict(stats)
+    for limit in ("max_waiting_requests", "max_waiting_tokens"):
+        if limit in stats and stats[limit] is None:  # present but None: no limit
+            stats[limit] = "none"
     for label, keys, fmt in _STATUS_LINES:
         keys = keys if isinstance(keys, tuple) else (keys,)
         if all(stats.get(k) is not None for k in keys):
@@ -550,9 +587,13 @@ def profile(seconds, **kw):
 @click.option("--ignore-eos", is_flag=True, help="keep generating past the end-of-sequence token")
 @click.option("--no-stream", is_flag=True, help="print the completion once it is finished")
 @click.option("--show-finish", is_flag=True, help="print finish reason and token counts to stderr")
+@click.option("--priority", type=int, default=None,
+              help="lower is served first (a daemon started with --scheduling-order priority)")
+@click.option("--request-timeout", type=float, default=None, metavar="SECONDS",
+              help="the daemon ends the request after this many seconds (finish_reason timeout)")
 @client_options(timeout=30.0)
 def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_id, ignore_eos,
-             no_stream, show_finish, **kw):
+             no_stream, show_finish, priority, request_timeout, **kw):
     """Send PROMPT ('-' reads standard input) to the daemon and print the completion as it streams."""
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -566,11 +607,12 @@ def generate(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stop_tok
         raise click.BadParameter(e.reason, param_hint=f"'--{option}'") from None
     with _client(kw) as client:
         try:
+            extra = dict(priority=priority, request_timeout=request_timeout)
             if no_stream:
-                result = client.generate(prompt, params)
+                result = client.generate(prompt, params, **extra)
                 click.echo(result.text)
             else:
-                with client.stream(prompt, params) as stream:  # Ctrl-C aborts the request
+                with client.stream(prompt, params, **extra) as stream:  # Ctrl-C aborts the request
                     for delta in stream:
                         click.echo(delta.text, nl=False)
                         sys.stdout.flush()

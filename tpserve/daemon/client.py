@@ -45,7 +45,8 @@ class RequestError(TpserveError, RuntimeError):
     """The daemon answered with an ``error`` message."""
 
     def __init__(self, code: str, message: str, request_id: str | None = None, field: str | None = None,
-                 limit: str | None = None, requested: int | None = None, allowed: int | None = None):
+                 limit: str | None = None, requested: int | None = None, allowed: int | None = None,
+                 retry_after: float | None = None):
         self.code = code
         self.message = message
         self.request_id = request_id
@@ -53,11 +54,13 @@ class RequestError(TpserveError, RuntimeError):
         self.limit = limit
         self.requested = requested
         self.allowed = allowed
+        self.retry_after = retry_after  # seconds, for "overloaded" and "shutting_down"
         super().__init__(f"{code}: {field + ': ' if field else ''}{message}")
 
     @classmethod
     def from_reply(cls, msg: P.ErrorReply) -> "RequestError":
-        return cls(msg.code, msg.message, msg.id, msg.field, msg.limit, msg.requested, msg.allowed)
+        return cls(msg.code, msg.message, msg.id, msg.field, msg.limit, msg.requested, msg.allowed,
+                   msg.retry_after)
 
 
 @dataclass
@@ -133,10 +136,11 @@ class _ClientCore:
     def _new_id() -> str:
         return uuid.uuid4().hex
 
-    def _generate_frame(self, prompt, params, request_id, stream: bool, in_use) -> tuple[str, bytes]:
+    def _generate_frame(self, prompt, params, request_id, stream: bool, in_use, priority=None,
+                        request_timeout=None) -> tuple[str, bytes]:
         """The id and frame of a ``generate``, checked locally before anything is sent."""
         rid = request_id or self._new_id()
-        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream))
+        frame = P.encode(P.GenerateRequest(rid, prompt, params, stream, priority, request_timeout))
         if rid in in_use:
             raise ValueError(f"request id {rid!r} is already in use on this client")
         return rid, frame
@@ -194,9 +198,15 @@ class Client(_ClientCore):
 
     # ---- public API --------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, timeout=_DEFAULT, **sampling) -> GenerateResult:
-        """Generate a completion and return it whole."""
-        rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=False)
+                 request_id: str | None = None, timeout=_DEFAULT, priority: int | None = None,
+                 request_timeout: float | None = None, **sampling) -> GenerateResult:
+        """Generate a completion and return it whole.
+
+        ``priority`` (lower first; the daemon must schedule by priority) and ``request_timeout``
+        (seconds the daemon gives the request before it ends with finish_reason "timeout"; the
+        wire's ``timeout``) travel with the request; ``timeout`` is this client's own wait."""
+        rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=False,
+                           priority=priority, request_timeout=request_timeout)
         try:
             msg = self._next(rid, self._timeout(timeout))
         except ClientTimeout:
@@ -207,9 +217,12 @@ class Client(_ClientCore):
         return _result(rid, msg)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None, timeout=_DEFAULT, **sampling) -> "Stream":
-        """Start a streaming request; iterate the result for ``Delta``s (see ``Stream``)."""
-        rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=True)
+               request_id: str | None = None, timeout=_DEFAULT, priority: int | None = None,
+               request_timeout: float | None = None, **sampling) -> "Stream":
+        """Start a streaming request; iterate the result for ``Delta``s (see ``Stream``).
+        ``priority``, ``request_timeout``: as for ``generate``."""
+        rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=True,
+                           priority=priority, request_timeout=request_timeout)
         return Stream(self, rid, self._timeout(timeout))
 
     def abort(self, request_id: str, timeout=_DEFAULT) -> bool:
@@ -261,8 +274,9 @@ class Client(_ClientCore):
         self.close()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _submit(self, prompt, params, request_id, stream) -> str:
-        rid, frame = self._generate_frame(prompt, params, request_id, stream, self._open)
+    def _submit(self, prompt, params, request_id, stream, priority=None, request_timeout=None) -> str:
+        rid, frame = self._generate_frame(prompt, params, request_id, stream, self._open, priority,
+                                          request_timeout)
         self._open[rid] = deque()
         self._sock.send(frame)
         return rid
@@ -378,8 +392,10 @@ class AsyncClient(_ClientCore):
         self._reader_error: BaseException | None = None
 
     async def generate(self, prompt, params: SamplingParams | None = None, *, request_id=None,
-                       timeout=_DEFAULT, **sampling) -> GenerateResult:
-        rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=False)
+                       timeout=_DEFAULT, priority: int | None = None, request_timeout: float | None = None,
+                       **sampling) -> GenerateResult:
+        rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=False,
+                                 priority=priority, request_timeout=request_timeout)
         try:
             msg = await self._get(rid, self._timeout(timeout))
         finally:
@@ -387,12 +403,15 @@ class AsyncClient(_ClientCore):
         return _result(rid, msg)
 
     async def stream(self, prompt, params: SamplingParams | None = None, *, request_id=None,
-                     timeout=_DEFAULT, final: bool = False, **sampling) -> AsyncIterator[Delta]:
+                     timeout=_DEFAULT, final: bool = False, priority: int | None = None,
+                     request_timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:
         """Async generator of ``Delta``s; closing it early aborts the request.
 
         With ``final`` the last item is a ``GenerateResult`` carrying the finish reason and
-        token counts (its text and token_ids are empty: the deltas carried them)."""
-        rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=True)
+        token counts (its text and token_ids are empty: the deltas carried them).
+        ``priority``, ``request_timeout``: as for ``Client.generate``."""
+        rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=True,
+                                 priority=priority, request_timeout=request_timeout)
         done = False
         try:
             while True:
@@ -448,8 +467,9 @@ class AsyncClient(_ClientCore):
         await self.close()
 
     # ---- internals ---------------------------------------------------------------------------
-    async def _submit(self, prompt, params, request_id, stream) -> str:
-        rid, frame = self._generate_frame(prompt, params, request_id, stream, self._queues)
+    async def _submit(self, prompt, params, request_id, stream, priority=None, request_timeout=None) -> str:
+        rid, frame = self._generate_frame(prompt, params, request_id, stream, self._queues, priority,
+                                          request_timeout)
         self._queues[rid] = asyncio.Queue()
         self._ensure_reader()
         await self._sock.send(frame)

@@ -9,10 +9,15 @@ Order of events, each step undone in reverse on the way out:
    http_front.py) and wait until it listens; a front that dies later is restarted, and the
    status map reports its state (``http_front``, ``http_front_restarts``);
 5. write the ready file -- `tpserve start` waits for it -- then serve;
-6. first SIGTERM/SIGINT: stop admitting, abort in-flight requests (each client gets ``done``
-   with finish_reason "abort"; see ServerOptions.shutdown_grace), engine.shutdown(), exit 0.
-   The HTTP front is stopped on every way out. A second signal kills the workers (and the
-   front) and exits at once (status 1).
+6. first SIGTERM/SIGINT: drain -- stop admitting (``shutting_down``; the HTTP front answers
+   503), let the requests in flight, queued ones included, finish for up to
+   ServerOptions.shutdown_grace seconds, abort the rest (``done`` with finish_reason "abort",
+   abort_reason "shutting_down"), engine.shutdown(), exit 0. A second SIGTERM/SIGINT during the
+   drain, or SIGUSR1 at any time (`tpserve stop --now`), ends the drain at once the same way
+   (exit 0); if the serving loop does not get there within ``NOW_TIMEOUT`` s (an engine stuck
+   in a step), or a signal arrives once the loop has ended (engine.shutdown() hanging), the
+   workers (and the front) are killed and the daemon exits at once (status 1). The HTTP front
+   is stopped on every way out.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOpti
 from tpserve.daemon.server import Server, ServerOptions, served_model_name
 
 log = logging.getLogger("tpserve.daemon")
+
+NOW_TIMEOUT = 10.0  # s the serving loop has to end after a "stop now" before the daemon is killed
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class _StartupInterrupted(Exception):
@@ -51,21 +59,33 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
     pidfile.acquire()
     engine = server = front = None
     shutting_down = threading.Event()
+    serving = threading.Event()      # the serving loop runs (a "stop now" can still reach it)
+    watchdog: list[threading.Timer] = []
 
     def startup_signal(signum, frame):
         raise _StartupInterrupted(signal.Signals(signum).name)
 
     def first_signal(signum, frame):
-        log.info("received %s: shutting down (send it again to exit at once)", signal.Signals(signum).name)
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, second_signal)
+        log.info("received %s: draining (send it again, or `tpserve stop --now`, to abort what runs now)",
+                 signal.Signals(signum).name)
+        for s in STOP_SIGNALS:
+            signal.signal(s, now_signal)
         server.request_shutdown()
 
-    def second_signal(signum, frame):
-        log.warning("received %s again: killing workers and exiting now", signal.Signals(signum).name)
-        _force_exit(engine, shutting_down, pidfile)
+    def now_signal(signum, frame):
+        if not serving.is_set() or watchdog:
+            log.warning("received %s again: killing workers and exiting now", signal.Signals(signum).name)
+            _force_exit(engine, shutting_down, pidfile)
+        log.warning("received %s: aborting the requests in flight and exiting now", signal.Signals(signum).name)
+        for s in STOP_SIGNALS:
+            signal.signal(s, now_signal)
+        server.request_shutdown(now=True)
+        timer = threading.Timer(NOW_TIMEOUT, _stuck_exit, args=(engine, shutting_down, pidfile))
+        timer.daemon = True
+        timer.start()
+        watchdog.append(timer)
 
-    old_handlers = {s: signal.signal(s, startup_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old_handlers = {s: signal.signal(s, startup_signal) for s in (*STOP_SIGNALS, signal.SIGUSR1)}
     code = 0
     if options.profile_dir is None:
         options = dataclasses.replace(options, profile_dir=str(rd.absolute()))
@@ -76,8 +96,9 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             engine_factory = Engine
         engine = engine_factory(config)
         server.engine = engine
-        for s in (signal.SIGTERM, signal.SIGINT):
+        for s in STOP_SIGNALS:
             signal.signal(s, first_signal)
+        signal.signal(signal.SIGUSR1, now_signal)
         url = None
         if http is not None:
             front = HttpFrontProcess(http, connect_address(address), str(engine.config.model_path),
@@ -86,21 +107,25 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             url = front.start()
             server.status_extras = front.status
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
-        write_ready(rd, address, url)
+        write_ready(rd, address, url, shutdown_grace=options.shutdown_grace)
         stats = engine.stats()
         log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
                  stats.get("model"), stats.get("tensor_parallel_size"))
+        serving.set()
         try:
             code = server.run()
         finally:
+            serving.clear()
+            for timer in watchdog:
+                timer.cancel()
             signal.set_wakeup_fd(old_wakeup)
     except _StartupInterrupted as e:
         log.info("received %s while starting: exiting", e)
         if engine is None:  # workers of a half-built engine have nobody to shut them down
             kill_tree(os.getpid(), include_root=False)
     finally:
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, second_signal)
+        for s in (*STOP_SIGNALS, signal.SIGUSR1):
+            signal.signal(s, now_signal)
         (rd / READY_NAME).unlink(missing_ok=True)
         if front is not None:
             front.stop()
@@ -135,6 +160,12 @@ def _force_exit(engine, shutting_down: threading.Event, pidfile: PidFile) -> Non
         t.join(2.0)
     pidfile.release()
     os._exit(1)
+
+
+def _stuck_exit(engine, shutting_down: threading.Event, pidfile: PidFile) -> None:
+    log.error("the serving loop did not end within %g s of a stop-now signal (an engine step stuck?): "
+              "killing workers and exiting", NOW_TIMEOUT)
+    _force_exit(engine, shutting_down, pidfile)
 
 
 def _quiet_shutdown(engine) -> None:

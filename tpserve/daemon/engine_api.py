@@ -23,11 +23,15 @@ class ServingEngine(Protocol):
         """
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> int:
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    timeout: float | None = None, arrival: float | None = None) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        Raises AdmissionError (it can never be scheduled), InvalidFieldError (a field out of
-        bounds, e.g. a token id outside the vocabulary) or InvalidRequestError, queueing nothing.
+        Raises AdmissionError (it can never be scheduled), OverloadedError (the waiting queue
+        is full, with ``retry_after``), InvalidFieldError (a field out of bounds, e.g. a token
+        id outside the vocabulary, or a priority the scheduling order refuses) or
+        InvalidRequestError, queueing nothing. ``timeout`` seconds after ``arrival``
+        (time.monotonic()) the request ends with finish_reason "timeout".
         """
 
     def abort_request(self, request_id: str) -> bool:

@@ -12,6 +12,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -147,18 +148,26 @@ class Front:
             q.put_nowait((None, exc))
         return len(ended)
 
-    async def choices(self, prompts: list[list[int]], params, n: int):
+    async def choices(self, prompts: list[list[int]], params, n: int, priority: int = 0,
+                      timeout: float | None = None):
         """Async generator of (choice index, Delta | GenerateResult) for every prompt x n;
         each choice ends with its GenerateResult. Closing it aborts what still runs.
-        ``fail_requests`` can end it with an exception."""
+        ``fail_requests`` can end it with an exception. ``timeout`` counts from now for every
+        choice (a sibling submitted later gets what is left)."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
-        self._in_flight[queue] = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        self._in_flight[queue] = began = loop.time()
+
+        def left():
+            # The wire's timeout must be > 0: a sibling submitted past the deadline times out at once.
+            return None if timeout is None else max(timeout - (loop.time() - began), 1e-3)
 
         async def one(index, prompt, p, started: asyncio.Event | None):
             ok = False
             try:
-                async with aclosing(self.client.stream(prompt, p, final=True)) as stream:
+                async with aclosing(self.client.stream(prompt, p, final=True, priority=priority or None,
+                                                       request_timeout=left())) as stream:
                     async for item in stream:
                         ok = True
                         if started is not None:
@@ -230,8 +239,28 @@ def daemon_error(e, job) -> O.OpenAIError:
             param = "messages"
         return O.bad(param, e.message)
     if e.code == P.SHUTTING_DOWN:
-        return O.OpenAIError(503, e.message, type_="server_error", code="shutting_down")
+        return O.OpenAIError(503, e.message, type_="server_error", code="shutting_down",
+                             headers=_retry_after(e))
+    if e.code == P.OVERLOADED:  # the official client raises RateLimitError
+        return O.OpenAIError(429, e.message, type_="requests" if e.limit == "max_waiting_requests" else "tokens",
+                             code="rate_limit_exceeded", headers=_retry_after(e))
     return O.OpenAIError(500, f"{e.code}: {e.message}", type_="server_error", code="internal")
+
+
+def _retry_after(e: RequestError) -> dict:
+    """The Retry-After header (whole seconds, at least 1) of a daemon's refusal."""
+    seconds = getattr(e, "retry_after", None) or 1.0
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def timed_out_before_output(item, job) -> O.OpenAIError | None:
+    """The 504 a request gets when its timeout passed before any choice produced a token
+    (``item``: the request's first event); None otherwise. Once a token exists the answer is
+    200 with the text so far and finish_reason "timeout"."""
+    if isinstance(item, GenerateResult) and item.finish_reason == "timeout" and not item.completion_tokens:
+        return O.OpenAIError(504, f"the request's timeout of {job.timeout:g} s passed before its first token",
+                             "timeout", type_="server_error", code="timeout")
+    return None
 
 
 def _sse(obj) -> str:
@@ -436,7 +465,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     @app.exception_handler(O.OpenAIError)
     async def openai_error(request, e: O.OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e):
@@ -472,12 +501,16 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     async def run(request: Request, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
         response = Response(front, job, prompts, prompt_texts)
-        events = front.choices(prompts, job.params, job.n)
+        events = front.choices(prompts, job.params, job.n, job.priority, job.timeout)
         try:
             first = await anext(events)
         except _DAEMON_ERRORS as e:
             await events.aclose()
             raise daemon_error(e, job) from None
+        late = timed_out_before_output(first[1], job)
+        if late is not None:
+            await events.aclose()
+            raise late
         if job.stream:
             async def sse():
                 async with aclosing(events):

@@ -14,6 +14,12 @@ under vLLM's names, which its endpoint picker (and smg, llm-d) read by default:
 (block size and pool size as labels, for prefix-cache scorers). tpserve serves no LoRA
 adapters, so ``vllm:lora_requests_info`` is absent, as the protocol allows.
 
+Under pressure: ``tpserve:num_waiting_tokens`` (prompt tokens queued), the counters
+``tpserve:requests_refused{reason}`` (max_waiting_requests, max_waiting_tokens: the queue was
+full; shutting_down: the daemon was draining; admission: the request could never fit),
+``tpserve:requests_timed_out``, ``tpserve:num_priority_preemptions`` (preemptions that admitted a
+better priority), and the gauges ``tpserve:draining`` / ``tpserve:ready`` (0 or 1).
+
 Exposed at ``/metrics`` of the HTTP front and through the ZMQ ``metrics`` request
 (``tpserve status --metrics``), both in the Prometheus text format.
 
@@ -26,7 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("tpserve.metrics")
@@ -40,6 +46,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0)
 
 PREFIX = "tpserve:"
+REFUSAL_REASONS = ("max_waiting_requests", "max_waiting_tokens", "shutting_down", "admission")
 GIE_PREFIX = "vllm:"  # the model-server protocol's default names (vLLM's)
 
 
@@ -79,6 +86,12 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", hits)
         yield counter("num_preemptions", "Preemptions of running requests (recomputed later).",
                       s.get("num_preemptions", 0))
+        yield counter("num_priority_preemptions", "Preemptions that made room for a waiting request of a "
+                      "better priority.", s.get("num_priority_preemptions", 0))
+        yield counter("requests_timed_out", "Requests ended by their timeout (finish_reason timeout).",
+                      s.get("num_timed_out", 0))
+        yield gauge("num_waiting_tokens", "Prompt tokens of waiting requests not yet computed.",
+                    s.get("num_waiting_tokens", 0))
         if "spec_decode_num_drafts" in s:
             yield from self._spec_decode(s, counter)
         yield from self._gie(s, gauge, total)
@@ -135,6 +148,27 @@ class ServingMetrics:
         self.queue = Histogram(PREFIX + "request_queue_time_seconds",
                                "Seconds a request waited before its first scheduled step.",
                                buckets=_REQUEST_BUCKETS, **kw).labels(model_name)
+        self._refused = Counter(PREFIX + "requests_refused", "Requests refused at arrival, by reason.",
+                                labelnames=["model_name", "reason"], registry=self.registry)
+        self.refused: dict[str, int] = {r: 0 for r in REFUSAL_REASONS}
+        for reason in REFUSAL_REASONS:  # every series exists from the start, at 0
+            self._refused.labels(model_name, reason)
+        self.draining = Gauge(PREFIX + "draining", "1 while the daemon drains for a shutdown.",
+                              **kw).labels(model_name)
+        self.ready = Gauge(PREFIX + "ready", "1 while the daemon takes new requests.", **kw).labels(model_name)
+        self.ready.set(1)
+
+    def on_refused(self, reason: str) -> None:
+        self.refused[reason] += 1
+        self._refused.labels(self.model_name, reason).inc()
+
+    def on_drain(self) -> None:
+        self.draining.set(1)
+        self.ready.set(0)
+
+    def refused_counts(self) -> dict:
+        """``refused_<reason>`` for the status map."""
+        return {f"refused_{r}": n for r, n in self.refused.items()}
 
     def on_admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -32,9 +32,10 @@ class OpenAIError(Exception):
     """An error answered with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers  # extra response headers (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -64,6 +65,8 @@ class Job:
     chat_options: dict = field(default_factory=dict)  # apply_chat_template's options
     tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
     structured_param: str | None = None  # the body field params.structured_outputs came from
+    priority: int = 0                # vLLM's extra field: lower first (--scheduling-order priority)
+    timeout: float | None = None     # seconds from arrival; then finish_reason "timeout" (or a 504)
 
 
 # ---- the body -------------------------------------------------------------------------------
@@ -242,8 +245,13 @@ def _common(body: dict, served_name: str) -> dict:
                  "truncate_prompt_tokens", "prompt_logprobs"):
         if body.get(name) is not None:
             kw[name] = body[name]
+    try:
+        priority = R.check_priority(0 if body.get("priority") is None else body["priority"])
+        timeout = R.check_timeout(body.get("timeout"))
+    except InvalidRequestError as e:
+        raise bad(e.field, e.reason) from None
     return dict(kw=kw, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                n=_int(body, "n", 1, MAX_N, 1),
+                priority=priority, timeout=timeout, n=_int(body, "n", 1, MAX_N, 1),
                 token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False),
                 return_token_ids=_bool(body, "return_token_ids", False))
 
@@ -289,7 +297,8 @@ def parse_completion(body, served_name: str) -> Job:
     if echo and logprobs is not None:  # the prompt's tokens are reported with the same alternatives
         given = c["kw"].get("prompt_logprobs")
         c["kw"]["prompt_logprobs"] = logprobs if given is None else max(given, logprobs)
-    job = Job(prompts, _params(c["kw"]), c["n"], c["stream"], c["include_usage"])
+    job = Job(prompts, _params(c["kw"]), c["n"], c["stream"], c["include_usage"],
+              priority=c["priority"], timeout=c["timeout"])
     job.echo, job.token_ids_as_text, job.return_token_ids = echo, c["token_ids_as_text"], c["return_token_ids"]
     job.add_special_tokens = _bool(body, "add_special_tokens", True)
     return job
@@ -335,7 +344,8 @@ def parse_chat(body, served_name: str) -> Job:
                   "must be at least 1")
     c["kw"]["max_tokens"] = c["max_tokens"] or 1  # replaced by the rest of the context once tokenized
     job = Job([], _params(c["kw"]), c["n"], c["stream"], c["include_usage"], chat=True,
-              messages=clean, max_tokens_given=c["max_tokens"] is not None)
+              messages=clean, max_tokens_given=c["max_tokens"] is not None, priority=c["priority"],
+              timeout=c["timeout"])
     job.token_ids_as_text, job.return_token_ids = c["token_ids_as_text"], c["return_token_ids"]
     job.echo = _bool(body, "echo", False)
     kwargs = body.get("chat_template_kwargs")

@@ -14,7 +14,7 @@ from dataclasses import fields
 
 import click
 
-from tpserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from tpserve.config import ATTENTION_BACKENDS, AUTO, DTYPES, SCHEDULING_ORDERS, SCHEDULING_POLICIES, EngineConfig
 from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
 
@@ -38,6 +38,25 @@ class JsonMap(click.ParamType):
         return parsed
 
 
+NO_LIMIT = "none"
+
+
+class AutoOrCount(click.ParamType):
+    """"auto", "none" (no limit: None) or an integer >= 1."""
+
+    name = "auto|none|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == AUTO or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        if value == NO_LIMIT:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            self.fail(f"must be 'auto', 'none' or an integer >= 1, got {value!r}", param, ctx)
+
+
 # (EngineConfig field, option declarations, click kwargs). Flags map to booleans in _to_config.
 _OPTIONS = [
     ("model", ("--model",), dict(type=str, default=None, metavar="PATH",
@@ -56,6 +75,18 @@ _OPTIONS = [
      dict(type=click.Choice(SCHEDULING_POLICIES),
           help="mixed: running decodes first, then prefill chunks, in one token budget per step; "
                "prefill-first: a step is all prefill while anything can be prefilled")),
+    ("scheduling_order", ("--scheduling-order",),
+     dict(type=click.Choice(SCHEDULING_ORDERS),
+          help="fcfs: first come, first served (a request's priority must be 0); priority: lower "
+               "priority values first, and a waiting request preempts running ones of a worse priority")),
+    ("max_waiting_requests", ("--max-waiting-requests",),
+     dict(type=AutoOrCount(), default=AUTO, show_default=True,
+          help="refuse new requests (HTTP 429, ZMQ 'overloaded') while this many wait; auto: "
+               "min(max-num-seqs, KV blocks); none: no limit")),
+    ("max_waiting_tokens", ("--max-waiting-tokens",),
+     dict(type=AutoOrCount(), default=AUTO, show_default=True,
+          help="refuse a new request whose prompt would take the waiting prompt tokens past this; "
+               "auto: the KV pool's tokens; none: no limit")),
     ("max_model_len", ("--max-model-len",),
      dict(type=int, help="longest prompt + completion [default: the model's max_position_embeddings]")),
     ("kv_cache_memory_gb", ("--kv-cache-memory-gb",), dict(type=float, help="KV-cache size on CPU, GiB")),
@@ -159,4 +190,6 @@ def options_argv(config: EngineConfig) -> list[str]:
             argv += [decls[-1], json.dumps(value)]
         elif value is not None:
             argv += [decls[-1], str(value)]
+        elif isinstance(kwargs.get("type"), AutoOrCount):  # None is "no limit", not the default
+            argv += [decls[-1], NO_LIMIT]
     return argv

@@ -59,10 +59,12 @@ UNKNOWN_ID = "unknown_id"                    # abort of an id not in flight on t
 ADMISSION = "admission"                      # the engine can never schedule this request
 INVALID_REQUEST = "invalid_request"          # well-formed, but the engine refused it (e.g. empty after tokenizing)
 SHUTTING_DOWN = "shutting_down"              # daemon is stopping; no new requests
+OVERLOADED = "overloaded"                    # the waiting queue is full; retry after retry_after s
 STEP_FAILED = "step_failed"                  # an engine step failed for this request; the daemon serves on
 INTERNAL = "internal"                        # engine failure; the daemon is going down
 ERROR_CODES = (BAD_MESSAGE, UNSUPPORTED_VERSION, UNKNOWN_TYPE, UNKNOWN_FIELD, MISSING_FIELD,
-               INVALID_FIELD, DUPLICATE_ID, UNKNOWN_ID, ADMISSION, INVALID_REQUEST, SHUTTING_DOWN, STEP_FAILED, INTERNAL)
+               INVALID_FIELD, DUPLICATE_ID, UNKNOWN_ID, ADMISSION, INVALID_REQUEST, SHUTTING_DOWN, OVERLOADED,
+               STEP_FAILED, INTERNAL)
 
 
 class ProtocolError(TpserveError, ValueError):
@@ -148,6 +150,16 @@ def _wire(check, *args):
         return check(*args)
     except InvalidFieldError as e:
         raise _bad(e.field, e.reason) from None
+
+
+def priority(name, v):
+    """A request's priority (tpserve.requests bounds); lower is served first."""
+    return _wire(R.check_priority, v, name)
+
+
+def timeout(name, v):
+    """A request's timeout in seconds (tpserve.requests bounds)."""
+    return _wire(R.check_timeout, v, name)
 
 
 def nullable(inner: Validator) -> Validator:
@@ -295,11 +307,14 @@ class GenerateRequest(Message):
     TYPE = "generate"
     DIRECTION = "request"
     FIELDS = {"id": (request_id, True), "prompt": (prompt, True),
-              "params": (sampling_params, False), "stream": (boolean, False)}
+              "params": (sampling_params, False), "stream": (boolean, False),
+              "priority": (nullable(priority), False), "timeout": (nullable(timeout), False)}
     id: str
     prompt: str | list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = True
+    priority: int | None = None   # None: 0
+    timeout: float | None = None  # None: the daemon's --request-timeout
 
 
 @dataclass
@@ -403,14 +418,16 @@ class DoneReply(Message):
 @dataclass
 class ErrorReply(Message):
     """A request failed or a frame was invalid. ``id`` is set when the request id was readable.
-    ``limit``/``requested``/``allowed`` are set for admission errors."""
+    ``limit``/``requested``/``allowed`` are set for admission and overloaded errors;
+    ``retry_after`` (seconds) for overloaded and shutting_down."""
 
     TYPE = "error"
     DIRECTION = "reply"
     FIELDS = {"code": (text(MAX_CODE_CHARS, 1), True), "message": (text(MAX_MESSAGE_CHARS), True),
               "id": (nullable(request_id), False), "field": (nullable(text(256)), False),
               "limit": (nullable(text(64)), False), "requested": (nullable(integer(-2**63, 2**63 - 1)), False),
-              "allowed": (nullable(integer(-2**63, 2**63 - 1)), False)}
+              "allowed": (nullable(integer(-2**63, 2**63 - 1)), False),
+              "retry_after": (nullable(number(0.0, 86400.0)), False)}
     code: str
     message: str
     id: str | None = None
@@ -418,6 +435,7 @@ class ErrorReply(Message):
     limit: str | None = None
     requested: int | None = None
     allowed: int | None = None
+    retry_after: float | None = None
 
 
 @dataclass

@@ -4,9 +4,15 @@ Routers in front of several replicas (smg, vllm-router, llm-d's endpoint picker)
 engine, read its limits and poll its load. Each answer is built from the daemon's ``status``
 (Server.stats: engine counters plus the daemon's state), so it is what the engine has now:
 
-* ``GET /health``: 200 while the daemon serves; 503 once it is draining (a shutdown, with
-  ``--shutdown-grace`` running requests still finish), failed, or does not answer. Routers
-  take a 503 replica out of rotation before it stops.
+* ``GET /health``: 200 while the daemon serves; 503 once it is draining (a shutdown: for up to
+  ``--shutdown-grace`` the requests in flight still finish), failed, or does not answer.
+  Routers take a 503 replica out of rotation before it stops. It keeps answering through the
+  drain, and its body says what is going on: ``status`` ("ok", "draining", "failed"),
+  ``ready``, and while draining ``requests_in_flight`` and ``drain_left_s``, beside an OpenAI
+  error object.
+* ``GET /ready``: the readiness view for load balancers: 200 ``{"ready": true}`` while new
+  requests are taken, 503 ``{"ready": false, "state": ...}`` from the first moment of a drain
+  (or when the daemon failed or does not answer).
 * ``GET /version``: ``{"version": ...}`` as vLLM answers it. smg identifies a backend by its
   ``/v1/models`` ``owned_by`` (here "tpserve", no engine it knows), then by ``/version`` (vLLM)
   or ``/server_info`` (SGLang); with both it takes vLLM's metric names, which /metrics has.
@@ -20,7 +26,7 @@ engine, read its limits and poll its load. Each answer is built from the daemon'
   ``include`` may name sections (core, memory, spec, lora, disagg, queues, all); the ones
   tpserve has nothing for are left out, an unknown one is a 400.
 
-With an API key, everything but ``/health`` and ``/version`` needs it, like ``/v1``.
+With an API key, everything but ``/health``, ``/ready`` and ``/version`` needs it, like ``/v1``.
 """
 from __future__ import annotations
 
@@ -90,12 +96,28 @@ def make_router(front, authorize) -> APIRouter:
         stats = await status()
         state = stats.get("state")
         if state != "running":
-            why = stats.get("failure") or ("the daemon is shutting down (draining)" if state == "shutting_down"
+            draining = state == "shutting_down"
+            why = stats.get("failure") or ("the daemon is shutting down (draining)" if draining
                                            else f"the daemon is {state}")
-            raise O.OpenAIError(503, why, type_="server_error",
-                                code="draining" if state == "shutting_down" else "unhealthy")
+            e = O.OpenAIError(503, why, type_="server_error", code="draining" if draining else "unhealthy")
+            body = {"status": "draining" if draining else "failed", "ready": False, **e.body()}
+            if draining:
+                body.update(requests_in_flight=stats.get("requests_in_flight"),
+                            drain_left_s=stats.get("drain_left_s"))
+            return JSONResponse(body, status_code=503)
         # The body says how often the daemon restarted this front (http_front.py).
-        return {"status": "ok", "http_front_restarts": front.restarts, "http_front_last_exit": front.last_exit}
+        return {"status": "ok", "ready": bool(stats.get("ready", True)), "http_front_restarts": front.restarts,
+                "http_front_last_exit": front.last_exit}
+
+    @router.get("/ready")
+    async def ready():
+        try:
+            stats = await status()
+        except O.OpenAIError as e:
+            return JSONResponse({"ready": False, "state": "unreachable", **e.body()}, status_code=503)
+        if stats.get("state") == "running" and stats.get("ready", True):
+            return {"ready": True}
+        return JSONResponse({"ready": False, "state": stats.get("state")}, status_code=503)
 
     @router.get("/version")
     async def version():

@@ -237,12 +237,16 @@ def cleanup_stale(runtime_dir: Path) -> None:
     (runtime_dir / SOCKET_NAME).unlink(missing_ok=True)
 
 
-def write_ready(runtime_dir: Path, address: str, http: str | None = None) -> None:
-    """``http``: the base URL of the HTTP front, when one runs."""
+def write_ready(runtime_dir: Path, address: str, http: str | None = None,
+                shutdown_grace: float | None = None) -> None:
+    """``http``: the base URL of the HTTP front, when one runs; ``shutdown_grace``: how long its
+    drain may take (`tpserve stop` waits that long before killing it)."""
     tmp = runtime_dir / (READY_NAME + ".tmp")
     ready = {"pid": os.getpid(), "address": address}
     if http:
         ready["http"] = http
+    if shutdown_grace is not None:
+        ready["shutdown_grace"] = shutdown_grace
     tmp.write_text(json.dumps(ready))
     os.replace(tmp, runtime_dir / READY_NAME)  # atomic: readers never see half a file
 

@@ -37,10 +37,20 @@ Invariants:
   every KV block free, nothing queued); a broken invariant fails the daemon like a dead engine.
 * every frame received gets exactly one answer (docs/protocol.md), also frames still queued
   when a shutdown begins: they are drained and answered before the socket closes.
+
+Pressure: a request carries a ``priority`` and a ``timeout`` (default ``request_timeout``),
+counted from its arrival here, tokenizing included; a full waiting queue refuses it with
+``overloaded`` and a ``retry_after`` estimate. A shutdown is a drain: new requests get
+``shutting_down`` (with the seconds the drain has left as ``retry_after``) while those in flight,
+queued ones included, finish for up to ``shutdown_grace`` seconds; then the rest end with
+finish_reason "abort", abort_reason "shutting_down". ``request_shutdown(now=True)`` (a second
+signal) ends the drain at once. ``status`` says ``state: shutting_down`` and ``ready: false``
+from the drain's first moment.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -56,7 +66,7 @@ from tpserve.daemon.metrics import ServingMetrics
 from tpserve.daemon.outbox import Peer, Peers
 from tpserve.daemon.profiling import ProfileRecorder
 from tpserve.daemon.tokenizing import PromptTokenizer
-from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, StepFailedError
+from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError
 from tpserve.sampling import SamplingParams
 
 log = logging.getLogger("tpserve.daemon")
@@ -71,7 +81,10 @@ class ServerOptions:
     """Knobs of the front. ``curve_*`` enable CurveZMQ; ``curve_client_keys`` limits clients."""
 
     client_timeout: float = 30.0
-    shutdown_grace: float = 0.0
+    #: seconds a drain lets requests in flight finish before aborting them
+    shutdown_grace: float = 30.0
+    #: seconds a request without a ``timeout`` of its own may take (None: no limit)
+    request_timeout: float | None = None
     max_messages_per_step: int = 64
     send_hwm: int = 1000
     #: Text prompts longer than this are tokenized off the serving loop.
@@ -102,6 +115,8 @@ class _Request:
     prompt_logprobs_sent: bool = False
     prompt_logprobs: list | None = None  # wire entries not yet sent (they go with the done)
     logprobs_wanted: bool = False
+    priority: int = 0
+    timeout: float | None = None  # seconds from ``arrival``
 
 
 def served_model_name(engine, options: ServerOptions) -> str:
@@ -140,6 +155,7 @@ class Server:
         self._profiler = ProfileRecorder(options.profile_dir)
         self._started = time.monotonic()
         self._stop_requested = False
+        self._stop_now = False
         self._stopping = False
         self._stop_deadline = 0.0
         self.exit_code = 0
@@ -161,10 +177,17 @@ class Server:
         return self.engine.tokenize(prompt)
 
     # ---- life cycle --------------------------------------------------------------------------
-    def request_shutdown(self) -> None:
-        """Begin a graceful shutdown at the next loop turn (safe from signal handlers/threads)."""
+    def request_shutdown(self, now: bool = False) -> None:
+        """Begin the drain at the next loop turn; ``now``: end it (or skip it) at once, aborting
+        what is in flight. Safe from signal handlers and other threads."""
         self._stop_requested = True
+        self._stop_now = self._stop_now or now
         self.listener.wake()
+
+    @property
+    def draining(self) -> bool:
+        """Whether the drain has begun (no new requests; the loop still serves)."""
+        return self._stopping
 
     @property
     def wake_fd(self) -> int:
@@ -183,8 +206,15 @@ class Server:
             while True:
                 if self._stop_requested and not self._stopping:
                     self._begin_shutdown()
-                if self._stopping and (not (self._requests or self._tokenizer)
-                                       or time.monotonic() >= self._stop_deadline):
+                if self._stopping and self._stop_now:
+                    self._stop_deadline = min(self._stop_deadline, time.monotonic())
+                if self._stopping and not (self._requests or self._tokenizer):
+                    break
+                if self._stopping and time.monotonic() >= self._stop_deadline:
+                    log.warning("the drain ended%s: aborting %d request(s) still in flight",
+                                " on a second stop signal" if self._stop_now
+                                else f" after its {self.options.shutdown_grace:g} s",
+                                len(self._requests) + len(self._tokenizer))
                     break
                 self._turn()
         except _EngineFailed:
@@ -261,9 +291,10 @@ class Server:
 
     def _begin_shutdown(self) -> None:
         self._stopping = True
+        self.metrics.on_drain()
         self._stop_deadline = time.monotonic() + self.options.shutdown_grace
-        log.info("shutting down: no new requests; %d in flight%s", len(self._requests),
-                 f", {self.options.shutdown_grace:g} s grace" if self.options.shutdown_grace else "")
+        log.info("draining: no new requests; %d in flight may finish within %g s", len(self._requests),
+                 0 if self._stop_now else self.options.shutdown_grace)
 
     def _finish_shutdown(self) -> None:
         # Frames that arrived before the stop are still answered (generate: shutting_down).
@@ -344,7 +375,9 @@ class Server:
             self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
 
         if self._stopping:
-            return error(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", id=msg.id)
+            self.metrics.on_refused("shutting_down")
+            return error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
+                         id=msg.id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
         peer = self.peers.get(identity)
         if peer is not None and msg.id in peer.requests:
             # No ``id``: an error with an id ends that request, and this one keeps running.
@@ -352,7 +385,9 @@ class Server:
                          "that request continues", field="id")
         peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
-                       arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None)
+                       arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None,
+                       priority=msg.priority or 0,
+                       timeout=msg.timeout if msg.timeout is not None else self.options.request_timeout)
         if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
@@ -361,10 +396,7 @@ class Server:
 
     def _admit_tokenized(self) -> None:
         """Add the requests whose prompts have been tokenized."""
-        for job in self._tokenizer.finished():
-            if self._stopping:
-                self._abort(job.req, "shutting_down")
-                continue
+        for job in self._tokenizer.finished():  # also while draining: they arrived before it
             self._tokenizer.discard(job.req.engine_id)
             del job.req.peer.requests[job.req.client_id]
             self._admit(job.req, job.result, job.params)
@@ -377,8 +409,14 @@ class Server:
             self.peers.send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
 
         try:
-            req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params)
+            req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params, priority=req.priority,
+                                                        timeout=req.timeout, arrival=req.arrival)
+        except OverloadedError as e:
+            self.metrics.on_refused(e.limit)
+            error(P.OVERLOADED, str(e), limit=e.limit, requested=int(e.requested), allowed=int(e.allowed),
+                  retry_after=float(e.retry_after))
         except AdmissionError as e:
+            self.metrics.on_refused("admission")
             over = e.requested - e.allowed
             error(P.ADMISSION, f"request needs {e.limit}={e.requested} but the engine allows {e.allowed} "
                   f"(over by {over})", limit=e.limit, requested=int(e.requested), allowed=int(e.allowed))
@@ -535,8 +573,13 @@ class Server:
         stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
                      state="failed" if self.failure else "shutting_down" if self._stopping else "running",
+                     ready=not (self.failure or self._stopping or self._stop_requested),
                      requests_in_flight=len(self._requests) + len(self._tokenizer),
-                     clients=len(self.peers))
+                     clients=len(self.peers), shutdown_grace=self.options.shutdown_grace,
+                     request_timeout=self.options.request_timeout)
+        if self._stopping:
+            stats["drain_left_s"] = round(max(0.0, self._stop_deadline - time.monotonic()), 3)
+        stats.update(self.metrics.refused_counts())
         if self._kv_events is not None:
             stats.update(self._kv_events.stats())
         if self.failure:

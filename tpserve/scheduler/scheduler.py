@@ -44,6 +44,18 @@ limit. Without it, or in steps above its batch-size limit, nothing changes.
 A prompt fully covered by cached blocks still computes its last token (for logits): that
 token's KV is already in a shared cached block, so its slot in the plan is -1.
 
+Scheduling order (``EngineConfig.scheduling_order``, scheduler/ordering.py): "fcfs" is the
+seed exactly; under "priority" admission goes by (priority, arrival), a better waiting request
+that does not fit preempts worse running ones (``_make_room``, before anything is scheduled),
+and decode victims are chosen worst priority first. The waiting queue is a ``WaitingQueue``
+(waiting.py), read like the seed's deque.
+
+Timeouts (deadlines.py): ``expire(now)``, called by the engine before each ``schedule()``,
+finishes requests past their deadline with "timeout", freeing their blocks in any state.
+
+Queue limits: ``add()`` refuses a request (OverloadedError) while the waiting queue is at
+``max_waiting_requests`` or its prompt would take the queue past ``max_waiting_tokens``.
+
 Admission control replaces the seed's ``assert scheduled_seqs``: ``add()`` rejects a request
 that could never run (longer than ``max_model_len``, or needing more blocks than the whole
 pool). Hence whenever work is runnable, ``schedule()`` returns a non-empty batch; an empty
@@ -67,15 +79,18 @@ import numpy as np
 
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
-from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError
+from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, OverloadedError
 from tpserve import requests as R
 from tpserve.plan import StepPlan
 from tpserve.sample_plan import SamplePlan
+from tpserve.scheduler import ordering
+from tpserve.scheduler.deadlines import Deadlines
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
 from tpserve.scheduler.sample_inputs import GRAMMAR, build_sample_plan
 from tpserve.scheduler.spec_decode import Speculator
 from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
+from tpserve.scheduler.waiting import WaitingQueue
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -168,7 +183,10 @@ class Scheduler:
         self.table = SlotTable(self.max_num_seqs, max_blocks, bs)
         spec = config.speculative
         self.speculator = Speculator(spec) if spec is not None else None
-        self.waiting: deque[Sequence] = deque()
+        self.by_priority = config.scheduling_order == "priority"
+        self.waiting = WaitingQueue(self.by_priority)
+        self.max_waiting_requests, self.max_waiting_tokens = config.queue_limits()
+        self._deadlines = Deadlines()
         self.running = RunningQueue()
         self._requests: dict[str, Sequence] = {}
         self._prefilling: Sequence | None = None
@@ -187,10 +205,15 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         self.prompt_tokens_computed = 0
         self.decode_tokens = 0
+        self.num_priority_preemptions = 0  # of num_preemptions: to admit a better priority
+        self.num_timed_out = 0
+        self.num_refused = {"max_waiting_requests": 0, "max_waiting_tokens": 0}
 
     # ---- requests ------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request, or raise if it could never be scheduled."""
+    def add(self, seq: Sequence, limit_queue: bool = True) -> None:
+        """Queue a new request, or raise if it could never be scheduled (AdmissionError), if
+        the queue is full (OverloadedError; not with ``limit_queue`` False, for the later
+        completions of an admitted request), or if it has a priority under "fcfs"."""
         rid = seq.request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidFieldError("request_id", f"must be a non-empty string, got {rid!r}")
@@ -218,8 +241,16 @@ class Scheduler:
             raise AdmissionError(rid, "num_kv_blocks", blocks, pool,
                                  f"prompt of {prompt_len} tokens + max_tokens {max_tokens} needs "
                                  f"{blocks} blocks of {self.block_size} tokens; the KV pool has {pool}")
+        if seq.priority != 0 and not self.by_priority:
+            raise InvalidFieldError("priority", f"is {seq.priority}, but this engine schedules first come, "
+                                    "first served (scheduling_order fcfs): only 0 is accepted; start it with "
+                                    "scheduling_order priority to use priorities")
+        if limit_queue:
+            self._check_queue_limits(seq)
         seq.block_size = self.block_size
         self._requests[rid] = seq
+        if seq.deadline is not None:
+            self._deadlines.add(seq)
         self._num_logprob_seqs += seq.sampling_params.logprobs is not None
         if seq.grammar is not None:
             self._num_grammar_seqs += 1
@@ -230,6 +261,16 @@ class Scheduler:
                 self._compiling.append(seq)  # reported by the next schedule(), like a late failure
                 return
         self.waiting.append(seq)
+
+    def _check_queue_limits(self, seq: Sequence) -> None:
+        waiting, cap = self.waiting, self.max_waiting_requests
+        if cap is not None and len(waiting) >= cap:
+            self.num_refused["max_waiting_requests"] += 1
+            raise OverloadedError(seq.request_id, "max_waiting_requests", len(waiting) + 1, cap)
+        cap = self.max_waiting_tokens
+        if cap is not None and waiting and waiting.num_tokens + len(seq) > cap:
+            self.num_refused["max_waiting_tokens"] += 1
+            raise OverloadedError(seq.request_id, "max_waiting_tokens", waiting.num_tokens + len(seq), cap)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -290,6 +331,8 @@ class Scheduler:
         self._dropped_in_flight = False
         if self._compiling:
             self._queue_compiled()
+        if self.by_priority and self.waiting:
+            self._make_room()
         if self.policy == "mixed":
             batch = self._schedule_mixed()
             budget = self.step_budget(batch.num_decodes)
@@ -348,11 +391,7 @@ class Scheduler:
         bm = self.block_manager
         while admit and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # Prompt log-probabilities need the logits of every prompt row, so a request that
-            # still owes some computes its whole prompt (its blocks still enter the cache).
-            owes_logprobs = (seq.sampling_params.prompt_logprobs is not None
-                             and seq.num_prompt_logprobs_done < seq.num_prompt_tokens)
-            num_cached_blocks = bm.can_allocate(seq, use_cache=not owes_logprobs)
+            num_cached_blocks = bm.can_allocate(seq, use_cache=self._uses_cache(seq))
             if num_cached_blocks < 0:
                 break
             self.waiting.popleft()
@@ -377,6 +416,34 @@ class Scheduler:
         self.prompt_tokens_computed += total - budget
         sampled = [s.num_cached_tokens + s.num_scheduled_tokens == len(s) for s in seqs[nd:]]
         return self._batch(seqs, True, sampled=sampled, num_decodes=nd)
+
+    @staticmethod
+    def _uses_cache(seq: Sequence) -> bool:
+        """Whether admitting ``seq`` may use the prefix cache. Prompt log-probabilities need the
+        logits of every prompt row, so a request that still owes some computes its whole
+        prompt (its blocks still enter the cache)."""
+        return (seq.sampling_params.prompt_logprobs is None
+                or seq.num_prompt_logprobs_done >= seq.num_prompt_tokens)
+
+    def _make_room(self) -> None:
+        """Under "priority": when the best waiting sequence does not fit (blocks, or a slot),
+        preempt the worse-priority running sequences that make it fit (ordering.py), before
+        this step schedules anyone. Under "mixed", the blocks this step's decodes take first
+        are reserved."""
+        head, running, bm = self.waiting[0], self.running, self.block_manager
+        reserve = set()
+        if self.policy == "mixed" and running:
+            cap = min(self.max_num_batched_tokens, self.max_num_seqs)  # as _schedule_mixed
+            decodes = [s for s in running if not s.is_prefill][:cap]
+            lens = self.table.seq_lens[np.fromiter((s.slot for s in decodes), np.intp, len(decodes))]
+            reserve = {id(decodes[p]) for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist()}
+        victims = ordering.admission_victims(
+            head, running, bm, self._uses_cache(head), bm.num_free_blocks - len(reserve),
+            len(running) >= self.max_num_seqs, lambda v: id(v) in reserve)
+        for v in victims or ():
+            self.running.remove(v)
+            self._preempt(v)
+        self.num_priority_preemptions += len(victims or ())
 
     def _schedule_decode(self, cap: int) -> ScheduledBatch:
         """Decode fast path; identical in effect to :meth:`_schedule_decode_slow`.
@@ -415,8 +482,9 @@ class Scheduler:
         while running and len(scheduled) < cap and not running[0].is_prefill:
             seq = running.popleft()
             while not bm.can_append(seq):
-                if running:
-                    self._preempt(running.pop())
+                victim = ordering.decode_victim(running, seq, self.by_priority)  # fcfs: the tail
+                if victim is not None:
+                    self._preempt(victim)
                 else:
                     self._preempt(seq)
                     break
@@ -645,6 +713,8 @@ class Scheduler:
             seq.status = FINISHED
             seq.finish_reason = reason
             del self._requests[seq.request_id]
+            if seq.deadline is not None:
+                self._deadlines.finished()
             if was is RUNNING:
                 bm.deallocate(seq)
                 t.release(seq)
@@ -659,6 +729,16 @@ class Scheduler:
             self.running.remove(items[0][0])
         elif left_running:
             self.running.replace([s for s in self.running if s.status is RUNNING])
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Finish every unfinished request whose deadline is at or before ``now`` with
+        "timeout" (blocks freed, whatever its state); returns them. Call between steps."""
+        seqs = self._deadlines.expired(now)
+        if seqs:
+            self._dropped_in_flight = True
+            self._finish_many([(seq, "timeout") for seq in seqs])
+            self.num_timed_out += len(seqs)
+        return seqs
 
     # ---- plans, cache, stats -------------------------------------------------------------
     def build_plan(self, batch: ScheduledBatch) -> StepPlan:
@@ -723,12 +803,17 @@ class Scheduler:
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            "scheduling_order": "priority" if self.by_priority else "fcfs",
+            "num_priority_preemptions": self.num_priority_preemptions,
+            "num_timed_out": self.num_timed_out,
+            "max_waiting_requests": self.max_waiting_requests,
+            "max_waiting_tokens": self.max_waiting_tokens,
         }
 
     def num_waiting_tokens(self) -> int:
         """Prompt tokens admitted but not yet computed: the waiting queue's (prefix-cache hits
-        not yet known) plus what the partial prefill has left. O(waiting)."""
-        left = sum(len(s.token_ids) for s in self.waiting)
+        not yet known) plus what the partial prefill has left."""
+        left = self.waiting.num_tokens
         if self._prefilling is not None:
             left += len(self._prefilling.token_ids) - self._prefilling.num_cached_tokens
         return left
@@ -770,3 +855,10 @@ class Scheduler:
         for s in self.waiting:
             assert s.status is WAITING and not s.block_table and s.slot == -1, f"{s!r} in waiting"
             assert s.num_cached_tokens == 0 and s.is_prefill, f"{s!r} in waiting"
+        w = self.waiting
+        assert w.num_tokens == sum(len(s) for s in w) and len(w) == len(list(w)), "waiting queue counts"
+        if self.by_priority:
+            prios = [s.priority for s in w]
+            assert prios == sorted(prios), f"waiting out of priority order: {prios}"
+        live = sum(s.deadline is not None for s in self._requests.values())
+        assert self._deadlines.live == live, f"{self._deadlines.live} deadlines for {live} requests"

@@ -41,10 +41,11 @@ class Sequence:
                  "block_size", "status", "is_prefill", "num_scheduled_tokens", "block_table",
                  "_num_cached_tokens", "_cached_follows_len", "num_prefix_hit_tokens",
                  "num_hashed_blocks", "block_hashes", "finish_reason", "slot", "bad_words_ids",
-                 "num_prompt_logprobs_done", "grammar", "proposer_state")
+                 "num_prompt_logprobs_done", "grammar", "proposer_state", "priority", "deadline")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16):
+                 sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16,
+                 priority: int = 0, deadline: float | None = None):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -77,6 +78,10 @@ class Sequence:
         self.grammar = None
         # A draft proposer's memo over token_ids (scheduler/proposer.py); None until it is asked.
         self.proposer_state = None
+        # Lower is served first under the "priority" scheduling order (scheduler/ordering.py).
+        self.priority = priority
+        # time.monotonic() by which the request must end (finish_reason "timeout"), or None.
+        self.deadline = deadline
 
     # ---- KV accounting -------------------------------------------------------------------
     @property
