@@ -33,6 +33,7 @@ from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check
 from tpserve.daemon.server import Server, ServerOptions
 from tpserve.errors import AdmissionError, ConfigError, InvalidRequestError, StepFailedError, WorkerDiedError
 from tpserve.outputs import RequestOutput
+from tpserve.procs import pid_alive
 from tpserve.requests import check_request
 from tpserve.sampling import SamplingParams
 
@@ -83,6 +84,9 @@ class FakeEngine:
             if tok in params.stop_token_ids or (tok == eos and not params.ignore_eos):
                 break
         return out
+
+    def tokenizer_path(self):
+        return None
 
     def tokenize(self, prompt):
         if self.hold_marker in prompt:
@@ -1032,6 +1036,37 @@ def test_a_long_prompt_is_tokenized_off_the_serving_loop():
         assert s.stop() == 0
 
 
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "tpserve" / "assets" / "default-model")
+
+
+def test_a_long_prompt_is_tokenized_in_the_tokenizer_process():
+    """With a tokenizer on disk, a long text is tokenized in a child process (no GIL, no core
+    taken from the engine), with the same ids as in process; closing stops the child."""
+    from tpserve.tokenizer import load_tokenizer
+
+    class OnDisk(FakeEngine):
+        def tokenizer_path(self):
+            return DEFAULT_MODEL
+
+        def tokenize(self, prompt):
+            raise AssertionError("a long prompt was tokenized in the serving process")
+    engine = OnDisk(vocab=10**5)
+    text = " ".join(f"word{i % 97} and more" for i in range(2000))
+    expected = load_tokenizer(DEFAULT_MODEL).encode(text, add_special_tokens=False)
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=1000)) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("long", text, max_tokens=1, stream=False))
+        done = r.recv_until_done("long", timeout=120)[-1]
+        assert (done.finish_reason, done.prompt_tokens) == ("length", len(expected))
+        assert engine.requests == {} and done.token_ids == FakeEngine.expected_tokens(
+            expected, SamplingParams(max_tokens=1), vocab=10**5)
+        child = s.server._tokenizer_process.pid
+        assert child is not None and pid_alive(child)
+        r.close()
+        assert s.stop() == 0
+    assert not pid_alive(child)
+
+
 def test_abort_while_tokenizing_and_shutdown_while_tokenizing():
     engine = FakeEngine()
     with ServerThread(engine, ServerOptions(inline_tokenize_chars=16)) as s:
@@ -1107,7 +1142,7 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     from tpserve.engine import Engine
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
-    assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
+    assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "step", "stats",
                           "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
                           "shutdown"}
     for cls in (Engine, FakeEngine):

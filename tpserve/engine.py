@@ -77,6 +77,10 @@ class Engine:
         check_prompt_shape(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def tokenizer_path(self) -> str | None:
+        """The model directory ``tokenize``'s tokenizer was loaded from (None without one)."""
+        return str(self.config.model_path) if self.tokenizer is not None else None
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     detokenize: bool = True) -> int:
         """Queue a request; returns its prompt length in tokens.

@@ -22,6 +22,11 @@ class ServingEngine(Protocol):
         Raises InvalidRequestError/InvalidFieldError (tpserve.errors) for a prompt it refuses.
         """
 
+    def tokenizer_path(self) -> str | None:
+        """The model directory whose tokenizer ``tokenize`` uses, so that long prompts can be
+        tokenized in another process (tpserve.tokenizer.TokenizerProcess); None: only
+        ``tokenize`` can."""
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> int:
         """Queue a request; returns its prompt length in tokens.

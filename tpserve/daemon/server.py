@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -57,6 +58,7 @@ from tpserve.daemon.profiling import ProfileRecorder
 from tpserve.daemon.tokenizing import PromptTokenizer
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, StepFailedError
 from tpserve.sampling import SamplingParams
+from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -125,6 +127,9 @@ class Server:
         self.peers = Peers(self.listener.sock, self._on_peer_gone)
         self._requests: dict[str, _Request] = {}  # by engine id
         self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
+        self._tokenizer_process: TokenizerProcess | None = None  # made by the tokenizing thread
+        self._tokenizer_process_lock = threading.Lock()
+        self._closed = False
         self._profiler = ProfileRecorder(options.profile_dir)
         self._started = time.monotonic()
         self._stop_requested = False
@@ -137,7 +142,18 @@ class Server:
         self._checked_idle = True  # the engine's integrity was checked since it last worked
 
     def _tokenize(self, prompt: str) -> list[int]:
-        return self.engine.tokenize(prompt)
+        """On the tokenizing thread: in the tokenizer process when the engine names its
+        tokenizer (the thread then only waits on a pipe), else with the engine's."""
+        path = self.engine.tokenizer_path()
+        if path is None:
+            return self.engine.tokenize(prompt)
+        with self._tokenizer_process_lock:  # against close(): no child is made after it
+            if self._closed:
+                raise TokenizerProcessError("the daemon is closing")
+            if self._tokenizer_process is None:
+                self._tokenizer_process = TokenizerProcess(path)
+            proc = self._tokenizer_process
+        return proc.encode(prompt)
 
     # ---- life cycle --------------------------------------------------------------------------
     def request_shutdown(self) -> None:
@@ -156,6 +172,8 @@ class Server:
         self._health_fd = self.engine.health_fd()
         if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
             self.listener.watch(self._health_fd)
+        if self.engine.tokenizer_path() is not None:
+            self._tokenizer.prepare()  # the tokenizer process starts now, not with the first long prompt
         try:
             while True:
                 if self._stop_requested and not self._stopping:
@@ -260,7 +278,11 @@ class Server:
 
     def close(self) -> None:
         """Close and remove the socket; returns once queued replies are delivered (at most 2 s)."""
+        with self._tokenizer_process_lock:
+            self._closed = True
         self._tokenizer.close()
+        if self._tokenizer_process is not None:
+            self._tokenizer_process.close()
         self.listener.close()
 
     # ---- receiving ---------------------------------------------------------------------------
@@ -361,6 +383,9 @@ class Server:
             error(P.INVALID_REQUEST, e.reason, field=e.field)
         except ValueError as e:
             error(P.INVALID_REQUEST, str(e))
+        except TokenizerProcessError as e:
+            log.error("could not tokenize the prompt of %s: %s", req.engine_id, e)
+            error(P.INTERNAL, f"the prompt could not be tokenized: {e}")
         except Exception as e:
             log.exception("add_request failed for %s", req.engine_id)
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
