@@ -47,15 +47,20 @@ class FakeEngine:
     ``hold_marker`` waits in ``tokenize`` until ``release_tokenize`` is set). Each request holds
     ceil((prompt + max_tokens) / block_size) blocks from admission to finish/abort, so tests can
     see blocks being freed. ``fail_after`` makes step() raise after that many steps;
-    ``step_delay`` slows steps down; ``shutdown_delay`` makes shutdown() hang.
+    ``step_delay`` slows steps down; ``shutdown_delay`` makes shutdown() hang. ``max_running``
+    models the scheduler's limit: only the first that many requests (in order of admission)
+    advance in a step, the others wait, and ``has_room`` holds while fewer than that many wait.
+    While ``paused`` is set, steps advance nothing. ``finished`` lists request ids in the order
+    they finished.
     """
 
     def __init__(self, max_model_len=10**7, num_blocks=10**6, block_size=16, vocab=1000,
-                 step_delay=0.0, fail_after=None, shutdown_delay=0.0, eos=None):
+                 step_delay=0.0, fail_after=None, shutdown_delay=0.0, eos=None, max_running=None):
         self.config = SimpleNamespace(model="fake", model_path="fake-model", tensor_parallel_size=1,
                                       max_model_len=max_model_len, num_kv_blocks=num_blocks,
                                       block_size=block_size)
         self.vocab = vocab
+        self.max_running = max_running  # None: every request advances each step
         self.hold_marker = "\x00hold\x00"
         self.release_tokenize = threading.Event()
         self.tokenize_started = threading.Event()
@@ -72,6 +77,8 @@ class FakeEngine:
         self.profiling = False
         self.profiles: list[str] = []
         self.integrity_checks = 0
+        self.paused = threading.Event()
+        self.finished: list[str] = []
         self.broken = False  # check_integrity fails
 
     @staticmethod
@@ -119,6 +126,9 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
+    def has_room(self):
+        return self.max_running is None or len(self.requests) - self.max_running < self.max_running
+
     def health_fd(self):
         return None
 
@@ -137,7 +147,9 @@ class FakeEngine:
             time.sleep(self.step_delay)
         self.num_steps += 1
         outputs = []
-        for rid, r in list(self.requests.items()):
+        if self.paused.is_set():
+            return outputs
+        for rid, r in list(self.requests.items())[:self.max_running]:
             params, k = r["params"], len(r["out"])
             tok = (sum(r["ids"]) + 31 * k + (params.seed or 0)) % self.vocab
             r["out"].append(tok)
@@ -149,13 +161,15 @@ class FakeEngine:
                 reason = "length"
             if reason:
                 del self.requests[rid]
+                self.finished.append(rid)
             outputs.append(RequestOutput(rid, [tok], f"{tok} ", reason is not None, reason,
                                          len(r["ids"]), len(r["out"])))
         return outputs
 
     def stats(self):
         used = sum(r["blocks"] for r in self.requests.values())
-        return dict(num_running=len(self.requests), num_waiting=0, kv_blocks_used=used,
+        running = len(self.requests) if self.max_running is None else min(len(self.requests), self.max_running)
+        return dict(num_running=running, num_waiting=len(self.requests) - running, kv_blocks_used=used,
                     kv_blocks_total=self.config.num_kv_blocks, prefix_cache_hit_rate=0.0,
                     num_preemptions=0, prompt_tokens=0, generation_tokens=self.generated,
                     tokens_per_s=0.0, model=self.config.model_path, tensor_parallel_size=1)
@@ -532,6 +546,100 @@ def test_disconnected_client_requests_are_aborted(srv):
         assert time.monotonic() < deadline, "requests of a vanished client kept running"
         time.sleep(0.02)
     assert not srv.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_non_streaming_requests_of_a_vanished_client_are_aborted(transport):
+    """Nothing is sent to a non-streaming request before it ends, so only the connection's
+    close can tell that nobody waits for it any more."""
+    address = None if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
+    with ServerThread(FakeEngine(step_delay=0.001), address=address) as s:
+        gone = Raw(s.address)
+        for i in range(5):
+            gone.send_msg(gen(f"n{i}", max_tokens=10**6, stream=False))
+        gone.send_msg(P.PingRequest(id="after"))  # answered once the five are admitted
+        assert gone.recv() == P.PongReply(id="after")
+        gone.close()
+        deadline = time.monotonic() + 30
+        while sorted(client_ids(s.engine.aborted)) != [f"n{i}" for i in range(5)]:
+            assert time.monotonic() < deadline, "requests of a vanished client kept running"
+            time.sleep(0.02)
+        assert not s.engine.has_unfinished()
+        other = Raw(s.address)  # a new connection is served as before
+        other.send_msg(gen("next", max_tokens=2, stream=False))
+        assert other.recv_until_done("next")[-1].finish_reason == "length"
+        other.close()
+        assert s.stop() == 0
+
+
+def test_a_connection_with_many_queued_requests_does_not_hold_up_another():
+    """One connection queues 500 requests; another's request, sent after them, is served after
+    a few of them, not after all (the scheduler alone serves first come, first served)."""
+    engine = FakeEngine(max_running=4)
+    engine.paused.set()  # everything is received before anything runs
+    with ServerThread(engine) as s:
+        flood, other = Raw(s.address), Raw(s.address)
+        for i in range(500):
+            flood.send_msg(gen(f"f{i}", max_tokens=1, stream=False))
+        flood.send_msg(P.PingRequest(id="sent"))
+        assert flood.recv(10) == P.PongReply(id="sent")
+        other.send_msg(gen("other", max_tokens=1, stream=False))
+        other.send_msg(P.PingRequest(id="sent"))
+        assert other.recv(10) == P.PongReply(id="sent")
+        other.send_msg(P.StatusRequest())
+        stats = other.recv().stats
+        assert (stats["requests_in_flight"], stats["num_waiting"]) == (501, 501 - 4)
+        engine.paused.clear()
+        assert other.recv_until_done("other")[-1].finish_reason == "length"
+        done = 0
+        while done < 500:
+            m = flood.recv(10)
+            assert m is not None, f"{done} of the flood answered"
+            done += isinstance(m, P.DoneReply)
+        order = client_ids(engine.finished)
+        # 4 running and 4 waiting in the engine, then one from each connection in turn
+        assert order.index("other") < 12, order.index("other")
+        assert sorted(order) == sorted(["other"] + [f"f{i}" for i in range(500)])
+        flood.close()
+        other.close()
+        assert s.stop() == 0
+
+
+def test_fair_queue_takes_connections_in_turn_and_skips_discarded_entries():
+    from tpserve.daemon.fair_queue import FairQueue
+    q = FairQueue()
+    for i in range(3):
+        q.push("a", f"a{i}", f"A{i}")
+    q.push("b", "b0", "B0")
+    q.push("c", "c0", "C0")
+    q.push("c", "c1", "C1")
+    assert q.discard("c0") and not q.discard("c0") and len(q) == 5
+    assert [q.pop() for _ in range(6)] == ["A0", "B0", "C1", "A1", "A2", None]
+    assert len(q) == 0
+
+
+def test_requests_per_connection_are_capped():
+    engine = FakeEngine()
+    engine.paused.set()
+    with ServerThread(engine, ServerOptions(max_requests_per_connection=3)) as s:
+        r, other = Raw(s.address), Raw(s.address)
+        for i in range(3):
+            r.send_msg(gen(f"r{i}", max_tokens=2))
+        r.send_msg(gen("r3", max_tokens=2))
+        e = r.recv()
+        assert (type(e), e.code, e.id) == (P.ErrorReply, P.TOO_MANY_REQUESTS, "r3")
+        assert "3 requests in flight" in e.message and "--max-requests-per-connection" in e.message
+        other.send_msg(gen("o", max_tokens=2))  # another connection has its own allowance
+        r.send_msg(P.AbortRequest("r0"))
+        assert r.recv_until_done("r0")[-1].finish_reason == "abort"
+        r.send_msg(gen("r3", max_tokens=2))  # room again
+        engine.paused.clear()
+        for rid in ("r1", "r2", "r3"):
+            assert r.recv_until_done(rid)[-1].finish_reason == "length"
+        assert other.recv_until_done("o")[-1].finish_reason == "length"
+        r.close()
+        other.close()
+        assert s.stop() == 0
 
 
 # ---- shutdown and failure ------------------------------------------------------------------
@@ -1142,7 +1250,8 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     from tpserve.engine import Engine
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
-    assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "step", "stats",
+    assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "has_room",
+                          "step", "stats",
                           "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
                           "shutdown"}
     for cls in (Engine, FakeEngine):

@@ -122,6 +122,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_room(self) -> bool:
+        """Fewer requests wait than one step can start (``max_num_seqs``): one added now is
+        not queued behind more than a step's worth of others."""
+        return len(self.scheduler.waiting) < self.config.max_num_seqs
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output per request that advanced.

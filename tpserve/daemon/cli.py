@@ -74,6 +74,10 @@ def daemon_options(f):
         click.option("--client-timeout", type=float, default=30.0, show_default=True,
                      show_envvar=True, envvar="TPSERVE_CLIENT_TIMEOUT",
                      help="abort the requests of a client that has not read its replies for this many seconds"),
+        click.option("--max-requests-per-connection", type=click.IntRange(min=1), default=4096, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_MAX_REQUESTS_PER_CONNECTION",
+                     help="requests one client connection may have in flight; more are refused "
+                          "(too_many_requests)"),
         click.option("--shutdown-grace", type=float, default=0.0, show_default=True,
                      show_envvar=True, envvar="TPSERVE_SHUTDOWN_GRACE",
                      help="on SIGTERM, let running requests finish for up to this many seconds before aborting them"),
@@ -124,6 +128,7 @@ def _server_options(kw: dict) -> ServerOptions:
         if kw[name] < 0:
             raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
     opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"],
+                         max_requests_per_connection=kw["max_requests_per_connection"],
                          served_model_name=kw["served_model_name"] or None)
     if kw["curve_secret_key"]:
         try:
@@ -263,7 +268,8 @@ def start(**kw):
 
     argv = [sys.executable, "-m", "tpserve", "serve", "--runtime-dir", str(rd.absolute()),
             "--address", address, "--client-timeout", str(kw["client_timeout"]),
-            "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"]]
+            "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"],
+            "--max-requests-per-connection", str(kw["max_requests_per_connection"])]
     if kw["curve_secret_key"]:
         argv += ["--curve-secret-key", os.path.abspath(kw["curve_secret_key"])]
     if opts.curve_client_keys_dir:

@@ -41,6 +41,11 @@ class ServingEngine(Protocol):
     def has_unfinished(self) -> bool:
         """Whether ``step`` has work to do."""
 
+    def has_room(self) -> bool:
+        """Whether a request added now would be among those the next step can start (fewer
+        are waiting than a step admits at most); the Server holds the others back, so that it
+        can choose fairly between clients which one comes next."""
+
     def step(self) -> list[RequestOutput]:
         """One engine step. Raises StepFailedError when only that step's requests are lost
         (they are aborted already); any other exception means the engine is unusable."""

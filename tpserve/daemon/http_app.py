@@ -193,6 +193,8 @@ def daemon_error(e, job) -> O.OpenAIError:
         if param in ("prompt",) and job.chat:
             param = "messages"
         return O.bad(param, e.message)
+    if e.code == P.TOO_MANY_REQUESTS:
+        return O.OpenAIError(429, e.message, type_="server_error", code="too_many_requests")
     if e.code == P.SHUTTING_DOWN:
         return O.OpenAIError(503, e.message, type_="server_error", code="shutting_down")
     return O.OpenAIError(500, f"{e.code}: {e.message}", type_="server_error", code="internal")

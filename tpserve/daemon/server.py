@@ -28,7 +28,10 @@ Invariants:
   server added; a request leaves ``_requests`` exactly when its ``done`` or ``error`` is queued
   (or its client is dropped), and the engine is told to abort it unless it finished there.
 * a request whose prompt is being tokenized is in ``_tokenizer`` and its peer's ``requests``
-  (so ``abort`` and ``duplicate_id`` see it) but not yet in the engine.
+  (so ``abort`` and ``duplicate_id`` see it) but not yet in the engine; so is a request in
+  ``_queue``, held back while the engine has no room (fair_queue.py). A request is in exactly
+  one of ``_requests``, ``_tokenizer`` and ``_queue`` while it is in flight.
+* a connection has at most ``max_requests_per_connection`` requests in flight.
 * messages to one client leave in the order they were produced: once a send is refused, later
   messages queue behind it in that client's outbox.
 * a client whose outbox has not moved for ``client_timeout`` seconds, or that disconnected
@@ -51,6 +54,7 @@ import zmq
 
 from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
+from tpserve.daemon.fair_queue import FairQueue
 from tpserve.daemon.listener import Listener
 from tpserve.daemon.metrics import ServingMetrics
 from tpserve.daemon.outbox import Peer, Peers
@@ -75,6 +79,9 @@ class ServerOptions:
     shutdown_grace: float = 0.0
     max_messages_per_step: int = 64
     send_hwm: int = 1000
+    #: Requests one connection may have in flight (queued, tokenizing or running); past it a
+    #: ``generate`` is answered ``too_many_requests``.
+    max_requests_per_connection: int = 4096
     #: Text prompts longer than this are tokenized off the serving loop.
     inline_tokenize_chars: int = 8192
     #: Where ``profile`` traces are written (the daemon uses its runtime dir); None: the temp dir.
@@ -83,6 +90,15 @@ class ServerOptions:
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
     served_model_name: str | None = None  # metrics label; default: the model directory's name
+
+
+@dataclass
+class _Queued:
+    """A request held in the fair queue until the engine has room for it."""
+
+    req: "_Request"
+    prompt: Callable[[], str | list[int]]
+    params: SamplingParams
 
 
 @dataclass
@@ -126,6 +142,7 @@ class Server:
                                  options.curve_secret_key, options.curve_client_keys_dir)
         self.peers = Peers(self.listener.sock, self._on_peer_gone)
         self._requests: dict[str, _Request] = {}  # by engine id
+        self._queue = FairQueue()  # received, not yet in the engine: _Queued by engine id
         self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
         self._tokenizer_process: TokenizerProcess | None = None  # made by the tokenizing thread
         self._tokenizer_process_lock = threading.Lock()
@@ -178,7 +195,7 @@ class Server:
             while True:
                 if self._stop_requested and not self._stopping:
                     self._begin_shutdown()
-                if self._stopping and (not (self._requests or self._tokenizer)
+                if self._stopping and (not (self._requests or self._tokenizer or self._queue)
                                        or time.monotonic() >= self._stop_deadline):
                     break
                 self._turn()
@@ -205,10 +222,13 @@ class Server:
         events = self.listener.poll(timeout)
         if self._health_fd is not None and self._health_fd in events:
             self._check_engine_health()
+        self._drop_disconnected()
         if self.listener.sock in events:
             self._drain()
         if self._tokenizer:
             self._admit_tokenized()
+        if self._queue:
+            self._admit_queued()
         if self.engine.has_unfinished():
             self._checked_idle = False
             try:
@@ -265,7 +285,7 @@ class Server:
                 break
         if self._profiler.deadline is not None:
             self._finish_profile()
-        for req in [*self._requests.values(), *self._tokenizer.requests()]:
+        for req in [*self._requests.values(), *self._tokenizer.requests(), *(q.req for q in self._queue.entries())]:
             self._abort(req, "shutting_down")
         # Let clients take their final messages while they keep reading; a client whose queue
         # has not moved for STALL_ON_EXIT seconds is dropped, and nobody delays exit past EXIT_FLUSH.
@@ -286,14 +306,26 @@ class Server:
         self.listener.close()
 
     # ---- receiving ---------------------------------------------------------------------------
+    def _drop_disconnected(self) -> None:
+        """Abort the requests of connections that closed (a vanished client's requests would
+        otherwise run to their end: nothing is sent to a non-streaming one until then)."""
+        for identity in self.listener.connections.drain_events():
+            peer = self.peers.get(identity)
+            if peer is not None:
+                self.peers.drop(peer, "disconnected")
+
     def _drain(self) -> int:
         """Handle at most max_messages_per_step queued frames; returns how many there were."""
-        sock = self.listener.sock
+        sock, connections = self.listener.sock, self.listener.connections
+        self._drop_disconnected()  # before the messages: they may come from a new connection
         for n in range(self.options.max_messages_per_step):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
+            frames = [p.bytes for p in parts]
+            if not connections.attach(frames[0], parts[-1]):
+                continue  # its connection closed since it was sent: there is nobody to answer
             try:
                 self._handle(frames)
             except _EngineFailed:
@@ -345,6 +377,11 @@ class Server:
             # No ``id``: an error with an id ends that request, and this one keeps running.
             return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
                          "that request continues", field="id")
+        limit = self.options.max_requests_per_connection
+        if peer is not None and len(peer.requests) >= limit:
+            return error(P.TOO_MANY_REQUESTS, f"this connection has {len(peer.requests)} requests in flight, the "
+                         f"most one connection may have (--max-requests-per-connection {limit}); wait for "
+                         "some to finish or use another connection", id=msg.id)
         peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
                        arrival=time.monotonic())
@@ -352,17 +389,37 @@ class Server:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
             return
-        self._admit(req, lambda: msg.prompt, msg.params)
+        self._queue_or_admit(req, lambda: msg.prompt, msg.params)
 
     def _admit_tokenized(self) -> None:
-        """Add the requests whose prompts have been tokenized."""
+        """Queue (or add) the requests whose prompts have been tokenized."""
         for job in self._tokenizer.finished():
             if self._stopping:
                 self._abort(job.req, "shutting_down")
                 continue
             self._tokenizer.discard(job.req.engine_id)
             del job.req.peer.requests[job.req.client_id]
-            self._admit(job.req, job.result, job.params)
+            self._queue_or_admit(job.req, job.result, job.params)
+
+    def _queue_or_admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
+        """Add ``req`` to the engine now if it has room and nobody is queued before it, else
+        queue it (fair_queue.py): one connection's backlog must not delay the others."""
+        if not self._queue and self.engine.has_room():
+            self._admit(req, prompt, params)
+            return
+        req.peer.requests[req.client_id] = req
+        self._queue.push(req.peer.tag, req.engine_id, _Queued(req, prompt, params))
+
+    def _admit_queued(self) -> None:
+        """Add queued requests, one connection after another, while the engine has room."""
+        if self._stopping:
+            for queued in self._queue.entries():
+                self._abort(queued.req, "shutting_down")
+            return
+        while self._queue and self.engine.has_room():
+            queued = self._queue.pop()
+            del queued.req.peer.requests[queued.req.client_id]
+            self._admit(queued.req, queued.prompt, queued.params)
 
     def _admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
         """Add ``req`` to the engine, or answer the error that refused it."""
@@ -464,7 +521,7 @@ class Server:
     def _close(self, req: _Request) -> None:
         """Forget ``req`` (admitted, or still being tokenized: its tokens are then dropped)."""
         if self._requests.pop(req.engine_id, None) is None:
-            known = self._tokenizer.discard(req.engine_id)
+            known = self._tokenizer.discard(req.engine_id) or self._queue.discard(req.engine_id)
             assert known, req.engine_id
         del req.peer.requests[req.client_id]
 
@@ -474,12 +531,14 @@ class Server:
             self.engine.abort_request(req.engine_id)
 
     def _fail_all(self, message: str) -> None:
-        self._fail_requests([*self._requests, *self._tokenizer], P.INTERNAL, message)
+        queued = [q.req.engine_id for q in self._queue.entries()]
+        self._fail_requests([*self._requests, *self._tokenizer, *queued], P.INTERNAL, message)
 
     def _fail_requests(self, engine_ids, code: str, message: str) -> None:
         """Answer ``code`` to each request still known by ``engine_ids``; they end here."""
         for engine_id in engine_ids:
-            req = self._requests.get(engine_id) or getattr(self._tokenizer.get(engine_id), "req", None)
+            req = (self._requests.get(engine_id) or getattr(self._tokenizer.get(engine_id), "req", None)
+                   or getattr(self._queue.get(engine_id), "req", None))
             if req is None:
                 continue
             self._close(req)
@@ -491,21 +550,27 @@ class Server:
     def metrics(self) -> ServingMetrics:
         """The Prometheus metrics, made once the engine is attached (it names the model)."""
         if self._metrics is None:
-            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self.engine.stats)
+            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self._engine_stats)
         return self._metrics
+
+    def _engine_stats(self) -> dict:
+        """The engine's counters; waiting requests include those queued here."""
+        stats = dict(self.engine.stats())
+        stats["num_waiting"] = int(stats.get("num_waiting") or 0) + len(self._queue)
+        return stats
 
     def stats(self) -> dict:
         """Engine counters plus the daemon's own, as plain msgpack-able values."""
         try:
-            stats = dict(self.engine.stats())
+            stats = self._engine_stats()
         except Exception as e:
             log.exception("engine.stats() failed")
             stats = {"stats_error": f"{type(e).__name__}: {e}"}
         stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
                      state="failed" if self.failure else "shutting_down" if self._stopping else "running",
-                     requests_in_flight=len(self._requests) + len(self._tokenizer),
-                     clients=len(self.peers))
+                     requests_in_flight=len(self._requests) + len(self._tokenizer) + len(self._queue),
+                     requests_queued=len(self._queue), clients=len(self.peers))
         if self.failure:
             stats["failure"] = self.failure
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
