@@ -27,6 +27,7 @@ import zmq
 
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout
+from tpserve.daemon.connections import Connections
 from tpserve.daemon.keys import generate_keypair, load_secret_keys
 from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
                                     is_loopback_tcp, read_ready)
@@ -570,6 +571,31 @@ def test_non_streaming_requests_of_a_vanished_client_are_aborted(transport):
         assert other.recv_until_done("next")[-1].finish_reason == "length"
         other.close()
         assert s.stop() == 0
+
+
+def test_a_message_that_comes_before_its_accept_was_drained_is_kept():
+    """The accept of a connection may be reported after the serving loop drained the monitor
+    events and before it reads that connection's first message: the message is answered."""
+    d = short_tmpdir()
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    connections = Connections(router)
+    try:
+        router.bind(f"ipc://{d}/r.sock")
+        assert connections.drain_events() == []  # drained before the client connects
+        client = Raw(f"ipc://{d}/r.sock")
+        client.send_msg(P.PingRequest(id="p"))
+        assert router.poll(5000)
+        parts = router.recv_multipart(copy=False)
+        assert connections.attach(parts[0].bytes, parts[-1])
+        client.close()
+        deadline = time.monotonic() + 30
+        while parts[0].bytes not in connections.drain_events():  # and its close is still seen
+            assert time.monotonic() < deadline, "the connection's close was not reported"
+            time.sleep(0.01)
+    finally:
+        connections.close()
+        router.close(0)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_connection_with_many_queued_requests_does_not_hold_up_another():

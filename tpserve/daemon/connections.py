@@ -9,11 +9,14 @@ ids of a connection that closed.
 
 Descriptors are reused by the kernel, so each accepted connection is a new ``Connection``
 object: a routing id is tied to the object current for its descriptor when its message is
-handled. The monitor events are drained before the socket's messages, and an accept is
-reported before any message of that connection can arrive, so a message is never tied to an
-older connection on the same descriptor. (One race is left: a message read from the socket
-before its connection closed, but handled after a new connection got the same descriptor, is
-tied to the new one; its requests then end when their first reply finds the peer gone.)
+handled. An accept is reported before any message of that connection can arrive, but it may
+reach the monitor after the loop last drained it: a message from a descriptor not known yet
+drains the events again before it counts as coming from a closed connection, so a message is
+never tied to an older connection on the same descriptor. The monitor's queue is unbounded:
+a lost accept would make a live connection look closed. (One race is left: a message read
+from the socket before its connection closed, but handled after a new connection got the same
+descriptor, is tied to the new one; its requests then end when their first reply finds the
+peer gone.)
 
 Messages of transports without descriptors (inproc) are not tracked (``fd`` -1).
 """
@@ -45,17 +48,27 @@ class Connections:
     Made before the socket binds, so that no accept goes unseen."""
 
     def __init__(self, sock: zmq.Socket):
-        self.monitor = sock.get_monitor_socket(EVENTS)
+        address = f"inproc://tpserve-monitor-{id(self):x}"
+        sock.monitor(address, EVENTS)
+        self.monitor = sock.context.socket(zmq.PAIR)
+        self.monitor.setsockopt(zmq.RCVHWM, 0)  # 0 on either side: the inproc pipe is unbounded
+        self.monitor.connect(address)
         self._by_fd: dict[int, Connection] = {}
+        self._gone: list[bytes] = []
 
     def drain_events(self) -> list[bytes]:
-        """Process pending monitor events; returns the routing ids whose connection closed."""
-        gone: list[bytes] = []
+        """Process pending monitor events; returns the routing ids whose connection closed
+        (also those found closed by ``attach`` since the previous call)."""
+        self._read_events()
+        gone, self._gone = self._gone, []
+        return gone
+
+    def _read_events(self) -> None:
         while True:
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return gone
+                return
             event = parse_monitor_message(frames)
             fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
@@ -64,7 +77,7 @@ class Connections:
                 conn = self._by_fd.pop(fd, None)
                 if conn is not None:
                     conn.open = False
-                    gone.extend(conn.identities)
+                    self._gone.extend(conn.identities)
 
     def attach(self, identity: bytes, frame: zmq.Frame) -> bool:
         """Tie ``identity`` to the connection its message (``frame``, received with
@@ -77,8 +90,11 @@ class Connections:
         if fd < 0:
             return True
         conn = self._by_fd.get(fd)
-        if conn is None:
-            return False
+        if conn is None:  # accepted since the events were last drained, or closed
+            self._read_events()
+            conn = self._by_fd.get(fd)
+            if conn is None:
+                return False
         conn.identities.add(identity)
         return True
 
