@@ -29,6 +29,7 @@ from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout
 from tpserve.daemon.connections import Connections
 from tpserve.daemon.keys import generate_keypair, load_secret_keys
+from tpserve.daemon.outbox import Peers
 from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
                                     is_loopback_tcp, read_ready)
 from tpserve.daemon.server import Server, ServerOptions
@@ -516,25 +517,231 @@ def test_engine_input_errors_become_invalid_request():
 
 
 # ---- slow and vanished clients -------------------------------------------------------------
-def test_stalled_client_is_dropped_without_stalling_others():
-    opts = ServerOptions(client_timeout=0.5, send_hwm=4)
-    with ServerThread(FakeEngine(), opts) as s:
+def wait_idle(client: "Raw") -> dict:
+    """Status through ``client`` until nothing is in flight (the serving loop keeps turning)."""
+    while True:
+        client.send_msg(P.StatusRequest(id="s"))
+        stats = client.recv().stats
+        if stats["requests_in_flight"] == 0:
+            return stats
+
+
+def streamed(msgs) -> tuple[list[int], str]:
+    return [t for m in msgs[:-1] for t in m.token_ids], "".join(m.text for m in msgs[:-1])
+
+
+def test_a_client_that_stops_reading_stalls_nobody_and_gets_everything_later():
+    """It is not dropped, and what waits for it stays a few messages: 3000 deltas are merged."""
+    with ServerThread(FakeEngine(), ServerOptions(send_hwm=4, max_queued_replies=8)) as s:
         slow = Raw(s.address, {zmq.RCVHWM: 4})
-        slow.send_msg(gen("flood", max_tokens=10**6))
+        slow.send_msg(gen("flood", max_tokens=3000))
         fast = Raw(s.address)
-        deadline = time.monotonic() + 30
-        while "flood" not in client_ids(s.engine.aborted):
-            fast.send_msg(P.PingRequest(id="p"))  # served while the slow one is stuck
-            assert fast.recv(timeout=5) == P.PongReply(id="p")
-            assert time.monotonic() < deadline, "stalled client was never dropped"
-            time.sleep(0.05)
-        fast.send_msg(P.StatusRequest(id="s"))
-        stats = fast.recv().stats
-        assert stats["kv_blocks_used"] == 0 and stats["requests_in_flight"] == 0
+        stats = wait_idle(fast)  # served while the slow one reads nothing
+        assert stats["kv_blocks_used"] == 0 and s.engine.aborted == []
         fast.send_msg(gen("after", max_tokens=3))
         assert fast.recv_until_done("after")[-1].finish_reason == "length"
+        msgs = slow.recv_until_done("flood")
+        assert msgs[-1].finish_reason == "length"
+        tokens, text = streamed(msgs)
+        assert tokens == FakeEngine.expected_tokens("ab", SamplingParams(max_tokens=3000))
+        assert text == "".join(f"{t} " for t in tokens)
+        assert len(msgs) - 1 < 3000  # deltas that waited were merged
         slow.close()
         fast.close()
+
+
+class BigTextEngine(FakeEngine):
+    """Every token comes with 2 KB of text, so that socket buffers hold few deltas."""
+
+    def step(self):
+        return [RequestOutput(o.request_id, o.new_token_ids, o.new_text + "." * 2048, o.finished,
+                              o.finish_reason, o.num_prompt_tokens, o.num_completion_tokens)
+                for o in super().step()]
+
+
+def test_deltas_of_a_reused_id_are_not_merged_into_the_previous_request():
+    with ServerThread(BigTextEngine(), ServerOptions(send_hwm=2)) as s:
+        slow = Raw(s.address, {zmq.RCVHWM: 2})
+        fast = Raw(s.address)
+        slow.send_msg(gen("r", "ab", max_tokens=500))
+        wait_idle(fast)  # "r" finished; its last deltas and done wait for the slow reader
+        slow.send_msg(gen("r", "xyz", max_tokens=500))
+        wait_idle(fast)
+        first, second = slow.recv_until_done("r"), slow.recv_until_done("r")
+        assert streamed(first)[0] == FakeEngine.expected_tokens("ab", SamplingParams(max_tokens=500))
+        assert streamed(second)[0] == FakeEngine.expected_tokens("xyz", SamplingParams(max_tokens=500))
+        assert first[-1].finish_reason == second[-1].finish_reason == "length"
+        slow.close()
+        fast.close()
+
+
+def test_a_slowly_reading_client_is_not_dropped():
+    """ZeroMQ shows a sender its reader's progress only every half of the reader's receive
+    high-water mark (50 messages here, 500 by default), so a reader that takes its time accepts
+    nothing for long stretches, longer than any timeout a stopped reader could be caught by. It
+    gets every reply, and each of its requests exactly one done; what waits for it stays within
+    a few messages per request (its deltas merged)."""
+    engine = BigTextEngine(step_delay=0.001)
+    with ServerThread(engine, ServerOptions(send_hwm=10, max_queued_replies=32)) as s:
+        slow = Raw(s.address, {zmq.RCVHWM: 100})
+        ids = [f"s{i}" for i in range(10)] + ["whole0", "whole1"]  # the last two not streamed
+        for rid in ids:
+            slow.send_msg(gen(rid, max_tokens=400, stream=rid.startswith("s")))
+        got: dict[str, list] = {rid: [] for rid in ids}
+        texts: dict[str, str] = {rid: "" for rid in ids}
+        ends: dict[str, list] = {rid: [] for rid in ids}
+        deltas = 0
+        while any(not e for e in ends.values()):
+            m = slow.recv(30)
+            assert m is not None, f"no reply; ended: {[r for r, e in ends.items() if e]}"
+            if isinstance(m, P.DeltaReply):
+                assert not ends[m.id], f"a delta of {m.id} after its done"
+                got[m.id] += m.token_ids
+                texts[m.id] += m.text
+                deltas += 1
+            else:
+                ends[m.id].append(m)
+                if m.token_ids is not None:
+                    got[m.id], texts[m.id] = m.token_ids, m.text
+            time.sleep(0.01)  # a slow reader, not a timing under test
+        slow.send_msg(P.PingRequest(id="last"))
+        assert slow.recv(30) == P.PongReply(id="last")  # nothing more came for the requests
+        assert {rid: [(type(m).__name__, m.finish_reason) for m in e] for rid, e in ends.items()} \
+            == {rid: [("DoneReply", "length")] for rid in ids}
+        expected = FakeEngine.expected_tokens("ab", SamplingParams(max_tokens=400))
+        for rid in ids:
+            assert got[rid] == expected
+            assert texts[rid] == "".join(f"{t} " + "." * 2048 for t in expected)
+            assert ends[rid][0].completion_tokens == 400
+        assert engine.aborted == []
+        assert deltas < 10 * 400  # it fell behind: some deltas were merged
+        slow.close()
+        assert s.stop() == 0
+
+
+def test_a_client_that_asks_without_ever_reading_is_dropped():
+    """Its answers cannot be merged: past max_queued_replies waiting it is dropped, and its
+    request in the engine aborted."""
+    with ServerThread(FakeEngine(step_delay=0.001), ServerOptions(send_hwm=2, max_queued_replies=50)) as s:
+        mute = Raw(s.address, {zmq.RCVHWM: 2, zmq.SNDHWM: 0})
+        mute.send_msg(gen("running", max_tokens=10**6))
+        for _ in range(5000):  # ~1 MB of answers fill the socket buffers, then the daemon's queue
+            mute.send_msg(P.StatusRequest())
+        deadline = time.monotonic() + 30
+        while client_ids(s.engine.aborted) != ["running"]:
+            assert time.monotonic() < deadline, "a client that never reads kept its request"
+            time.sleep(0.02)
+        other = Raw(s.address)
+        other.send_msg(gen("fine", max_tokens=2))
+        assert other.recv_until_done("fine")[-1].finish_reason == "length"
+        other.close()
+        mute.close()
+        assert s.stop() == 0
+
+
+class RefusingSocket:
+    """Stands in for the ROUTER socket: accepts ``room`` more frames, then refuses (EAGAIN)."""
+
+    def __init__(self, room=0):
+        self.room = room
+        self.sent: list = []
+
+    def send_multipart(self, frames, flags=0):
+        if self.room <= 0:
+            raise zmq.Again()
+        self.room -= 1
+        self.sent.append(P.decode(frames[1], "reply"))
+
+
+def lp(k):
+    return [-0.5 * k, [[k, -0.5 * k], [k + 1, -1.0 - k]]]
+
+
+def delta(rid, k):
+    """Delta ``k`` of ``rid``: token k, text "<k>,", its log-probability entry."""
+    return P.DeltaReply(rid, f"{k},", [k], logprobs=[lp(k)])
+
+
+def test_waiting_deltas_are_merged_exactly_in_order_per_request():
+    sock, gone = RefusingSocket(), []
+    peers = Peers(sock, lambda peer, why: gone.append(why))
+    peer = peers.peer(b"c")
+    peers.send(peer, delta("a", 0))  # refused: the head of the outbox, closed to merging
+    for k in range(1, 6):
+        peers.send(peer, delta("a", k))
+        peers.send(peer, delta("b", 100 + k))
+    peers.send(peer, P.PongReply(id="p"))
+    peers.send(peer, delta("a", 6))  # joins a's waiting delta, ahead of the pong
+    peers.send(peer, P.DoneReply("a", "length", 2, 7))
+    peers.send(peer, delta("a", 50))  # the id reused by a new request: not merged into the old one
+    assert len(peer.outbox) == 6 and gone == []
+    sock.room = 1
+    peers.flush()  # sends the head; the merged delta of "a" becomes the head, closed
+    peers.send(peer, delta("b", 106))  # b's waiting delta is still open
+    sock.room = 100
+    peers.flush()
+    assert not peer.outbox and peers.get(b"c") is None
+    assert sock.sent == [
+        delta("a", 0),
+        P.DeltaReply("a", "1,2,3,4,5,6,", [1, 2, 3, 4, 5, 6], logprobs=[lp(k) for k in range(1, 7)]),
+        P.DeltaReply("b", "101,102,103,104,105,106,", list(range(101, 107)),
+                     logprobs=[lp(k) for k in range(101, 107)]),
+        P.PongReply(id="p"),
+        P.DoneReply("a", "length", 2, 7),
+        delta("a", 50),
+    ]
+
+
+def test_a_delta_at_the_head_of_the_outbox_takes_no_more():
+    sock = RefusingSocket()
+    peers = Peers(sock, lambda peer, why: None)
+    peer = peers.peer(b"c")
+    peers.send(peer, P.PongReply(id="p"))
+    peers.send(peer, delta("a", 0))
+    peers.send(peer, delta("a", 1))
+    sock.room = 1
+    peers.flush()  # the pong leaves; a's merged delta is encoded, refused, kept as it is
+    peers.send(peer, delta("a", 2))
+    sock.room = 100
+    peers.flush()
+    assert sock.sent == [P.PongReply(id="p"), P.DeltaReply("a", "0,1,", [0, 1], logprobs=[lp(0), lp(1)]),
+                         delta("a", 2)]
+
+
+def test_a_merged_delta_stops_at_its_limits(monkeypatch):
+    import tpserve.daemon.outbox as outbox
+    monkeypatch.setattr(outbox, "MAX_MERGED_TOKENS", 3)
+    sock = RefusingSocket()
+    peers = Peers(sock, lambda peer, why: None)
+    peer = peers.peer(b"c")
+    peers.send(peer, P.PongReply(id="p"))
+    for k in range(8):
+        peers.send(peer, delta("a", k))
+    monkeypatch.setattr(outbox, "MAX_MERGED_TOKENS", 10**6)
+    monkeypatch.setattr(outbox, "MAX_MERGED_CHARS", 7)
+    for k in range(8, 12):
+        peers.send(peer, P.DeltaReply("a", "xyz", [], logprobs=None))
+    sock.room = 100
+    peers.flush()
+    got = [(m.text, m.token_ids) for m in sock.sent[1:]]
+    assert got == [("0,1,2,", [0, 1, 2]), ("3,4,5,", [3, 4, 5]), ("6,7,xyz", [6, 7]),
+                   ("xyzxyz", []), ("xyz", [])]
+    assert [m.logprobs for m in sock.sent[1:3]] == [[lp(0), lp(1), lp(2)], [lp(3), lp(4), lp(5)]]
+
+
+def test_a_peer_with_too_many_waiting_replies_is_dropped():
+    sock, gone = RefusingSocket(), []
+    peers = Peers(sock, lambda peer, why: gone.append(why), max_queued=5)
+    peer = peers.peer(b"c")
+    for k in range(100):  # one request's deltas take one place however many they are
+        peers.send(peer, delta("a", k))
+    assert gone == [] and len(peer.outbox) == 2
+    for k in range(3):
+        peers.send(peer, P.PongReply(id=f"p{k}"))
+    assert gone == []
+    peers.send(peer, P.PongReply(id="p3"))
+    assert gone == ["not reading: more than 5 replies waiting"]
+    assert not peer.outbox and peers.get(b"c") is None
 
 
 def test_disconnected_client_requests_are_aborted(srv):

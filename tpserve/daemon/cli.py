@@ -71,9 +71,6 @@ def daemon_options(f):
         click.option("--curve-client-keys", type=click.Path(file_okay=False), show_envvar=True, envvar="TPSERVE_CURVE_CLIENT_KEYS",
                      metavar="DIR", help="accept only clients whose public key (*.key) is in DIR "
                      "[default: any client that has the server's public key]"),
-        click.option("--client-timeout", type=float, default=30.0, show_default=True,
-                     show_envvar=True, envvar="TPSERVE_CLIENT_TIMEOUT",
-                     help="abort the requests of a client that has not read its replies for this many seconds"),
         click.option("--max-requests-per-connection", type=click.IntRange(min=1), default=4096, show_default=True,
                      show_envvar=True, envvar="TPSERVE_MAX_REQUESTS_PER_CONNECTION",
                      help="requests one client connection may have in flight; more are refused "
@@ -124,10 +121,9 @@ def _client_options(f, timeout: float):
 
 
 def _server_options(kw: dict) -> ServerOptions:
-    for name in ("client_timeout", "shutdown_grace"):
-        if kw[name] < 0:
-            raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
-    opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"],
+    if kw["shutdown_grace"] < 0:
+        raise click.BadParameter(f"must be >= 0, got {kw['shutdown_grace']}", param_hint="'--shutdown-grace'")
+    opts = ServerOptions(shutdown_grace=kw["shutdown_grace"],
                          max_requests_per_connection=kw["max_requests_per_connection"],
                          served_model_name=kw["served_model_name"] or None)
     if kw["curve_secret_key"]:
@@ -267,8 +263,7 @@ def start(**kw):
     cleanup_stale(rd)
 
     argv = [sys.executable, "-m", "tpserve", "serve", "--runtime-dir", str(rd.absolute()),
-            "--address", address, "--client-timeout", str(kw["client_timeout"]),
-            "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"],
+            "--address", address, "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"],
             "--max-requests-per-connection", str(kw["max_requests_per_connection"])]
     if kw["curve_secret_key"]:
         argv += ["--curve-secret-key", os.path.abspath(kw["curve_secret_key"])]

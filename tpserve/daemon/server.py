@@ -33,9 +33,11 @@ Invariants:
   one of ``_requests``, ``_tokenizer`` and ``_queue`` while it is in flight.
 * a connection has at most ``max_requests_per_connection`` requests in flight.
 * messages to one client leave in the order they were produced: once a send is refused, later
-  messages queue behind it in that client's outbox.
-* a client whose outbox has not moved for ``client_timeout`` seconds, or that disconnected
-  (EHOSTUNREACH), is dropped: its requests are aborted in the engine, freeing their KV blocks.
+  messages queue behind it in that client's outbox (a waiting delta takes in the later deltas
+  of its request, so each request's text and tokens keep their order).
+* a client that disconnected (its connection closed, or EHOSTUNREACH), or for which more than
+  ``max_queued_replies`` messages wait, is dropped: its requests are aborted in the engine,
+  freeing their KV blocks. A client that reads, however slowly, is not (outbox.py).
 * whenever the engine has become idle, its integrity check runs once (``check_integrity``:
   every KV block free, nothing queued); a broken invariant fails the daemon like a dead engine.
 * every frame received gets exactly one answer (docs/protocol.md), also frames still queued
@@ -75,13 +77,15 @@ _EXIT_DRAIN_ROUNDS = 100  # rounds of max_messages_per_step frames answered at e
 class ServerOptions:
     """Knobs of the front. ``curve_*`` enable CurveZMQ; ``curve_client_keys`` limits clients."""
 
-    client_timeout: float = 30.0
     shutdown_grace: float = 0.0
     max_messages_per_step: int = 64
     send_hwm: int = 1000
     #: Requests one connection may have in flight (queued, tokenizing or running); past it a
     #: ``generate`` is answered ``too_many_requests``.
     max_requests_per_connection: int = 4096
+    #: Messages that may wait for one connection (its deltas merged, so about two per request)
+    #: before it counts as not reading and is dropped.
+    max_queued_replies: int = 65536
     #: Text prompts longer than this are tokenized off the serving loop.
     inline_tokenize_chars: int = 8192
     #: Where ``profile`` traces are written (the daemon uses its runtime dir); None: the temp dir.
@@ -140,7 +144,7 @@ class Server:
         self.options = options = options or ServerOptions()
         self.listener = Listener(address, options.send_hwm, context, options.curve_public_key,
                                  options.curve_secret_key, options.curve_client_keys_dir)
-        self.peers = Peers(self.listener.sock, self._on_peer_gone)
+        self.peers = Peers(self.listener.sock, self._on_peer_gone, options.max_queued_replies)
         self._requests: dict[str, _Request] = {}  # by engine id
         self._queue = FairQueue()  # received, not yet in the engine: _Queued by engine id
         self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
@@ -243,7 +247,7 @@ class Server:
         deadline = self._profiler.deadline
         if deadline is not None and time.monotonic() >= deadline:
             self._finish_profile()
-        self.peers.flush(self.options.client_timeout)
+        self.peers.flush()
 
     def _check_idle_engine(self) -> None:
         """Once per idle period: the engine's invariants (every block free, queues empty). A
@@ -289,10 +293,9 @@ class Server:
             self._abort(req, "shutting_down")
         # Let clients take their final messages while they keep reading; a client whose queue
         # has not moved for STALL_ON_EXIT seconds is dropped, and nobody delays exit past EXIT_FLUSH.
-        stall = min(self.options.client_timeout, _STALL_ON_EXIT)
         deadline = time.monotonic() + _EXIT_FLUSH
         while self.peers.any_queued() and time.monotonic() < deadline:
-            self.peers.flush(stall)
+            self.peers.flush(_STALL_ON_EXIT)
             time.sleep(0.005)
         log.info("front stopped")
 
