@@ -4,7 +4,8 @@
         ...
 
 ``tpserve start`` in a fresh runtime dir under /tmp; stopped and removed on the way out.
-Raises RuntimeError with the start's error output when it does not start.
+Raises RuntimeError with the start's error output when it does not start; ``on_daemon(model,
+fn)`` runs ``fn(address)`` on one and exits with status 1 and that output instead.
 """
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ def started_daemon(model: str | None, http: bool = False, *extra: str):
     finally:
         subprocess.run(TPSERVE + ["stop", "--runtime-dir", rd], capture_output=True)
         shutil.rmtree(rd, ignore_errors=True)
+
+
+def on_daemon(model: str | None, fn):
+    """``fn(address)`` on a daemon started for it; a daemon that does not start ends the script."""
+    try:
+        with started_daemon(model) as (address, _):
+            return fn(address)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
 
 
 def isa() -> str:

@@ -25,7 +25,7 @@ import time
 import msgpack
 import zmq
 
-from bench_daemon_run import isa, started_daemon
+from bench_daemon_run import isa, on_daemon
 
 
 
@@ -96,12 +96,7 @@ def main() -> int:
     ap.add_argument("--vanish", type=int, default=100)
     ap.add_argument("--vanish-tokens", type=int, default=900)
     args = ap.parse_args()
-    try:
-        with started_daemon(args.model) as (address, _):
-            idle, waited, for_nobody, idle_after = run(address, args)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        return 1
+    idle, waited, for_nobody, idle_after = on_daemon(args.model, lambda address: run(address, args))
     print(f"bench_fairness model={os.path.basename(args.model or 'default-model')} isa={isa()} dtype=auto "
           f"idle_request_s={idle:.3f} flood={args.flood} other_client_wait_s={waited:.3f} "
           f"vanished={args.vanish}x{args.vanish_tokens} tokens_for_nobody={for_nobody} "
