@@ -5,8 +5,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# The router peers (smg, vllm-router) in their own virtualenvs; tests/test_router_*.py run them.
+SMG_VENV ?= $(or $(TPSERVE_SMG_VENV),/work/peers/smg)
+VLLM_ROUTER_VENV ?= $(or $(TPSERVE_VLLM_ROUTER_VENV),/work/peers/vllm-router)
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +24,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) scripts/quickstart.py
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+peers:
+	bash scripts/peer_smg.sh $(SMG_VENV)
+	bash scripts/peer_vllm_router.sh $(VLLM_ROUTER_VENV)
+
+test: $(STAMP) peers
+	TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) scripts/bench_scheduler.py

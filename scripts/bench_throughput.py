@@ -130,13 +130,18 @@ def agreement(a_runs, b_runs) -> float:
         float(np.mean(np.array(a[:len(b)]) == np.array(b[:len(a)]))) for a, b in zip(a_runs, b_runs))
 
 
-def run_tpserve(path, prompts, outs, args):
+# The logits controls of the second tpserve line: every request penalised and biased.
+CONTROLS = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
+                logit_bias={1: -5.0, 2: 2.0, 3: -1.0, 4: 1.0})
+
+
+def run_tpserve(path, prompts, outs, args, controls=None):
     from tpserve import LLM, SamplingParams
     llm = LLM(str(path), dtype=args.dtype_name, block_size=args.block_size, max_num_seqs=len(prompts),
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=2.0)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **(controls or {})) for n in outs]
     t = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
@@ -211,6 +216,8 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="compute dtype of every engine; auto = bf16 only where the CPU has it natively")
     ap.add_argument("--quick", action="store_true", help="8 requests of 16-48 tokens (smoke run)")
+    ap.add_argument("--skip-controls", action="store_true",
+                    help="skip the second tpserve run with penalties and logit bias on every request")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     from bench_models import QWEN3_0_6B
@@ -239,6 +246,11 @@ def main() -> int:
     tp_tps, tp_tokens, stats = run_tpserve(path, prompts, outs, args)
     print(f"tpserve LLM.generate        {tp_tps:8.1f} output tok/s  "
           f"({stats['num_preemptions']} preemptions, {tp_tps / roofline:.1%} of roofline)")
+    if not args.skip_controls:
+        c_tps, _, _ = run_tpserve(path, prompts, outs, args, CONTROLS)
+        print(f"throughput-controls shape={args.shape} isa={isa} dtype={args.dtype} "
+              f"tpserve+penalties+bias={c_tps:.1f} tok/s plain={tp_tps:.1f} tok/s ratio={c_tps / tp_tps:.2f}x",
+              flush=True)
     if args.peer_vllm:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="tpserve-bench-") as tmp:

@@ -1,6 +1,10 @@
-"""gpu_check: one run that checks tpserve's whole GPU path and prints PASS/FAIL lines and figures.
+"""gpu_check: the checks of tpserve's GPU path, one or more sections per process.
 
-    scripts/gpu_check.sh [--sections kernels,graphs,start,e2e,tp] [--workdir DIR] [--requests N]
+    scripts/gpu_check.sh [--dry-run] [--sections env,kernels,...] [--out DIR] ...   (all sections,
+                                                         one process and one timeout each)
+    scripts/gpu_check.py --sections NAME[,NAME] [--dry-run] [--workdir DIR] [--requests N]
+
+Prints PASS / FAIL / SKIP lines and figures, then one summary line; exit 1 on any FAIL.
 
 Sections (each independent; a failure is reported and the next section runs):
     env      torch / Triton / CUDA / flash-attn versions, GPU names and memory.
@@ -9,16 +13,23 @@ Sections (each independent; a failure is reported and the next section runs):
              block sizes 16 and 256, bf16/fp16/fp32; flash-attn too when installed; and a
              cache of more than 2^31 elements whose sequence sits in its last blocks.
     graphs   CUDA-graph decode against eager decode on the same plan, batch 1, 3, 37, 64, 256
-             (padded and exact sizes), fp32 Qwen3-0.6B-shaped model.
+             (padded and exact sizes), fp32 Qwen3-0.6B-shaped model; graphs captured for
+             2048-token tables, so the small batches run split-K inside the graph.
     start    a default ``LLM(model)`` start on a random-weight Qwen3-0.6B-shaped checkpoint:
-             start time, KV blocks, free memory after sizing against 1 - gpu_memory_utilization.
+             start time, KV blocks, free memory after sizing against 1 - gpu_memory_utilization;
+             then a second engine in the same process, which must size the same.
+    hf       greedy tokens of tpserve (fp32, CUDA graphs) against transformers' on the GPU.
     e2e      nano-vllm's benchmark workload at TP=1 (256 requests, input and output lengths
              drawn from 100-1024 with seed 0, temperature 0.6, ignore_eos): output tok/s.
     tp       with >= 2 GPUs: TP=2 greedy equals TP=1 greedy (fp32), and the same through torchrun.
 
+``--dry-run`` runs every section on the CPU at tiny shapes (a tiny random model, Triton under
+TRITON_INTERPRET=1, a host accelerator standing in for CUDA graphs, two CPU ranks for TP): it
+checks the script itself, not the GPU path, and is what the test suite runs.
+
 Nothing here downloads anything: checkpoints are built from random weights (transformers), and
 the script uses the installed torch and Triton. Every function takes its device as an argument
-so that the CPU test suite runs the same code at tiny shapes (Triton under TRITON_INTERPRET=1).
+so that the CPU test suite runs the same code at tiny shapes.
 """
 from __future__ import annotations
 
@@ -42,18 +53,21 @@ if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                                if p)
 
-SECTIONS = ("env", "kernels", "graphs", "start", "e2e", "tp")
+SECTIONS = ("env", "kernels", "graphs", "start", "hf", "e2e", "tp", "spec")
 # Modules each section imports beyond torch (the engine's runtime dependencies for the rest).
 _ENGINE_MODULES = ("triton", "numpy", "transformers", "tokenizers", "safetensors", "msgpack",
                    "xxhash", "tqdm")
 NEEDS = {"env": ("triton",), "kernels": ("triton",), "graphs": _ENGINE_MODULES,
-         "start": _ENGINE_MODULES, "e2e": _ENGINE_MODULES, "tp": _ENGINE_MODULES}
+         "start": _ENGINE_MODULES, "hf": _ENGINE_MODULES, "e2e": _ENGINE_MODULES,
+         "tp": _ENGINE_MODULES, "spec": _ENGINE_MODULES}
 
 
 def missing_modules(names) -> list[str]:
     """The modules of ``names`` that are not installed (checked without importing them)."""
     import importlib.util
     return [n for n in names if importlib.util.find_spec(n) is None]
+
+
 GRAPH_BATCHES = (1, 3, 37, 64, 256)
 # Qwen3-0.6B's shape (its config.json), with random weights.
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
@@ -61,6 +75,10 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                  max_position_embeddings=40960, tie_word_embeddings=True, rms_norm_eps=1e-6,
                  rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645)
 QWEN3_06B_HEADS = (16, 8, 128)
+# The --dry-run model: tiny, but with room for block tables wide enough for split-K.
+DRY_RUN_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512,
+                     max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
 # Absolute error allowed against the float64 reference (inputs ~N(0, 1), outputs O(1)).
 TOLERANCE = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 3e-2}
 
@@ -117,6 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=256, help="e2e requests (nano-vllm: 256)")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="skip sections that would start after this many seconds")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every section on the CPU at tiny shapes (checks the script, not a GPU)")
     args = ap.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -368,51 +388,69 @@ def _plan(lens, new, slots_per_seq, tables, vocab, rng, is_prefill):
 
 
 def check_graphs(report: Report, model_dir, device, batch_sizes=GRAPH_BATCHES, max_len: int = 160,
-                 dtype: str = "float32", tol: float = 1e-3, attention_backend: str = "auto"):
-    """For each batch size: prefill B random sequences, then run the same decode plan through
-    the captured graph and eagerly; their hidden states must agree (relative max error)."""
+                 dtype: str = "float32", tol: float = 1e-3, attention_backend: str = "auto",
+                 max_model_len: int = 2048):
+    """For each batch size: prefill B random sequences of up to ``max_len`` tokens, then run the
+    same decode plan through the captured graph and eagerly; their hidden states must agree
+    (relative max error). Graphs are captured for ``max_model_len``-wide block tables, so small
+    batches decode with split-K inside the graph (the eager run of the plan's narrower tables
+    splits less or not at all); at least one checked batch must have."""
     import numpy as np
     import torch
 
     from tpserve.config import EngineConfig
+    from tpserve.kernels.tiles import decode_splits, max_tile
     from tpserve.models.parallel import TPContext
     from tpserve.workers.model_runner import ModelRunner
 
     bs = 16
     per_seq = -(-(max_len + 1) // bs)
     cfg = EngineConfig(model=str(model_dir), dtype=dtype, max_num_seqs=max(batch_sizes),
-                       max_model_len=max_len + 1, max_num_batched_tokens=max(batch_sizes) * max_len,
+                       max_model_len=max(max_model_len, max_len + 1),
+                       max_num_batched_tokens=max(batch_sizes) * max_len,
                        num_kv_blocks=max(batch_sizes) * per_seq, block_size=bs,
                        attention_backend=attention_backend).resolve()
     runner = ModelRunner(cfg, TPContext(), device)
-    sizes = runner.graphs.batch_sizes if runner.graphs else None
-    if not report.check("graphs captured", runner.graphs is not None,
-                        f"backend {runner.backend.name}, sizes {sizes}"):
-        return
-    rng = np.random.default_rng(0)
-    vocab = runner.model.vocab_size
-    for b in batch_sizes:
-        lens = rng.integers(4, max_len, b).tolist()
-        tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
-        slots = [(tables[i][np.arange(max_len + 1) // bs] * bs + np.arange(max_len + 1) % bs)
-                 for i in range(b)]
-        runner.execute(_plan([0] * b, lens, slots, tables, vocab, rng, True))
-        plan = _plan(lens, [1] * b, slots, tables, vocab, rng, False)
-        with torch.inference_mode():
-            t = runner.stager.stage(plan)
-            eager = runner.model(t["input_ids"], t["positions"], runner.metadata(plan, t)).float().clone()
-            graph = runner.graphs.run(plan, t).float().clone()
-        err = float((graph - eager).abs().max() / eager.abs().max().clamp(min=1e-6))
-        padded = next(s for s in runner.graphs.batch_sizes if s >= b)
-        report.check(f"graphs decode batch {b} (graph {padded}) vs eager", err <= tol,
-                     f"relative max diff {err:.1e}")
-    del runner
+    try:
+        graphs = runner.graphs
+        sizes = graphs.batch_sizes if graphs else None
+        if not report.check("graphs captured", graphs is not None,
+                            f"backend {runner.backend.name}, sizes {sizes}"):
+            return
+        rng = np.random.default_rng(0)
+        vocab = runner.model.vocab_size
+        hkv = runner.model.num_kv_heads_per_rank
+        most_splits = 1
+        for b in batch_sizes:
+            lens = rng.integers(4, max_len, b).tolist()
+            tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
+            slots = [(tables[i][np.arange(max_len + 1) // bs] * bs + np.arange(max_len + 1) % bs)
+                     for i in range(b)]
+            runner.execute(_plan([0] * b, lens, slots, tables, vocab, rng, True))
+            plan = _plan(lens, [1] * b, slots, tables, vocab, rng, False)
+            with torch.inference_mode():
+                t = runner.stager.stage(plan)
+                eager = runner.model(t["input_ids"], t["positions"],
+                                     runner.metadata(plan, t)).float().clone()
+                graph = graphs.run(plan, t).float().clone()
+            err = float((graph - eager).abs().max() / eager.abs().max().clamp(min=1e-6))
+            padded = next(s for s in graphs.batch_sizes if s >= b)
+            splits = decode_splits(padded, hkv, graphs.max_blocks * bs, max_tile(runner.dtype))
+            most_splits = max(most_splits, splits)
+            report.check(f"graphs decode batch {b} (graph {padded}, splits={splits}) vs eager",
+                         err <= tol, f"relative max diff {err:.1e}")
+        report.check("graphs: split-K inside a captured graph", most_splits > 1,
+                     f"most splits {most_splits} (block tables {graphs.max_blocks} blocks wide)")
+    finally:
+        runner.close()
 
 
 # ---- start-up, end to end, TP ---------------------------------------------------------------
 def check_default_start(report: Report, model_dir, mem_get_info=None, **options):
     """``LLM(model_dir)`` as a user starts it; ``mem_get_info`` () -> (free, total) defaults to
-    the current CUDA device's (tests pass their own, and ``options``)."""
+    the current CUDA device's (tests pass their own, and ``options``). Then a second engine in
+    the same process, after the first one's shutdown: it must size its KV pool as the first did
+    (the first one's memory returned to the device, not held until a garbage collection)."""
     import torch
 
     from tpserve import LLM
@@ -421,21 +459,30 @@ def check_default_start(report: Report, model_dir, mem_get_info=None, **options)
     try:
         seconds = time.perf_counter() - t0
         cfg = llm.engine.config
+        blocks = cfg.num_kv_blocks
         free, total = (mem_get_info or torch.cuda.mem_get_info)()
         ok, text = free_fraction_ok(free, total, cfg.gpu_memory_utilization)
         runner = llm.engine.executor.runner
         report.figure("default start", f"{seconds:.1f} s, backend {runner.backend.name}, "
-                      f"block {cfg.block_size}, {cfg.num_kv_blocks} KV blocks "
-                      f"({cfg.num_kv_blocks * cfg.block_size} tokens), graphs "
+                      f"block {cfg.block_size}, {blocks} KV blocks "
+                      f"({blocks * cfg.block_size} tokens), graphs "
                       f"{'on' if runner.graphs is not None else 'off'}")
+        del runner
         report.check("start: free memory after sizing", ok, text)
         out = llm.generate([[1, 2, 3, 4]], _params(0.0, 8), use_tqdm=False)
         report.check("start: generates", len(out[0].outputs[0].token_ids) == 8)
     finally:
         llm.shutdown()
         del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    second = LLM(str(model_dir), **options)
+    try:
+        again = second.engine.config.num_kv_blocks
+        report.check("start: a second engine in the process sizes like the first",
+                     abs(again - blocks) <= 0.02 * blocks,
+                     f"{again} vs {blocks} KV blocks, started in {time.perf_counter() - t0:.1f} s")
+    finally:
+        second.shutdown()
 
 
 def _params(temperature, max_tokens):
@@ -465,6 +512,60 @@ def run_e2e(report: Report, model_dir, num_requests: int = 256, tp: int = 1,
     return produced / seconds
 
 
+HF_PROMPTS = ([5, 6, 7, 8, 9], list(range(100, 180)), [42] * 33)
+# A reference whose best two logits are closer than this is a tie fp32 rounding may break
+# either way; a divergence there is not a defect.
+HF_TIE = 1e-3
+
+
+def hf_greedy(model, prompt, max_tokens: int, device):
+    """transformers' greedy continuation of ``prompt`` (full recompute each step) and, per
+    token, the gap between its best and second-best logit."""
+    import torch
+    ids = torch.tensor([prompt], device=device)
+    tokens, gaps = [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            top = model(ids).logits[0, -1].float().topk(2)
+            tokens.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids = torch.cat([ids, ids.new_tensor([[tokens[-1]]])], dim=1)
+    return tokens, gaps
+
+
+def check_hf_greedy(report: Report, model_dir, device, prompts=HF_PROMPTS, max_tokens: int = 16,
+                    max_model_len: int = 512, **options):
+    """tpserve's greedy tokens (fp32, graphs on where the device has them) equal transformers'
+    on the same weights and device; a divergence counts only where the reference had a
+    near-tie (``HF_TIE``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tpserve import LLM
+    with LLM(str(model_dir), dtype="float32", max_model_len=max_model_len, **options) as llm:
+        ours = [o.outputs[0].token_ids
+                for o in llm.generate(list(prompts), _params(0.0, max_tokens), use_tqdm=False)]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().to(device).eval()
+    try:
+        for i, (prompt, got) in enumerate(zip(prompts, ours)):
+            want, gaps = hf_greedy(hf, prompt, max_tokens, device)
+            name = f"hf greedy prompt {i} ({len(prompt)} tokens)"
+            j = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            if j is None and len(got) == len(want):
+                report.check(name, True, f"{len(want)} tokens equal, {len(set(want))} distinct")
+            elif j is not None and gaps[j] < HF_TIE:
+                report.check(name, True, f"equal up to token {j}, a near-tie there "
+                             f"(transformers' top-2 gap {gaps[j]:.1e})")
+            else:
+                report.check(name, False, f"token {j}: tpserve {got[j] if j is not None else got}"
+                             f", transformers {want[j] if j is not None else want} "
+                             f"(top-2 gap {gaps[j] if j is not None else 0:.2e})")
+    finally:
+        del hf
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def check_tp(report: Report, model_dir, gpus: int, max_model_len: int = 512):
     if gpus < 2:
         report.skip("tp", f"{gpus} GPU(s); TP=2 needs 2")
@@ -492,13 +593,58 @@ def check_tp(report: Report, model_dir, gpus: int, max_model_len: int = 512):
                                               f"; stderr tail: {proc.stderr[-400:]!r}"))
 
 
-def environment(report: Report) -> int:
+def check_spec(report: Report, model_dir, max_tokens: int = 32, max_model_len: int = 512, **options):
+    """Speculative decoding on the device: rows verifying drafts are prefill rows over cached
+    context (the prefill kernel, eager) beside plain decode rows (captured graphs). Greedy
+    tokens (fp32) equal those without drafts; a divergence counts only at a near-tie of the
+    plain run's top two (``HF_TIE``). Drafts must be accepted."""
+    from tpserve import LLM, SamplingParams
+    prompts = [[42] * 64, [5, 6, 7, 8] * 8, list(range(100, 180)), [7, 9] * 20]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    runs = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        with LLM(str(model_dir), dtype="float32", max_model_len=max_model_len,
+                 speculative_config=config, **options) as llm:
+            runs[name] = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            stats = llm.stats()
+    for i, (a, b) in enumerate(zip(runs["plain"], runs["spec"])):
+        j = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if j is None:
+            report.check(f"spec: prompt {i} greedy equals the plain run", True, f"{len(a.token_ids)} tokens")
+        else:
+            top = a.logprobs[j].top
+            gap = top[0][1] - top[1][1]
+            report.check(f"spec: prompt {i} greedy equals the plain run", gap < HF_TIE,
+                         f"token {j}: {a.token_ids[j]} vs {b.token_ids[j]} (plain top-2 gap {gap:.1e})")
+    report.check("spec: drafts accepted", stats["spec_decode_num_accepted_tokens"] > 0,
+                 f"mean acceptance length {stats['spec_decode_mean_acceptance_length']:.2f}")
+
+
+def host_graphs_accelerator():
+    """The host accelerator with the device path on (--dry-run): decode graphs are captured
+    through the seam and replay by re-running their function."""
+    from tpserve.workers.device import Accelerator
+
+    class HostGraphs(Accelerator):
+        is_accelerator = True
+    return HostGraphs("cpu")
+
+
+def environment(report: Report, dry_run: bool = False) -> int:
+    """Report versions and devices; the number of GPUs (in a dry run: 2, the CPU ranks that
+    stand in for them)."""
     import torch
     import triton
 
     from tpserve.kernels.backend import flash_attn_available
     report.figure("torch", f"{torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
                   f"flash-attn {'installed' if flash_attn_available() else 'absent'}")
+    if dry_run:
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        report.check("env: dry run on the CPU", interpreted,
+                     "Triton interpreted" if interpreted else "TRITON_INTERPRET is not 1")
+        return 2
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i in range(gpus):
         p = torch.cuda.get_device_properties(i)
@@ -508,17 +654,61 @@ def environment(report: Report) -> int:
     return gpus
 
 
+def gpu_steps(report: Report, args, gpus: int, checkpoint) -> dict:
+    """What each section runs on the GPU; ``checkpoint(dtype)`` builds or reuses the model."""
+    return {
+        "kernels": lambda: (check_kernels(report, "cuda"),
+                            [check_big_cache(report, "cuda", "bfloat16", bs) for bs in (16, 256)],
+                            time_decode(report, "cuda")),
+        "graphs": lambda: check_graphs(report, checkpoint("float32"), "cuda"),
+        "start": lambda: check_default_start(report, checkpoint("bfloat16")),
+        "hf": lambda: check_hf_greedy(report, checkpoint("float32"), "cuda"),
+        "e2e": lambda: run_e2e(report, checkpoint("bfloat16"), args.requests),
+        "tp": lambda: check_tp(report, checkpoint("float32"), gpus),
+        "spec": lambda: check_spec(report, checkpoint("float32")),
+    }
+
+
+def dry_run_steps(report: Report, args, tiny) -> dict:
+    """The same sections on the CPU at tiny shapes; ``tiny()`` builds or reuses the model."""
+    heads = (4, 2, 16)
+    return {
+        "kernels": lambda: (
+            check_kernels(report, "cpu", dtypes=("float32",), block_sizes=(16,), heads=heads,
+                          cases={"decode": ([0, 40, 70], [1, 1, 1], False),
+                                 "prefill_context": ([20, 0], [5, 9], True)}, splits=(None, 1, 3)),
+            check_big_cache(report, "cpu", "float32", 16, heads=heads, min_elements=5000, context=40),
+            time_decode(report, "cpu", batches=(1, 2), context=40, heads=heads,
+                        dtype_name="float32", iters=1)),
+        "graphs": lambda: check_graphs(report, tiny(), host_graphs_accelerator(), batch_sizes=(1, 3, 4),
+                                       max_len=40, attention_backend="triton", max_model_len=600),
+        "start": lambda: check_default_start(report, tiny(), max_model_len=64,
+                                             mem_get_info=lambda: (11 << 30, 100 << 30)),
+        "hf": lambda: check_hf_greedy(report, tiny(), "cpu", max_tokens=8, max_model_len=128),
+        "e2e": lambda: run_e2e(report, tiny(), min(args.requests, 3), max_model_len=64,
+                               workload=dict(min_len=2, max_input=20, max_output=6, vocab=500)),
+        "tp": lambda: check_tp(report, tiny(), gpus=2, max_model_len=128),
+        "spec": lambda: check_spec(report, tiny(), max_tokens=8, max_model_len=128),
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dry_run:  # before any Triton kernel is decorated
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     report = Report()
     t0 = time.perf_counter()
     workdir = Path(args.workdir)
     gpus = 0
+    # Only the env section prints the environment; the others need its GPU count.
+    env_report = report if "env" in args.sections else Report(out=open(os.devnull, "w"))
     try:
-        gpus = environment(report)
+        gpus = environment(env_report, args.dry_run)
     except Exception as e:  # noqa: BLE001 - every failure becomes a FAIL line
         report.crashed("env", e)
     if gpus == 0:
+        if "env" not in args.sections:
+            report.check("env: CUDA available", False, "0 device(s)")
         report.summary(time.perf_counter() - t0)
         return 1
     ckpt = {}
@@ -526,19 +716,16 @@ def main(argv=None) -> int:
     def checkpoint(dtype):
         if dtype not in ckpt:
             t = time.perf_counter()
-            ckpt[dtype] = build_checkpoint(workdir / f"qwen3-0.6b-random-{dtype}", dtype=dtype)
+            if args.dry_run:
+                ckpt[dtype] = build_checkpoint(workdir / "dry-run-tiny", dtype="float32",
+                                               **DRY_RUN_MODEL)
+            else:
+                ckpt[dtype] = build_checkpoint(workdir / f"qwen3-0.6b-random-{dtype}", dtype=dtype)
             report.figure("checkpoint", f"{ckpt[dtype]} ready in {time.perf_counter() - t:.0f} s")
         return ckpt[dtype]
 
-    steps = {
-        "kernels": lambda: (check_kernels(report, "cuda"),
-                            [check_big_cache(report, "cuda", "bfloat16", bs) for bs in (16, 256)],
-                            time_decode(report, "cuda")),
-        "graphs": lambda: check_graphs(report, checkpoint("float32"), "cuda"),
-        "start": lambda: check_default_start(report, checkpoint("bfloat16")),
-        "e2e": lambda: run_e2e(report, checkpoint("bfloat16"), args.requests),
-        "tp": lambda: check_tp(report, checkpoint("float32"), gpus),
-    }
+    steps = (dry_run_steps(report, args, lambda: checkpoint("float32")) if args.dry_run
+             else gpu_steps(report, args, gpus, checkpoint))
     for name in args.sections:
         if name == "env":
             continue

@@ -166,9 +166,21 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-# A plain-text chat format the code model can continue: "# role:" headers, one per message.
-CHAT_TEMPLATE = ("{% for message in messages %}# {{ message['role'] }}:\n{{ message['content'] }}\n"
-                 "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}")
+# A plain-text chat format the code model can continue: "# role:" headers, one per message; with
+# tools, the Hermes/Qwen convention: the signatures in <tools>, calls as <tool_call> JSON blocks,
+# results as <tool_response> (tpserve/daemon/tool_calls.py).
+CHAT_TEMPLATE = (
+    '{%- if tools %}{{ \'# system:\\n\' }}{% if messages[0][\'role\'] == \'system\' %}{{ messages[0][\'content\'] }}{{ \'\\n\\n\' }}{% endif %}{{ \'You may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>\' }}{% for tool in tools %}{{ \'\\n\' }}{{ tool | tojson }}{% endfor %}{{ \'\\n</tools>\\nFor each call, answer with a JSON object of the function name and arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\\n\' }}'
+    '{%- endif %}'
+    '{%- for message in messages %}'
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    '{%- elif message[\'role\'] == \'assistant\' and message[\'tool_calls\'] is defined and message[\'tool_calls\'] %}{{ \'# assistant:\\n\' }}{% if message[\'content\'] %}{{ message[\'content\'] }}{{ \'\\n\' }}{% endif %}{% for tc in message[\'tool_calls\'] %}{{ \'<tool_call>\\n{"name": "\' }}{{ tc[\'function\'][\'name\'] }}{{ \'", "arguments": \' }}{% if tc[\'function\'][\'arguments\'] is string %}{{ tc[\'function\'][\'arguments\'] }}{% else %}{{ tc[\'function\'][\'arguments\'] | tojson }}{% endif %}{{ \'}\\n</tool_call>\\n\' }}{% endfor %}'
+    "{%- elif message['role'] == 'tool' %}{{ '# tool:\\n<tool_response>\\n' }}{{ message['content'] }}{{ '\\n</tool_response>\\n' }}"
+    "{%- else %}{{ '# ' }}{{ message['role'] }}{{ ':\\n' }}{{ message['content'] }}{{ '\\n' }}"
+    '{%- endif %}'
+    '{%- endfor %}'
+    "{%- if add_generation_prompt %}{{ '# assistant:\\n' }}{% endif %}"
+)
 
 
 def wrap_tokenizer(tok, max_len: int):

@@ -166,6 +166,7 @@ def gloo_rank(rank: int, port: int, plans: list[bytes], conn, timed_out) -> None
     import torch.distributed as dist
 
     from tpserve.workers.broadcast_channel import BroadcastPlanChannel
+    from tpserve.workers.process_group import destroy_tp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -201,7 +202,7 @@ def gloo_rank(rank: int, port: int, plans: list[bytes], conn, timed_out) -> None
         out.append(f"closed: {e}")
     channel.close()
     # Without this, gloo's teardown at interpreter exit may abort() now that the peer is gone.
-    dist.destroy_process_group()
+    destroy_tp()
     conn.send(out)
 
 

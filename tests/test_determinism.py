@@ -30,10 +30,10 @@ class LogitSpy:
         self.rows: dict[tuple[int, int], torch.Tensor] = {}
         runner.sampler = self
 
-    def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps):
+    def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
         for i in range(logits.shape[0]):
             self.rows[(int(seeds[i]), int(steps[i]))] = logits[i].float().clone()
-        return self.sampler(logits, temperatures, top_ks, top_ps, seeds, steps)
+        return self.sampler(logits, temperatures, top_ks, top_ps, seeds, steps, extra)
 
     def of(self, seed: int) -> list[torch.Tensor]:
         return [v for (s, _), v in sorted(self.rows.items()) if s == seed]

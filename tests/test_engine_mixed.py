@@ -101,7 +101,7 @@ def test_decode_cuda_graphs_refuse_mixed_plans():
     s.add(Sequence("b", list(range(5, 25)), SamplingParams(max_tokens=8)))
     mixed = s.build_plan(s.schedule())
     assert not decode.is_prefill and mixed.is_prefill and mixed.num_seqs == 2
-    runner = SimpleNamespace(config=SimpleNamespace(block_size=16, max_model_len=128),
-                             device=torch.device("cpu"))
-    graphs = DecodeGraphs(runner, max_batch=8)           # nothing captured: can_run only
+    graphs = DecodeGraphs(None, SimpleNamespace(device=torch.device("cpu")),
+                          SimpleNamespace(block_size=16, max_model_len=128),
+                          max_batch=8)                   # nothing captured: can_run only
     assert graphs.can_run(decode) and not graphs.can_run(mixed)

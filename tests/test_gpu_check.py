@@ -1,6 +1,8 @@
 """scripts/gpu_check.py's CPU-runnable parts: arguments, reporting, the workload, checkpoint
 building, and the kernel and graph checks themselves at tiny shapes (Triton interpreted, a fake
-accelerator for the graphs), so the GPU script is exercised code, not dead code."""
+accelerator for the graphs), so the GPU script is exercised code, not dead code; and
+scripts/gpu_check.sh's orchestration in its CPU dry-run mode: one process, one timeout and one
+log per stage, a hung or crashed stage failing alone, the summary."""
 from __future__ import annotations
 
 import io
@@ -12,21 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tpserve.workers.device import Accelerator
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, vocab_size=512, max_position_embeddings=256,
-            bos_token_id=1, eos_token_id=2)
-
-
-class HostGraphs(Accelerator):
-    """Tensors on the CPU, but the accelerator path (graphs captured through the seam)."""
-
-    is_accelerator = True
+TINY = gpu_check.DRY_RUN_MODEL
 
 
 def _report():
@@ -36,6 +28,8 @@ def _report():
 def test_arguments():
     args = gpu_check.parse_args([])
     assert args.sections == list(gpu_check.SECTIONS) and args.requests == 256
+    assert not args.dry_run and gpu_check.parse_args(["--dry-run"]).dry_run
+    assert "hf" in gpu_check.SECTIONS
     assert gpu_check.parse_args(["--sections", "kernels, e2e"]).sections == ["kernels", "e2e"]
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--sections", "kernels,warp"])
@@ -113,10 +107,17 @@ def test_decode_timing_prints_one_figure_per_batch():
 def test_graph_check_runs_through_a_host_accelerator(tmp_path):
     path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
     r = _report()
-    gpu_check.check_graphs(r, path, HostGraphs(), batch_sizes=(1, 3, 4), max_len=40,
-                           attention_backend="triton")
-    assert r.ok and r.counts["PASS"] == 4, r.lines
-    assert "graph 4" in r.lines[-1]  # batch 3 replayed the graph of 4, padded
+    host = gpu_check.host_graphs_accelerator()
+    gpu_check.check_graphs(r, path, host, batch_sizes=(1, 3, 4), max_len=40,
+                           attention_backend="triton", max_model_len=600)
+    assert r.ok and r.counts["PASS"] == 5, r.lines
+    assert "graph 4" in r.lines[-2]  # batch 3 replayed the graph of 4, padded
+    # 600-token tables: 38 blocks of 16, two shares of the keys in every captured graph.
+    assert r.lines[-1].startswith("PASS graphs: split-K inside a captured graph: most splits 2")
+    narrow = _report()
+    gpu_check.check_graphs(narrow, path, host, batch_sizes=(1,), max_len=40,
+                           attention_backend="triton", max_model_len=200)
+    assert narrow.lines[-1].startswith("FAIL graphs: split-K inside a captured graph")
 
 
 def test_start_e2e_and_tp_sections_run_on_a_tiny_model(tmp_path):
@@ -124,8 +125,9 @@ def test_start_e2e_and_tp_sections_run_on_a_tiny_model(tmp_path):
     r = _report()
     gpu_check.check_default_start(r, path, mem_get_info=lambda: (11 << 30, 100 << 30),
                                   max_model_len=64)
-    assert r.ok and r.counts["PASS"] == 2, r.lines
+    assert r.ok and r.counts["PASS"] == 3, r.lines
     assert any("KV blocks" in l for l in r.lines)
+    assert r.lines[-1].startswith("PASS start: a second engine in the process sizes like the first")
     rate = gpu_check.run_e2e(r, path, num_requests=3, max_model_len=64,
                              workload=dict(min_len=2, max_input=20, max_output=6, vocab=500))
     assert r.ok and rate > 0, r.lines
@@ -158,3 +160,102 @@ def test_shell_script_parses_and_fails_cleanly_without_cuda():
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 1
     assert proc.stdout.startswith("FAIL env: no Python here imports torch with CUDA available")
+
+
+def test_hf_section_compares_greedy_tokens_with_transformers(tmp_path, monkeypatch):
+    path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
+    r = _report()
+    gpu_check.check_hf_greedy(r, path, "cpu", prompts=([5, 6, 7], list(range(30, 70))),
+                              max_tokens=6, max_model_len=128)
+    assert r.ok and r.counts["PASS"] == 2, r.lines
+    assert "6 tokens equal" in r.lines[-1]
+    # A reference that differs: a failure where its logits were clear, a pass at a near-tie.
+    real = gpu_check.hf_greedy
+
+    def shifted(model, prompt, n, device, gap):
+        tokens, _ = real(model, prompt, n, device)
+        return [tokens[0]] + [(t + 1) % TINY["vocab_size"] for t in tokens[1:]], [gap] * n
+
+    for gap, verdict in ((0.5, "FAIL"), (1e-5, "PASS")):
+        monkeypatch.setattr(gpu_check, "hf_greedy", lambda m, p, n, d, g=gap: shifted(m, p, n, d, g))
+        r = _report()
+        gpu_check.check_hf_greedy(r, path, "cpu", prompts=([5, 6, 7],), max_tokens=4,
+                                  max_model_len=128)
+        assert r.lines[-1].startswith(f"{verdict} hf greedy prompt 0"), r.lines
+        assert "token 1" in r.lines[-1]
+
+
+_HUNG = f"gpu-check-hung-stage-{os.getpid()}"
+
+
+def _stage_wrapper(tmp_path) -> Path:
+    """A Python for gpu_check.sh whose kernels stage hangs (ignoring SIGTERM, as a process
+    stuck in the driver does) and whose graphs stage dies of SIGSEGV after one PASS line (a
+    sticky device error); every other stage is the real one."""
+    script = tmp_path / "python"
+    script.write_text(f"""#!/bin/bash
+case " $* " in
+  *" --sections kernels "*) trap '' TERM; echo "PASS kernels: started"; exec -a {_HUNG} sleep 300 ;;
+  *" --sections graphs "*) echo "PASS graphs: first check"; kill -SEGV $$ ;;
+esac
+exec {sys.executable} "$@"
+""")
+    script.chmod(0o755)
+    return script
+
+
+def test_shell_stages_run_isolated_with_their_own_timeouts_and_logs(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(_stage_wrapper(tmp_path)))
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run",
+         "--sections", "kernels,graphs,env", "--out", str(out), "--timeout", "kernels=3",
+         "--grace", "1", "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=180, env=env)
+    logs = out / "gpu_check"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert sorted(p.name for p in logs.iterdir()) == ["env.log", "graphs.log", "kernels.log",
+                                                      "summary.txt"]
+    kernels = (logs / "kernels.log").read_text()
+    assert "PASS kernels: started" in kernels
+    assert "FAIL kernels: timed out after 3 s (stopped with SIGKILL)" in kernels
+    graphs = (logs / "graphs.log").read_text()
+    assert "PASS graphs: first check" in graphs and "FAIL graphs: killed by signal 11" in graphs
+    # The stage after a hang and a crash still ran, in its own process, and passed.
+    env_log = (logs / "env.log").read_text()
+    assert "PASS env: dry run on the CPU: Triton interpreted" in env_log
+    assert "gpu_check: 1 PASS, 0 FAIL, 0 SKIP" in env_log
+    summary = (logs / "summary.txt").read_text().splitlines()
+    assert summary[-1].startswith("gpu_check: 3 PASS, 2 FAIL, 0 SKIP in ")
+    assert summary[-1].endswith("stages: kernels=FAIL graphs=FAIL env=ok")
+    assert proc.stdout.strip().splitlines()[-1] == summary[-1]
+    assert sum(l.startswith("FAIL ") for l in summary) == 2
+    stray = subprocess.run(["pgrep", "-f", _HUNG], capture_output=True, text=True)
+    assert stray.stdout == ""  # the hung stage's whole process group was killed
+
+
+def test_shell_skips_stages_past_its_budget_and_refuses_unknown_stages(tmp_path):
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    proc = subprocess.run(["bash", script, "--dry-run", "--sections", "env,kernels",
+                           "--out", str(tmp_path), "--budget", "10"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-3].startswith("SKIP env: run budget spent")
+    assert lines[-2].startswith("SKIP kernels: run budget spent")
+    assert lines[-1].startswith("gpu_check: 0 PASS, 0 FAIL, 2 SKIP")
+    bad = subprocess.run(["bash", script, "--dry-run", "--sections", "env,warp"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown stage 'warp'" in bad.stderr
+    bad = subprocess.run(["bash", script, "--timeout", "kernels"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--timeout: expected STAGE=SECONDS" in bad.stderr
+
+
+def test_spec_section_runs_on_a_tiny_model(tmp_path):
+    path = gpu_check.build_checkpoint(tmp_path / "ckpt", dtype="float32", **TINY)
+    r = _report()
+    gpu_check.check_spec(r, path, max_tokens=12, max_model_len=128)
+    assert r.ok and r.counts["PASS"] == 5, r.lines
+    assert r.lines[-1].startswith("PASS spec: drafts accepted: mean acceptance length")

@@ -8,6 +8,9 @@ replay by re-running the captured function (``EagerGraph``), so decode-graph pad
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +22,8 @@ from tpserve.models.parallel import TPContext
 from tpserve.workers import device as devices
 from tpserve.workers import model_runner as runner_mod
 from tpserve.workers.device import Accelerator, EagerGraph, accelerator_for
-from tpserve.workers.model_runner import ModelRunner, max_useful_blocks, warmup_plan
+from tpserve.workers.model_runner import ModelRunner, max_useful_blocks
+from tpserve.workers.warmup import warmup_plan
 
 GiB = 1 << 30
 
@@ -103,7 +107,7 @@ def test_warmup_samples_max_num_seqs_rows_with_top_k_and_top_p(tiny, monkeypatch
     calls = []
 
     class Recording(runner_mod.Sampler):
-        def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps):
+        def __call__(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
             calls.append((logits.shape, top_ks.clone(), top_ps.clone(), temperatures.clone()))
             return super().__call__(logits, temperatures, top_ks, top_ps, seeds, steps)
 
@@ -152,6 +156,124 @@ def test_graph_decode_equals_eager_decode(tiny, monkeypatch):
                 res.append([o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)])
             outs[eager] = res
     assert outs[False] == outs[True]
+
+
+# ---- every attention kernel variant is compiled at start ----------------------------------------
+class _VariantRecorder:
+    """Wraps a Triton kernel; records each launch's compile key as Triton forms it: the
+    constexprs, tensor dtypes and 16-byte alignment, and for integers that are specialised
+    on, whether they equal 1 and whether 16 divides them."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+        self.names = kernel.arg_names
+        self.unspecialised = set(kernel.kwargs.get("do_not_specialize") or ())
+
+    def _key(self, args, kw):
+        key = [self.kernel.fn.__name__]
+        for name, a in zip(self.names, args):
+            if isinstance(a, torch.Tensor):
+                key.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
+            elif isinstance(a, int) and not isinstance(a, bool) and name not in self.unspecialised:
+                key.append((name, a == 1, a % 16 == 0))
+        return tuple(key) + tuple(sorted(kw.items()))
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append(self._key(args, kw))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_start_launches_every_attention_variant_serving_needs(tiny, monkeypatch, eager):
+    from tpserve.kernels import paged_decode, paged_prefill, store_kvcache
+
+    seen: list = []
+    for mod, attr in ((paged_prefill, "_prefill_kernel"), (paged_decode, "_paged_decode_kernel"),
+                      (store_kvcache, "_store_kvcache_kernel")):
+        monkeypatch.setattr(mod, attr, _VariantRecorder(getattr(mod, attr), seen))
+    accel = FakeAccelerator()
+    monkeypatch.setattr("tpserve.workers.executor.device_for", lambda rank: accel)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    # A small step budget: the long prompts are prefilled in chunks with cached context, next
+    # to the decodes of the short ones (mixed steps), short and long chunks; the last prompt
+    # re-reads the first one's blocks from the prefix cache.
+    with LLM(str(tiny), max_num_seqs=4, max_model_len=64, dtype="float32",
+             attention_backend="triton", block_size=16, max_num_batched_tokens=24,
+             enforce_eager=eager) as llm:
+        started = set(seen)
+        seen.clear()
+        prompts = [list(range(3, 43)), [5, 6, 7], list(range(50, 71)), [9] * 12]
+        llm.generate(prompts, greedy, use_tqdm=False)
+        llm.generate([list(range(3, 43)) + [8, 9]], greedy, use_tqdm=False)
+    served = set(seen)
+    assert any(("PAGED", True) in k for k in served)  # the workload had mixed steps
+    assert served <= started, sorted(served - started)
+
+
+# ---- shutdown frees the device memory (a second engine in the process sizes the same) ----------
+class TrackingAccelerator(FakeAccelerator):
+    """A fake whose free memory also leaves out the bytes of the tensors ``track`` was given,
+    while they are alive: an engine's KV pool, weights and graph outputs, as on a card."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._tracked: list[tuple[weakref.ref, int]] = []
+
+    def track(self, tensors) -> None:
+        self._tracked += [(weakref.ref(t), t.numel() * t.element_size()) for t in tensors]
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self._tracked if ref() is not None)
+
+    def mem_get_info(self):
+        free, total = super().mem_get_info()
+        return free - self.live_bytes(), total
+
+
+def test_shutdown_frees_device_memory_without_the_cycle_collector(tiny, monkeypatch):
+    # Memory so small that the budget decides the block count (as in the start test above).
+    accel = TrackingAccelerator(total=1 << 20, in_use=256 << 10, activation=128 << 10)
+    monkeypatch.setattr("tpserve.workers.executor.device_for", lambda rank: accel)
+    opts = dict(max_num_seqs=4, max_model_len=64, dtype="float32", attention_backend="triton",
+                block_size=16, gpu_memory_utilization=0.5)
+    llm = LLM(str(tiny), **opts)
+    # The Triton interpreter leaves every launch's arguments in a reference cycle of its own
+    # (a GPU run has no interpreter): collect those once, then let only reference counting free.
+    gc.collect()
+    gc.disable()
+    try:
+        runner = llm.engine.executor.runner
+        blocks = runner.num_blocks
+        assert runner.graphs is not None
+        accel.track([t for kv in runner.kv_caches for t in kv] + list(runner.model.parameters())
+                    + [g.output for g in runner.graphs.graphs.values()])
+        assert accel.live_bytes() > runner.num_blocks * runner.block_bytes
+        graphs = weakref.ref(runner.graphs)
+        runner = weakref.ref(runner)
+        emptied = accel.events.count("empty_cache")
+        llm.shutdown()
+        assert runner() is None and graphs() is None
+        assert accel.live_bytes() == 0
+        assert accel.events.count("empty_cache") > emptied  # the allocator's cache returned too
+        # The second engine sees the whole card again: same KV pool, no "no memory left".
+        second = LLM(str(tiny), **opts)
+        assert second.engine.executor.runner.num_blocks == blocks
+        second.shutdown()
+    finally:
+        gc.enable()
+
+
+def test_closed_runner_refuses_to_run_and_closes_once(tiny):
+    cfg = _config(tiny)
+    runner = ModelRunner(cfg, TPContext(), FakeAccelerator())
+    graph = next(iter(runner.graphs.graphs.values()))
+    runner.close()
+    assert runner.graphs is None and runner.kv_caches == [] and graph.output is None
+    runner.close()
+    with pytest.raises(RuntimeError, match="runner is closed"):
+        runner.execute(warmup_plan(cfg))
 
 
 # ---- the block-count cap ----------------------------------------------------------------------

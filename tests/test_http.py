@@ -322,7 +322,7 @@ def test_disconnecting_client_aborts_its_request(daemon, stream):
     body = json.dumps({"prompt": PROMPT, "max_tokens": 1000, "stream": stream, "ignore_eos": True}).encode()
     host, port = daemon.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         if stream:
             got = b""

@@ -273,6 +273,7 @@ def test_cpu_arch_override_changes_flags_and_build_name(monkeypatch):
 
 
 AVX2_CHECK = r"""
+import sys
 import torch
 from tpserve.kernels import cpu_extension
 from tpserve.kernels.backend import get_backend
@@ -293,17 +294,69 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
     cpu_extension.ops().rms_norm(out, h, None, None, w, 1e-6)
     ref = (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w
     assert (out.float() - ref.float()).abs().max() <= tol * 4
+sys.path.insert(0, TESTS_DIR)
+from test_packed_gemm import check_linear_kinds
+check_linear_kinds()  # the packed linear kernels: 8-float vectors, the AVX2 int8 path
 print("ok")
 """
 
 
 def test_an_avx2_build_of_the_operators_is_correct(tmp_path):
     """The operators built for an AVX2-only CPU (8-float vectors instead of 16) against the
-    dense reference: decode and prompt paths, argmax, RMSNorm. Runs on any x86-64 CPU."""
+    dense reference: decode and prompt paths, argmax, RMSNorm, the packed linear kernels of
+    every weight kind. Runs on any x86-64 CPU."""
     import os
     import subprocess
     import sys
     env = dict(os.environ, TPSERVE_CPU_ARCH="haswell")
-    proc = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+    check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_a_one_token_prefill_row_after_decode_rows_takes_the_prompt_path():
+    """The plan says how many leading rows are decode rows: a prefill chunk of one token that
+    follows them (a prefix hit leaving one prompt token) is a prompt row, which must compute
+    the bits the prompt path gives (docs/protocol.md), not those of the decode path."""
+    backend = get_backend("cpu", "cpu", 4)
+    batch = random_paged_batch([9, 20, 30, 6], [1, 1, 1, 5], num_heads=4, num_kv_heads=2,
+                               head_dim=16, block_size=4, is_prefill=True)
+    meta = batch.meta
+    meta.has_context, meta.num_decodes = True, 2
+    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, meta, 0.25)
+    ops = cpu_extension.ops()
+    prompt_way = torch.empty_like(batch.q[2:])
+    ops.paged_attention(prompt_way, batch.q[2:], batch.k_cache, batch.v_cache, meta.block_tables[2:],
+                        torch.tensor([0, 1, 6], dtype=torch.int32), meta.context_lens[2:], 0.25, True)
+    decode_way = torch.empty_like(batch.q[2:3])
+    ops.paged_attention(decode_way, batch.q[2:3], batch.k_cache, batch.v_cache, meta.block_tables[2:3],
+                        torch.tensor([0, 1], dtype=torch.int32), meta.context_lens[2:3], 0.25, False)
+    assert not torch.equal(decode_way, prompt_way[:1])  # the two paths are told apart by their bits
+    assert torch.equal(out[2:], prompt_way)
+
+
+def test_block_tables_are_checked_once_per_step(tmp_path, monkeypatch):
+    """Every layer reads the same block tables: the cpu backend checks them on the step's first
+    layer only, and still refuses a bad block id."""
+    from model_factory import make_tiny_model
+    from test_models import PagedKV, tpserve_model
+    model = tpserve_model(make_tiny_model(tmp_path, num_hidden_layers=3), backend="cpu")
+    kv = PagedKV(model, 2, 16)
+    backend = model.model.layers[0].self_attn.backend
+    calls = []
+
+    class CountingOps:
+        def __getattr__(self, name):
+            op = getattr(cpu_extension.ops(), name)
+            return (lambda *a: calls.append(1) or op(*a)) if name == "check_block_tables" else op
+
+    monkeypatch.setattr(backend, "_ops", CountingOps())
+    for new in ([[5, 6, 7], [8, 9]], [[1], [2]]):
+        ids, pos, meta = kv.step(new)
+        model.forward(ids, pos, meta)
+    assert len(calls) == 2  # one per step, three layers each
+    ids, pos, meta = kv.step([[3], [4]])
+    meta.block_tables[1, 0] = 999
+    with pytest.raises(ValueError, match="block_tables: a block"):
+        model.forward(ids, pos, meta)

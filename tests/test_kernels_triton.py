@@ -115,6 +115,37 @@ def test_triton_chunked_prefill_then_decode_matches_torch():
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=0)
 
 
+class _RecordingKernel:
+    """Stands in for a Triton kernel object: records each launch's keyword (constexpr)
+    arguments, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append(kw)
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def test_paged_prefill_tiles_are_wide_whatever_the_block_size(monkeypatch):
+    """Block size 16: a 32-key fp32 tile spans two blocks and reads both table entries at once."""
+    from tpserve.kernels import paged_prefill
+    rec = _RecordingKernel(paged_prefill._prefill_kernel)
+    monkeypatch.setattr(paged_prefill, "_prefill_kernel", rec)
+    ctx, new = [70, 5, 0], [20, 9, 3]  # a tile starting inside a block; tables wider than needed
+    batch = random_paged_batch(ctx, new, num_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+                               is_prefill=True, seed=3)
+    res = both_backends(batch, 16)
+    torch.testing.assert_close(res["triton"][0], res["torch"][0], atol=1e-5, rtol=0)
+    (kw,) = rec.launches
+    assert kw["PAGED"] and kw["BLOCK_SIZE"] == 16 and kw["BLOCK_N"] == 32
+    assert paged_prefill.prefill_tiles(200, torch.bfloat16) == (64, 64)
+    assert paged_prefill.prefill_tiles(16, torch.bfloat16) == (16, 64)
+    assert paged_prefill.prefill_tiles(17, torch.float32) == (32, 32)
+
+
 # ---- kernel wrappers' checks -------------------------------------------------------------
 
 def _paged_args():

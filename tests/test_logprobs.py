@@ -62,7 +62,7 @@ def test_engine_reports_one_entry_per_token(tiny_models_root):  # noqa: F811
         plain = _run(engine, "p", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
         assert all(o.logprobs is None for o in plain)
         assert all(o.queue_time is not None and o.queue_time >= 0 for o in plain)
-        assert engine._num_logprob_requests == 0
+        assert engine.scheduler._num_logprob_seqs == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, True])

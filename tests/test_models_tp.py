@@ -7,9 +7,10 @@ model test runs two CPU processes over gloo, each loading its shard of the same 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import socket
+import tempfile
 import time
 from datetime import timedelta
 
@@ -24,6 +25,7 @@ from tpserve.models import TPContext
 from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    RowParallelLinear)
+from tpserve.workers.process_group import destroy_tp
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -147,12 +149,6 @@ LENGTHS = [5, 9, 3]
 DECODE_STEPS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _schedule(vocab):
     prompts = random_prompts(LENGTHS, vocab, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -160,12 +156,39 @@ def _schedule(vocab):
     return prompts, decode
 
 
-def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
+def run_two_ranks(worker, *args, timeout: float = 150) -> None:
+    """``worker(rank, store, *args)`` in two spawned processes; both must exit with status 0.
+    ``store``: a fresh file for the group's rendezvous (a port picked here could be taken before
+    rank 0 binds it)."""
+    store = tempfile.mktemp(prefix="tpserve-test-store-")
+    ctx = mp.spawn(worker, args=(store, *args), nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):  # raises ProcessRaisedException if a rank failed
+            assert time.monotonic() < deadline, f"TP workers did not finish in {timeout:.0f} s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    assert [p.exitcode for p in ctx.processes] == [0, 0]
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, store: str):
+    """A two-rank gloo group (file rendezvous) for the body (one thread per rank), destroyed after."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        tp = TPContext(rank=rank, size=2)
+        yield TPContext(rank=rank, size=2)
+        dist.barrier()
+    finally:
+        destroy_tp()  # frees the group now, not during interpreter exit (process_group.py)
+
+
+def _tp_worker(rank: int, store: str, cases: list, out_dir: str) -> None:
+    with gloo_group(rank, store) as tp:
         for name, path, vocab in cases:
             prompts, decode = _schedule(vocab)
             model = tpserve_model(path, tp)
@@ -180,26 +203,13 @@ def _tp_worker(rank: int, port: int, cases: list, out_dir: str) -> None:
                            os.path.join(out_dir, f"{name}.pt"))
             else:
                 torch.save({"sharded": sharded, "info": info}, os.path.join(out_dir, f"{name}.rank1.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
 def test_tp2_logits_equal_tp1(tiny_models_root, tmp_path):
     cases = [(name, str(make_tiny_model(tiny_models_root, arch, **kw)), kw.get("vocab_size", 384))
              for name, (arch, kw) in TP_CASES.items()]
-    ctx = mp.spawn(_tp_worker, args=(_free_port(), cases, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 150
-    try:
-        while not ctx.join(timeout=1):  # raises ProcessRaisedException if a rank failed
-            assert time.monotonic() < deadline, "TP workers did not finish in 150 s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    assert [p.exitcode for p in ctx.processes] == [0, 0]
+    run_two_ranks(_tp_worker, cases, str(tmp_path))
     for name, _, vocab in cases:
         r0 = torch.load(tmp_path / f"{name}.pt")
         r1 = torch.load(tmp_path / f"{name}.rank1.pt")

@@ -1,5 +1,6 @@
-"""Prepacked oneDNN weights (fp32, and bf16 with native support, on CPU): what gets packed, and
-that results do not change (bf16: bit for bit; fp32: within fp32 rounding of MKL's sums)."""
+"""Packed linear layers on CPU (tpserve's kernels, every weight kind): what gets packed, that the
+results equal the dense math (fp32 within rounding, bf16 within its precision, int8 the exact
+integer math), and that a row's result does not depend on the rows that share its call."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,77 @@ import torch
 from model_factory import make_tiny_model
 from tpserve.models import packed_gemm
 from tpserve.models.linear import ColumnParallelLinear, RowParallelLinear
+from tpserve.models.packed_gemm import BFLOAT16, FLOAT32, INT8, INT8_DYNAMIC
 from tpserve.models.parallel import TPContext
 
-NATIVE_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# (rows, out, in): one row, a partial panel of outputs, more rows than a work item's block.
+SHAPES = ((1, 64, 64), (3, 100, 72), (7, 385, 128), (70, 130, 256))
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, kind: int,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The math each kind promises, in float64 (before the output's rounding)."""
+    xd = x.double()
+    if kind == INT8_DYNAMIC:
+        xs = xd.abs().amax(1).clamp(min=1e-30) / 127
+        xd = torch.round(xd / xs[:, None]).clamp(-127, 127) * xs[:, None]
+    wd = w.double() * (scale.double()[:, None] if scale is not None else 1)
+    out = xd @ wd.t()
+    return out + bias.double() if bias is not None else out
+
+
+def check_linear_kinds() -> None:
+    """Every kind against ``reference``, bias or not, fp32 and bf16 activations (also run on
+    an AVX2 build of the operators, tests/test_kernels_cpu.py)."""
+    torch.manual_seed(0)
+    for kind, dtype in ((FLOAT32, torch.float32), (BFLOAT16, torch.bfloat16), (INT8, torch.float32),
+                        (INT8, torch.bfloat16), (INT8_DYNAMIC, torch.float32),
+                        (INT8_DYNAMIC, torch.bfloat16)):
+        for m, n, k in SHAPES:
+            x = torch.randn(m, k).to(dtype)
+            bias = torch.randn(n).to(dtype) if m % 2 else None
+            w = torch.randn(n, k)
+            if kind in (INT8, INT8_DYNAMIC):
+                q, scale = packed_gemm.quantize_int8(w)
+                packed, ref = packed_gemm.pack_weight(q, kind, scale), reference(x, q, bias, kind, scale)
+            else:
+                w = w.to(dtype)
+                packed, ref = packed_gemm.pack_weight(w, kind), reference(x, w, bias, kind)
+            out = packed.matmul(x, bias)
+            assert out.dtype == dtype and out.shape == (m, n)
+            tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < tol, (kind, dtype, m, n, k, err)
+
+
+def test_every_kind_computes_the_dense_math():
+    check_linear_kinds()
+
+
+@pytest.mark.parametrize("kind", [FLOAT32, BFLOAT16, INT8, INT8_DYNAMIC])
+def test_a_row_does_not_depend_on_the_rows_beside_it(kind):
+    torch.manual_seed(1)
+    dtype = torch.float32 if kind == FLOAT32 else torch.bfloat16
+    w = torch.randn(200, 128)
+    if kind in (INT8, INT8_DYNAMIC):
+        q, scale = packed_gemm.quantize_int8(w)
+        packed = packed_gemm.pack_weight(q, kind, scale)
+    else:
+        packed = packed_gemm.pack_weight(w.to(dtype), kind)
+    x = torch.randn(75, 128).to(dtype)
+    together = packed.matmul(x, None)
+    for i in (0, 3, 70, 74):
+        assert torch.equal(packed.matmul(x[i:i + 1], None), together[i:i + 1])
+        assert torch.equal(packed.matmul(x[i:], None), together[i:])
+
+
+def test_quantize_int8_is_symmetric_per_channel():
+    w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.03]])
+    q, scale = packed_gemm.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.abs().amax(1).tolist() == [127, 0, 127]
+    assert scale.tolist() == pytest.approx([1 / 127, 1.0, 3 / 127])
+    assert (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-7
 
 
 def _layers(dtype):
@@ -24,53 +93,48 @@ def _layers(dtype):
     return torch.nn.Sequential(col, row)
 
 
-def test_packed_layers_compute_bit_identical_results():
-    model = _layers(torch.bfloat16)
-    x = torch.randn(7, 48).bfloat16()
-    want = model(x)
-    packed = packed_gemm.prepack_model(model)
-    # A CPU without native bf16 keeps F.linear: nothing is packed there, and nothing may be.
-    assert packed == (2 if NATIVE_BF16 else 0)
-    if NATIVE_BF16:
-        assert model[0].weight.numel() == 0 and model[0].packed is not None  # dense copy freed
-    for rows in (7, 1, 0):  # decode batches of any size, the empty batch included
-        assert torch.equal(model(x[:rows]), want[:rows])
-
-
-def test_fp32_layers_are_packed_and_agree_with_f_linear():
-    model = _layers(torch.float32)
-    x = torch.randn(7, 48)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_agree_with_f_linear(dtype):
+    model = _layers(dtype)
+    x = torch.randn(7, 48).to(dtype)
     want = model(x)
     assert packed_gemm.prepack_model(model) == 2
-    assert model[0].weight.numel() == 0 and model[0].packed is not None
-    for rows in (7, 1, 0):
-        torch.testing.assert_close(model(x[:rows]), want[:rows], rtol=1e-5, atol=1e-6)
+    assert model[0].weight.numel() == 0 and model[0].packed is not None  # dense copy freed
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for rows in (7, 1, 0):  # decode batches of any size, the empty batch included
+        torch.testing.assert_close(model(x[:rows]), want[:rows], **tol)
 
 
 def test_what_is_packed(monkeypatch):
-    assert packed_gemm.can_prepack(torch.zeros(4, 4))  # fp32
-    assert packed_gemm.can_prepack(torch.zeros(4, 4, dtype=torch.bfloat16)) == NATIVE_BF16
-    assert not packed_gemm.can_prepack(torch.zeros(4, 4, dtype=torch.float16))
-    assert not packed_gemm.can_prepack(torch.zeros(4, dtype=torch.bfloat16))  # not a matrix
+    F32, B16 = torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert packed_gemm.packable(F32, FLOAT32) and packed_gemm.packable(B16, BFLOAT16)
+    assert not packed_gemm.packable(torch.zeros(4, 3, dtype=torch.bfloat16), BFLOAT16)  # odd K
+    assert not packed_gemm.packable(torch.zeros(4, 6, dtype=torch.int8), INT8_DYNAMIC)  # K % 4
+    assert packed_gemm.packable(torch.zeros(4, 6, dtype=torch.int8), INT8)
+    assert packed_gemm.float_kind(torch.float16) is None  # fp16 stays on F.linear
+    assert not packed_gemm.packable(torch.zeros(4), FLOAT32)  # not a matrix
     monkeypatch.setenv("TPSERVE_PREPACK", "0")
-    assert not packed_gemm.can_prepack(torch.zeros(4, 4))
-    assert not packed_gemm.can_prepack(torch.zeros(4, 4, dtype=torch.bfloat16))
     model = _layers(torch.bfloat16)
     assert packed_gemm.prepack_model(model) == 0 and model[0].packed is None
     assert model[0].weight.shape == (80, 48)
 
 
-def test_a_shared_weight_stays_dense(monkeypatch):
-    monkeypatch.setattr(packed_gemm, "can_prepack", lambda w: True)
-    monkeypatch.setattr(packed_gemm, "pack", lambda w: w.detach().clone())  # any opaque copy
+def test_a_shared_weight_stays_dense():
     model = _layers(torch.float32)
-    model[1].weight = model[0].weight  # the two layers share one parameter (a tied LM head)
-    assert packed_gemm.prepack_model(model) == 2
-    assert model[0].weight.shape == (80, 48)  # still dense: the other user reads it
+    model[1].weight = torch.nn.Parameter(torch.randn(48, 80), requires_grad=False)
+    model[0].weight = torch.nn.Parameter(model[1].weight.data.t().contiguous(), requires_grad=False)
+    shared = model[1].weight
+    model.add_module("twin", RowParallelLinear(80, 48, TPContext()))
+    model.twin.weight = shared  # the two layers share one parameter (a tied LM head)
+    assert packed_gemm.prepack_model(model) == 3
+    assert shared.shape == (48, 80)  # still dense: the other user reads it
+    assert model[1].packed is not None and model.twin.packed is not None
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_bf16_model_generates_the_same_with_and_without_packing(tmp_path, monkeypatch, tie):
+    """Packed kernels and F.linear sum in different orders: tokens agree, logprobs stay within
+    bf16's precision."""
     from tpserve import LLM, SamplingParams
     path = make_tiny_model(tmp_path, tie_word_embeddings=tie)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -82,4 +146,20 @@ def test_bf16_model_generates_the_same_with_and_without_packing(tmp_path, monkey
         res = llm.generate(prompts, params)
         outs[flag] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
         llm.shutdown()
-    assert outs["0"] == outs["1"]
+    for (tok0, lp0), (tok1, lp1) in zip(outs["0"], outs["1"]):
+        assert tok0 == tok1
+        for a, b in zip(lp0, lp1):
+            assert abs(a.logprob - b.logprob) < 5e-2
+
+
+def test_packed_weights_share_one_huge_page_buffer():
+    model = _layers(torch.bfloat16)
+    x = torch.randn(3, 48).bfloat16()
+    want = model(x)
+    assert packed_gemm.prepack_model(model) == 2
+    a, b = model[0].packed.data, model[1].packed.data
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one buffer
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    torch.testing.assert_close(model(x), want, rtol=2e-2, atol=2e-2)
+    buf = packed_gemm.huge_page_buffer(5 << 20)
+    assert buf.numel() == 5 << 20 and buf.data_ptr() % (2 << 20) == 0

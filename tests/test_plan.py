@@ -9,7 +9,7 @@ def random_plan(rng, b=5, t=23, s=4, w=7) -> StepPlan:
         return rng.integers(lo, hi, size=shape).astype(np.int32)
     cu = np.zeros(b + 1, np.int32)
     cu[1:] = np.sort(rng.integers(0, t, size=b)).astype(np.int32)
-    return StepPlan(is_prefill=True, has_context=True, max_seqlen_q=9, max_seqlen_k=40, step_id=77,
+    return StepPlan(is_prefill=True, has_context=True, max_seqlen_q=9, max_seqlen_k=40, step_id=77, num_decodes=2,
                     input_ids=ints(t), positions=ints(t), slot_mapping=ints(t), cu_seqlens_q=cu,
                     cu_seqlens_k=cu * 2, context_lens=ints(b), block_tables=ints(b, w),
                     logits_indices=ints(s), temperatures=rng.random(s).astype(np.float32),
@@ -22,7 +22,8 @@ def assert_same(a: StepPlan, b: StepPlan):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape, name
         np.testing.assert_array_equal(x, y, err_msg=name)
-    for name in ("cmd", "is_prefill", "has_context", "max_seqlen_q", "max_seqlen_k", "step_id", "args"):
+    for name in ("cmd", "is_prefill", "has_context", "max_seqlen_q", "max_seqlen_k", "step_id",
+                 "num_decodes", "args"):
         assert getattr(a, name) == getattr(b, name), name
 
 
@@ -33,6 +34,7 @@ def test_round_trip_all_fields():
     back = StepPlan.from_bytes(plan.to_bytes())
     assert_same(plan, back)
     assert back.num_seqs == 5 and back.num_tokens == 23 and back.num_samples == 4
+    assert back.num_decodes == 2 and StepPlan.from_bytes(StepPlan().to_bytes()).num_decodes == -1
 
 
 def test_read_from_is_zero_copy_and_arrays_aligned():

@@ -29,7 +29,8 @@ def make_sched(bs=4, blocks=16, max_num_seqs=8, max_batched=64, max_model_len=25
 def plan_lists(plan: StepPlan) -> dict:
     d = {name: getattr(plan, name).tolist() for name in ARRAY_FIELDS}
     d.update(is_prefill=plan.is_prefill, has_context=plan.has_context,
-             max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k)
+             max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+             num_decodes=plan.num_decodes)
     return d
 
 
@@ -65,10 +66,20 @@ def reference_plan(batch, bs) -> dict:
     return dict(input_ids=ids, positions=pos, slot_mapping=slots, cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k, context_lens=ctx, block_tables=tables, logits_indices=logits,
                 temperatures=f32(temps), top_ks=top_ks, top_ps=f32(top_ps), seeds=seeds,
-                sample_steps=steps, is_prefill=batch.is_prefill,
+                sample_steps=steps, logprob_rows=[], is_prefill=batch.is_prefill,
                 has_context=batch.is_prefill and any(q.num_cached_tokens > 0 for q in seqs),
                 max_seqlen_q=max(q.num_scheduled_tokens for q in seqs) if batch.is_prefill else 1,
-                max_seqlen_k=max(ctx))
+                max_seqlen_k=max(ctx), num_decodes=_leading_decodes(seqs))
+
+
+def _leading_decodes(seqs) -> int:
+    """Leading sequences past their prompt that run one token (decode rows)."""
+    n = 0
+    for q in seqs:
+        if q.num_cached_tokens < q.num_prompt_tokens or q.num_scheduled_tokens != 1:
+            break
+        n += 1
+    return n
 
 
 # ---- exact arrays --------------------------------------------------------------------------

@@ -132,3 +132,174 @@ def test_seeded_draws_are_a_pure_function_of_seed_and_step():
     assert a[0] == a[1]
     b = Sampler()(logits[[0, 0, 0]], *args(3, temp=1.0, seeds=seeds, steps=steps))
     assert torch.equal(a, b)
+
+
+# ---- the logits pipeline ------------------------------------------------------------------------
+import numpy as np  # noqa: E402
+
+from tpserve.sample_plan import SamplePlan  # noqa: E402
+from tpserve.workers.penalties import PenaltyState  # noqa: E402
+from tpserve.workers.sampler import race, race_reference, unpack_bitmask  # noqa: E402
+
+
+def i32(*v):
+    return np.asarray(v, dtype=np.int32)
+
+
+def f32(*v):
+    return np.asarray(v, dtype=np.float32)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 300, 32000])
+def test_race_operator_draws_what_the_torch_reference_draws(vocab):
+    assert cpu_extension.available()
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=gen) * 4
+    x[3, : vocab // 2] = float("-inf")  # a top-k/top-p style mask
+    x[4, 1:] = float("-inf")            # one token left
+    seeds = torch.arange(12, dtype=torch.long) * 1_000_003
+    steps = torch.arange(12, dtype=torch.long) % 3
+    got = race(x, seeds, steps)
+    assert torch.equal(got, race_reference(x, seeds, steps))
+    assert int(got[4]) == 0
+
+
+def test_race_samples_the_softmax_distribution():
+    """Draws over many seeds follow softmax(x): a chi-square bound a wrong transform fails."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]])
+    n = 20000
+    seeds = torch.arange(n, dtype=torch.long)
+    draws = race(x.expand(n, -1).contiguous(), seeds, torch.zeros(n, dtype=torch.long))
+    counts = torch.bincount(draws, minlength=6).double()
+    p = torch.softmax(x[0].double(), dim=0)
+    assert counts[4] == 0
+    keep = p > 0
+    chi2 = (((counts - n * p) ** 2)[keep] / (n * p[keep])).sum().item()
+    assert chi2 < 20.5  # p = 0.001 for 4 degrees of freedom is 18.5; a biased race is far beyond
+
+
+def reference_penalties(x, prompt, output, rep, freq, pres):
+    """vLLM's formulas, written out per token."""
+    x = x.clone()
+    for r in range(x.shape[0]):
+        counts = np.bincount(output[r], minlength=x.shape[1]) if len(output[r]) else np.zeros(x.shape[1])
+        seen = set(prompt[r]) | set(output[r])
+        for t in range(x.shape[1]):
+            if t in seen:
+                x[r, t] = x[r, t] * (1.0 / rep[r]) if x[r, t] > 0 else x[r, t] * rep[r]
+            x[r, t] -= freq[r] * counts[t] + pres[r] * (counts[t] > 0)
+    return x
+
+
+def test_penalties_follow_the_repetition_frequency_presence_formulas():
+    torch.manual_seed(0)
+    vocab = 40
+    x = torch.randn(3, vocab)
+    prompts = [[1, 2, 3, 3], [5], [7, 8]]
+    outputs = [[3, 9, 9, 12], [], [8, 8, 8]]
+    rep, freq, pres = f32(1.3, 0.7, 1.0), f32(0.5, 0.0, -0.4), f32(0.25, 1.0, 0.6)
+    state = PenaltyState(vocab)
+    slots = i32(5, 0, 2)  # any slot ids
+    lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    state.start(slots, cu, i32(*map(len, prompts)), i32(*[t for p, o in zip(prompts, outputs) for t in p + o]))
+    got = x.clone()
+    state.apply(got, torch.tensor([0, 1, 2]), torch.from_numpy(slots), torch.from_numpy(rep),
+                torch.from_numpy(freq), torch.from_numpy(pres))
+    torch.testing.assert_close(got, reference_penalties(x, prompts, outputs, rep, freq, pres))
+    # Counting a sampled token moves only that slot's row.
+    state.count(torch.tensor([2]), torch.tensor([30]))
+    assert int(state.output[2, 30]) == 1 and int(state.output[5, 30]) == 0
+
+
+def test_bias_allowed_bans_and_bitmask_apply_before_greedy_and_dead_rows_get_minus_one():
+    x = torch.zeros(5, 70)
+    x[:, 10] = 5.0  # the greedy token everywhere
+    words = -(-70 // 32)
+    bitmask = np.zeros((1, words), dtype=np.int32)
+    bitmask[0, 40 // 32] |= 1 << (40 % 32)
+    bitmask[0, 41 // 32] |= 1 << (41 % 32)
+    plan = SamplePlan(bias_rows=i32(0), bias_tokens=i32(3), bias_values=f32(7.5),
+                      allow_rows=i32(1, 4), allow_index=i32(0, 0, 1), allow_tokens=i32(20, 21, 10),
+                      ban_rows=i32(2, 4), ban_tokens=i32(10, 10),
+                      mask_rows=i32(3), bitmask=bitmask)
+    x[1, 21] = 1.0
+    x[3, 41] = 2.0
+    out = Sampler()(x, *args(5, temp=0.0), plan)
+    # row 0: bias makes 3 the best; row 1: only 20/21 allowed; row 2: 10 banned, first of the
+    # zeros; row 3: only the bitmask's 40/41; row 4: its one allowed token banned -> -1.
+    assert out.tolist() == [3, 21, 0, 41, -1]
+
+
+def test_unpack_bitmask_reads_bit_t_of_word_t_over_32():
+    words = np.array([[1 | (1 << 31), 1 << 2]], dtype=np.uint32).view(np.int32)  # bit 31: the sign
+    allowed = unpack_bitmask(torch.from_numpy(words), 40)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 34]
+
+
+def test_min_p_keeps_tokens_within_the_ratio_of_the_best():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    n = 4000
+    plan = SamplePlan(min_p_rows=i32(*range(n)), min_ps=np.full(n, 0.35, np.float32))
+    out = Sampler()(x.expand(n, -1).contiguous(), *args(n, seeds=torch.arange(n)), plan)
+    # p >= 0.35 * 0.5 keeps tokens 0 and 1 only, in the ratio 5:3
+    assert set(out.tolist()) == {0, 1}
+    assert abs((out == 0).float().mean().item() - 0.625) < 0.03
+
+
+def test_plain_path_is_unchanged_without_controls():
+    torch.manual_seed(3)
+    x = torch.randn(8, 500)
+    a = Sampler()(x, *args(8, temp=0.9, k=50, p=0.8))
+    b = Sampler()(x, *args(8, temp=0.9, k=50, p=0.8), SamplePlan())
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (4, 2500), (2, 1)])
+def test_triton_race_kernel_draws_what_the_torch_reference_draws(shape):
+    """The GPU's fused race, run by Triton's interpreter on CPU tensors."""
+    from tpserve.kernels.sample_race import race_argmax
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=gen) * 3
+    if shape[1] > 10:
+        x[1, : shape[1] // 2] = float("-inf")
+    x[-1] = float("-inf") if shape[1] == 1 else x[-1]
+    seeds = torch.arange(shape[0], dtype=torch.long) * 977
+    steps = torch.arange(shape[0], dtype=torch.long) % 2
+    assert torch.equal(race_argmax(x, seeds, steps), race_reference(x, seeds, steps))
+
+
+def test_penalty_operator_equals_the_torch_expressions():
+    assert cpu_extension.available()
+    gen = torch.Generator().manual_seed(5)
+    vocab, slots = 3001, 6
+    state = PenaltyState(vocab)
+    state._reserve(slots - 1)
+    state.output.copy_(torch.randint(0, 3, (state.num_rows, vocab), generator=gen, dtype=torch.int32))
+    state.prompt.copy_(torch.rand(state.num_rows, vocab, generator=gen) < 0.2)
+    x = torch.randn(5, vocab, generator=gen) * 4
+    rows, sl = torch.tensor([4, 0, 2]), torch.tensor([1, 5, 3])
+    rep, freq, pres = torch.tensor([1.3, 1.0, 0.5]), torch.tensor([0.0, 0.7, -0.3]), torch.tensor([0.4, 0.0, 1.1])
+    a, b = x.clone(), x.clone()
+    state.apply(a, rows, sl, rep, freq, pres)
+    state.apply_reference(b, rows, sl, rep, freq, pres)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 70, 32768])
+def test_bitmask_operator_masks_what_the_torch_reference_masks(vocab):
+    from tpserve.workers import sampler as S
+    assert cpu_extension.available()
+    rng = np.random.default_rng(vocab)
+    words = -(-vocab // 32)
+    bitmask = rng.integers(-2**31, 2**31, size=(4, words), dtype=np.int64).astype(np.int32)
+    bitmask[1] = 0                  # nothing allowed
+    bitmask[2] = -1                 # everything allowed
+    bitmask[3, ::2] = 0             # runs of 32 banned tokens
+    x = torch.randn(6, vocab)
+    rows = torch.tensor([5, 0, 3, 2])
+    ref = x.clone()
+    allowed = unpack_bitmask(torch.from_numpy(bitmask), vocab)
+    ref[rows] = ref[rows].masked_fill(~allowed, float("-inf"))
+    S.apply_token_bitmask(x, rows, torch.from_numpy(bitmask))
+    assert torch.equal(x, ref)

@@ -10,7 +10,7 @@ import pytest
 
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
-from tpserve.errors import AdmissionError, ConfigError
+from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -519,7 +519,7 @@ def test_finish_by_engine_frees_blocks():
     assert q.finish_reason == "stop" and not s.running
     assert s.finish(q, "stop") is False
     assert s.finish("nope") is False
-    with pytest.raises(ConfigError, match="finish_reason"):
+    with pytest.raises(InvalidFieldError, match="finish_reason"):
         s.finish("q", "bogus")
     s.check_integrity()
     assert s.block_manager.num_free_blocks == 8
@@ -552,15 +552,15 @@ def test_admission_num_kv_blocks():
 
 def test_admission_empty_prompt_and_duplicate_id():
     s = make_sched()
-    with pytest.raises(ConfigError, match="prompt_token_ids"):
+    with pytest.raises(InvalidFieldError, match="prompt_token_ids"):
         s.add(make_seq("e", []))
     s.add(make_seq("x", [1, 2]))
-    with pytest.raises(ConfigError, match="request_id.*already"):
+    with pytest.raises(InvalidRequestError, match="request_id.*already"):
         s.add(make_seq("x", [3]))
     assert ids(s.waiting) == ["x"]
-    with pytest.raises(ConfigError, match="request_id"):
+    with pytest.raises(InvalidFieldError, match="request_id"):
         s.add(make_seq("", [3]))
-    with pytest.raises(ConfigError, match="prompt_token_ids.*>= 0"):
+    with pytest.raises(InvalidFieldError, match="prompt_token_ids.*>= 0"):
         s.add(make_seq("neg", [3, -1]))
 
 

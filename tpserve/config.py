@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tpserve.errors import ConfigError
+from tpserve.quantization import QUANTIZATION_METHODS, resolve_quantization
+from tpserve.spec_config import SpeculativeConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "cpu", "torch")
@@ -33,6 +35,9 @@ class EngineConfig:
     ``max_model_len`` None means the model's ``max_position_embeddings``.
     ``startup_timeout``: seconds the engine may take to start (workers joining and loading the
     model); `tpserve start` waits as long for the daemon to be ready.
+    ``quantization``: None (the checkpoint as it is, int8 if its config.json says
+    compressed-tensors), "int8" (quantize the linear layers at load) or "compressed-tensors";
+    see tpserve/quantization.py. ``resolve`` refuses a quantization it cannot load.
 
     ``scheduling_policy``: "mixed" (default) fills each step's ``max_num_batched_tokens``
     budget with every running decode first, then prefill chunks, so running streams never wait
@@ -60,6 +65,10 @@ class EngineConfig:
     at 0.5 requests/s): inter-token latency p99 84 ms with a fixed 256-token budget, 13 ms with
     this rule; first-token p99 2.36 -> 1.57 s; the 16-stream stall (0.17 s) is unchanged. Set
     it to ``max_num_batched_tokens`` (or lower) for a fixed budget.
+
+    ``speculative_config`` (None: off) turns on speculative decoding with vLLM's keys, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}`` (tpserve/spec_config.py); validation fills in the defaults.
     """
 
     model: str | None = None
@@ -74,11 +83,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     dtype: str = "auto"
+    # None: as the checkpoint's quantization_config says (tpserve/quantization.py).
+    quantization: str | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
     startup_timeout: float = 600.0
+    speculative_config: dict | None = None
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -115,11 +127,22 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} "
+                                              f"(or unset), got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend",
                               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError("model", f"must be a path, got {type(self.model).__name__}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config).to_dict()
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (None when speculative decoding is off)."""
+        c = self.speculative_config
+        return None if c is None else SpeculativeConfig(**c)
 
     # ---- model directory -----------------------------------------------------------------
     @property
@@ -142,6 +165,7 @@ class EngineConfig:
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
         if not self.eos_token_ids:
             self.eos_token_ids = _eos_ids(path, self.hf_config)
+        resolve_quantization(self.quantization, self.hf_config)  # refuses what cannot be loaded
         tp = self.tensor_parallel_size
         heads = int(self.hf_config.get("num_attention_heads", tp))
         if heads % tp:

@@ -14,8 +14,19 @@ _CONTEXT = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+    """``stop``: stop strings; ``include_stop``: a matched stop string stays in the text
+    (vLLM's include_stop_str_in_output); ``skip_special_tokens`` /
+    ``spaces_between_special_tokens``: as the tokenizer's decode takes them."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        self._decode_kw = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        # A stop string must end after this offset of the text to count (min_tokens).
+        self.stop_from = 0
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -26,8 +37,8 @@ class IncrementalDetokenizer:
         self.emitted = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False, **self._decode_kw)
 
     def add(self, token_ids: list[int]) -> None:
         for t in token_ids:
@@ -49,16 +60,22 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
         self.prefix_offset = self.read_offset = len(self.tokens)
 
+    def ignore_stops_so_far(self) -> None:
+        """Stop strings that end in the text produced so far do not count (before min_tokens)."""
+        self.stop_from = len(self.text)
+
     def find_stop(self) -> bool:
-        """If a stop string occurs in the text, cut the text before it and return True."""
+        """If a stop string occurs in the text, cut the text before it (after it, with
+        ``include_stop``) and return True."""
         if not self.stop:
             return False
         start = max(0, self.emitted - self._hold)
         cut = -1
         for s in self.stop:
-            i = self.text.find(s, start)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
+            i = self.text.find(s, max(start, self.stop_from - len(s) + 1))
+            end = i + len(s) if self.include_stop else i
+            if i != -1 and (cut == -1 or end < cut):
+                cut = end
         if cut == -1:
             return False
         self.text = self.text[:cut]

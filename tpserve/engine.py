@@ -19,14 +19,20 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
+import numpy as np
+
+from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
-from tpserve.errors import InvalidRequestError, StepFailedError, WorkerDiedError
+from tpserve.errors import InvalidFieldError, InvalidRequestError, StepFailedError, WorkerDiedError
+from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.outputs import RequestOutput, TokenLogprobs
 from tpserve.plan import Command
-from tpserve.requests import check_prompt_shape, check_request
+from tpserve.requests import MAX_SEED, check_prompt_shape, check_request
+from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
 from tpserve.tokenizer import load_tokenizer
@@ -34,15 +40,57 @@ from tpserve.workers.executor import make_executor
 
 log = logging.getLogger("tpserve.engine")
 
+# How long an idle step waits for a compiling grammar before it returns (the caller polls again).
+_GRAMMAR_WAIT_S = 0.005
+
 
 @dataclass
 class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None
+    family: "_Family"
+    index: int = 0                       # which of the family's n completions
     sent_tokens: int = 0
     arrival: float = 0.0
     queue_time: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # sampled but not yet reported
+    prompt_logprobs: list | None = None  # computed but not yet reported (None for position 0)
+
+
+@dataclass
+class _Family:
+    """The ``n`` completions of one request id. Completion 0 is queued at once; the others when
+    its prefill is done, so that they find the prompt's full blocks in the prefix cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    bad_words_ids: list[list[int]]
+    members: list[str]                   # internal ids of the completions queued so far
+    detokenize: bool = True
+    unfinished: int = 0
+    grammar: Future | None = None        # the compiled grammar (structured_outputs), shared
+
+
+# Separates a request id from a completion index in the internal id of completion i > 0.
+_SEP = "\x00"
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences ``bad_words`` bans, as vLLM derives them: each word's tokens
+    without and with a leading space (the latter when it starts with a different token and
+    has as many tokens), so a word is caught at the start of the text and inside it."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise InvalidFieldError("bad_words", f"{word!r} tokenizes to no token")
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 class Engine:
@@ -52,12 +100,13 @@ class Engine:
         self.executor = make_executor(self.config)
         self.config.num_kv_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(self.config)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}   # by internal id (completion i > 0: id + _SEP + i)
+        self.families: dict[str, _Family] = {}
         self._rng = random.Random(self.config.seed)
         self._start = time.monotonic()
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)
         self.num_steps = 0
-        self._num_logprob_requests = 0  # requests in flight with logprobs set (0: skip the scan)
+        self._grammars = None  # GrammarCompiler, made at the first structured request
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -90,34 +139,83 @@ class Engine:
         InvalidRequestError if it cannot be served otherwise (empty after tokenizing, an id in
         use). Nothing is queued when it raises.
 
+        ``params.n`` > 1 generates n completions, reported with ``RequestOutput.index``.
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
         """
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if not isinstance(request_id, str) or not request_id or _SEP in request_id:
+            raise InvalidFieldError("request_id", "must be a non-empty string without NUL characters")
+        if request_id in self.families:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt = check_request(prompt, params, self.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("params.stop", "stop strings need a tokenizer; this model has none")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            name = "params.stop" if params.stop else "params.bad_words"
+            raise InvalidRequestError(name, "needs a tokenizer; this model has none")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise InvalidRequestError("prompt", "is empty after tokenization")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        seq = Sequence(request_id, ids, params, seed=seed)
-        self.scheduler.add(seq)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) \
-            if (detokenize or params.stop) and self.tokenizer is not None else None
-        self.requests[request_id] = _Request(seq, detok, arrival=time.monotonic(),
-                                             logprobs=[] if params.logprobs is not None else None)
-        self._num_logprob_requests += params.logprobs is not None
+        fam = _Family(request_id, ids, params, seed, bad, [], detokenize)
+        if params.structured_outputs is not None:
+            fam.grammar = self._compile(params.structured_outputs)
+        self._add_member(fam, 0)  # raises (queuing nothing) if it can never run
+        self.families[request_id] = fam
         return len(ids)
 
+    def _add_member(self, fam: _Family, index: int) -> None:
+        params, seed = fam.params, fam.seed
+        if index:
+            # A distinct seed per completion (seed + i, as vLLM); prompt logprobs come once.
+            seed = (fam.seed + index) % (MAX_SEED + 1) if params.seed is not None else self._rng.getrandbits(62)
+            params = replace(params, seed=seed if params.seed is not None else None, prompt_logprobs=None)
+        rid = fam.request_id if index == 0 else f"{fam.request_id}{_SEP}{index}"
+        seq = Sequence(rid, fam.prompt_ids, params, seed=seed)
+        seq.bad_words_ids = fam.bad_words_ids
+        if fam.grammar is not None:
+            seq.grammar = RequestGrammar(fam.grammar)
+        self.scheduler.add(seq)
+        detok = None
+        if (fam.detokenize or params.stop) and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, fam.prompt_ids, params.stop,
+                                           params.include_stop_str_in_output, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
+        self.requests[rid] = _Request(seq, detok, fam, index, arrival=time.monotonic(),
+                                      logprobs=[] if params.logprobs is not None else None,
+                                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        fam.members.append(rid)
+        fam.unfinished += 1
+
+    def _compile(self, so) -> Future:
+        """Start compiling ``so``'s grammar (or find it cached); errors in the text itself
+        raise here, those of the grammar engine arrive with the request's output."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("params.structured_outputs", "needs a tokenizer; this model has none")
+        try:
+            text = grammar_text(so)
+        except InvalidFieldError as e:
+            raise InvalidFieldError(f"params.{e.field}", e.reason) from None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size or len(self.tokenizer),
+                                             self.config.eos_token_ids)
+        return self._grammars.compile(text, f"params.structured_outputs.{so.kind}")
+
+    def _add_siblings(self, fam: _Family) -> None:
+        for j in range(len(fam.members), fam.params.n):
+            self._add_member(fam, j)
+
     def abort_request(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        """Abort every completion of ``request_id``; False if it is unknown or finished."""
+        fam = self.families.pop(request_id, None)
+        if fam is None:
             return False
-        self._num_logprob_requests -= req.logprobs is not None
-        return self.scheduler.abort(request_id)
+        for rid in fam.members:
+            if self.requests.pop(rid, None) is not None:
+                self.scheduler.abort(rid)
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -129,7 +227,7 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output per request that advanced.
+        """Run one step; returns an output per request completion that advanced.
 
         A step that fails while its plan is built, or while a single-process forward runs,
         raises StepFailedError after aborting that step's requests (their blocks are freed);
@@ -137,11 +235,17 @@ class Engine:
         workers (they may be stuck inside a collective), propagate: the engine is unusable then.
         """
         batch = self.scheduler.schedule()
+        failed = self.scheduler.take_grammar_failures()
+        if failed:
+            failed = [self._output(seq) for seq in failed if seq.request_id in self.requests]
         if not batch:
-            return []
+            if not failed:  # only grammars compiling: wait for one rather than spin
+                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+            return failed
         try:
             plan = self.scheduler.build_plan(batch)
             plan.step_id = self.num_steps
+            sample = self.scheduler.build_sample_plan(batch, plan)
         except Exception as e:  # bad data of this batch's requests: nothing was published yet
             raise self._fail_step(batch, e) from e
         if batch.is_prefill:  # a request is first scheduled in a step with prefill rows
@@ -150,82 +254,125 @@ class Engine:
                 req = self.requests.get(seq.request_id)
                 if req is not None and req.queue_time is None:
                     req.queue_time = now - req.arrival
-        num_logprobs = self._num_logprobs(batch)
         try:
-            if num_logprobs < 0:
-                tokens = self.executor.execute(plan)
-            else:
-                tokens, logprobs = self.executor.execute(plan, num_logprobs)
+            out = self.executor.execute(plan, sample)
         except WorkerDiedError:
             raise
         except Exception as e:
             if self.config.tensor_parallel_size > 1:
                 raise
             raise self._fail_step(batch, e) from e
-        if num_logprobs >= 0:
-            self._keep_logprobs(batch, logprobs)
+        sampled = batch.sampled_seqs()
+        tokens, logprobs, counts = out.tokens, out.logprobs, out.accepted
+        row_seq = None  # the sampled sequence of each kept token (None: the i-th has the i-th)
+        if counts is not None:  # speculative decoding: keep each sequence's accepted rows
+            keep = kept_rows(sample.draft_counts, counts)
+            row_seq = draft_row_positions(sample.draft_counts)[0][keep]
+            tokens = tokens[keep]
+            logprobs = tuple(a[keep] for a in logprobs) if logprobs is not None else None
+        if logprobs is not None:
+            self._keep_logprobs(sampled, logprobs, row_seq)
+        if out.prompt_logprobs is not None:
+            self._keep_prompt_logprobs(batch.prompt_logprobs, out.prompt_logprobs)
+        dead = [sampled[p if row_seq is None else row_seq[p]] for p in np.flatnonzero(tokens < 0).tolist()]
+        for seq in dead:  # no token left to sample: the request cannot go on
+            log.warning("request %r: its logits controls left no token to sample", seq.request_id)
+            self.scheduler.finish(seq, "error")
         self.num_steps += 1
-        seqs = self.scheduler.postprocess(batch, tokens)
+        seqs = self.scheduler.postprocess(batch, np.maximum(tokens, 0) if dead else tokens, counts)
         self._recent.append((time.monotonic(), len(tokens)))
-        return [self._output(seq) for seq in seqs]
+        outputs = [self._output(seq) for seq in seqs]
+        outputs += [self._output(seq) for seq in dead if seq.request_id in self.requests]
+        return failed + outputs if failed else outputs
 
     def _fail_step(self, batch, cause: Exception) -> StepFailedError:
-        ids = [seq.request_id for seq in batch.seqs]
+        ids = list(dict.fromkeys(self.requests[s.request_id].family.request_id
+                                 for s in batch.seqs if s.request_id in self.requests))
         log.error("a step of %d request(s) failed (%s: %s); aborting them", len(ids),
                   type(cause).__name__, cause, exc_info=cause)
         for rid in ids:
             self.abort_request(rid)
         return StepFailedError(ids, cause)
 
-    @staticmethod
-    def _sampled(batch) -> list[Sequence]:
-        """The sequences that get a token this step, in sample-row order."""
-        if not batch.is_prefill:
-            return batch.seqs
-        nd = batch.num_decodes  # decode rows come first and are always sampled
-        return batch.seqs[:nd] + [s for s, sampled in zip(batch.seqs[nd:], batch.sampled) if sampled]
-
-    def _num_logprobs(self, batch) -> int:
-        """The most alternatives any sampled sequence asks for; -1 when none wants logprobs."""
-        if not self._num_logprob_requests:
-            return -1
-        ks = [s.sampling_params.logprobs for s in self._sampled(batch)
-              if s.sampling_params.logprobs is not None]
-        return max(ks, default=-1)
-
-    def _keep_logprobs(self, batch, logprobs) -> None:
+    def _keep_logprobs(self, sampled: list[Sequence], logprobs, row_seq=None) -> None:
         sampled_lp, top_ids, top_lp = logprobs
-        for row, seq in enumerate(self._sampled(batch)):
+        rows = enumerate(sampled) if row_seq is None else ((r, sampled[i]) for r, i in enumerate(row_seq.tolist()))
+        for row, seq in rows:
             k = seq.sampling_params.logprobs
-            if k is None:
+            req = self.requests.get(seq.request_id)
+            if k is None or req is None:
                 continue
             top = list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))
-            self.requests[seq.request_id].logprobs.append(TokenLogprobs(float(sampled_lp[row]), top))
+            req.logprobs.append(TokenLogprobs(float(sampled_lp[row]), top))
+
+    def _keep_prompt_logprobs(self, spans, arrays) -> None:
+        lp, top_ids, top_lp = arrays
+        row = 0
+        for seq, first, count in spans:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.prompt_logprobs is not None:
+                k = seq.sampling_params.prompt_logprobs
+                for r in range(row, row + count):
+                    top = list(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist()))
+                    req.prompt_logprobs.append(TokenLogprobs(float(lp[r]), top))
+                seq.num_prompt_logprobs_done = first + count
+            row += count
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self.requests[seq.request_id]
+        fam = req.family
         completion = seq.completion_token_ids
         new_ids = completion[req.sent_tokens:]
         finished, reason = seq.is_finished, seq.finish_reason
+        error = seq.grammar.error if finished and seq.grammar is not None else None
         text = ""
         if req.detok is not None:
-            req.detok.add(new_ids)
-            if not finished and req.detok.find_stop():
-                self.scheduler.finish(seq, "stop")
-                finished, reason = True, "stop"
-            elif finished:
+            if req.detok.stop:
+                cut = self._find_stop_string(req, new_ids, finished)
+                if cut is not None:
+                    self.scheduler.finish(seq, "stop")
+                    finished, reason = True, "stop"
+                    if cut < len(new_ids):  # tokens after it came in the same step (drafts)
+                        if req.logprobs is not None:
+                            del req.logprobs[len(req.logprobs) - (len(new_ids) - cut):]
+                        self.scheduler.truncate_finished(seq, req.sent_tokens + cut)
+                        completion = seq.completion_token_ids
+                        new_ids = new_ids[:cut]
+            else:
+                req.detok.add(new_ids)
+            if finished:
                 req.detok.flush()
             text = req.detok.take_new_text(final=finished)
         req.sent_tokens = len(completion)
         logprobs = None
         if req.logprobs is not None:
             logprobs, req.logprobs = req.logprobs, []
+        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        if req.index == 0 and len(fam.members) < fam.params.n and error is None:
+            self._add_siblings(fam)  # the prompt is computed: its blocks are in the cache
         if finished:
             del self.requests[seq.request_id]
-            self._num_logprob_requests -= logprobs is not None
-        return RequestOutput(seq.request_id, list(new_ids), text, finished,
+            fam.unfinished -= 1
+            if not fam.unfinished and (len(fam.members) == fam.params.n or error is not None):
+                del self.families[fam.request_id]
+        return RequestOutput(fam.request_id, list(new_ids), text, finished,
                              reason if finished else None, seq.num_prompt_tokens, len(completion),
-                             logprobs=logprobs, queue_time=req.queue_time)
+                             logprobs=logprobs, queue_time=req.queue_time, index=req.index,
+                             prompt_logprobs=prompt_logprobs, error=error)
+
+    @staticmethod
+    def _find_stop_string(req: _Request, new_ids: list[int], finished: bool) -> int | None:
+        """Feed ``new_ids`` to the detokenizer one by one; the number of them up to and
+        including the one that completes a stop string, or None. Stop strings do not count
+        before min_tokens, nor in the text of a token that already finished the request."""
+        detok, min_tokens = req.detok, req.seq.sampling_params.min_tokens
+        for i, tok in enumerate(new_ids):
+            detok.add([tok])
+            if req.sent_tokens + i + 1 < min_tokens:
+                detok.ignore_stops_so_far()
+            elif (i + 1 < len(new_ids) or not finished) and detok.find_stop():
+                return i + 1
+        return None
 
     # ---- health --------------------------------------------------------------------------
     def health_fd(self) -> int | None:
@@ -253,6 +400,23 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    # ---- KV-cache events (routers' prefix indexes) -----------------------------------------
+    def enable_kv_events(self, capacity: int = 65536) -> None:
+        """Start recording prefix-cache events (blockpool/kv_events.py) for drain_kv_events."""
+        self.scheduler.block_manager.kv_events = KVEventSink(capacity)
+
+    def drain_kv_events(self, resync: bool = False) -> list:
+        """The events recorded since the last call, oldest first ([] when not enabled). After
+        the sink overflowed, or with ``resync``, a full resync of the cache instead."""
+        bm = self.scheduler.block_manager
+        sink = bm.kv_events
+        if sink is None:
+            return []
+        events = sink.drain()
+        if sink.take_overflow() or resync:
+            return resync_events(bm.cached_blocks(), bm.block_size)
+        return events
+
     def start_profile(self) -> None:
         """Start the torch profiler on every rank (steps keep running)."""
         self.executor.control(Command.PROFILE_START)
@@ -270,12 +434,21 @@ class Engine:
         hits, computed = s.get("prefix_cache_hit_tokens", 0), s.get("prompt_tokens_computed", 0)
         s.update(prompt_tokens=hits + computed, generation_tokens=s.get("decode_tokens", 0),
                  prefix_cache_hit_rate=hits / (hits + computed) if hits + computed else 0.0)
+        s["num_waiting_tokens"] = self.scheduler.num_waiting_tokens()  # O(waiting): not in scheduler.stats
+        if "spec_decode_num_drafts" in s:
+            drafts, accepted = s["spec_decode_num_drafts"], s["spec_decode_num_accepted_tokens"]
+            s["spec_decode_acceptance_rate"] = accepted / max(s["spec_decode_num_draft_tokens"], 1)
+            # vLLM's mean acceptance length: tokens per verifying step of a sequence.
+            s["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)
         return s
 
     def shutdown(self) -> None:
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars.shutdown()
+            self._grammars = None
         ex = getattr(self, "executor", None)
         if ex is not None:
             ex.shutdown()

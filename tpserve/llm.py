@@ -41,7 +41,12 @@ class LLM:
         """Generate for every prompt; returns outputs in input order.
 
         ``prompts`` is a string, a list of token ids, or a list of either. ``sampling_params``
-        is one SamplingParams for all, or one per prompt.
+        is one SamplingParams for all, or one per prompt. Each output holds ``n`` completions
+        (``outputs``), and ``prompt_logprobs`` when asked for.
+
+        A structured output whose grammar the engine rejects (``structured_outputs``: a bad
+        regex, an unsupported JSON-schema keyword, ...) raises InvalidFieldError naming the
+        field; the call's other requests are aborted and the engine is left as it was.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
@@ -60,9 +65,10 @@ class LLM:
         try:
             for rid, prompt, sp in zip(ids, prompts, params):
                 engine.add_request(rid, prompt, sp, detokenize=False)
-                token_ids = engine.requests[rid].seq.prompt_token_ids
+                token_ids = engine.families[rid].prompt_ids
                 results[rid] = GenerateOutput(rid, prompt if isinstance(prompt, str) else None,
-                                              list(token_ids), [CompletionOutput("", [], None)])
+                                              list(token_ids),
+                                              [CompletionOutput("", [], None) for _ in range(sp.n)])
         except BaseException:
             for rid in results:
                 engine.abort_request(rid)
@@ -70,14 +76,19 @@ class LLM:
         bar = _progress(len(prompts)) if use_tqdm else None
         start = engine.scheduler.stats()
         t0 = time.perf_counter()
-        remaining = len(ids)
+        remaining = sum(sp.n for sp in params)
         try:
             while remaining:
                 outs = engine.step()
                 if not outs and not engine.has_unfinished():
                     break
                 for out in outs:
-                    comp = results[out.request_id].outputs[0]
+                    if out.error is not None:  # a grammar the engine rejects: aborted below
+                        raise out.error
+                    res = results[out.request_id]
+                    comp = res.outputs[out.index]
+                    if out.prompt_logprobs is not None:
+                        res.prompt_logprobs = out.prompt_logprobs
                     comp.token_ids.extend(out.new_token_ids)
                     comp.text += out.new_text
                     if out.logprobs is not None:
@@ -87,7 +98,7 @@ class LLM:
                     if out.finished:
                         comp.finish_reason = out.finish_reason
                         remaining -= 1
-                        if bar is not None:
+                        if bar is not None and all(c.finish_reason for c in res.outputs):
                             bar.update(1)
                 if bar is not None:
                     st = engine.scheduler.stats()
@@ -106,9 +117,11 @@ class LLM:
         if not engine.has_unfinished():
             engine.check_integrity()
         for rid, sp in zip(ids, params):
-            comp = results[rid].outputs[0]
-            if not sp.stop and self.tokenizer is not None:
-                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+            if sp.stop or self.tokenizer is None:
+                continue
+            kw = {} if sp.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+            for comp in results[rid].outputs:
+                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens, **kw)
         return [results[r] for r in ids]
 
     def stats(self) -> dict:

@@ -10,8 +10,9 @@ class RequestOutput:
 
     ``new_token_ids``/``new_text`` hold only what is new since the last output of this request
     (text is detokenized incrementally; a matched stop string and anything after it is removed).
-    ``finish_reason`` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
-    max_model_len) or "abort", and is set only when ``finished``.
+    ``finish_reason`` is "stop" (EOS, a stop token, a stop string, or a structured output's
+    grammar complete), "length" (max_tokens or max_model_len), "abort" or "error", and is set
+    only when ``finished``.
     """
 
     request_id: str
@@ -23,6 +24,14 @@ class RequestOutput:
     num_completion_tokens: int = 0
     logprobs: list["TokenLogprobs"] | None = None
     queue_time: float | None = None
+    # Which of the request's n completions this is (SamplingParams.n).
+    index: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first),
+    # in the request's first output only.
+    prompt_logprobs: list["TokenLogprobs | None"] | None = None
+    # finish_reason "error" because the request's grammar (structured_outputs) did not
+    # compile: the InvalidFieldError naming the field. Its request produced no token.
+    error: Exception | None = None
 
 
 @dataclass
@@ -51,6 +60,7 @@ class GenerateOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

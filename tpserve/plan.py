@@ -9,8 +9,8 @@ never go through pickle: they are encoded as
     +------------+------------+-----------------+-----+----------+-----+----------+
                                                       `- array area: int32 words
 
-The header is a fixed struct of the scalar fields and the four sizes (tokens T, sequences B,
-samples S, block-table width W), followed by the msgpack-encoded ``args`` when there are any. Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
+The header is a fixed struct of the scalar fields and the five sizes (tokens T, sequences B,
+samples S, block-table width W, logprob rows L), followed by the msgpack-encoded ``args`` when there are any. Array shapes, dtypes and order are fixed (ARRAY_FIELDS), so the
 offsets follow from the sizes: the array area starts at the first 8-byte boundary after the
 header, and each array starts on an 8-byte boundary within it.
 ``StepPlan.read_from`` returns numpy views into the buffer (no copy).
@@ -30,6 +30,8 @@ Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this st
     top_ps        float32 [S]   1.0 = disabled
     seeds         int64 [S]     per-request seed of the counter-based sampler
     sample_steps  int32 [S]     index of the token being sampled within its request's output
+    logprob_rows  int32 [L]     rows of the hidden states whose full logits every rank computes
+                                (prompt log-probabilities; rank 0 reads them, see SamplePlan)
 
 Notes for runners:
     * A token row with slot -1 already has its K/V in the cache (a prompt fully covered by the
@@ -37,8 +39,8 @@ Notes for runners:
       reads keys through the block tables.
     * ``has_context`` is always False for decode plans (decode always reads the cache).
     * A mixed step (decode rows and prefill rows in one forward) is a prefill plan with
-      context: its decode rows come first, each a sequence with a query length of 1 whose
-      key length is its whole length. ``is_prefill`` False therefore means pure decode, the
+      context: its decode rows come first (``num_decodes`` of them), each a sequence with a
+      query length of 1 whose key length is its whole length. ``is_prefill`` False therefore means pure decode, the
       only kind of plan a decode CUDA graph may run.
     * Decode plans may share read-only arrays between consecutive steps: copy, never write.
 """
@@ -55,8 +57,8 @@ import numpy as np
 
 MAGIC = 0x7470_5331  # "tpS1"
 _PREFIX = struct.Struct("<II")
-# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, T, B, S, W
-_FIXED = struct.Struct("<B??xiiqiiii")
+# cmd, is_prefill, has_context, max_seqlen_q, max_seqlen_k, step_id, num_decodes, T, B, S, W, L
+_FIXED = struct.Struct("<B??xiiqiiiiii")
 _ALIGN = 8
 
 
@@ -84,22 +86,24 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "top_ps": np.dtype(np.float32),
     "seeds": np.dtype(np.int64),
     "sample_steps": np.dtype(np.int32),
+    "logprob_rows": np.dtype(np.int32),
 }
 
 
 _NOT_INT32 = frozenset(n for n, d in ARRAY_FIELDS.items() if d != np.int32)
 
 
-def _shapes(t: int, b: int, s: int, w: int) -> tuple[tuple[int, ...], ...]:
-    """Shapes of the arrays, in ARRAY_FIELDS order, from (tokens, seqs, samples, table width)."""
-    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (s,), (s,), (s,), (s,), (s,))
+def _shapes(t: int, b: int, s: int, w: int, l: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the arrays, in ARRAY_FIELDS order, from (tokens, seqs, samples, table width,
+    logprob rows)."""
+    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (s,), (s,), (s,), (s,), (s,), (l,))
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(t: int, b: int, s: int, w: int) -> tuple[tuple[tuple[int, int], ...], int]:
+def _layout(t: int, b: int, s: int, w: int, l: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """((offset, length) in int32 words per array, total words); every array starts 8-aligned."""
     out, pos = [], 0
-    for dtype, shape in zip(ARRAY_FIELDS.values(), _shapes(t, b, s, w)):
+    for dtype, shape in zip(ARRAY_FIELDS.values(), _shapes(t, b, s, w, l)):
         n = math.prod(shape) * dtype.itemsize // 4
         out.append((pos, n))
         pos += n + (n & 1)
@@ -110,7 +114,7 @@ def _area_offset(header_len: int) -> int:
     return -(-(_PREFIX.size + header_len) // _ALIGN) * _ALIGN
 
 
-def _views(mv: memoryview, hlen: int, dims: tuple[int, int, int, int]) -> dict[str, np.ndarray]:
+def _views(mv: memoryview, hlen: int, dims: tuple[int, int, int, int, int]) -> dict[str, np.ndarray]:
     """Numpy views of every array of a plan laid out in ``mv`` (one frombuffer, then slices)."""
     offsets, words = _layout(*dims)
     area = np.frombuffer(mv, dtype=np.int32, count=words, offset=_area_offset(hlen))
@@ -153,6 +157,9 @@ class StepPlan:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     step_id: int = 0
+    # Leading sequences that are decode rows (query length 1, always sampled), as the scheduler
+    # knows it: B for a decode plan. -1: not stated (runners count them from cu_seqlens_q).
+    num_decodes: int = -1
     # Free-form scalars for control commands (e.g. a profile output path).
     args: dict = field(default_factory=dict)
     input_ids: np.ndarray = field(default_factory=lambda: _empty("input_ids"))
@@ -168,6 +175,7 @@ class StepPlan:
     top_ps: np.ndarray = field(default_factory=lambda: _empty("top_ps"))
     seeds: np.ndarray = field(default_factory=lambda: _empty("seeds"))
     sample_steps: np.ndarray = field(default_factory=lambda: _empty("sample_steps"))
+    logprob_rows: np.ndarray = field(default_factory=lambda: _empty("logprob_rows"))
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -206,16 +214,17 @@ class StepPlan:
                              f"{self.block_tables.shape}")
 
     # ---- encoding ------------------------------------------------------------------------
-    def _dims(self) -> tuple[int, int, int, int]:  # (T, B, S, W)
+    def _dims(self) -> tuple[int, int, int, int, int]:  # (T, B, S, W, L)
         return (self.num_tokens, self.num_seqs, self.num_samples,
-                int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0)
+                int(self.block_tables.shape[1]) if self.block_tables.ndim == 2 else 0,
+                int(self.logprob_rows.shape[0]))
 
     def _header(self) -> bytes:
         # Fixed fields in a struct (packing them costs a fraction of msgpack's per-step price);
         # the free-form args of control commands follow as msgpack, only when present.
         extra = msgpack.packb(self.args) if self.args else b""
         return _FIXED.pack(int(self.cmd), self.is_prefill, self.has_context, self.max_seqlen_q,
-                           self.max_seqlen_k, self.step_id, *self._dims()) + extra
+                           self.max_seqlen_k, self.step_id, self.num_decodes, *self._dims()) + extra
 
     def nbytes(self) -> int:
         return _area_offset(len(self._header())) + 4 * _layout(*self._dims())[1]
@@ -259,12 +268,12 @@ class StepPlan:
         magic, hlen = _PREFIX.unpack_from(mv, 0)
         if magic != MAGIC:
             raise ValueError(f"not a StepPlan buffer (magic {magic:#x})")
-        cmd, is_prefill, has_context, max_q, max_k, step_id, *dims = _FIXED.unpack_from(mv, _PREFIX.size)
+        cmd, is_prefill, has_context, max_q, max_k, step_id, num_decodes, *dims = _FIXED.unpack_from(mv, _PREFIX.size)
         args = (msgpack.unpackb(mv[_PREFIX.size + _FIXED.size:_PREFIX.size + hlen], strict_map_key=False)
                 if hlen > _FIXED.size else {})
         arrays = _cached_views(cache, mv, hlen, tuple(dims))
         return cls(cmd=Command(cmd), is_prefill=is_prefill, has_context=has_context, max_seqlen_q=max_q,
-                   max_seqlen_k=max_k, step_id=step_id, args=args, **arrays)
+                   max_seqlen_k=max_k, step_id=step_id, num_decodes=num_decodes, args=args, **arrays)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StepPlan":

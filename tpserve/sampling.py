@@ -1,27 +1,94 @@
-"""SamplingParams: per-request decoding options, named as in vLLM."""
+"""SamplingParams: per-request decoding options, named and meant as in vLLM."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from tpserve.errors import InvalidFieldError
-from tpserve.requests import (MAX_MAX_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                              MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, check_token_ids, is_int)
+from tpserve.requests import MAX_LOGPROBS, MAX_SEED, check_sampling, check_structured  # noqa: F401  (re-exported)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar, as vLLM spells it: exactly one of
+
+    * ``json``: a JSON schema (a dict, or its JSON text); ``json_object`` True: any JSON object;
+    * ``regex``: the output fully matches the regular expression (Rust ``regex`` syntax);
+    * ``choice``: the output is one of these strings;
+    * ``grammar``: a Lark grammar (llguidance's dialect) or a GBNF/EBNF one.
+
+    Options of the JSON grammars: ``disable_any_whitespace`` True (tpserve's default; vLLM's is
+    False) allows no whitespace outside strings -- compact ``,`` and ``:`` separators -- and False
+    allows any JSON whitespace between tokens (a weak model can then emit whitespace until
+    max_tokens); ``whitespace_pattern`` (a regex) replaces the whitespace allowed when it is
+    flexible; ``disable_additional_properties`` adds ``additionalProperties: false`` to every
+    object schema that does not say. ``disable_fallback`` is accepted for vLLM clients: tpserve
+    has one grammar engine and never falls back.
+
+    The output is valid by construction: every sampled token keeps it a prefix of a string the
+    grammar accepts, and the request finishes with "stop" when the grammar is complete. A
+    request cut by ``max_tokens`` finishes with "length" and its text may not parse.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+    def __post_init__(self):
+        check_structured(self)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar", "json_object"):
+            if getattr(self, name) is not None:
+                return name
+        raise AssertionError("a validated StructuredOutputsParams sets one constraint")
 
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token of one request.
+    """How to pick each next token of one request (vLLM's names and meanings).
 
     temperature 0 means greedy. ``top_k`` <= 0 (or -1, vLLM's spelling) disables top-k;
-    ``top_p`` 1.0 disables nucleus sampling. With ``seed`` set, the sampled tokens depend only
-    on the seed, the model and the prompt -- not on which other requests share the batch.
+    ``top_p`` 1.0 and ``min_p`` 0.0 disable nucleus and min-p filtering. With ``seed`` set, the
+    sampled tokens depend only on the seed, the model and the prompt -- not on which other
+    requests share the batch.
+
+    Logits processing, in the order the sampling rank applies it (docs/structure.md):
+
+    * ``logit_bias`` {token id: bias in [-100, 100]} is added to the logits;
+      ``allowed_token_ids`` keeps only those tokens; ``bad_words`` bans the last token of every
+      tokenization of each word (with and without a leading space) where it would complete
+      the word; before ``min_tokens`` completion tokens, EOS and ``stop_token_ids`` are banned
+      (and stop strings do not end the request).
+    * ``repetition_penalty`` (1 = off) divides positive and multiplies negative logits of every
+      token seen in the prompt or the output; ``frequency_penalty`` subtracts its value times a
+      token's count in the output, ``presence_penalty`` its value once for any output token
+      (OpenAI's formula; 0 = off).
+    * then temperature, min-p, top-k, top-p, and sampling (or greedy argmax).
+
+    ``n`` completions are generated per prompt; they share the prompt's KV blocks and, when
+    ``seed`` is set, completion i uses ``seed + i``.
+    ``max_tokens`` 0 computes the prompt and generates nothing (with ``prompt_logprobs`` that
+    scores a text). ``logprobs`` None reports no log-probabilities; k >= 0 reports each sampled
+    token's log-probability and the k most likely tokens with theirs; ``prompt_logprobs`` k
+    does the same for every prompt token after the first. Both are taken from the model's own
+    distribution (log-softmax of the raw logits, before any processing above), as vLLM reports
+    them by default.
+    ``include_stop_str_in_output`` keeps a matched stop string in the text;
+    ``skip_special_tokens`` / ``spaces_between_special_tokens`` shape the detokenized text;
+    ``truncate_prompt_tokens`` k keeps only the last k prompt tokens.
+    ``structured_outputs`` (a StructuredOutputsParams, or a map of its fields) constrains the
+    output to a JSON schema, regex, choice or grammar: its token mask is applied with the
+    allowed/banned tokens, before penalties and temperature.
 
     Every field is checked at construction against the bounds of ``tpserve.requests``; a bad
     value raises ``InvalidFieldError`` naming the field (``stop_token_ids[2]``, ...).
-
-    ``logprobs`` None reports no log-probabilities; k >= 0 reports each sampled token's
-    log-probability and the k most likely tokens with theirs (from the unscaled distribution).
     """
 
     temperature: float = 1.0
@@ -33,62 +100,46 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        # A single stop string is reported as "stop", an element of a list as "stop[i]".
-        self._single_stop = isinstance(self.stop, str)
-        if self._single_stop:
-            self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.stop is None:
             self.stop = []
+        if self.bad_words is None:
+            self.bad_words = []
         self.validate()
 
     def validate(self) -> None:
-        def number(name, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidFieldError(name, f"must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise InvalidFieldError(name, f"must be finite, got {value}")
-
-        def integer(name, value, lo, hi, what=""):
-            if not is_int(value):
-                raise InvalidFieldError(name, f"must be an integer, got {type(value).__name__}")
-            if not lo <= value <= hi:
-                raise InvalidFieldError(name, f"must be in [{lo}, {hi}]{what}, got {value}")
-
-        number("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise InvalidFieldError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
-        number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidFieldError("top_p", f"must be in (0, 1], got {self.top_p}")
-        integer("top_k", self.top_k, -1, MAX_TOP_K, " (-1 or 0 disable it)")
-        self.top_k = int(self.top_k)
-        if self.seed is not None:
-            integer("seed", self.seed, 0, MAX_SEED)
-            self.seed = int(self.seed)
-        integer("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
-        self.max_tokens = int(self.max_tokens)
-        self.stop_token_ids = check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
-        if not isinstance(self.stop, (list, tuple)):
-            raise InvalidFieldError("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidFieldError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidFieldError("stop", "must be a string or a list of non-empty strings")
-        for i, s in enumerate(self.stop):
-            if len(s) > MAX_STOP_CHARS:
-                name = "stop" if self._single_stop else f"stop[{i}]"
-                raise InvalidFieldError(name, f"at most {MAX_STOP_CHARS} characters, got {len(s)}")
-        self.stop = list(self.stop)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidFieldError("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
-        if self.logprobs is not None:
-            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-            self.logprobs = int(self.logprobs)
+        check_sampling(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the repetition, frequency or presence penalty is on."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """True when some tokens may be biased, allowed only or banned at a step."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.min_tokens)

@@ -3,7 +3,8 @@
 The manager is the sole owner of block state. It works on any object shaped like a scheduler
 ``Sequence`` (``token_ids``, ``block(i)``, ``block_size``, ``block_table``, ``num_cached_tokens``,
 ``num_prefix_hit_tokens``, ``num_hashed_blocks``, ``block_hashes``); it never imports the
-scheduler. Block hashes and their memo are in ``prefix_hash``.
+scheduler. Block hashes and their memo are in ``prefix_hash``; the events it records for
+routers (``kv_events``, when a sink is attached) in ``kv_events``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections import deque
 
 from tpserve.blockpool.block import Block
 from tpserve.blockpool.free_blocks import FreeBlocks
+from tpserve.blockpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 
 
@@ -37,6 +39,9 @@ class BlockManager:
 
     ``deallocate`` walks a block table in reverse, so a sequence's tail blocks are freed before
     its head: among equally old cached blocks the tail (least likely to be shared) goes first.
+
+    With ``kv_events`` set to a KVEventSink, every key that enters or leaves
+    ``hash_to_block_id`` is recorded there (kv_events.py); None (the default) records nothing.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -52,6 +57,7 @@ class BlockManager:
         # Live sequences (allocated, not yet deallocated), keyed by identity.
         self._live: dict[object, None] = {}
         self._next_serial = 0
+        self.kv_events: KVEventSink | None = None
 
     # ---- views ---------------------------------------------------------------------------
     @property
@@ -95,6 +101,8 @@ class BlockManager:
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+            if self.kv_events is not None:
+                self.kv_events.add(BlockRemoved([block.hash]))
         block.reset(self._next_serial)
         self._next_serial += 1
         self.used_block_ids.add(block_id)
@@ -112,14 +120,15 @@ class BlockManager:
         self.used_block_ids.remove(block_id)
         self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
 
-    def can_allocate(self, seq) -> int:
+    def can_allocate(self, seq, use_cache: bool = True) -> int:
         """Number of leading blocks of ``seq`` found in the prefix cache, or -1 if the free
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
-        blocks sitting in the free list are taken back and so count against the free blocks."""
+        blocks sitting in the free list are taken back and so count against the free blocks.
+        ``use_cache`` False looks nothing up (the sequence computes every token)."""
         bs = self.block_size
         num_new_blocks = seq.num_blocks
         num_cached_blocks = 0
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             parent_serial = -1
             for i in range(len(seq.token_ids) // bs):
                 block_id = self._lookup(seq, i, parent_serial)
@@ -173,7 +182,7 @@ class BlockManager:
         seq.block_table.clear()
         self._live.pop(seq, None)
 
-    # ---- decode --------------------------------------------------------------------------
+    # ---- decode ----------------------------------------------------------------------------
     def needs_block(self, seq) -> bool:
         """True when the next decode step writes the first token of a new block.
 
@@ -182,18 +191,56 @@ class BlockManager:
         """
         return (len(seq.token_ids) - 1) % self.block_size == 0
 
-    def can_append(self, seq) -> bool:
-        return self.num_free_blocks >= self.needs_block(seq)
+    def num_append_blocks(self, seq, num_tokens: int = 1) -> int:
+        """Free blocks ``seq`` needs so that the KV of ``num_tokens`` tokens from position
+        ``len(seq) - 1`` on has slots (its last token, then ``num_tokens - 1`` draft tokens
+        under speculative decoding). For one token: 1 exactly on a block boundary."""
+        if num_tokens == 1:
+            return int(self.needs_block(seq))
+        end = len(seq.token_ids) - 1 + num_tokens
+        return max(0, -(-end // self.block_size) - len(seq.block_table))
 
-    def may_append(self, seq) -> int:
-        """Add a block to ``seq`` if its next decode step needs one; returns it, or -1."""
-        if (len(seq.token_ids) - 1) % self.block_size:
-            return -1
-        assert len(seq.block_table) == (len(seq.token_ids) - 1) // self.block_size, \
-            "block table out of step with the sequence length"
-        block_id = self._allocate_block()
-        seq.block_table.append(block_id)
-        return block_id
+    def can_append(self, seq, num_tokens: int = 1) -> bool:
+        if num_tokens == 1:
+            return self.num_free_blocks >= self.needs_block(seq)
+        return self.num_free_blocks >= self.num_append_blocks(seq, num_tokens)
+
+    def may_append(self, seq, num_tokens: int = 1) -> int:
+        """Give ``seq`` the blocks its next step's ``num_tokens`` tokens need (see
+        :meth:`num_append_blocks`; the caller checked :meth:`can_append`). Returns the block
+        appended for one token, or -1 if none; with more tokens, the first one appended (the
+        rest follow it at the end of the block table), or -1."""
+        if num_tokens == 1:
+            if (len(seq.token_ids) - 1) % self.block_size:
+                return -1
+            assert len(seq.block_table) == (len(seq.token_ids) - 1) // self.block_size, \
+                "block table out of step with the sequence length"
+            block_id = self._allocate_block()
+            seq.block_table.append(block_id)
+            return block_id
+        need = self.num_append_blocks(seq, num_tokens)
+        assert need <= self.num_free_blocks, "may_append without room: check can_append first"
+        first = -1
+        for _ in range(need):
+            block_id = self._allocate_block()
+            seq.block_table.append(block_id)
+            first = block_id if first == -1 else first
+        return first
+
+    def truncate(self, seq, num_blocks: int) -> int:
+        """Give back the blocks of ``seq`` past its first ``num_blocks``: slots reserved for
+        draft tokens that were not accepted. They hold no accepted token's KV, so they are
+        neither hashed nor shared; they return to the free list. Returns how many."""
+        table = seq.block_table
+        n = len(table) - num_blocks
+        for _ in range(n):
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash == -1, \
+                f"block {block_id} past the accepted tokens is shared or hashed"
+            block.ref_count = 0
+            self._deallocate_block(block_id)
+        return max(n, 0)
 
     def append_blocks(self, seqs) -> list[int]:
         """``may_append`` for sequences that are all on a block boundary, in order; the caller
@@ -224,6 +271,8 @@ class BlockManager:
             return
         blocks, table, index = self.blocks, seq.block_table, self.hash_to_block_id
         hashes = block_hashes(seq, num_full, self.compute_hash)
+        events = self.kv_events
+        new = [] if events is not None else None  # block indices whose hash is new to the cache
         for i in range(i, num_full):
             h, block_id = hashes[i], table[i]
             blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1)
@@ -231,8 +280,23 @@ class BlockManager:
             if old != -1 and old != block_id and self._free.is_cached(old):
                 self._free.uncache(old)
                 blocks[old].hash = -1
+            elif old == -1 and new is not None:
+                new.append(i)
             index[h] = block_id
         seq.num_hashed_blocks = num_full
+        if new:
+            self._record_stored(seq, hashes, new)
+
+    def _record_stored(self, seq, hashes: list[int], new: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks of ``seq``."""
+        start = 0
+        for k in range(1, len(new) + 1):
+            if k == len(new) or new[k] != new[k - 1] + 1:
+                first, last = new[start], new[k - 1]
+                tokens = [t for j in range(first, last + 1) for t in seq.block(j)]
+                self.kv_events.add(BlockStored(hashes[first:last + 1], hashes[first - 1] if first else None,
+                                               tokens, self.block_size))
+                start = k
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block that is free (e.g. after the weights changed).
@@ -240,11 +304,46 @@ class BlockManager:
         Returns True when the cache is now empty; False when blocks held by live sequences
         are still registered (call again once they are gone).
         """
+        dropped = []
         for block_id in self._free.uncache_all():
             block = self.blocks[block_id]
             del self.hash_to_block_id[block.hash]
+            dropped.append(block.hash)
             block.hash = -1
+        if self.kv_events is not None and dropped:
+            self.kv_events.add(BlockRemoved(dropped) if self.hash_to_block_id else AllBlocksCleared())
         return not self.hash_to_block_id
+
+    def cached_blocks(self) -> list[tuple[int, int | None, list[int]]]:
+        """(hash, parent hash, token ids) of every block in the prefix cache, each block after
+        its parent: what a router needs to rebuild its view from nothing. The parent is None
+        for a first block, and for a block whose parent's hash is no longer cached."""
+        blocks, index = self.blocks, self.hash_to_block_id
+        by_serial = {blk.serial: blk.block_id for blk in blocks if blk.hash != -1}
+
+        def parent(b: int) -> int | None:
+            """The hash of the block ``b`` was computed after, while it is cached."""
+            p = by_serial.get(blocks[b].parent_serial)
+            h = blocks[p].hash if p is not None and p != b else None
+            return h if h in index else None
+
+        depth: dict[int, int] = {}
+        for b in index.values():
+            chain, seen = [], set()
+            while b not in depth and b not in seen:
+                chain.append(b)
+                seen.add(b)
+                h = parent(b)
+                if h is None:
+                    break
+                b = index[h]
+            if not chain:
+                continue
+            d = depth.get(b, -1) if chain[-1] != b else -1
+            for c in reversed(chain):
+                d += 1
+                depth[c] = d
+        return [(blocks[b].hash, parent(b), blocks[b].token_ids) for b in sorted(index.values(), key=depth.__getitem__)]
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -22,8 +22,10 @@ import click
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
-from tpserve.daemon.http_front import HttpOptions, check_http_host
+from tpserve.daemon.http_front import DEFAULT_REQUEST_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, HttpOptions, check_http_host
+from tpserve.daemon.http_guard import parse_allowed_hosts
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
+from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.options import config_from_options, engine_options, options_argv
 from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, RuntimeDirError, check_address,
                                     cleanup_stale, client_address, connect_address, descendants,
@@ -88,13 +90,66 @@ def daemon_options(f):
                      envvar="TPSERVE_HTTP_HOST", help="HTTP address; a non-loopback one needs --api-key"),
         click.option("--api-key", default=None, show_envvar=True, envvar="TPSERVE_API_KEY", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every /v1 HTTP call"),
+        click.option("--http-allowed-hosts", default=None, show_envvar=True, envvar="TPSERVE_HTTP_ALLOWED_HOSTS",
+                     metavar="NAMES", help="Host header names the HTTP front answers besides loopback ones: "
+                     "comma-separated, '*.suffix' or '*' for any [default: loopback names only on a loopback "
+                     "--http-host, any name on another]"),
+        click.option("--http-request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_HTTP_REQUEST_TIMEOUT",
+                     help="seconds an HTTP client has to send a request head (then 408), and then its body"),
+        click.option("--http-upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_HTTP_UPSTREAM_TIMEOUT",
+                     help="the HTTP front ends its requests in flight (error, then [DONE]; or 503) when the "
+                          "daemon has not answered its ping, or the front itself was stalled, this many seconds"),
         click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
                      metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
                                           "directory's name]"),
+        *kv_events_options,
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+kv_events_options = [
+    click.option("--kv-events-endpoint", default=None, show_envvar=True, envvar="TPSERVE_KV_EVENTS_ENDPOINT",
+                 metavar="ADDR", help="publish prefix-cache events (vLLM's KV-events format, ZMQ PUB) on "
+                 "this address, e.g. tcp://127.0.0.1:5557, for routers with a KV index"),
+    click.option("--kv-events-replay-endpoint", default=None, show_envvar=True,
+                 envvar="TPSERVE_KV_EVENTS_REPLAY_ENDPOINT", metavar="ADDR",
+                 help="ROUTER address where subscribers ask for missed event batches"),
+    click.option("--kv-events-topic", default="", show_envvar=True, envvar="TPSERVE_KV_EVENTS_TOPIC",
+                 help="topic frame of every event message [default: empty]"),
+    click.option("--kv-events-format", type=click.Choice(["map", "array"]), default="map", show_default=True,
+                 show_envvar=True, envvar="TPSERVE_KV_EVENTS_FORMAT",
+                 help="each event a tagged map (current vLLM) or a positional array (earlier vLLM releases)"),
+    click.option("--kv-events-allow-remote", is_flag=True, default=False, show_envvar=True,
+                 envvar="TPSERVE_KV_EVENTS_ALLOW_REMOTE",
+                 help="allow non-loopback event addresses (the events carry prompt token ids)"),
+]
+
+
+def _kv_events_options(kw: dict) -> KVEventsOptions | None:
+    if not kw["kv_events_endpoint"]:
+        if kw["kv_events_replay_endpoint"]:
+            raise click.BadParameter("needs --kv-events-endpoint", param_hint="'--kv-events-replay-endpoint'")
+        return None
+    try:
+        return KVEventsOptions(kw["kv_events_endpoint"], kw["kv_events_replay_endpoint"] or None,
+                               kw["kv_events_topic"], kw["kv_events_allow_remote"], kw["kv_events_format"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--kv-events-endpoint'") from None
+
+
+def _kv_events_argv(kw: dict) -> list[str]:
+    """The --kv-events-* options again, for the daemon `start` spawns."""
+    if not kw["kv_events_endpoint"]:
+        return []
+    argv = ["--kv-events-endpoint", kw["kv_events_endpoint"], "--kv-events-topic", kw["kv_events_topic"],
+            "--kv-events-format", kw["kv_events_format"]]
+    if kw["kv_events_replay_endpoint"]:
+        argv += ["--kv-events-replay-endpoint", kw["kv_events_replay_endpoint"]]
+    return argv + (["--kv-events-allow-remote"] if kw["kv_events_allow_remote"] else [])
 
 
 def client_options(timeout: float):
@@ -125,7 +180,7 @@ def _server_options(kw: dict) -> ServerOptions:
         raise click.BadParameter(f"must be >= 0, got {kw['shutdown_grace']}", param_hint="'--shutdown-grace'")
     opts = ServerOptions(shutdown_grace=kw["shutdown_grace"],
                          max_requests_per_connection=kw["max_requests_per_connection"],
-                         served_model_name=kw["served_model_name"] or None)
+                         served_model_name=kw["served_model_name"] or None, kv_events=_kv_events_options(kw))
     if kw["curve_secret_key"]:
         try:
             opts.curve_public_key, opts.curve_secret_key = load_secret_keys(kw["curve_secret_key"])
@@ -154,7 +209,15 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
         check_http_host(kw["http_host"], kw["api_key"])
     except InsecureAddressError as e:
         raise click.BadParameter(str(e), param_hint="'--http-host'") from None
-    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None)
+    try:
+        allowed = parse_allowed_hosts(kw["http_allowed_hosts"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--http-allowed-hosts'") from None
+    for name in ("http_request_timeout", "http_upstream_timeout"):
+        if not kw[name] > 0:
+            raise click.BadParameter(f"must be > 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
+    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed, kw["http_request_timeout"],
+                       kw["http_upstream_timeout"])
 
 
 def _check_address(address: str, opts: ServerOptions) -> None:
@@ -271,9 +334,14 @@ def start(**kw):
         argv += ["--curve-client-keys", opts.curve_client_keys_dir]
     if opts.served_model_name:
         argv += ["--served-model-name", opts.served_model_name]
+    argv += _kv_events_argv(kw)
     env = dict(os.environ)
     if http is not None:
-        argv += ["--http-port", str(http.port), "--http-host", http.host]
+        argv += ["--http-port", str(http.port), "--http-host", http.host,
+                 "--http-request-timeout", str(http.request_timeout),
+                 "--http-upstream-timeout", str(http.upstream_timeout)]
+        if http.allowed_hosts is not None:
+            argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     argv += options_argv(config)
@@ -403,11 +471,16 @@ _STATUS_LINES = [
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
     ("failure", "failure", "{}"),  # only once the engine failed
+    ("HTTP front", ("http_front", "http_front_restarts"), "{} (restarts: {})"),  # with --http-port
+    ("HTTP front exit", "http_front_last_exit", "{}"),  # once it has died
     ("requests running", "num_running", "{}"),
     ("requests waiting", "num_waiting", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),
     ("prefix cache hits", "prefix_cache_hit_rate", "{:.1%}"),
     ("preemptions", "num_preemptions", "{}"),
+    # only with speculative decoding on
+    ("spec acceptance", ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length"),
+     "{:.1%} of draft tokens, mean acceptance length {:.2f}"),
     ("tokens/s", "tokens_per_s", "{:.1f}"),
     ("prompt tokens", "prompt_tokens", "{}"),
     ("generated tokens", "generation_tokens", "{}"),
@@ -471,7 +544,7 @@ def profile(seconds, **kw):
 # ---- generate ----------------------------------------------------------------------------
 @main.command(context_settings=CONTEXT)
 @click.argument("prompt")
-@click.option("--max-tokens", type=int, default=SamplingParams.max_tokens, show_default=True,
+@click.option("--max-tokens", type=click.IntRange(min=1), default=SamplingParams.max_tokens, show_default=True,
               help="most tokens to generate")
 @click.option("--temperature", type=float, default=SamplingParams.temperature, show_default=True,
               help="0 for greedy decoding")

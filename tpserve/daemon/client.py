@@ -69,11 +69,16 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list | None = None
+    index: int = 0                       # which completion (SamplingParams.n)
+    prompt_logprobs: list | None = None  # the request's first message: nil, then one per prompt token
 
 
 @dataclass
 class GenerateResult:
-    """A finished request. ``abort_reason`` is set when finish_reason is "abort"."""
+    """A finished request. ``abort_reason`` is set when finish_reason is "abort".
+
+    With ``n`` > 1, ``completions`` holds one GenerateResult per completion (by index) and
+    the fields above are the first completion's (``completion_tokens``: all of them)."""
 
     request_id: str
     text: str
@@ -83,6 +88,9 @@ class GenerateResult:
     completion_tokens: int
     abort_reason: str | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    completions: list["GenerateResult"] | None = None
+    index: int = 0
 
 
 def _make_params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
@@ -157,12 +165,17 @@ def _result(rid: str, msg: P.Message, text: str | None = None, token_ids: list[i
         text, token_ids, logprobs = msg.text or "", msg.token_ids or [], msg.logprobs
     else:
         logprobs = None
+    completions = None
+    if msg.completions:
+        completions = [GenerateResult(rid, c.get("text") or "", c.get("token_ids") or [], c["finish_reason"],
+                                      msg.prompt_tokens, c["completion_tokens"], logprobs=c.get("logprobs"),
+                                      index=c["index"]) for c in msg.completions]
     return GenerateResult(rid, text, token_ids, msg.finish_reason, msg.prompt_tokens, msg.completion_tokens,
-                          msg.abort_reason, logprobs)
+                          msg.abort_reason, logprobs, msg.prompt_logprobs, completions)
 
 
 def _delta(msg: P.DeltaReply) -> Delta:
-    return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs)
+    return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs, msg.index, msg.prompt_logprobs)
 
 
 class Client(_ClientCore):
@@ -298,8 +311,7 @@ class Stream:
         self.request_id = request_id
         self.timeout = timeout
         self.result: GenerateResult | None = None
-        self._text: list[str] = []
-        self._tokens: list[int] = []
+        self._parts: dict[int, tuple[list[str], list[int]]] = {}  # completion index -> its output
         self._closed = False
 
     def __iter__(self) -> Iterator[Delta]:
@@ -314,11 +326,16 @@ class Stream:
             self.close()
             raise
         if isinstance(msg, P.DeltaReply):
-            self._text.append(msg.text)
-            self._tokens.extend(msg.token_ids)
+            text, tokens = self._parts.setdefault(msg.index, ([], []))
+            text.append(msg.text)
+            tokens.extend(msg.token_ids)
             return _delta(msg)
         self._finish()
-        self.result = _result(self.request_id, msg, "".join(self._text), self._tokens)
+        text, tokens = self._parts.get(0, ([], []))
+        self.result = _result(self.request_id, msg, "".join(text), tokens)
+        for c in self.result.completions or ():
+            text, tokens = self._parts.get(c.index, ([], []))
+            c.text, c.token_ids = "".join(text), tokens
         raise StopIteration
 
     def _finish(self) -> None:

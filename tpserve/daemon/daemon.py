@@ -6,7 +6,8 @@ Order of events, each step undone in reverse on the way out:
 2. bind the socket (fails fast on a busy address, before the slow model load);
 3. load the engine (spawns tensor-parallel workers); SIGTERM/SIGINT here abort the start-up;
 4. with an HTTP port, start the HTTP front (a child process, one more ZMQ client; see
-   http_front.py) and wait until it listens;
+   http_front.py) and wait until it listens; a front that dies later is restarted, and the
+   status map reports its state (``http_front``, ``http_front_restarts``);
 5. write the ready file -- `tpserve start` waits for it -- then serve;
 6. first SIGTERM/SIGINT: stop admitting, abort in-flight requests (each client gets ``done``
    with finish_reason "abort"; see ServerOptions.shutdown_grace), engine.shutdown(), exit 0.
@@ -83,6 +84,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
                                      served_model_name(engine, options), _usable_context(engine.config),
                                      options.curve_public_key)
             url = front.start()
+            server.status_extras = front.status
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
         write_ready(rd, address, url)
         stats = engine.stats()

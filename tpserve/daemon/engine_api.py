@@ -59,6 +59,13 @@ class ServingEngine(Protocol):
     def stop_profile(self, path: str) -> list[str]:
         """Stop it; every rank writes a trace file named after ``path``. Returns the files."""
 
+    def enable_kv_events(self, capacity: int = 65536) -> None:
+        """Start recording prefix-cache events (tpserve.blockpool.kv_events) for drain_kv_events."""
+
+    def drain_kv_events(self, resync: bool = False) -> list:
+        """Prefix-cache events since the last call, oldest first; with ``resync`` (or after
+        events were lost) AllBlocksCleared and a BlockStored for every cached block instead."""
+
     def check_integrity(self) -> None:
         """Raise AssertionError if an internal invariant is broken (an idle engine: also if any
         KV block is still in use). The Server runs it when the engine has become idle."""

@@ -24,10 +24,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tpserve.daemon import openai_api as O
 from tpserve.daemon import protocol as P
+from tpserve.daemon import structured_api
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
+from tpserve.daemon.router_api import make_router
+from tpserve.daemon.tokenizer_api import make_tokenizer_router
+from tpserve.daemon.http_guard import HostPolicy, RequestGuard
+from tpserve.daemon.http_upstream import UpstreamLost
+from tpserve.daemon.tool_calls import ToolCallStream, split_calls
 from tpserve.sampling import MAX_SEED
 from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError, load_tokenizer
 
@@ -44,6 +51,7 @@ class Front:
     def __init__(self, address: str, model_path: str, model_name: str, max_model_len: int,
                  api_key: str | None = None, server_public_key: bytes | None = None, tokenizer=None):
         self.address = address
+        self.model_path = model_path
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key
@@ -63,6 +71,9 @@ class Front:
         if self._tokenizer_process is not None:  # started now, not with the first long prompt
             self._pool.submit(self._tokenizer_process.warm_up)
         self._client = None
+        self._in_flight: dict[asyncio.Queue, float] = {}  # each request's queue -> loop time it began
+        self.restarts = 0            # times the daemon restarted this front (reported by /health)
+        self.last_exit: str | None = None
 
     @property
     def client(self):
@@ -81,35 +92,56 @@ class Front:
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = False, field: str = "prompt") -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` as the tokenizer defines them (a Llama
+        tokenizer prepends BOS: vLLM's default for completion prompts)."""
         if self.tokenizer is None:
-            raise O.bad("prompt", "this model has no tokenizer: send token ids")
+            raise O.bad(field, "this model has no tokenizer: send token ids")
         if len(text) > P.MAX_PROMPT_CHARS:
-            raise O.bad("prompt", f"longer than {P.MAX_PROMPT_CHARS} characters")
-        if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS:
+            raise O.bad(field, f"longer than {P.MAX_PROMPT_CHARS} characters")
+        # The process encodes without special tokens; a prompt that wants them is encoded here.
+        if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS and not add_special_tokens:
             try:
                 ids = await self._in_pool(self._tokenizer_process.encode, text)
             except TokenizerProcessError as e:
                 log.error("could not tokenize a prompt: %s", e)
                 raise O.OpenAIError(500, f"the prompt could not be tokenized: {e}", type_="server_error") from None
         else:
-            ids = await self._in_pool(functools.partial(self.tokenizer.encode, text, add_special_tokens=False))
+            ids = await self._in_pool(functools.partial(self.tokenizer.encode, text,
+                                                        add_special_tokens=add_special_tokens))
         if not ids:
-            raise O.bad("prompt", "is empty after tokenization")
+            raise O.bad(field, "is empty after tokenization")
         return ids
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    async def chat_text(self, messages: list[dict], options: dict | None = None,
+                        tools: list[dict] | None = None) -> str:
+        """The chat template's rendering of ``messages`` (``options``: Job.chat_options)."""
+        if self.tokenizer is None or not (getattr(self.tokenizer, "chat_template", None)
+                                          or (options or {}).get("chat_template")):
             raise O.bad("messages", "this model has no chat template; use /v1/completions",
                         code="chat_template_missing")
+        options = dict(options or {})
+        extra = dict(options.pop("chat_template_kwargs", None) or {})
+        clash = sorted(set(extra) & {"conversation", "tokenize", "add_generation_prompt",
+                                     "continue_final_message", "chat_template"})
+        if clash:
+            raise O.bad("chat_template_kwargs", f"must not set {clash[0]!r}; it is a request field of its own")
+        options.setdefault("add_generation_prompt", True)
+        if options.get("chat_template") is None:
+            options.pop("chat_template", None)
 
         def render():
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            kw = {"tools": tools} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options, **extra, **kw)
         try:
-            text = await self._in_pool(render)
+            return await self._in_pool(render)
         except Exception as e:  # the template's own checks (roles, order) raise jinja errors
             raise O.bad("messages", f"the chat template rejected them: {e}") from None
-        return await self.encode(text)
+
+    async def chat_prompt(self, messages: list[dict], options: dict | None = None,
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        text = await self.chat_text(messages, options, tools)
+        return await self.encode(text, add_special_tokens, field="messages")
 
     @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
@@ -117,12 +149,30 @@ class Front:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    async def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return await self._in_pool(functools.partial(self.tokenizer.decode, ids, skip_special_tokens=False))
+
     # ---- running choices -----------------------------------------------------------------
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def fail_requests(self, exc: Exception, before: float) -> int:
+        """End every request in flight since before loop time ``before`` with ``exc``."""
+        ended = [q for q, began in self._in_flight.items() if began < before]
+        for q in ended:
+            del self._in_flight[q]
+            q.put_nowait((None, exc))
+        return len(ended)
+
     async def choices(self, prompts: list[list[int]], params, n: int):
         """Async generator of (choice index, Delta | GenerateResult) for every prompt x n;
-        each choice ends with its GenerateResult. Closing it aborts what still runs."""
+        each choice ends with its GenerateResult. Closing it aborts what still runs.
+        ``fail_requests`` can end it with an exception."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
+        self._in_flight[queue] = asyncio.get_running_loop().time()
 
         async def one(index, prompt, p, started: asyncio.Event | None):
             ok = False
@@ -162,6 +212,7 @@ class Front:
                     remaining -= 1
                 yield index, item
         finally:
+            self._in_flight.pop(queue, None)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -174,9 +225,10 @@ def _sibling(params, j: int):
     return replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
 
 
-# What a daemon round trip can raise: the daemon's error reply, a timeout, or the client's own
-# check of the message before sending it (e.g. a token id beyond the protocol's range).
-_DAEMON_ERRORS = (RequestError, ClientTimeout, P.ProtocolError)
+# What a daemon round trip can raise: the daemon's error reply, a timeout, the client's own
+# check of the message before sending it (e.g. a token id beyond the protocol's range), or the
+# upstream watch ending the request (http_upstream.py).
+_DAEMON_ERRORS = (RequestError, ClientTimeout, P.ProtocolError, UpstreamLost)
 
 
 def daemon_error(e, job) -> O.OpenAIError:
@@ -184,12 +236,15 @@ def daemon_error(e, job) -> O.OpenAIError:
     if isinstance(e, ClientTimeout):
         return O.OpenAIError(503, f"the tpserve daemon did not answer: {e}", type_="server_error",
                              code="daemon_unavailable")
+    if isinstance(e, UpstreamLost):
+        return O.OpenAIError(503, str(e), type_="server_error", code="upstream_lost")
     if e.code == P.ADMISSION:
         param = "messages" if job.chat else "prompt"
         code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
         return O.OpenAIError(400, f"{e.message} (limit: {getattr(e, 'limit', None)})", param, code=code)
     if e.code in (P.INVALID_FIELD, P.INVALID_REQUEST, P.UNKNOWN_FIELD, P.MISSING_FIELD):
-        param = (e.field or "").removeprefix("params.").split("[")[0] or None
+        param = structured_api.daemon_field((e.field or "").removeprefix("params."), job.structured_param)
+        param = (param or "").split("[")[0] or None
         if param in ("prompt",) and job.chat:
             param = "messages"
         return O.bad(param, e.message)
@@ -206,32 +261,75 @@ def _sse(obj) -> str:
 
 
 class Response:
-    """Builds one request's OpenAI response (whole or as SSE chunks) from choice events."""
+    """Builds one request's OpenAI response (whole or as SSE chunks) from choice events.
 
-    def __init__(self, front: Front, job: O.Job, num_prompts: int):
+    ``prompts[i]`` are prompt i's token ids and ``prompt_texts[i]`` its text (echo). With echo,
+    a choice's text starts with its prompt's, and with logprobs its logprobs start with the
+    prompt tokens' (from the daemon's prompt log-probabilities; the first token has none)."""
+
+    def __init__(self, front: Front, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
         self.front, self.job = front, job
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.n_choices = num_prompts * job.n
+        self.prompts = prompts
+        self.prompt_texts = prompt_texts or [""] * len(prompts)
+        self.n_choices = len(prompts) * job.n
         self.text = [[] for _ in range(self.n_choices)]
+        self.token_ids = [[] for _ in range(self.n_choices)]
         self.logprobs = [[] for _ in range(self.n_choices)]
+        self.prompt_lps: list = [None] * self.n_choices
         self.offset = [0] * self.n_choices
         self.results: dict[int, object] = {}
         self.role_sent = [False] * self.n_choices
+        self.echoed = [False] * self.n_choices
+        self.token_text = (lambda t: f"token_id:{t}") if job.token_ids_as_text else front.token_text
+        # Chat with tools whose tool_choice constrains the answer: calls are read back out.
+        tools = job.tools if job.chat and job.tools is not None and job.tools.constrains else None
+        self.tool_streams = [ToolCallStream() for _ in range(self.n_choices)] if tools else None
 
     def _entries(self, delta) -> list:
         if delta.logprobs is None:
             return []
         return [(tok, lp, top) for tok, (lp, top) in zip(delta.token_ids, delta.logprobs)]
 
+    def _take_prompt_logprobs(self, index: int, item) -> None:
+        lps = getattr(item, "prompt_logprobs", None)
+        if lps is not None and self.prompt_lps[index] is None:
+            self.prompt_lps[index] = lps
+
+    def _echo(self, index: int) -> tuple[str, list]:
+        """The prompt's text and logprobs entries a choice starts with (once)."""
+        if not self.job.echo or self.echoed[index]:
+            return "", []
+        self.echoed[index] = True
+        if self.job.chat:  # vLLM: the last message's content, when it is the assistant's
+            return self.prompt_texts[0], []
+        ids = self.prompts[index // self.job.n]
+        entries = []
+        if self.job.params.logprobs is not None:
+            lps = self.prompt_lps[index] or [None] * len(ids)
+            entries = [(t, None, None) if e is None else (t, e[0], e[1]) for t, e in zip(ids, lps)]
+        return self.prompt_texts[index // self.job.n], entries
+
     def _logprobs_obj(self, index: int, entries: list):
         if self.job.params.logprobs is None:
             return None
         if self.job.chat:
-            return O.chat_logprobs(entries, self.front.token_text)
-        obj = O.completion_logprobs(entries, self.front.token_text, self.offset[index])
+            return O.chat_logprobs(entries, self.token_text)
+        obj = O.completion_logprobs(entries, self.token_text, self.offset[index])
         self.offset[index] += sum(len(t) for t in obj["tokens"])
         return obj
+
+    def _extras(self, index: int) -> dict:
+        """vLLM's extra choice fields: prompt_logprobs, token_ids / prompt_token_ids."""
+        out = {}
+        if self.job.params.prompt_logprobs is not None and not self.job.chat:
+            out["prompt_logprobs"] = O.prompt_logprobs_obj(self.prompts[index // self.job.n],
+                                                           self.prompt_lps[index] or [], self.token_text)
+        if self.job.return_token_ids:
+            out["prompt_token_ids"] = self.prompts[index // self.job.n]
+            out["token_ids"] = self.token_ids[index]
+        return out
 
     def usage(self) -> dict:
         prompt = sum(r.prompt_tokens for i, r in self.results.items() if i % self.job.n == 0)
@@ -247,25 +345,48 @@ class Response:
 
     def chunks(self, index: int, item) -> list[str]:
         out = []
+        self._take_prompt_logprobs(index, item)
         if self.job.chat and not self.role_sent[index]:
             self.role_sent[index] = True
             out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
+        echo_text, echo_entries = self._echo(index)
         if isinstance(item, GenerateResult):
             self.results[index] = item
+            reason = item.finish_reason
+            if self.tool_streams is not None:
+                ts = self.tool_streams[index]
+                out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
+                        for d in ts.flush()]
+                if ts.num_calls and reason == "stop":
+                    reason = "tool_calls"
             if self.job.chat:
+                if echo_text:
+                    out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
+                                            "finish_reason": None}))
                 out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
-                                        "finish_reason": item.finish_reason}))
+                                        "finish_reason": reason}))
             else:
-                out.append(self._chunk({"index": index, "text": "", "logprobs": None,
-                                        "finish_reason": item.finish_reason}))
+                choice = {"index": index, "text": echo_text, "logprobs": self._logprobs_obj(index, echo_entries)
+                          if echo_entries else None, "finish_reason": item.finish_reason}
+                if self.job.params.prompt_logprobs is not None:
+                    choice.update(self._extras(index))
+                out.append(self._chunk(choice))
             return out
-        lp = self._logprobs_obj(index, self._entries(item))
-        if self.job.chat:
-            out.append(self._chunk({"index": index, "delta": {"content": item.text}, "logprobs": lp,
+        self.token_ids[index] += item.token_ids
+        lp = self._logprobs_obj(index, echo_entries + self._entries(item))
+        if self.tool_streams is not None:
+            for d in self.tool_streams[index].feed(item.text):
+                out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
+                lp = None
+        elif self.job.chat:
+            out.append(self._chunk({"index": index, "delta": {"content": echo_text + item.text}, "logprobs": lp,
                                     "finish_reason": None}))
         else:
-            out.append(self._chunk({"index": index, "text": item.text, "logprobs": lp, "finish_reason": None}))
+            choice = {"index": index, "text": echo_text + item.text, "logprobs": lp, "finish_reason": None}
+            if self.job.return_token_ids:
+                choice["token_ids"] = item.token_ids
+            out.append(self._chunk(choice))
         return out
 
     def final_chunks(self) -> list[str]:
@@ -280,38 +401,58 @@ class Response:
 
     # ---- whole -----------------------------------------------------------------------------
     def add(self, index: int, item) -> None:
+        self._take_prompt_logprobs(index, item)
         if isinstance(item, GenerateResult):
             self.results[index] = item
         else:
             self.text[index].append(item.text)
+            self.token_ids[index] += item.token_ids
             self.logprobs[index] += self._entries(item)
 
     def whole(self) -> dict:
         choices = []
         for i in range(self.n_choices):
-            text, reason = "".join(self.text[i]), self.results[i].finish_reason
-            lp = self._logprobs_obj(i, self.logprobs[i])
+            echo_text, echo_entries = self._echo(i)
+            text, reason = echo_text + "".join(self.text[i]), self.results[i].finish_reason
+            lp = self._logprobs_obj(i, echo_entries + self.logprobs[i])
             if self.job.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": reason})
+                message = {"role": "assistant", "content": text}
+                if self.tool_streams is not None:
+                    message["content"], calls = split_calls(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+            choice.update(self._extras(i))
+            choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.job.chat else "text_completion",
                 "created": self.created, "model": self.front.model_name, "choices": choices,
                 "usage": self.usage()}
 
 
-def create_app(front: Front):
-    """The FastAPI application of one front."""
+def _model_card(front: Front) -> dict:
+    return {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "tpserve",
+            "root": front.model_name, "max_model_len": front.max_model_len}
+
+
+def create_app(front: Front, hosts: HostPolicy | None = None):
+    """The FastAPI application of one front; ``hosts``: the Host names it answers (None: any)."""
+    key = f"Bearer {front.api_key}".encode() if front.api_key is not None else None
+
     def authorize(request: Request) -> None:
-        if front.api_key is None:
+        if key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
+        # Header values arrive decoded as latin-1: back to their bytes, which clients send as
+        # UTF-8 (so a non-ASCII key matches what they send).
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(given, key):
             raise O.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
                                 code="invalid_api_key")
 
     app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGuard, hosts=hosts)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     @app.exception_handler(O.OpenAIError)
@@ -329,9 +470,9 @@ def create_app(front: Front):
 
     @app.exception_handler(Exception)
     async def internal_error(request, e):
-        log.exception("request failed")
-        return JSONResponse(O.OpenAIError(500, f"{type(e).__name__}: {e}", type_="server_error").body(),
-                            status_code=500)
+        log.exception("request failed")  # quiet_log keeps the first traceback, then one line per interval
+        return JSONResponse(O.OpenAIError(500, f"internal error of the HTTP front ({type(e).__name__}); "
+                                          "see the daemon's log", type_="server_error").body(), status_code=500)
 
     async def read_json(request: Request):
         length = request.headers.get("content-length")
@@ -339,17 +480,19 @@ def create_app(front: Front):
             raise O.OpenAIError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}",
                                 code="request_too_large")
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY_BYTES:
-                raise O.OpenAIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
         try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise O.bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > MAX_BODY_BYTES:
+                    raise O.OpenAIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes",
+                                        code="request_too_large")
+        except ClientDisconnect:  # nobody is left to answer: one (rate-limited) line, no traceback
+            log.info("HTTP client left before sending its whole request body")
+            raise O.OpenAIError(499, "client disconnected", code="client_closed") from None
+        return O.decode_body(bytes(data))
 
-    async def run(request: Request, job: O.Job, prompts: list[list[int]]):
-        response = Response(front, job, len(prompts))
+    async def run(request: Request, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
+        response = Response(front, job, prompts, prompt_texts)
         events = front.choices(prompts, job.params, job.n)
         try:
             first = await anext(events)
@@ -395,34 +538,42 @@ def create_app(front: Front):
 
     @v1.post("/completions")
     async def completions(request: Request):
-        job = O.parse_completion(await read_json(request), front.model_name)
-        prompts = [await front.encode(p) if isinstance(p, str) else p for p in job.prompts]
-        return await run(request, job, prompts)
+        body = await read_json(request)
+        job = O.parse_completion(body, front.model_name)
+        structured_api.apply(job, body)
+        prompts = [await front.encode(p, job.add_special_tokens) if isinstance(p, str) else p for p in job.prompts]
+        texts = None
+        if job.echo:  # the prompt as sent, or its decoded token ids
+            texts = [p if isinstance(p, str) else await front.decode(p) for p in job.prompts]
+        return await run(request, job, prompts, texts)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        job = O.parse_chat(await read_json(request), front.model_name)
-        ids = await front.chat_prompt(job.messages)
+        body = await read_json(request)
+        job = O.parse_chat(body, front.model_name)
+        structured_api.apply(job, body)
+        ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens,
+                                      tools=job.tools.tools if job.tools is not None else None)
         if not job.max_tokens_given:
             job.params = replace(job.params, max_tokens=max(1, front.max_model_len - len(ids)))
-        return await run(request, job, [ids])
+        last = job.messages[-1]
+        texts = [last["content"] if job.echo and last["role"] == "assistant" else ""]
+        return await run(request, job, [ids], texts)
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != front.model_name:
+            raise O.OpenAIError(404, f"The model `{model_id}` does not exist; this server serves "
+                                     f"`{front.model_name}`.", "model", code="model_not_found")
+        return _model_card(front)
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": front.created,
-                                            "owned_by": "tpserve", "root": front.model_name,
-                                            "max_model_len": front.max_model_len}]}
+        return {"object": "list", "data": [_model_card(front)]}
 
     app.include_router(v1)
-
-    @app.get("/health")
-    async def health():
-        try:
-            await front.client.ping(timeout=5.0)
-        except (ClientTimeout, RequestError) as e:
-            raise O.OpenAIError(503, f"the tpserve daemon does not answer: {e}", type_="server_error",
-                                code="daemon_unavailable") from None
-        return PlainTextResponse("")
+    app.include_router(make_router(front, authorize))  # /health, /version, /v1/loads, ... (router_api.py)
+    app.include_router(make_tokenizer_router(front, authorize, read_json))  # /tokenize, ... (tokenizer_api.py)
 
     @app.get("/metrics")
     async def metrics():

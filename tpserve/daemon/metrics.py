@@ -7,8 +7,19 @@ scheduled step). Gauges and the engine's cumulative counters (prefix cache, pree
 read from ``engine.stats()`` when the metrics are rendered, so a scrape costs the serving loop
 nothing between scrapes. Every series carries the label ``model_name``.
 
+Beside them, the gauges the Gateway API Inference Extension's model-server protocol requires,
+under vLLM's names, which its endpoint picker (and smg, llm-d) read by default:
+``vllm:num_requests_waiting`` (queue size), ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` (KV-cache utilisation, 0..1) and ``vllm:cache_config_info``
+(block size and pool size as labels, for prefix-cache scorers). tpserve serves no LoRA
+adapters, so ``vllm:lora_requests_info`` is absent, as the protocol allows.
+
 Exposed at ``/metrics`` of the HTTP front and through the ZMQ ``metrics`` request
 (``tpserve status --metrics``), both in the Prometheus text format.
+
+With speculative decoding configured, also vLLM's spec_decode counters: drafts (verifications
+of one sequence's draft tokens), draft tokens, accepted tokens, and accepted tokens per draft
+position (label ``position``, from 0).
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0)
 
 PREFIX = "tpserve:"
+GIE_PREFIX = "vllm:"  # the model-server protocol's default names (vLLM's)
 
 
 class _EngineCollector:
@@ -46,8 +58,8 @@ class _EngineCollector:
             return
         labels = ["model_name"]
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        def gauge(name, doc, value, prefix=PREFIX):
+            g = GaugeMetricFamily(prefix + name, doc, labels=labels)
             g.add_metric([self.model_name], float(value))
             return g
 
@@ -67,6 +79,36 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", hits)
         yield counter("num_preemptions", "Preemptions of running requests (recomputed later).",
                       s.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in s:
+            yield from self._spec_decode(s, counter)
+        yield from self._gie(s, gauge, total)
+
+    def _spec_decode(self, s: dict, counter):
+        """Speculative decoding's counters (only when it is configured), vLLM's names."""
+        yield counter("spec_decode_num_drafts", "Verifications of a sequence's draft tokens.",
+                      s["spec_decode_num_drafts"])
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                      s["spec_decode_num_draft_tokens"])
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s["spec_decode_num_accepted_tokens"])
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
+
+    def _gie(self, s: dict, gauge, total: int):
+        """The model-server protocol's gauges, same values under vLLM's names."""
+        yield gauge("num_requests_running", "Requests in the running batch.", s.get("num_running", 0), GIE_PREFIX)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0),
+                    GIE_PREFIX)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                    s.get("kv_blocks_used", 0) / total if total else 0.0, GIE_PREFIX)
+        info = GaugeMetricFamily(GIE_PREFIX + "cache_config_info", "KV-cache configuration (labels).",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric([self.model_name, str(s.get("block_size", "")), str(total)], 1.0)
+        yield info
 
 
 class ServingMetrics:

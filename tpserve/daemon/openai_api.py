@@ -2,23 +2,26 @@
 
 ``parse_completion`` / ``parse_chat`` turn a decoded JSON body into a ``Job`` (prompts, one
 SamplingParams, ``n``, streaming options) or raise ``OpenAIError`` carrying the HTTP status and
-OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``. Fields the OpenAI API
-defines but tpserve does not implement in a way that changes the output (``echo``, ``suffix``,
-``best_of`` > 1) are refused rather than silently ignored; fields nobody defined are ignored, as
-OpenAI does. ``user`` is checked to be a string and otherwise unused.
+OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``. Every field OpenAI's or
+vLLM's request schema defines is honoured (with vLLM's meaning where OpenAI names the same thing
+differently) or refused with a 400 naming it (``_UNSUPPORTED``); fields nobody defined are
+ignored, as OpenAI does. ``user`` and other caller labels are checked to be strings.
 
 The builders below produce the response maps for ``/v1/completions`` and
 ``/v1/chat/completions``, whole or as stream chunks; they know nothing about HTTP.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 
+from tpserve import requests as R
 from tpserve.errors import ConfigError, InvalidRequestError
 from tpserve.sampling import MAX_LOGPROBS, SamplingParams
 
-MAX_N = 16              # completions per prompt
+MAX_N = R.MAX_N          # completions per prompt
 MAX_PROMPTS = 64        # prompts in one /v1/completions request
 MAX_CHOICES = 128       # prompts x n
 MAX_MESSAGES = 1024
@@ -54,6 +57,64 @@ class Job:
     chat: bool = False
     messages: list = field(default_factory=list)
     max_tokens_given: bool = True  # False: chat's default, the rest of the context
+    echo: bool = False             # completions: prompt text (and logprobs) before the output
+    token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" strings
+    return_token_ids: bool = False   # vLLM's: token ids in each choice (and the prompt's)
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (BOS)
+    chat_options: dict = field(default_factory=dict)  # apply_chat_template's options
+    tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
+    structured_param: str | None = None  # the body field params.structured_outputs came from
+
+
+# ---- the body -------------------------------------------------------------------------------
+# A JSON string can hold an escaped UTF-16 surrogate (\ud800-\udfff). In pairs they decode to one
+# character; alone they decode to a code point that no UTF-8 text can carry, which tokenizers,
+# msgpack and the JSON encoder of the answer all refuse. Only bodies with such an escape are walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_body(data: bytes):
+    """The request body as JSON, or a 400 naming what is wrong (syntax, nesting, lone surrogates)."""
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise bad(None, "the body is not acceptable JSON: nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(data):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad(where or None, f"{'' if where else 'the body '}contains a lone UTF-16 surrogate (an "
+                                     "unpaired \\ud800-\\udfff escape), which is not text", code="invalid_json")
+    return body
+
+
+def _lone_surrogate(body) -> str | None:
+    """The path ("messages[0].content") of the first string not encodable as UTF-8 (of the object
+    holding it, for a key; "" at the top level), else None."""
+    stack = [(body, "")]
+    while stack:  # iterative: the nesting json.loads accepts can exceed Python's recursion limit
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                sub = f"{path}.{k}" if path else k
+                if not _is_text(k):
+                    return path
+                stack.append((v, sub))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value) if isinstance(v, (str, list, dict)))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # ---- field checks ----------------------------------------------------------------------------
@@ -86,8 +147,56 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+# Request fields OpenAI's or vLLM's API defines that tpserve does not implement: refused with a
+# 400 naming them whenever they ask for something (a value other than the one that changes
+# nothing), never accepted and dropped. Fields nobody defined are ignored, as OpenAI does.
+_UNSUPPORTED = {
+    "suffix": "is not supported (no fill-in-the-middle)",
+    "use_beam_search": "is not supported (no beam search)",
+    "length_penalty": "is not supported (it only applies to beam search)",
+    "logits_processors": "is not supported (no custom logits processors)",
+    "cache_salt": "is not supported",
+    "kv_transfer_params": "is not supported (no disaggregated prefill)",
+    "vllm_xargs": "is not supported",
+    "mm_processor_kwargs": "is not supported (text models only)",
+    "prediction": "is not supported (no predicted outputs)",
+    "audio": "is not supported (text models only)",
+    "reasoning_effort": "is not supported",
+    "web_search_options": "is not supported",
+    "functions": "is not supported; use tools",
+    "function_call": "is not supported; use tool_choice",
+    "documents": "is not supported",
+    "guided_json": "is not supported; use response_format or structured_outputs",
+    "guided_regex": "is not supported; use structured_outputs",
+    "guided_choice": "is not supported; use structured_outputs",
+    "guided_grammar": "is not supported; use structured_outputs",
+}
+# Refused only when set to something other than what tpserve does anyway.
+_NEUTRAL = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
+            "verbosity": ("medium",), "logprobs_mode": ("raw_logprobs",)}
+# Strings that identify the caller and change no output.
+_LABELS = ("user", "safety_identifier", "prompt_cache_key")
+
+
+def _refused(body: dict) -> None:
+    for name, why in _UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and v is not False and v != [] and v != {}:
+            raise bad(name, why, code="unsupported_parameter")
+    for name, allowed in _NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in allowed:
+            raise bad(name, f"only {' or '.join(json.dumps(a) for a in allowed)} is supported, "
+                            f"got {json.dumps(body[name])[:100]}", code="unsupported_parameter")
+    if body.get("metadata") is not None:
+        raise bad("metadata", "is only meaningful with store, which is not supported", code="unsupported_parameter")
+
+
 def _common(body: dict, served_name: str) -> dict:
-    """Checks shared by both endpoints; returns SamplingParams keyword arguments and options."""
+    """Checks shared by both endpoints; returns SamplingParams keyword arguments and options.
+
+    OpenAI's names map to SamplingParams' (vLLM's); vLLM's extra fields keep their names. The
+    bounds are SamplingParams' own (tpserve/requests.py); a bad value is a 400 naming the field.
+    """
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
@@ -96,11 +205,11 @@ def _common(body: dict, served_name: str) -> dict:
     if model is not None and model != served_name:
         raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{served_name}`.",
                           "model", code="model_not_found")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad("user", f"must be a string, got {type(user).__name__}")
-    if body.get("suffix") is not None:
-        raise bad("suffix", "is not supported")
+    for name in _LABELS:
+        v = body.get(name)
+        if v is not None and not isinstance(v, str):
+            raise bad(name, f"must be a string, got {type(v).__name__}")
+    _refused(body)
     if _int(body, "best_of", 1, 1, 1) != 1:
         raise bad("best_of", "only 1 is supported")
     stop = body.get("stop")
@@ -110,9 +219,9 @@ def _common(body: dict, served_name: str) -> dict:
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad("stop", "must be a string or an array of strings")
-    max_tokens = _int(body, "max_completion_tokens", 1, 2**31 - 1)
+    max_tokens = _int(body, "max_completion_tokens", 0, 2**31 - 1)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 2**31 - 1)
+        max_tokens = _int(body, "max_tokens", 0, 2**31 - 1)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -126,8 +235,17 @@ def _common(body: dict, served_name: str) -> dict:
     kw = dict(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
               top_k=-1 if top_k is None else top_k, seed=body.get("seed"),
               stop=[s for s in stop if s], ignore_eos=_bool(body, "ignore_eos", False))
+    # Passed through as given: SamplingParams checks types and bounds and names the field.
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens",
+                 "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids",
+                 "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                 "truncate_prompt_tokens", "prompt_logprobs"):
+        if body.get(name) is not None:
+            kw[name] = body[name]
     return dict(kw=kw, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                n=_int(body, "n", 1, MAX_N, 1))
+                n=_int(body, "n", 1, MAX_N, 1),
+                token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False),
+                return_token_ids=_bool(body, "return_token_ids", False))
 
 
 def _params(kw: dict) -> SamplingParams:
@@ -143,8 +261,7 @@ def _token_ids(v) -> bool:
 
 def parse_completion(body, served_name: str) -> Job:
     c = _common(body, served_name)
-    if _bool(body, "echo", False):
-        raise bad("echo", "is not supported")
+    echo = _bool(body, "echo", False)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -163,9 +280,22 @@ def parse_completion(body, served_name: str) -> Job:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     if len(prompts) * c["n"] > MAX_CHOICES:
         raise bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts) * c['n']}")
-    c["kw"]["logprobs"] = _int(body, "logprobs", 0, MAX_LOGPROBS)
-    c["kw"]["max_tokens"] = c["max_tokens"] or DEFAULT_MAX_TOKENS
-    return Job(prompts, _params(c["kw"]), c["n"], c["stream"], c["include_usage"])
+    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    c["kw"]["logprobs"] = logprobs
+    max_tokens = c["max_tokens"]
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens", "0 generates nothing: it is only allowed with echo (to score the prompt)")
+    c["kw"]["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if echo and logprobs is not None:  # the prompt's tokens are reported with the same alternatives
+        given = c["kw"].get("prompt_logprobs")
+        c["kw"]["prompt_logprobs"] = logprobs if given is None else max(given, logprobs)
+    job = Job(prompts, _params(c["kw"]), c["n"], c["stream"], c["include_usage"])
+    job.echo, job.token_ids_as_text, job.return_token_ids = echo, c["token_ids_as_text"], c["return_token_ids"]
+    job.add_special_tokens = _bool(body, "add_special_tokens", True)
+    return job
+
+
+_CHAT_OPTIONS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template")
 
 
 def parse_chat(body, served_name: str) -> Job:
@@ -200,9 +330,30 @@ def parse_chat(body, served_name: str) -> Job:
     if top is not None and not want:
         raise bad("top_logprobs", "needs logprobs set to true")
     c["kw"]["logprobs"] = (top or 0) if want else None
+    if c["max_tokens"] == 0:
+        raise bad("max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens",
+                  "must be at least 1")
     c["kw"]["max_tokens"] = c["max_tokens"] or 1  # replaced by the rest of the context once tokenized
-    return Job([], _params(c["kw"]), c["n"], c["stream"], c["include_usage"], chat=True,
-               messages=clean, max_tokens_given=c["max_tokens"] is not None)
+    job = Job([], _params(c["kw"]), c["n"], c["stream"], c["include_usage"], chat=True,
+              messages=clean, max_tokens_given=c["max_tokens"] is not None)
+    job.token_ids_as_text, job.return_token_ids = c["token_ids_as_text"], c["return_token_ids"]
+    job.echo = _bool(body, "echo", False)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "must be an object")
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise bad("chat_template", "must be a string (a Jinja template)")
+    add_gen = _bool(body, "add_generation_prompt", True)
+    cont = _bool(body, "continue_final_message", False)
+    if add_gen and cont:
+        raise bad("continue_final_message", "cannot be used with add_generation_prompt true (vLLM's rule)")
+    if cont and clean[-1]["role"] != "assistant":
+        raise bad("continue_final_message", "needs the last message to be the assistant's")
+    job.chat_options = dict(chat_template_kwargs=kwargs or {}, add_generation_prompt=add_gen,
+                            continue_final_message=cont, chat_template=template)
+    job.add_special_tokens = _bool(body, "add_special_tokens", False)
+    return job
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -212,15 +363,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_logprobs(entries, token_text, offset: int) -> dict:
-    """The legacy completions ``logprobs`` object of some tokens; ``offset``: their text offset."""
-    tokens, offsets = [], []
-    for tok, _, _ in entries:
+    """The legacy completions ``logprobs`` object of some tokens; ``offset``: their text offset.
+
+    ``entries``: (token id, logprob or None, [(id, logprob), ...] or None) per token. Each
+    position's ``top_logprobs`` holds the k alternatives and the token itself (up to k + 1
+    entries, as OpenAI and vLLM return them); a prompt's first token has None for both."""
+    tokens, offsets, tops = [], [], []
+    for tok, lp, top in entries:
         offsets.append(offset)
         tokens.append(token_text(tok))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{token_text(t): v for t, v in top} for _, _, top in entries],
+        if top is None:
+            tops.append(None)
+        else:
+            d = {token_text(t): v for t, v in top}
+            d.setdefault(tokens[-1], lp)
+            tops.append(d)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def prompt_logprobs_obj(prompt_ids: list[int], entries, token_text) -> list:
+    """vLLM's ``prompt_logprobs`` of a choice: None, then per prompt token a map of token id (as
+    a string) to {"logprob", "rank" (1 = most likely; absent when outside the top k),
+    "decoded_token"}, with the prompt's token and its k alternatives."""
+    out: list = []
+    for tok, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        lp, top = entry
+        d = {str(t): {"logprob": v, "rank": r, "decoded_token": token_text(t)}
+             for r, (t, v) in enumerate(top, start=1)}
+        d.setdefault(str(tok), {"logprob": lp, "decoded_token": token_text(tok)})
+        out.append(d)
+    return out
 
 
 def chat_logprobs(entries, token_text) -> dict:

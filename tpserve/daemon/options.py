@@ -8,15 +8,35 @@ turning ConfigError into click.BadParameter naming the option.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import fields
 
 import click
 
 from tpserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in EngineConfig.option_names()}
+
+
+class JsonMap(click.ParamType):
+    """A JSON object given as text (e.g. --speculative-config '{"method": "ngram", ...}')."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            self.fail(f"is not valid JSON ({e}): {value!r}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"must be a JSON object ({{...}}), got {value!r}", param, ctx)
+        return parsed
+
 
 # (EngineConfig field, option declarations, click kwargs). Flags map to booleans in _to_config.
 _OPTIONS = [
@@ -44,6 +64,10 @@ _OPTIONS = [
     ("num_kv_blocks", ("--num-kv-blocks",),
      dict(type=int, help="KV-cache blocks, overriding the memory-based size")),
     ("dtype", ("--dtype",), dict(type=click.Choice(DTYPES), help="model weight and activation dtype")),
+    ("quantization", ("--quantization",),
+     dict(type=click.Choice(QUANTIZATION_METHODS),
+          help="int8: quantize the linear layers at load (int8 weights per channel, int8 activations "
+               "per row); compressed-tensors: an int8 checkpoint (detected from config.json without it)")),
     ("attention_backend", ("--attention-backend",),
      dict(type=click.Choice(ATTENTION_BACKENDS), help="attention kernels")),
     ("enforce_eager", ("--enforce-eager",), dict(is_flag=True, help="disable CUDA graphs")),
@@ -52,6 +76,11 @@ _OPTIONS = [
     ("seed", ("--seed",), dict(type=int, help="engine seed (sampling of requests without their own seed)")),
     ("startup_timeout", ("--startup-timeout",),
      dict(type=float, help="seconds the engine may take to start: workers joining, model loading")),
+    ("speculative_config", ("--speculative-config",),
+     dict(type=JsonMap(), default=None,
+          help='speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", '
+               '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+               '[default: off]')),
 ]
 
 
@@ -102,11 +131,13 @@ def config_from_options(kwargs: dict, resolve: bool = True) -> EngineConfig:
         if resolve:
             config.resolve()
     except ConfigError as e:
-        raise click.BadParameter(e.reason, param_hint=_hint(e.field)) from None
+        reason = e.reason if "." not in e.field else f"{e.field}: {e.reason}"  # a key inside a map
+        raise click.BadParameter(reason, param_hint=_hint(e.field)) from None
     return config
 
 
 def _hint(field_name: str) -> str:
+    field_name = field_name.split(".")[0]  # speculative_config.<key> -> the option
     for name, decls, _ in _OPTIONS:
         if name == field_name:
             return "/".join(f"'{d}'" for d in decls)
@@ -124,6 +155,8 @@ def options_argv(config: EngineConfig) -> list[str]:
         elif kwargs.get("is_flag"):
             if value:
                 argv.append(decls[0])
+        elif isinstance(value, dict):
+            argv += [decls[-1], json.dumps(value)]
         elif value is not None:
             argv += [decls[-1], str(value)]
     return argv

@@ -9,10 +9,12 @@ accepted by its socket; then it is forgotten. Sends never block the serving loop
 * a send the high-water mark refuses (EAGAIN) queues the frame in the peer's outbox, and every
   later message to that peer queues behind it, so one peer's messages leave in the order they
   were produced; ``flush`` retries the queues;
-* a ``delta`` that has to queue is merged into the queued delta of the same request, if one is
-  still waiting behind the head of the queue (text, token ids and log-probabilities appended, up
-  to ``MAX_MERGED_TOKENS`` / ``MAX_MERGED_CHARS``): a reader that falls behind gets fewer,
-  larger deltas, and its outbox holds about two messages per request however far behind it is;
+* a ``delta`` that has to queue is merged into the queued delta of the same request and
+  completion (``id`` and ``index``), if one is still waiting behind the head of the queue (text,
+  token ids and log-probabilities appended, up to ``MAX_MERGED_TOKENS`` / ``MAX_MERGED_CHARS``;
+  a delta carrying ``prompt_logprobs`` is never merged into another): a reader that falls behind
+  gets fewer, larger deltas, and its outbox holds about one message per completion and the
+  request's ``done`` however far behind it is;
 * a peer is never dropped for reading slowly. ZeroMQ tells a sender that its reader made
   progress only every half of the reader's receive high-water mark (1000 messages by default),
   so a client reading one message every few seconds accepts nothing for tens of minutes while
@@ -56,8 +58,10 @@ class MergedDelta:
         self.logprobs = None if msg.logprobs is None else list(msg.logprobs)
 
     def add(self, msg: P.DeltaReply) -> bool:
-        """Append ``msg``, unless the merged delta would then exceed the limits."""
-        if (len(self.token_ids) + len(msg.token_ids) > MAX_MERGED_TOKENS
+        """Append ``msg`` (a delta of the same request and completion), unless the merged delta
+        would then exceed the limits or ``msg`` carries the prompt's log-probabilities."""
+        if (msg.prompt_logprobs is not None
+                or len(self.token_ids) + len(msg.token_ids) > MAX_MERGED_TOKENS
                 or self.chars + len(msg.text) > MAX_MERGED_CHARS):
             return False
         self.texts.append(msg.text)
@@ -77,7 +81,8 @@ class MergedDelta:
 class Peer:
     """One connection. ``requests`` are its requests in flight, by the client's id. ``outbox``
     holds encoded frames and, behind its head, the ``MergedDelta``s still open to merging (also
-    in ``open_deltas``, by request id). Between calls the head of a non-empty outbox is a frame."""
+    in ``open_deltas``, by request id, then completion index). Between calls the head of a
+    non-empty outbox is a frame."""
 
     identity: bytes
     tag: int
@@ -146,10 +151,11 @@ class Peers:
             self.try_send(peer, frame)
 
     def _queue_delta(self, peer: Peer, msg: P.DeltaReply) -> None:
-        merged = peer.open_deltas.get(msg.id)
+        by_index = peer.open_deltas.setdefault(msg.id, {})
+        merged = by_index.get(msg.index)
         if merged is not None and merged.add(msg):
             return
-        merged = peer.open_deltas[msg.id] = MergedDelta(msg)
+        merged = by_index[msg.index] = MergedDelta(msg)
         self._queue(peer, merged)
 
     def _queue(self, peer: Peer, entry) -> None:
@@ -219,8 +225,9 @@ class Peers:
         head = peer.outbox[0]
         if not isinstance(head, MergedDelta):
             return True
-        if peer.open_deltas.get(head.first.id) is head:
-            del peer.open_deltas[head.first.id]
+        by_index = peer.open_deltas.get(head.first.id, {})
+        if by_index.get(head.first.index) is head:
+            del by_index[head.first.index]
         frame = self._encode(head.reply())
         if frame is None:
             peer.outbox.popleft()

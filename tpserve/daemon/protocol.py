@@ -15,6 +15,7 @@ Type strings are looked up per direction: ``REQUESTS`` (client -> daemon) and ``
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields as dc_fields
 from typing import Any, Callable, ClassVar
 
@@ -22,7 +23,7 @@ import msgpack
 
 from tpserve import requests as R
 from tpserve.errors import InvalidFieldError, TpserveError
-from tpserve.sampling import MAX_LOGPROBS, SamplingParams
+from tpserve.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 PROTOCOL_VERSION = 1
 
@@ -40,6 +41,7 @@ MAX_PROMPT_TOKENS = R.MAX_PROMPT_TOKENS
 MAX_TOKEN_ID = R.MAX_TOKEN_ID
 MAX_STOP_STRINGS = R.MAX_STOP_STRINGS
 MAX_STOP_CHARS = R.MAX_STOP_CHARS
+MAX_N = R.MAX_N
 MAX_STOP_TOKEN_IDS = R.MAX_STOP_TOKEN_IDS
 FINISH_REASONS = R.FINISH_REASONS
 MAX_METRICS_CHARS = 4 * 1024 * 1024  # Prometheus text exposition
@@ -177,6 +179,33 @@ def logprobs_list(name, v):
     return out
 
 
+def prompt_logprobs_list(name, v):
+    """Per prompt token: nil for the first, then ``[logprob, [[token id, logprob], ...]]``."""
+    if not isinstance(v, (list, tuple)) or not v or v[0] is not None:
+        raise _bad(name, "must be an array starting with nil (the first prompt token has none)")
+    return [None] + logprobs_list(name, v[1:])
+
+
+def completions_list(name, v):
+    """The completions of an ``n`` > 1 request (done): maps of index, finish_reason,
+    completion_tokens and, for a request that was not streamed, text, token_ids, logprobs."""
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_N:
+        raise _bad(name, f"must be an array of at most {MAX_N} completion maps")
+    out = []
+    for i, c in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(c, dict):
+            raise _bad(where, f"must be a map, got {type(c).__name__}")
+        item = {"index": integer(0, MAX_N - 1)(f"{where}.index", c.get("index")),
+                "finish_reason": one_of(FINISH_REASONS)(f"{where}.finish_reason", c.get("finish_reason")),
+                "completion_tokens": count(f"{where}.completion_tokens", c.get("completion_tokens"))}
+        for key, check in (("text", text(2**31)), ("token_ids", token_ids(2**31)), ("logprobs", logprobs_list)):
+            if c.get(key) is not None:
+                item[key] = check(f"{where}.{key}", c[key])
+        out.append(item)
+    return out
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -197,9 +226,10 @@ def sampling_params(name, v):
     """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults).
 
     The bounds are SamplingParams' own (tpserve.requests); this only adds the wire's field names.
+    ``structured_outputs`` is a map of StructuredOutputsParams fields.
     """
     if isinstance(v, SamplingParams):
-        v = params_to_wire(v)
+        return v  # validated when it was constructed (tpserve.requests): not rebuilt here
     if not isinstance(v, dict):
         raise _bad(name, f"must be a map of sampling parameters, got {type(v).__name__}")
     for key in v:
@@ -213,11 +243,28 @@ def sampling_params(name, v):
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    """SamplingParams as its wire map (a None seed or logprobs is left out)."""
+    """SamplingParams as its wire map: fields left at None are left out, and ``logit_bias``
+    keys travel as decimal strings (wire maps have string keys, as in JSON)."""
     d = {f: getattr(params, f) for f in SAMPLING_FIELDS}
-    for key in ("seed", "logprobs"):
-        if d[key] is None:
-            del d[key]
+    d = {k: v for k, v in d.items() if v is not None}
+    if "logit_bias" in d:
+        d["logit_bias"] = {str(t): b for t, b in d["logit_bias"].items()}
+    if "structured_outputs" in d:
+        d["structured_outputs"] = structured_to_wire(d["structured_outputs"])
+    return d
+
+
+def structured_to_wire(so: StructuredOutputsParams) -> dict:
+    """StructuredOutputsParams as its wire map: the constraint and the options that differ
+    from their defaults; a ``json`` schema travels as its JSON text (a wire map holds at most
+    MAX_STATUS_ENTRIES entries, a schema's ``properties`` may hold more)."""
+    d = {}
+    for f in dc_fields(StructuredOutputsParams):
+        v = getattr(so, f.name)
+        if v is not None and v != f.default:
+            d[f.name] = v
+    if isinstance(d.get("json"), dict):
+        d["json"] = json.dumps(d["json"], separators=(",", ":"))
     return d
 
 
@@ -318,11 +365,15 @@ class DeltaReply(Message):
     TYPE = "delta"
     DIRECTION = "reply"
     FIELDS = {"id": (request_id, True), "text": (text(2**31), True),
-              "token_ids": (token_ids(2**31), True), "logprobs": (nullable(logprobs_list), False)}
+              "token_ids": (token_ids(2**31), True), "logprobs": (nullable(logprobs_list), False),
+              "index": (integer(0, MAX_N - 1), False),
+              "prompt_logprobs": (nullable(prompt_logprobs_list), False)}
     id: str
     text: str
     token_ids: list[int]
     logprobs: list | None = None
+    index: int = 0                      # which of the request's n completions
+    prompt_logprobs: list | None = None  # in the request's first message only
 
 
 @dataclass
@@ -336,7 +387,9 @@ class DoneReply(Message):
               "prompt_tokens": (count, True), "completion_tokens": (count, True),
               "text": (nullable(text(2**31)), False), "token_ids": (nullable(token_ids(2**31)), False),
               "abort_reason": (nullable(one_of(ABORT_REASONS)), False),
-              "logprobs": (nullable(logprobs_list), False)}
+              "logprobs": (nullable(logprobs_list), False),
+              "prompt_logprobs": (nullable(prompt_logprobs_list), False),
+              "completions": (nullable(completions_list), False)}
     id: str
     finish_reason: str
     prompt_tokens: int
@@ -345,6 +398,8 @@ class DoneReply(Message):
     token_ids: list[int] | None = None
     abort_reason: str | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # unless an earlier delta carried them
+    completions: list | None = None      # n > 1: every completion (the fields above: the first's)
 
 
 @dataclass

@@ -57,6 +57,7 @@ import zmq
 from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
 from tpserve.daemon.fair_queue import FairQueue
+from tpserve.daemon.kv_events import KVEventPublisher, KVEventsOptions
 from tpserve.daemon.listener import Listener
 from tpserve.daemon.metrics import ServingMetrics
 from tpserve.daemon.outbox import Peer, Peers
@@ -94,6 +95,7 @@ class ServerOptions:
     curve_secret_key: bytes | None = None
     curve_client_keys_dir: str | None = None
     served_model_name: str | None = None  # metrics label; default: the model directory's name
+    kv_events: KVEventsOptions | None = None  # publish prefix-cache events (kv_events.py)
 
 
 @dataclass
@@ -113,11 +115,15 @@ class _Request:
     stream: bool
     prompt_tokens: int
     completion_tokens: int = 0
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None  # wire entries gathered for a non-streamed reply
     arrival: float = 0.0
     last_token: float | None = None
+    n: int = 1
+    # n > 1: the finished completions' wire maps, and the unfinished ones' gathered output
+    done: list = field(default_factory=list)
+    parts: dict = field(default_factory=dict)   # index -> (text parts, token ids, logprobs)
+    prompt_logprobs_sent: bool = False
+    prompt_logprobs: list | None = None  # wire entries not yet sent (they go with the done)
+    logprobs_wanted: bool = False
 
 
 def served_model_name(engine, options: ServerOptions) -> str:
@@ -126,6 +132,12 @@ def served_model_name(engine, options: ServerOptions) -> str:
         return options.served_model_name
     path = getattr(getattr(engine, "config", None), "model_path", None)
     return os.path.basename(os.path.normpath(str(path))) if path else "tpserve"
+
+
+def _wire_prompt_logprobs(entries) -> list | None:
+    if entries is None:
+        return None
+    return [None if e is None else [e.logprob, [[t, v] for t, v in e.top]] for e in entries]
 
 
 def _wire_logprobs(logprobs) -> list | None:
@@ -160,6 +172,15 @@ class Server:
         self.failure: str | None = None  # why the engine stopped working, once it has
         self._health_fd: int | None = None
         self._metrics: ServingMetrics | None = None
+        #: more entries for the status map (the daemon's HTTP front reports its state here)
+        self.status_extras: Callable[[], dict] | None = None
+        self._kv_events = None
+        if self.options.kv_events is not None:
+            try:
+                self._kv_events = self.options.kv_events.publisher()
+            except OSError:
+                self.close()
+                raise
         self._checked_idle = True  # the engine's integrity was checked since it last worked
 
     def _tokenize(self, prompt: str) -> list[int]:
@@ -191,6 +212,8 @@ class Server:
         """Serve until a requested shutdown completes or the engine fails. Returns the exit code."""
         log.info("serving on %s", self.address)
         self._health_fd = self.engine.health_fd()
+        if self._kv_events is not None:
+            self.engine.enable_kv_events()
         if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
             self.listener.watch(self._health_fd)
         if self.engine.tokenizer_path() is not None:
@@ -244,6 +267,8 @@ class Server:
                 log.exception("engine step failed; shutting down")
                 self._engine_failed(e)
             self._dispatch(outputs)
+        if self._kv_events is not None:
+            self._kv_events.publish(self.engine.drain_kv_events(self._kv_events.resync_wanted()))
         deadline = self._profiler.deadline
         if deadline is not None and time.monotonic() >= deadline:
             self._finish_profile()
@@ -307,6 +332,8 @@ class Server:
         if self._tokenizer_process is not None:
             self._tokenizer_process.close()
         self.listener.close()
+        if self._kv_events is not None:
+            self._kv_events.close()
 
     # ---- receiving ---------------------------------------------------------------------------
     def _drop_disconnected(self) -> None:
@@ -387,7 +414,7 @@ class Server:
                          "some to finish or use another connection", id=msg.id)
         peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
-                       arrival=time.monotonic())
+                       arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None)
         if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
@@ -478,6 +505,15 @@ class Server:
             req = self._requests.get(out.request_id)
             if req is None:
                 continue  # aborted or dropped since the engine produced it
+            if out.error is not None:  # its grammar did not compile: no token was produced
+                self._close(req)
+                e = out.error
+                field = getattr(e, "field", None)
+                code = P.INVALID_FIELD if field else P.INVALID_REQUEST
+                self.peers.send(req.peer, P.ErrorReply(code, str(getattr(e, "reason", e))[:P.MAX_MESSAGE_CHARS],
+                                                       id=req.client_id, field=field))
+                self.peers.forget_if_idle(req.peer)
+                continue
             if out.num_prompt_tokens:
                 req.prompt_tokens = out.num_prompt_tokens
             req.completion_tokens += len(out.new_token_ids)
@@ -485,30 +521,49 @@ class Server:
                 metrics.on_tokens(len(out.new_token_ids), now, req.arrival, req.last_token, out.queue_time)
                 req.last_token = now
             logprobs = _wire_logprobs(out.logprobs)
+            prompt_lps = _wire_prompt_logprobs(out.prompt_logprobs)
             if req.stream:
                 if out.new_token_ids or out.new_text:
                     self.peers.send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
-                                                           logprobs=logprobs))
+                                                           logprobs=logprobs, index=out.index,
+                                                           prompt_logprobs=prompt_lps))
+                    req.prompt_logprobs_sent |= prompt_lps is not None
                     if out.request_id not in self._requests:
                         continue  # the send found the client gone and dropped its requests
             else:
-                req.text_parts.append(out.new_text)
-                req.token_ids.extend(out.new_token_ids)
+                text_parts, token_ids, lps = req.parts.setdefault(out.index, ([], [], []))
+                text_parts.append(out.new_text)
+                token_ids.extend(out.new_token_ids)
                 if logprobs is not None:
-                    if req.logprobs is None:
-                        req.logprobs = []
-                    req.logprobs.extend(logprobs)
+                    lps.extend(logprobs)
+            if prompt_lps is not None and not req.prompt_logprobs_sent:
+                req.prompt_logprobs = prompt_lps  # goes with the done message
             if out.finished:
-                metrics.on_finished(now, req.arrival)
-                self._close(req)
-                done = P.DoneReply(req.client_id, out.finish_reason or "stop", req.prompt_tokens,
-                                   out.num_completion_tokens or req.completion_tokens,
-                                   abort_reason=None)
-                if not req.stream:
-                    done.text, done.token_ids = "".join(req.text_parts), req.token_ids
-                    done.logprobs = req.logprobs
-                self.peers.send(req.peer, done)
-                self.peers.forget_if_idle(req.peer)
+                self._finish_completion(req, out, now)
+
+    def _finish_completion(self, req: _Request, out, now: float) -> None:
+        """One completion of ``req`` ended; the request's ``done`` goes out with its last."""
+        item = {"index": out.index, "finish_reason": out.finish_reason or "stop",
+                "completion_tokens": out.num_completion_tokens}
+        if not req.stream:
+            text_parts, token_ids, lps = req.parts.pop(out.index, ([], [], []))
+            item.update(text="".join(text_parts), token_ids=token_ids,
+                        logprobs=lps if req.logprobs_wanted else None)
+        req.done.append(item)
+        if len(req.done) < req.n:
+            return
+        self.metrics.on_finished(now, req.arrival)
+        self._close(req)
+        first = min(req.done, key=lambda c: c["index"])
+        done = P.DoneReply(req.client_id, first["finish_reason"], req.prompt_tokens,
+                           sum(c["completion_tokens"] for c in req.done) or req.completion_tokens,
+                           abort_reason=None, prompt_logprobs=req.prompt_logprobs)
+        if not req.stream:
+            done.text, done.token_ids, done.logprobs = first["text"], first["token_ids"], first["logprobs"]
+        if req.n > 1:
+            done.completions = sorted(req.done, key=lambda c: c["index"])
+        self.peers.send(req.peer, done)
+        self.peers.forget_if_idle(req.peer)
 
     def _abort(self, req: _Request, reason: str) -> None:
         """Abort ``req`` in the engine and tell its client (``done`` with finish_reason abort)."""
@@ -517,7 +572,8 @@ class Server:
         done = P.DoneReply(req.client_id, "abort", req.prompt_tokens, req.completion_tokens,
                            abort_reason=reason)
         if not req.stream:
-            done.text, done.token_ids = "".join(req.text_parts), req.token_ids
+            text_parts, token_ids, _ = req.parts.get(0, ([], [], []))
+            done.text, done.token_ids = "".join(text_parts), token_ids
         self.peers.send(req.peer, done)
         self.peers.forget_if_idle(req.peer)
 
@@ -574,8 +630,12 @@ class Server:
                      state="failed" if self.failure else "shutting_down" if self._stopping else "running",
                      requests_in_flight=len(self._requests) + len(self._tokenizer) + len(self._queue),
                      requests_queued=len(self._queue), clients=len(self.peers))
+        if self._kv_events is not None:
+            stats.update(self._kv_events.stats())
         if self.failure:
             stats["failure"] = self.failure
+        if self.status_extras is not None:
+            stats.update(self.status_extras())
         return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
 
 

@@ -20,9 +20,9 @@ than 256 tokens is never reused and longer ones lose up to 255 tokens each; (2) 
 of every running sequence is on average half empty: 128 tokens x 256 sequences at block 256
 against 8 x 256 at block 16; (3) flash-attn is optional and often absent (no wheel for the
 installed torch/CUDA). The cost block 16 used to carry, one block-table load per 16 keys and a
-grid too small for the GPU at small batch, is gone: the Triton decode kernel loads a 64-key
-tile's table entries as one vector and splits long contexts across programs (split-K, see
-``paged_decode.py``). ``scripts/gpu_check.sh`` measures both backends where flash-attn is
+grid too small for the GPU at small batch, is gone: the Triton decode and prefill kernels load
+a 64-key tile's table entries as one vector, and decode splits long contexts across programs
+(split-K, see ``paged_decode.py``). ``scripts/gpu_check.sh`` measures both backends where flash-attn is
 installed, so this choice can be revisited with figures.
 
 Backend modules are imported only when selected, so that importing ``tpserve.kernels`` never

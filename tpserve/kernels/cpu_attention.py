@@ -69,6 +69,7 @@ class CpuAttention(AttentionBackend):
                scale: float) -> torch.Tensor:
         if k_cache is None:
             return varlen_causal_attention(q, k, v, meta, scale)
+        meta.derived("cpu.tables_checked", lambda: self._check_tables(k_cache, meta) or True)
         if not meta.is_prefill:
             return self._paged(q, k_cache, v_cache, meta, scale)
         tiled = self._tiles_prompts(q)
@@ -93,6 +94,12 @@ class CpuAttention(AttentionBackend):
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = -1 if meta.num_decodes is None else meta.num_decodes
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                  meta.context_lens, scale, prompt)
+                                  meta.context_lens, scale, prompt, nd, True)  # checked in attend
         return out
+
+    def _check_tables(self, k_cache, meta: AttentionMetadata) -> None:
+        """The step's block tables against the cache, once per step (the first layer's call)."""
+        self._ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                     k_cache.shape[0], k_cache.shape[1])

@@ -1,11 +1,16 @@
-"""Building and loading tpserve's C++ CPU operators (``csrc/cpu_ops.cpp``).
+"""Building and loading tpserve's C++ CPU operators (``csrc/*.cpp``, ``csrc/*.h``).
 
-The operators are compiled on first use with ``torch.utils.cpp_extension.load`` into a build
-directory under ``$TPSERVE_CACHE_DIR`` (default ``~/.cache/tpserve``) named after a hash of the
-source, the torch version, the compiler flags and the CPU's instruction-set flags, so a build is
-reused across runs and never mixed up with another machine's or another version's.
-``make install`` runs ``python -m tpserve.kernels.cpu_extension`` so that a fresh machine builds
-them during setup rather than during its first request.
+The operators are compiled on first use with ``torch.utils.cpp_extension.load`` and published
+as one shared library, ``$TPSERVE_CACHE_DIR/cpu_ops/tpserve_cpu_<key>.so`` (default cache
+``~/.cache/tpserve``). The key hashes everything that changes the binary and nothing else
+(``build_inputs``): the source, the torch build, its C++ ABI, the Python ABI, the compiler and
+the flags (``TPSERVE_CPU_ARCH`` included; the CPU's flags too under ``-march=native``). So every
+virtualenv and checkout with the same inputs shares one build, and any that differs gets its own
+file instead of rebuilding another's. Builds go through ``build_cache.publish_once``: into a
+temporary directory, then an atomic rename, under a lock, so a library another process has
+loaded is never rewritten and concurrent first starts build once. Each build appends one line
+to ``cpu_ops/build.log``. ``make install`` runs ``python -m tpserve.kernels.cpu_extension`` so
+that a fresh machine builds them during setup rather than during its first request.
 
 The operators are registered as ``torch.ops.tpserve_cpu.*``. A machine that cannot build them
 (no compiler, a failed build) runs the plain-torch code instead, after one logged warning;
@@ -19,15 +24,22 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
+import time
 from pathlib import Path
 
 import torch
 
+from tpserve.kernels.build_cache import publish_once
+
 log = logging.getLogger("tpserve.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Translation units: attention and element-wise ops; the sampler's ops; the packed linear layers.
+SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "sampling_ops.cpp", "linear_ops.cpp"))
 # -march=native: the build is per machine anyway (its directory is keyed by the CPU's flags),
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc
@@ -60,21 +72,50 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_name() -> str:
-    """The extension's name: changes whenever the source, torch, the flags or the CPU change."""
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(cflags()).encode(),
-                 _cpu_flags().encode(), sys.version.encode()):
-        h.update(part)
+def _compiler_identity() -> str:
+    """The C++ compiler torch's build will run (``$CXX`` or ``c++``) and its version line."""
+    cxx = os.environ.get("CXX") or "c++"
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        version = (out.stdout.strip().splitlines() or [""])[0]
+    except (OSError, subprocess.SubprocessError):
+        version = "unknown"
+    return f"{cxx}: {version}"
+
+
+def build_inputs() -> dict[str, str]:
+    """Everything the built library depends on, by name. Paths are left out on purpose: two
+    virtualenvs or checkouts with the same inputs build the same binary and share it."""
+    flags = cflags()
+    return {
+        # The translation units and the headers they include (csrc/*.h).
+        "source": hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, *sorted(CSRC.glob("*.h")))
+                                          )).hexdigest(),
+        "torch": f"{torch.__version__} {torch.version.git_version}",
+        "torch_cxx11_abi": str(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python_abi": str(sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag),
+        "compiler": _compiler_identity(),
+        "cflags": " ".join(flags),
+        # Only a native build depends on this machine's instruction set.
+        "cpu": _cpu_flags() if "-march=native" in flags else "",
+    }
+
+
+def build_name(inputs: dict[str, str] | None = None) -> str:
+    """The library's name: a hash of ``build_inputs()``."""
+    inputs = build_inputs() if inputs is None else inputs
+    h = hashlib.sha256("\n".join(f"{k}={v}" for k, v in sorted(inputs.items())).encode())
     return f"tpserve_cpu_{h.hexdigest()[:16]}"
 
 
-def _build() -> None:
+def library_dir() -> Path:
+    return cache_dir() / "cpu_ops"
+
+
+def _compile(name: str, tmp: Path) -> Path:
+    """Build the library in the empty directory ``tmp`` (which also loads it); its path."""
     from torch.utils.cpp_extension import load
 
-    name = build_name()
-    build_dir = cache_dir() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     # torch runs `ninja` from PATH; the ninja pip package puts it next to this interpreter,
     # which is not on PATH when the virtualenv was not activated (.venv/bin/python ...).
     path = os.environ.get("PATH", "")
@@ -82,10 +123,32 @@ def _build() -> None:
     if shutil.which("ninja") is None and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + path
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(),
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+        load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags(), build_directory=str(tmp),
+             is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
+    # torch appends _v<N> to a name it already built in this process.
+    (lib,) = sorted(tmp.glob(f"{name}*.so"))
+    return lib
+
+
+def _build() -> Path:
+    """Load the library, building and publishing it first if this key has no build yet."""
+    name = build_name()
+    t0 = time.monotonic()
+    path, built = publish_once(library_dir(), f"{name}.so", lambda tmp: _compile(name, tmp))
+    if not built:
+        try:
+            torch.ops.load_library(str(path))
+            return path
+        except OSError as e:  # a file the key did not tell apart (or a foreign one): replace it
+            log.warning("%s does not load (%s); rebuilding it", path, e)
+            path, built = publish_once(library_dir(), f"{name}.so",
+                                       lambda tmp: _compile(name, tmp), force=True)
+    with open(library_dir() / "build.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} built {name} in "
+                f"{time.monotonic() - t0:.1f} s for {sys.executable} (pid {os.getpid()})\n")
+    return path
 
 
 def available() -> bool:
@@ -133,7 +196,7 @@ def main() -> int:
     """Build the operators now (``make install``); exit status 0 even without a compiler."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if available():
-        print(f"tpserve CPU operators ready ({build_name()}, cache {cache_dir()})")
+        print(f"tpserve CPU operators ready ({library_dir() / build_name()}.so)")
     else:
         print(f"tpserve CPU operators not built ({_state.get('error', 'disabled')}); "
               "the plain-torch CPU path will be used")

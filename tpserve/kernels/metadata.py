@@ -39,6 +39,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor   # int32 [B], key length per sequence (== diff(cu_seqlens_k))
     block_tables: torch.Tensor   # int32 [B, W], padded with -1
     slot_mapping: torch.Tensor   # int32 [T], -1 = do not write this token's K/V
+    # Leading sequences with one query row each (a mixed step's decode rows; B for decode), as
+    # the plan states it; None: backends count them from cu_seqlens_q (a host read).
+    num_decodes: int | None = None
     # Index tensors a backend derives from the fields above, computed once per step and shared
     # by all layers (see ``derived``). Not part of the contract.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)

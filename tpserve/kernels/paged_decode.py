@@ -18,7 +18,10 @@ so the grid reaches about ``DECODE_TARGET_PROGRAMS`` programs. Each share writes
 partial state (row max, row sum, output, fp32); a second pass in torch rescales the shares to
 the common max and sums them. With one split the kernel normalises and writes the output
 directly (large batches: the grid is already full). The split count depends only on shapes
-known on the host (batch, heads, block-table width), so it is fixed inside a CUDA graph.
+known on the host (batch, heads, block-table width), so it is fixed inside a CUDA graph. It is
+the grid's third dimension, not a compile-time constant: whether there are partials to write
+(``PARTIAL``) is, so the kernel has two compiled variants per dtype and head shape, not one per
+split count an eager step happens to need.
 
 Softmax is online (running max and sum in fp32, exp2 with log2(e) folded into the scale);
 keys past ``context_lens[b]`` are masked with -inf and loaded as 0, so stale or uninitialised
@@ -35,20 +38,21 @@ from tpserve.kernels.online_softmax import online_softmax_tile
 from tpserve.kernels.tiles import LOG2E, decode_splits, dot_options, max_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                          block_tables_ptr, context_lens_ptr, qk_scale,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cb, stride_cs, stride_ch, stride_bt,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    splits = tl.num_programs(2)
     k_len = tl.load(context_lens_ptr + b)
     # This program's keys: a share of whole tiles, so every share but the last is full.
-    share = tl.cdiv(tl.cdiv(k_len, SPLITS), BLOCK_N) * BLOCK_N
+    share = tl.cdiv(tl.cdiv(k_len, splits), BLOCK_N) * BLOCK_N
     lo = split * share
     hi = tl.minimum(lo + share, k_len)
 
@@ -78,13 +82,13 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
                                             k_mask[None, :], m_i, l_i, acc, qk_scale,
                                             DOT_PRECISION, UPCAST)
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if SPLITS == 1:
+    if not PARTIAL:
         acc = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Partial state, laid out [B, Hq, SPLITS] (m, l) and [B, Hq, SPLITS, HEAD_DIM] (acc).
-        row = (b * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split
+        # Partial state, laid out [B, Hq, splits] (m, l) and [B, Hq, splits, HEAD_DIM] (acc).
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * splits + split
         tl.store(m_ptr + row, m_i, mask=g_mask)
         tl.store(l_ptr + row, l_i, mask=g_mask)
         tl.store(acc_ptr + row[:, None].to(tl.int64) * HEAD_DIM + d[None, :], acc, mask=out_mask)
@@ -139,7 +143,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=tile,
-        SPLITS=splits, **dot_options(q))
+        PARTIAL=splits > 1, **dot_options(q))
     if splits > 1:
         _combine(m, l, acc, out)
     return out

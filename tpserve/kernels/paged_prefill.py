@@ -7,10 +7,19 @@ ones), and attends to keys ``0 .. ctx + i``. The program walks key tiles of ``BL
 to the tile's last query position (keys later than that are masked for every row), with an
 online softmax in fp32.
 
+Variants: each distinct set of constexprs (``prefill_tiles``: BLOCK_M 16 for chunks of at
+most 16 tokens, else the dtype's largest tile; PAGED or not) is compiled on its first launch.
+The runner launches every variant at start (``workers/warmup.py``), so no serving step pays
+the compile. The block-table stride is not specialised on (it is the table width, which changes
+from step to step and would otherwise select other compiled variants).
+
 Keys come from one of two places, fixed at compile time by ``PAGED``:
 
 * ``PAGED=True`` (prefill with context): the paged cache, through the block table, after the
-  new tokens were stored; ``BLOCK_N`` divides the block size, so a tile is one lookup.
+  new tokens were stored. A key tile is ``BLOCK_N`` positions (64 for bf16/fp16, 32 for fp32)
+  whatever the block size: it loads its keys' block-table entries as one vector, as the
+  decode kernel does, so block size 16 no longer means 16-key tiles and one table round trip
+  per 16 keys. A tile may span several blocks or start inside one (block size 48, say).
 * ``PAGED=False`` (prefill without context, or any run without a cache): the new tokens'
   own flat ``k``/``v`` rows ``cu_seqlens_q[b] + j``; the keys are exactly the new tokens.
 """
@@ -22,10 +31,10 @@ import triton.language as tl
 
 from tpserve.kernels.checks import check_paged_args, check_tensor
 from tpserve.kernels.online_softmax import online_softmax_tile
-from tpserve.kernels.tiles import LOG2E, dot_options, max_tile, tile_for_block_size
+from tpserve.kernels.tiles import LOG2E, dot_options, max_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                     block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -68,12 +77,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, context_lens
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
     for start in range(0, k_end, BLOCK_N):
         kpos = start + n
+        k_mask = kpos < k_len
         if PAGED:
-            block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
-            key_rows = block * stride_kb + (start % BLOCK_SIZE + n) * stride_ks
+            # Masked: entries past the sequence's last block may lie past the table's row.
+            blocks = tl.load(table + kpos // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
+            key_rows = blocks * stride_kb + (kpos % BLOCK_SIZE) * stride_ks
         else:
             key_rows = (q_start + kpos).to(tl.int64) * stride_ks
-        k_mask = kpos < k_len
         offs = key_rows[:, None] + kvh * stride_kh + d[None, :]
         tile_mask = k_mask[:, None] & d_mask[None, :]
         # Key 0 is visible to every row, so after the first tile m_i is finite everywhere.
@@ -85,9 +95,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, context_lens
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _block_m(max_seqlen_q: int, dtype: torch.dtype) -> int:
-    # Small tiles for short chunks waste less of the tile on padding rows.
-    return 16 if max_seqlen_q <= 16 else max_tile(dtype)
+def prefill_tiles(max_seqlen_q: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a launch: query rows per program (16 for chunks of at most 16
+    tokens, which waste less of the tile on padding rows, else the dtype's largest tile) and
+    keys per tile (the largest tile, paged or not, whatever the cache's block size)."""
+    cap = max_tile(dtype)
+    return (16 if max_seqlen_q <= 16 else cap), cap
 
 
 def _check_cu(cu_seqlens_q, num_seqs: int, device) -> None:
@@ -161,14 +174,13 @@ def _launch(q, k, v, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, sca
     b = cu_seqlens_q.shape[0] - 1
     if t == 0 or b == 0 or max_seqlen_q == 0:
         return out
-    block_m = _block_m(max_seqlen_q, q.dtype)
-    cap = max_tile(q.dtype)
+    block_m, block_n = prefill_tiles(max_seqlen_q, q.dtype)
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), b, hq)](
         q, k, v, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_strides[0], k_strides[1], k_strides[2], block_tables.stride(0),
         GROUP=hq // k.shape[2 if paged else 1], HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
-        BLOCK_N=tile_for_block_size(block_size, cap) if paged else cap, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size,
         PAGED=paged, **dot_options(q))
     return out

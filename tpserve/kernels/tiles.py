@@ -13,15 +13,6 @@ def max_tile(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
-def tile_for_block_size(block_size: int, cap: int = 64) -> int:
-    """The largest power of two <= cap that divides block_size (block_size % 16 == 0), so a
-    key tile never straddles two cache blocks."""
-    tile = cap
-    while block_size % tile:
-        tile //= 2
-    return tile
-
-
 def dot_options(q: torch.Tensor) -> dict:
     """tl.dot settings: exact fp32 products for fp32 inputs (tf32 would cost ~1e-3 accuracy);
     and on CPU, upcast to fp32 before tl.dot, because the Triton interpreter multiplies

@@ -185,21 +185,26 @@ def split_decode_rows(meta: AttentionMetadata):
     """For a mixed plan (leading sequences with one query each, then longer ones): metadata
     and token count of the decode rows and of the rest, ((meta, T), (meta, T)); else None."""
     cu = meta.cu_seqlens_q
-    q_lens = (cu[1:] - cu[:-1]).tolist()
-    nd = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-    if nd == 0 or nd == len(q_lens):
+    b = meta.num_seqs
+    nd = meta.num_decodes
+    if nd is None:  # not stated by the plan: count the leading one-row sequences
+        q_lens = (cu[1:] - cu[:-1]).tolist()
+        nd = next((i for i, n in enumerate(q_lens) if n != 1), b)
+    if nd == 0 or nd == b:
         return None
     ck, ctx, tables, slots = meta.cu_seqlens_k, meta.context_lens, meta.block_tables, meta.slot_mapping
 
-    def part(lo, hi, t_lo, t_hi, is_prefill):
+    def part(lo, hi, t_lo, t_hi, is_prefill, max_q):
         return AttentionMetadata(
             is_prefill=is_prefill, has_context=is_prefill, cu_seqlens_q=cu[lo:hi + 1] - cu[lo],
-            cu_seqlens_k=ck[lo:hi + 1] - ck[lo], max_seqlen_q=max(q_lens[lo:hi]),
+            cu_seqlens_k=ck[lo:hi + 1] - ck[lo], max_seqlen_q=max_q,
             max_seqlen_k=int(ctx[lo:hi].max()), context_lens=ctx[lo:hi],
-            block_tables=tables[lo:hi], slot_mapping=slots[t_lo:t_hi])
+            block_tables=tables[lo:hi], slot_mapping=slots[t_lo:t_hi],
+            num_decodes=hi - lo if not is_prefill else 0)
 
     t = meta.num_tokens
-    return (part(0, nd, 0, nd, False), nd), (part(nd, len(q_lens), nd, t, True), t - nd)
+    # The decode rows' query length is 1, so the mixed step's longest is a prefill row's.
+    return (part(0, nd, 0, nd, False, 1), nd), (part(nd, b, nd, t, True, meta.max_seqlen_q), t - nd)
 
 
 def _new_buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

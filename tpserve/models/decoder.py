@@ -27,6 +27,7 @@ from torch import nn
 from tpserve.models.activation import SiluAndMul
 from tpserve.models.attention import SelfAttention
 from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.models.fused_decode import FusedDecode, why_not_fused
 from tpserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from tpserve.models.norm import RMSNorm
 from tpserve.models.parallel import TPContext
@@ -123,6 +124,8 @@ class CausalLM(nn.Module):
         self.head_dim = spec.head_dim
         self.vocab_size = spec.vocab_size
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads
+        # Decode steps through the fused C++ layer ops, once enabled (see fused_decode.py).
+        self.fused_decode: FusedDecode | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,7 +141,16 @@ class CausalLM(nn.Module):
 
         Identical on every rank (the last op of each layer is an all-reduce).
         """
+        if self.fused_decode is not None and not meta.is_prefill:
+            return self.fused_decode(input_ids, positions, meta)
         return self.model(input_ids, positions, meta)
+
+    def enable_fused_decode(self) -> str | None:
+        """Run decode steps through the fused layer ops when the model qualifies (packed weights,
+        the cpu attention backend, its KV cache set); returns None, or why it does not."""
+        reason = why_not_fused(self)
+        self.fused_decode = FusedDecode(self) if reason is None else None
+        return reason
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

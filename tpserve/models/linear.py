@@ -6,8 +6,8 @@ splits the input features, each rank computes a partial sum and ``forward`` all-
 column layer followed by a row layer (QKV -> o_proj, gate_up -> down) therefore costs one
 all-reduce.
 
-Matmuls go through ``PackableLinear.matmul``: ``F.linear``, or oneDNN over a prepacked weight for
-bf16 on CPU once ``prepack_model`` ran (see ``packed_gemm.py``).
+Matmuls go through ``PackableLinear.matmul``: ``F.linear``, or tpserve's CPU kernels over a
+packed (fp32, bf16 or int8) weight once ``prepack_model`` ran (see ``packed_gemm.py``).
 
 Each parameter carries ``weight_loader``, which receives the *full* checkpoint tensor (for packed
 layers, one of its parts plus a ``shard_id``) and copies this rank's slice.

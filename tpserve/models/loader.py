@@ -28,8 +28,10 @@ from tpserve.kernels.backend import get_backend
 from tpserve.models.decoder import CausalLM
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
 from tpserve.models.parallel import TPContext
+from tpserve.models.quantization import checkpoint_tensors, prepare_model
 from tpserve.models.spec import model_spec
 from tpserve.models.weights import default_weight_loader
+from tpserve.quantization import resolve_quantization
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -70,14 +72,17 @@ def load_config(path: str | Path):
 
 def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype | str = "auto",
                backend=None, device: str | torch.device = "cpu", progress: bool | None = None,
-               block_size: int = 16) -> CausalLM:
+               block_size: int = 16, quantization: str | None = None) -> CausalLM:
     """Build this rank's shard of the model in ``path`` and load its weights.
 
     ``backend`` is the attention backend shared by all layers (default:
     ``get_backend("auto", device=device, block_size=block_size)``; ``block_size`` is used for
     nothing else). ``dtype``: "auto" (config.json's), a name such as "bfloat16", or a torch
     dtype. ``progress``: show a tqdm bar over checkpoint tensors; None shows it on rank 0 for
-    multi-file checkpoints. Raises UnsupportedModelError or CheckpointError (both ValueError).
+    multi-file checkpoints. ``quantization``: ``--quantization`` (None: as config.json's
+    ``quantization_config`` says; see tpserve/quantization.py); the weights are packed (and
+    quantized at load) by ``prepack_model`` afterwards. Raises UnsupportedModelError,
+    CheckpointError (both ValueError) or ConfigError (an unsupported quantization).
     """
     tp = tp or TPContext()
     path = Path(path)
@@ -87,11 +92,15 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
     device = torch.device(device)
     if backend is None:
         backend = get_backend("auto", device=device, block_size=block_size)
+    qc = resolve_quantization(quantization, json.loads((path / "config.json").read_text()))
     with _default_dtype(torch_dtype), device:
         model = CausalLM(spec, tp, backend)
+        if qc is not None:
+            prepare_model(model, qc)
     files = checkpoint_files(path)
     show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
-    load_weights(model, iter_safetensors(files, show))
+    tensors = iter_safetensors(files, show)
+    load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
 
 

@@ -8,6 +8,8 @@ the checkpoint does not fit config.json.
 """
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +40,20 @@ def new_param(*shape: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class _LayerLoader:
+    """A layer's bound ``weight_loader`` kept on one of its parameters through a weak reference
+    to the layer: the bound method itself would close a cycle (layer -> parameter -> method ->
+    layer), and a dropped model's weights would stay allocated until the cycle collector ran."""
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method):
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args):
+        return self._method()(*args)
+
+
 def attach_loader(param: torch.nn.Parameter, loader) -> torch.nn.Parameter:
-    param.weight_loader = loader
+    param.weight_loader = _LayerLoader(loader) if inspect.ismethod(loader) else loader
     return param

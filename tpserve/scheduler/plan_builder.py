@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpserve.plan import StepPlan
+from tpserve.scheduler.sample_inputs import SlotControls
 
 
 class SlotTable:
@@ -43,6 +44,8 @@ class SlotTable:
         self.top_ps = np.ones(num_slots, dtype=np.float32)
         self.seeds = np.zeros(num_slots, dtype=np.int64)
         self.stop_ids = np.full((1, num_slots), -1, dtype=np.int32)
+        # Logits controls beyond temperature/top-k/top-p (sample_inputs.py).
+        self.controls = SlotControls(num_slots)
         # Lowest slot first, so small batches touch few cache lines.
         self._free = list(range(num_slots - 1, -1, -1))
         # (key, its per-batch constant plan arrays): decode batches over an unchanged running
@@ -71,6 +74,7 @@ class SlotTable:
         self.stop_ids[:, slot] = -1
         self.stop_ids[:len(stop_ids), slot] = stop_ids
         self.set_blocks(slot, seq.block_table)
+        self.controls.acquire(slot, sp)
         seq.slot = slot
         return slot
 
@@ -79,6 +83,7 @@ class SlotTable:
         self.block_tables[slot, :self.num_blocks[slot]] = -1
         self.num_blocks[slot] = 0
         self.tail_blocks[slot] = -1
+        self.controls.release(slot)
         self._free.append(slot)
         seq.slot = -1
 
@@ -94,6 +99,12 @@ class SlotTable:
         self.block_tables[slot, n] = block_id
         self.num_blocks[slot] = n + 1
         self.tail_blocks[slot] = block_id
+
+    def truncate_blocks(self, slot: int, n: int) -> None:
+        """Keep only the first ``n`` blocks of the slot's row (BlockManager.truncate)."""
+        self.block_tables[slot, n:self.num_blocks[slot]] = -1
+        self.num_blocks[slot] = n
+        self.tail_blocks[slot] = self.block_tables[slot, n - 1] if n else -1
 
     def append_blocks(self, slots: np.ndarray, block_ids: list[int]) -> None:
         """``append_block`` for several distinct slots at once."""
@@ -141,7 +152,7 @@ def build_plan(batch, block_size: int | None = None) -> StepPlan:
     assert bs == batch.table.block_size, "block_size differs from the scheduler's"
     if not batch.seqs:
         return StepPlan(step_id=batch.step_id)
-    if batch.is_prefill:
+    if batch.is_prefill or batch.drafts:
         return _build_mixed(batch, bs)
     return _build_decode(batch, bs)
 
@@ -159,7 +170,7 @@ def _build_decode(batch, bs: int) -> StepPlan:
     np.add.accumulate(lens, out=cu_k[1:])
     return StepPlan(
         is_prefill=False, has_context=False, max_seqlen_q=1, max_seqlen_k=int(lens.max()),
-        step_id=batch.step_id,
+        step_id=batch.step_id, num_decodes=n,
         input_ids=t.last_tokens[idx],
         positions=pos,
         slot_mapping=slot_mapping,
@@ -172,20 +183,26 @@ def _build_decode(batch, bs: int) -> StepPlan:
 
 
 def _build_mixed(batch, bs: int) -> StepPlan:
-    """A plan with prefill rows, after ``batch.num_decodes`` decode rows (possibly none).
+    """A plan with prefill rows or draft rows, after the plain decode rows (possibly none).
 
-    A decode row is a sequence whose query is its one newest token: its rows come vectorized
-    from the slot arrays, exactly as in a decode plan. Prefill rows slice their chunk's token
-    ids from their sequences (one loop over the few prefilling sequences)."""
+    A plain decode row is a sequence whose query is its one newest token: its rows come
+    vectorized from the slot arrays, exactly as in a decode plan. A decode row with k drafts
+    (speculative decoding) follows them: its query is the newest token and the drafts, all k + 1
+    rows sampled. Prefill rows come last and slice their chunk's token ids from their sequences
+    (one loop over the few prefilling sequences)."""
     t = batch.table
     nd = batch.num_decodes
+    drafts = batch.drafts or []
+    n0 = next((i for i, d in enumerate(drafts) if d), nd)
     pseqs = batch.seqs[nd:]
     idx = batch.slots
-    didx, pidx = idx[:nd], idx[nd:]
+    didx, pidx = idx[:n0], idx[nd:]
     n, m = len(idx), len(pseqs)
     # Decode rows: key length = sequence length, one query at position length - 1.
     dlens = t.seq_lens[didx]
     dpos = dlens - 1
+    v = _draft_rows(t, idx[n0:nd], drafts[n0:], bs)
+    nv = len(v["ids"])  # draft-row tokens
     # Prefill rows: a chunk of qlens tokens starting after `starts` cached ones.
     starts = np.fromiter((s.num_cached_tokens for s in pseqs), dtype=np.int32, count=m)
     qlens = np.fromiter((s.num_scheduled_tokens for s in pseqs), dtype=np.int32, count=m)
@@ -203,33 +220,82 @@ def _build_mixed(batch, bs: int) -> StepPlan:
     # Tokens inside blocks taken from the prefix cache are only recomputed to get logits (a
     # fully cached prompt); their KV is already there and the block may be shared: skip.
     pslot[ppos < hits[row]] = -1
-    # Rows together: decode rows first, each with a query length of 1.
+    # Rows together: plain decode rows first (a query length of 1 each), then draft rows.
+    all_q = np.concatenate((np.ones(n0, dtype=np.int32), v["qlens"], qlens))
     cu_q = np.zeros(n + 1, dtype=np.int32)
-    cu_q[1:nd + 1] = np.arange(1, nd + 1, dtype=np.int32)
-    cu_q[nd + 1:] = pcu[1:] + nd
-    ends = np.concatenate((dlens, pends))
+    np.cumsum(all_q, out=cu_q[1:])
+    ends = np.concatenate((dlens, v["ends"], pends))
     cu_k = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(ends, out=cu_k[1:])
-    sampled = np.concatenate((np.ones(nd, dtype=bool), pends == plens))
-    sidx = idx[sampled]
-    lens = np.concatenate((dlens, plens))
+    # Which prefill rows are sampled is the scheduler's decision (batch.sampled: the chunk ends
+    # its prompt); decode and draft rows always are.
+    psampled = np.asarray(batch.sampled, dtype=bool)
+    first = n0 + nv  # the first prefill token's row
+    lp_rows = _prompt_logprob_rows(batch, pseqs, starts.tolist(), qlens.tolist(), (pcu[:-1] + first).tolist())
+    sidx = np.concatenate((didx, v["sample_slots"], pidx[psampled]))
     width = int(t.num_blocks[idx].max())
     return StepPlan(
         is_prefill=True, has_context=bool(nd) or bool((starts > 0).any()),
-        max_seqlen_q=int(qlens.max()) if m else 1, max_seqlen_k=int(ends.max()),
-        step_id=batch.step_id,
-        input_ids=np.concatenate((t.last_tokens[didx], np.array(ids, dtype=np.int32))),
-        positions=np.concatenate((dpos, ppos)),
-        slot_mapping=np.concatenate((t.tail_blocks[didx] * bs + dpos % bs,
+        max_seqlen_q=int(all_q.max()), max_seqlen_k=int(ends.max()),
+        step_id=batch.step_id, num_decodes=n0,  # the leading rows with one query each
+        input_ids=np.concatenate((t.last_tokens[didx], v["ids"], np.array(ids, dtype=np.int32))),
+        positions=np.concatenate((dpos, v["positions"], ppos)),
+        slot_mapping=np.concatenate((t.tail_blocks[didx] * bs + dpos % bs, v["slots"],
                                      pslot.astype(np.int32, copy=False))),
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         context_lens=ends,
         block_tables=t.block_tables[idx, :width],
-        logits_indices=(cu_q[1:][sampled] - 1).astype(np.int32, copy=False),
+        logits_indices=np.concatenate((np.arange(first, dtype=np.int32),
+                                       cu_q[nd + 1:][psampled] - 1)).astype(np.int32, copy=False),
         temperatures=t.temperatures[sidx],
         top_ks=t.top_ks[sidx],
         top_ps=t.top_ps[sidx],
         seeds=t.seeds[sidx],
-        sample_steps=(lens[sampled] - t.prompt_lens[sidx]).astype(np.int32, copy=False),
+        sample_steps=np.concatenate((dlens - t.prompt_lens[didx], v["steps"],
+                                     plens[psampled] - t.prompt_lens[pidx[psampled]])).astype(np.int32, copy=False),
+        logprob_rows=lp_rows,
     )
+
+
+def _draft_rows(t: SlotTable, slots: np.ndarray, drafts: list[list[int]], bs: int) -> dict:
+    """Rows of decode sequences verifying drafts: for a sequence of length L with k drafts,
+    the query is its last token and the drafts at positions L - 1 .. L - 1 + k, written to the
+    slots its blocks (reserved by the scheduler) give them, every row sampled, row j at output
+    step L - prompt + j."""
+    lens = t.seq_lens[slots]
+    k = np.fromiter(map(len, drafts), dtype=np.int32, count=len(drafts))
+    q = k + 1
+    row = np.repeat(np.arange(len(slots)), q)
+    offset = np.arange(int(q.sum()), dtype=np.int32) - np.repeat(np.cumsum(q) - q, q)
+    pos = (lens[row] - 1 + offset).astype(np.int32, copy=False)
+    ids: list[int] = []
+    for last, d in zip(t.last_tokens[slots].tolist(), drafts):
+        ids.append(last)
+        ids += d
+    return dict(ids=np.array(ids, dtype=np.int32), positions=pos,
+                slots=(t.block_tables[slots[row], pos // bs] * bs + pos % bs).astype(np.int32, copy=False),
+                qlens=q, ends=(lens + k).astype(np.int32, copy=False), sample_slots=slots[row],
+                steps=((lens - t.prompt_lens[slots])[row] + offset).astype(np.int32, copy=False))
+
+
+def _prompt_logprob_rows(batch, pseqs, starts, qlens, first_rows) -> np.ndarray:
+    """Rows whose logits give prompt log-probabilities, for the prefilling sequences that ask
+    for them; records on ``batch.prompt_logprobs`` (seq, first target position, count) and the
+    target tokens in ``batch.prompt_logprob_targets``.
+
+    The row at position p gives the log-probability of prompt token p + 1; targets already
+    reported (before a preemption) are not computed again."""
+    batch.prompt_logprobs, rows, targets = [], [], []
+    for seq, a, q, row0 in zip(pseqs, starts, qlens, first_rows):
+        if seq.sampling_params.prompt_logprobs is None:
+            continue
+        lo = max(a + 1, seq.num_prompt_logprobs_done)
+        hi = min(a + q, seq.num_prompt_tokens - 1)  # last target position, inclusive
+        if hi < lo:
+            continue
+        batch.prompt_logprobs.append((seq, lo, hi - lo + 1))
+        rows.append(np.arange(row0 + lo - 1 - a, row0 + hi - a, dtype=np.int32))
+        targets += seq.token_ids[lo:hi + 1]
+    batch.prompt_logprob_targets = np.asarray(targets, dtype=np.int32)
+    return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)

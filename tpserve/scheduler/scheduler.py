@@ -36,6 +36,11 @@ itself when nothing is left behind it. A preempted sequence loses its blocks (th
 entries survive for prefix-cache recovery), goes back to prefill and to the *front* of
 ``waiting``.
 
+Speculative decoding (``EngineConfig.speculative_config``): after the decode and prefill rows
+are chosen as above, small steps give decode rows draft tokens to verify (spec_decode.py);
+``postprocess`` then appends several tokens to such a row, cut at a stop token or a length
+limit. Without it, or in steps above its batch-size limit, nothing changes.
+
 A prompt fully covered by cached blocks still computes its last token (for logits): that
 token's KV is already in a shared cached block, so its slot in the plan is -1.
 
@@ -53,19 +58,26 @@ updates lengths and checks EOS / stop tokens / length limits vectorized.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
-from tpserve.errors import AdmissionError, ConfigError
+from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError
 from tpserve import requests as R
 from tpserve.plan import StepPlan
+from tpserve.sample_plan import SamplePlan
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
+from tpserve.scheduler.sample_inputs import GRAMMAR, build_sample_plan
+from tpserve.scheduler.spec_decode import Speculator
 from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("tpserve.scheduler")
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -81,7 +93,9 @@ class ScheduledBatch:
     the rest are prefill rows, and ``sampled[j]`` says whether ``seqs[num_decodes + j]`` gets a
     token this step (only when its last prompt token is computed). ``is_prefill`` is True when
     there is any prefill row: a pure decode batch and a mixed one differ only in that.
-    Falsy when empty.
+    ``drafts`` (speculative decoding; None when the step has none) holds the draft tokens of
+    each decode row, ``[]`` for rows without; rows with drafts come after those without, and a
+    row with k drafts has k + 1 sample rows. Falsy when empty.
     """
 
     seqs: list[Sequence]
@@ -95,17 +109,41 @@ class ScheduledBatch:
     token_lists: list | None = None
     # Names the decode slot set for SlotTable.constant_arrays (None: not cacheable).
     slots_key: object = None
+    # Prompt log-probabilities computed this step: (seq, first target position, count) in
+    # StepPlan.logprob_rows order, and the target token of each row (set by build_plan).
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprob_targets: np.ndarray | None = None
+    drafts: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts)) if self.drafts else 0
+
+    @property
     def num_samples(self) -> int:
-        return self.num_decodes + sum(self.sampled)
+        """Sample rows: one per sampled sequence, plus one per draft token."""
+        return self.num_decodes + sum(self.sampled) + self.num_draft_tokens
+
+    def sample_drafts(self) -> list[list[int]] | None:
+        """The drafts of each sampled sequence (sampled_seqs order), or None without drafts."""
+        if not self.drafts:
+            return None
+        return self.drafts + [[] for s in self.sampled if s]
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """The sequences that get a token this step, in sample-row order."""
+        if not self.is_prefill:
+            return self.seqs
+        nd = self.num_decodes  # decode rows come first and are always sampled
+        return self.seqs[:nd] + [s for s, sampled in zip(self.seqs[nd:], self.sampled) if sampled]
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decodes + sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
+        return (self.num_decodes + self.num_draft_tokens
+                + sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:]))
 
 
 class Scheduler:
@@ -128,12 +166,22 @@ class Scheduler:
         max_len = self.max_model_len or config.num_kv_blocks * bs
         max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
         self.table = SlotTable(self.max_num_seqs, max_blocks, bs)
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running = RunningQueue()
         self._requests: dict[str, Sequence] = {}
         self._prefilling: Sequence | None = None
         self._dropped_in_flight = False
         self._step_id = 0
+        self._num_logprob_seqs = 0  # unfinished requests with logprobs set (0: skip the scan)
+        self.vocab_size = int(config.hf_config.get("vocab_size") or 0)
+        # Structured output: requests whose grammar still compiles (kept out of `waiting`),
+        # those whose grammar failed (finished "error", not yet reported), and how many
+        # unfinished requests have a grammar (0: postprocess skips the matchers).
+        self._compiling: list[Sequence] = []
+        self._grammar_failures: list[Sequence] = []
+        self._num_grammar_seqs = 0
         # Counters (see stats()).
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
@@ -145,15 +193,15 @@ class Scheduler:
         """Queue a new request, or raise if it could never be scheduled."""
         rid = seq.request_id
         if not isinstance(rid, str) or not rid:
-            raise ConfigError("request_id", f"must be a non-empty string, got {rid!r}")
+            raise InvalidFieldError("request_id", f"must be a non-empty string, got {rid!r}")
         if rid in self._requests:
-            raise ConfigError("request_id", f"{rid!r} is already used by an unfinished request; "
+            raise InvalidRequestError("request_id", f"{rid!r} is already used by an unfinished request; "
                               "ids must be unique among unfinished requests")
         prompt_len = seq.num_prompt_tokens
         if prompt_len == 0:
-            raise ConfigError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
+            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
         if min(seq.token_ids) < 0:
-            raise ConfigError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
+            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
                               f"got {min(seq.token_ids)}")
         assert seq.status is WAITING and not seq.block_table and len(seq) == prompt_len, \
             "add() takes a fresh sequence"
@@ -162,8 +210,9 @@ class Scheduler:
         if self.max_model_len is not None and total > self.max_model_len:
             raise AdmissionError(rid, "max_model_len", total, self.max_model_len,
                                  f"prompt of {prompt_len} tokens + max_tokens {max_tokens}")
-        # The last sampled token's KV is never written, hence total - 1.
-        blocks = -(-(total - 1) // self.block_size)
+        # The last sampled token's KV is never written, hence total - 1 (but every prompt
+        # token's is, when max_tokens is 0).
+        blocks = -(-max(total - 1, prompt_len) // self.block_size)
         pool = self.block_manager.num_blocks
         if blocks > pool:
             raise AdmissionError(rid, "num_kv_blocks", blocks, pool,
@@ -171,24 +220,86 @@ class Scheduler:
                                  f"{blocks} blocks of {self.block_size} tokens; the KV pool has {pool}")
         seq.block_size = self.block_size
         self._requests[rid] = seq
+        self._num_logprob_seqs += seq.sampling_params.logprobs is not None
+        if seq.grammar is not None:
+            self._num_grammar_seqs += 1
+            if not seq.grammar.ready():
+                self._compiling.append(seq)  # schedule() queues it once its grammar is built
+                return
+            if seq.grammar.error is not None:
+                self._compiling.append(seq)  # reported by the next schedule(), like a late failure
+                return
         self.waiting.append(seq)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or bool(self._compiling)
+
+    # ---- grammars (structured output) -----------------------------------------------------
+    def _queue_compiled(self) -> None:
+        """Move requests whose grammar is built to the back of ``waiting`` (in arrival order);
+        finish those whose grammar failed with "error" (``take_grammar_failures``)."""
+        still = []
+        for seq in self._compiling:
+            if not seq.grammar.ready():
+                still.append(seq)
+            elif seq.grammar.error is not None:
+                self._grammar_failures.append(seq)
+            else:
+                self.waiting.append(seq)
+        self._compiling = still
+        if self._grammar_failures:
+            self._finish_many([(seq, "error") for seq in self._grammar_failures
+                               if seq.status is WAITING])
+
+    def take_grammar_failures(self) -> list[Sequence]:
+        """The requests finished "error" because their grammar did not compile since the last
+        call (``seq.grammar.error`` says why)."""
+        out, self._grammar_failures = self._grammar_failures, []
+        return out
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until a compiling grammar is done (nothing else is
+        runnable: the caller would otherwise spin)."""
+        if self._compiling and not (self.waiting or self.running):
+            futures_wait([s.grammar.future for s in self._compiling], timeout, FIRST_COMPLETED)
+
+    def _advance_grammars(self, seqs: list[Sequence], toks: list[int]) -> list[tuple[Sequence, str]]:
+        """Feed each constrained sequence its sampled token (EOS included: where the grammar
+        may end, EOS completes it): (seq, "stop") when its grammar is complete, (seq, "error")
+        if the token broke it (the mask makes that an internal fault)."""
+        done = []
+        for seq, tok in zip(seqs, toks):
+            g = seq.grammar
+            if g is None:
+                continue
+            if not g.accept(tok):
+                log.error("request %r: its grammar refused sampled token %d: %s", seq.request_id, tok,
+                          g.describe_error())
+                done.append((seq, "error"))
+            elif g.is_complete:
+                done.append((seq, "stop"))
+        return done
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick the next batch under the configured policy (see the module docstring)."""
         self._step_id += 1
         self._dropped_in_flight = False
+        if self._compiling:
+            self._queue_compiled()
         if self.policy == "mixed":
-            return self._schedule_mixed()
-        batch = self._schedule_prefill(self.max_num_batched_tokens, [], 0)
-        if batch is None:
-            batch = self._schedule_decode(self.max_num_seqs)
+            batch = self._schedule_mixed()
+            budget = self.step_budget(batch.num_decodes)
+        else:
+            batch = self._schedule_prefill(self.max_num_batched_tokens, [], 0)
+            if batch is None:
+                batch = self._schedule_decode(self.max_num_seqs)
+            budget = self.max_num_batched_tokens
+        if self.speculator is not None and batch.num_decodes:
+            self.speculator.add_drafts(batch, budget - batch.num_tokens, self.block_manager, self.table)
         return batch
 
     def step_budget(self, num_decodes: int) -> int:
@@ -237,7 +348,11 @@ class Scheduler:
         bm = self.block_manager
         while admit and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_cached_blocks = bm.can_allocate(seq)
+            # Prompt log-probabilities need the logits of every prompt row, so a request that
+            # still owes some computes its whole prompt (its blocks still enter the cache).
+            owes_logprobs = (seq.sampling_params.prompt_logprobs is not None
+                             and seq.num_prompt_logprobs_done < seq.num_prompt_tokens)
+            num_cached_blocks = bm.can_allocate(seq, use_cache=not owes_logprobs)
             if num_cached_blocks < 0:
                 break
             self.waiting.popleft()
@@ -332,7 +447,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, token_ids) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, token_ids, counts=None) -> list[Sequence]:
         """Apply one step's sampled tokens (one per sampled sequence, in batch order).
 
         Advances prefill progress, appends tokens, enters blocks that became full into the
@@ -340,18 +455,79 @@ class Scheduler:
         are freed). Returns the sequences that received a token, finished ones included.
         One batch is in flight at a time: call it once per ``schedule()``, before the next.
         Sequences aborted, finished or preempted while the batch ran are skipped.
+
+        With drafts (``batch.drafts``), ``counts[i]`` is how many tokens the i-th sampled
+        sequence keeps (its accepted drafts plus one; ``token_ids`` holds them back to back);
+        a run is cut after a stop token or at the length limit.
         """
         if not batch.seqs:
             return []
         toks = np.asarray(token_ids).reshape(-1)
+        nd = batch.num_decodes
+        if batch.drafts:
+            return self._postprocess_speculative(batch, toks, np.asarray(counts).reshape(-1))
+        assert counts is None or (np.asarray(counts) == 1).all(), "several tokens without drafts"
         assert len(toks) == batch.num_samples, \
             f"got {len(toks)} tokens for {batch.num_samples} sampled sequences"
-        nd = batch.num_decodes
         if not batch.is_prefill:
             return self._postprocess_decode(batch.seqs, batch.slots, toks, batch.token_lists)
         out = self._postprocess_decode(batch.seqs[:nd], batch.slots[:nd], toks[:nd],
                                        batch.token_lists) if nd else []
         return out + self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[nd:])
+
+    def _postprocess_speculative(self, batch: ScheduledBatch, toks: np.ndarray,
+                                 counts: np.ndarray) -> list[Sequence]:
+        nd, drafts = batch.num_decodes, batch.drafts
+        assert len(counts) == len(batch.sampled_seqs()) and len(toks) == counts.sum() \
+            and (counts >= 1).all(), "token counts do not match the sampled sequences"
+        n0 = next(i for i, d in enumerate(drafts) if d)  # rows with drafts follow those without
+        assert (counts[:n0] == 1).all() and (counts[nd:] == 1).all()
+        end = n0 + int(counts[n0:nd].sum())
+        out = self._postprocess_decode(batch.seqs[:n0], batch.slots[:n0], toks[:n0],
+                                       batch.token_lists[:n0] if batch.token_lists else None) if n0 else []
+        out += self._postprocess_runs(batch.seqs[n0:nd], batch.slots[n0:nd].tolist(), drafts[n0:],
+                                      toks[n0:end].tolist(), counts[n0:nd].tolist())
+        if batch.is_prefill:
+            out += self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[end:])
+        return out
+
+    def _postprocess_runs(self, seqs: list[Sequence], slots: list[int], drafts: list[list[int]],
+                          toks: list[int], counts: list[int]) -> list[Sequence]:
+        """Decode rows that verified drafts: append each kept run up to a stop token or the
+        length limit, give back the blocks reserved past it, hash the blocks it filled."""
+        bm, t, bs = self.block_manager, self.table, self.block_size
+        out: list[Sequence] = []
+        done: list[tuple[Sequence, str]] = []
+        i = 0
+        for seq, slot, d, c in zip(seqs, slots, drafts, counts):
+            run = toks[i:i + c]
+            i += c
+            self.speculator.record(len(d), c - 1)
+            if seq.status is not RUNNING:  # aborted, finished or preempted while the step ran
+                continue
+            stop_ids, stop_len = t.stop_ids[:, slot], int(t.stop_lens[slot])
+            tokens = seq.token_ids
+            reason = None
+            for tok in run:
+                tokens.append(tok)
+                if (stop_ids == tok).any():
+                    reason = "stop"
+                    break
+                if len(tokens) >= stop_len:
+                    reason = "length"
+                    break
+            n = len(tokens)
+            self.decode_tokens += n - int(t.seq_lens[slot])
+            t.seq_lens[slot], t.last_tokens[slot] = n, tokens[-1]
+            keep = -(-(n - 1) // bs)
+            if bm.truncate(seq, keep):
+                t.truncate_blocks(slot, keep)
+            bm.hash_blocks(seq)
+            out.append(seq)
+            if reason is not None:
+                done.append((seq, reason))
+        self._finish_many(done)
+        return out
 
     def _postprocess_prefill(self, seqs: list[Sequence], sampled_flags: list[bool],
                              toks: np.ndarray) -> list[Sequence]:
@@ -367,6 +543,11 @@ class Scheduler:
             if seq.status is not RUNNING:  # aborted while the step ran
                 continue
             seq.num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if sampled and seq.sampling_params.max_tokens == 0:  # score the prompt only
+                bm.hash_blocks(seq)
+                done.append((seq, "length"))
+                out.append(seq)
+                continue
             if sampled:
                 seq.token_ids.append(tok)
                 seq.start_decoding()
@@ -374,7 +555,10 @@ class Scheduler:
                 out.append(seq)
             bm.hash_blocks(seq)
             if sampled:
-                if (t.stop_ids[:, seq.slot] == tok).any():
+                ended = self._advance_grammars([seq], [tok]) if seq.grammar is not None else ()
+                if ended:
+                    done.extend(ended)
+                elif (t.stop_ids[:, seq.slot] == tok).any():
                     done.append((seq, "stop"))
                 elif len(seq) >= t.stop_lens[seq.slot]:
                     done.append((seq, "length"))
@@ -403,11 +587,17 @@ class Scheduler:
             for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist():
                 bm.hash_blocks(seqs[p])
         stop = t.stop_hits(slots, toks32)
+        grammar_ends: list[tuple[Sequence, str]] = []
+        if self._num_grammar_seqs:
+            rows = np.flatnonzero(t.controls.flags[slots] & GRAMMAR).tolist()
+            if rows:
+                grammar_ends = self._advance_grammars([seqs[p] for p in rows], toks[rows].tolist())
         ended = np.flatnonzero(stop | (lens >= t.stop_lens[slots]))
-        if len(ended):
+        if len(ended) or grammar_ends:
             stop_list = stop.tolist()
-            self._finish_many([(seqs[p], "stop" if stop_list[p] else "length")
-                               for p in ended.tolist()])
+            by_grammar = {id(s) for s, _ in grammar_ends}
+            self._finish_many(grammar_ends + [(seqs[p], "stop" if stop_list[p] else "length")
+                                              for p in ended.tolist() if id(seqs[p]) not in by_grammar])
         return seqs
 
     # ---- finishing -----------------------------------------------------------------------
@@ -417,7 +607,7 @@ class Scheduler:
         Returns False when the request is unknown or already finished (nothing changes).
         """
         if reason not in FINISH_REASONS:
-            raise ConfigError("finish_reason", f"must be one of {FINISH_REASONS}, got {reason!r}")
+            raise InvalidFieldError("finish_reason", f"must be one of {FINISH_REASONS}, got {reason!r}")
         if isinstance(seq_or_request_id, Sequence):
             seq = seq_or_request_id
             if self._requests.get(seq.request_id) is not seq:
@@ -430,6 +620,15 @@ class Scheduler:
         self._finish_many([(seq, reason)])
         return True
 
+    def truncate_finished(self, seq: Sequence, num_completion_tokens: int) -> None:
+        """Drop the tokens of a finished sequence after its first ``num_completion_tokens``
+        (a stop string completed inside a run of accepted drafts). Its blocks are already
+        free; blocks it filled stay valid in the prefix cache (their KV is of accepted tokens)."""
+        assert seq.is_finished, "truncate_finished() of an unfinished sequence"
+        end = seq.num_prompt_tokens + num_completion_tokens
+        self.decode_tokens -= max(len(seq.token_ids) - end, 0)
+        del seq.token_ids[end:]
+
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if unknown or already finished."""
         return self.finish(request_id, "abort")
@@ -440,6 +639,8 @@ class Scheduler:
         bm, t = self.block_manager, self.table
         left_running = 0
         for seq, reason in items:
+            self._num_logprob_seqs -= seq.sampling_params.logprobs is not None
+            self._num_grammar_seqs -= seq.grammar is not None
             was = seq.status
             seq.status = FINISHED
             seq.finish_reason = reason
@@ -450,7 +651,9 @@ class Scheduler:
                 left_running += 1
                 if self._prefilling is seq:
                     self._prefilling = None
-            else:
+            elif seq in self._compiling:
+                self._compiling.remove(seq)
+            elif seq not in self._grammar_failures:
                 self.waiting.remove(seq)
         if left_running == 1 and len(items) == 1:
             self.running.remove(items[0][0])
@@ -460,6 +663,27 @@ class Scheduler:
     # ---- plans, cache, stats -------------------------------------------------------------
     def build_plan(self, batch: ScheduledBatch) -> StepPlan:
         return build_plan(batch, self.block_size)
+
+    def build_sample_plan(self, batch: ScheduledBatch, plan: StepPlan) -> SamplePlan:
+        """The logits controls of ``batch``'s sample rows (after ``build_plan``)."""
+        seqs = batch.sampled_seqs()
+        ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
+            if self._num_logprob_seqs else ()
+        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
+                                   self.table, max(ks, default=-1), self.vocab_size,
+                                   batch.sample_drafts())
+        if batch.prompt_logprobs:
+            sample.prompt_targets = batch.prompt_logprob_targets
+            sample.num_prompt_logprobs = max(s.sampling_params.prompt_logprobs for s, _, _ in batch.prompt_logprobs)
+        return sample
+
+    @staticmethod
+    def _sample_rows(batch: ScheduledBatch) -> np.ndarray | slice:
+        """Indices into ``batch.slots`` of the sampled sequences, in sample order."""
+        if not batch.is_prefill:
+            return slice(None)
+        nd = batch.num_decodes
+        return np.concatenate((np.arange(nd), nd + np.flatnonzero(np.asarray(batch.sampled, dtype=bool))))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
@@ -496,7 +720,18 @@ class Scheduler:
             "decode_tokens": self.decode_tokens,
             "kv_blocks_used": self.kv_blocks_used,
             "kv_blocks_total": self.kv_blocks_total,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
+
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed: the waiting queue's (prefix-cache hits
+        not yet known) plus what the partial prefill has left. O(waiting)."""
+        left = sum(len(s.token_ids) for s in self.waiting)
+        if self._prefilling is not None:
+            left += len(self._prefilling.token_ids) - self._prefilling.num_cached_tokens
+        return left
 
     def check_integrity(self) -> None:
         """Block-pool invariants plus queue/slot consistency; raises AssertionError.
@@ -505,7 +740,8 @@ class Scheduler:
         bm, t, bs = self.block_manager, self.table, self.block_size
         bm.check_integrity()
         assert len(self.running) <= self.max_num_seqs, "more running sequences than max_num_seqs"
-        ids = [s.request_id for s in self.running] + [s.request_id for s in self.waiting]
+        ids = ([s.request_id for s in self.running] + [s.request_id for s in self.waiting]
+               + [s.request_id for s in self._compiling])
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
         assert set(ids) == set(self._requests), "queues and request index disagree"
         assert set(map(id, self.running)) == set(map(id, bm.live_sequences())), \

@@ -40,7 +40,8 @@ class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "seed",
                  "block_size", "status", "is_prefill", "num_scheduled_tokens", "block_table",
                  "_num_cached_tokens", "_cached_follows_len", "num_prefix_hit_tokens",
-                 "num_hashed_blocks", "block_hashes", "finish_reason", "slot")
+                 "num_hashed_blocks", "block_hashes", "finish_reason", "slot", "bad_words_ids",
+                 "num_prompt_logprobs_done", "grammar", "proposer_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16):
@@ -66,6 +67,16 @@ class Sequence:
         self.finish_reason: str | None = None
         # Row of the scheduler's per-slot arrays while RUNNING, else -1.
         self.slot = -1
+        # Token ids of each tokenization of each bad word (set by the engine, which tokenizes).
+        self.bad_words_ids: list[list[int]] = []
+        # Prompt positions whose log-probability was computed (position 0 has none); kept
+        # across preemption so that recomputing a prompt does not report a position twice.
+        self.num_prompt_logprobs_done = 1
+        # With structured_outputs: the request's grammar matcher (tpserve.grammar.RequestGrammar),
+        # set by the engine; it has consumed every completion token so far.
+        self.grammar = None
+        # A draft proposer's memo over token_ids (scheduler/proposer.py); None until it is asked.
+        self.proposer_state = None
 
     # ---- KV accounting -------------------------------------------------------------------
     @property

@@ -10,6 +10,11 @@ Only used on an accelerator with ``enforce_eager`` off; CPU runs eager. Capture 
 through the runner's ``Accelerator``, so a fake accelerator (whose "graphs" re-run the captured
 function) exercises the padding and buffer bookkeeping on CPU. The step's plan arrays arrive
 already on the device (staged by the runner), so filling the static buffers is device-to-device.
+
+Ownership: the runner holds a ``DecodeGraphs``; it holds the model, the accelerator and the
+config, never the runner, so dropping the runner frees the graphs, their memory pool and the KV
+cache at once, without waiting for the cycle collector. ``close()`` releases the graphs and
+buffers explicitly (the runner's ``close()`` calls it).
 """
 from __future__ import annotations
 
@@ -25,12 +30,13 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int):
-        self.runner = runner
-        cfg = runner.config
+    def __init__(self, model, accel, config, max_batch: int):
+        self.model = model
+        self.accel = accel
+        self.max_model_len = config.max_model_len
         self.max_batch = max_batch
-        self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
-        dev = runner.device
+        self.max_blocks = -(-config.max_model_len // config.block_size)
+        dev = accel.device
         i32 = dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(max_batch, **i32)
         self.positions = torch.zeros(max_batch, **i32)
@@ -46,21 +52,23 @@ class DecodeGraphs:
         return AttentionMetadata(
             is_prefill=False, has_context=False, cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
             cu_seqlens_k=self.cu_seqlens_k[:bs + 1], max_seqlen_q=1,
-            max_seqlen_k=self.runner.config.max_model_len, context_lens=self.context_lens[:bs],
+            max_seqlen_k=self.max_model_len, context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per batch size, largest first (later ones reuse its memory pool)."""
-        model = self.runner.model
-        accel = self.runner.accel
+        model = self.model
+        accel = self.accel
         pool = None
         accel.synchronize()
         for bs in reversed(self.batch_sizes):
             meta = self._meta(bs)
 
-            def forward(bs=bs, meta=meta):
-                return model(self.input_ids[:bs], self.positions[:bs], meta)
+            # The closure holds views of the static buffers, not ``self``: a graph that keeps
+            # its function (EagerGraph) must not form a cycle with this object.
+            def forward(ids=self.input_ids[:bs], pos=self.positions[:bs], meta=meta):
+                return model(ids, pos, meta)
 
             # One eager run first: lazy initialisation (Triton compiles, cuBLAS handles) must not
             # happen inside the capture.
@@ -97,3 +105,14 @@ class DecodeGraphs:
         graph = self.graphs[bs]
         graph.replay()
         return graph.output[:b]
+
+    def close(self) -> None:
+        """Release every graph (and with the last one its memory pool) and the static buffers.
+        The object cannot run afterwards; the caller empties the allocator's cache."""
+        for graph in self.graphs.values():
+            graph.release()
+        self.graphs.clear()
+        self.batch_sizes = []
+        self.model = None
+        self.input_ids = self.positions = self.slot_mapping = self.context_lens = None
+        self.block_tables = self.cu_seqlens_q = self.cu_seqlens_k = None

@@ -13,9 +13,10 @@ device memory after a warm-up, and decode graphs unless ``enforce_eager``. A tes
 ``Accelerator`` subclass with ``is_accelerator = True`` whose tensors live on the CPU.
 
 Graphs: ``capture_graph(fn, pool)`` returns an object with ``output`` (the tensor ``fn``
-returned) and ``replay()``, which recomputes ``output`` in place from whatever the static
-inputs ``fn`` reads now hold. The host version replays by calling ``fn`` again, which is what a
-CUDA graph does in effect, so graph bookkeeping (padding, buffer reuse) is testable on CPU.
+returned), ``replay()``, which recomputes ``output`` in place from whatever the static inputs
+``fn`` reads now hold, and ``release()``, which frees it. The host version replays by calling
+``fn`` again, which is what a CUDA graph does in effect, so graph bookkeeping (padding, buffer
+reuse) is testable on CPU.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class EagerGraph:
     def replay(self) -> None:
         self.output.copy_(self._fn())
 
+    def release(self) -> None:
+        self._fn = self.output = None
+
 
 class CudaGraph:
     """One captured CUDA graph; ``pool`` is its memory pool, shared by later captures."""
@@ -54,6 +58,11 @@ class CudaGraph:
 
     def replay(self) -> None:
         self.graph.replay()
+
+    def release(self) -> None:
+        """Free the graph; its pool's memory returns to the allocator once no graph uses it."""
+        self.graph.reset()
+        self.output = self.pool = None
 
 
 class Accelerator:

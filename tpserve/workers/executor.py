@@ -50,9 +50,9 @@ class UniProcExecutor:
         self.runner = ModelRunner(config, TPContext(), device_for(0))
         self.num_blocks = self.runner.num_blocks
 
-    def execute(self, plan: StepPlan, num_logprobs: int = -1):
-        """Tokens of one step (with ``num_logprobs`` >= 0: tokens and logprobs, see ModelRunner)."""
-        return self.runner.execute(plan, num_logprobs)
+    def execute(self, plan: StepPlan, sample=None):
+        """Rank 0's StepOutput of one step (``sample``: its SamplePlan, see ModelRunner)."""
+        return self.runner.execute(plan, sample)
 
     def control(self, cmd: Command, **args) -> None:
         self.runner.handle(StepPlan.command(cmd, **args))
@@ -64,7 +64,9 @@ class UniProcExecutor:
         return None  # no other process can die under this one
 
     def shutdown(self) -> None:
-        self.runner = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
 
 class MultiProcExecutor:
@@ -187,10 +189,10 @@ class MultiProcExecutor:
         self.check_health()
         self.channel.publish(plan)
 
-    def execute(self, plan: StepPlan, num_logprobs: int = -1):
+    def execute(self, plan: StepPlan, sample=None):
         self._publish(plan)
         try:
-            out = self.runner.execute(plan, num_logprobs)
+            out = self.runner.execute(plan, sample)
         except Exception:
             # Give the watchdog a moment: a collective usually fails just before the sentinel fires.
             for _ in range(50):
@@ -215,16 +217,22 @@ class MultiProcExecutor:
                 self.channel.publish(StepPlan.command(Command.SHUTDOWN), timeout=5.0)
             except Exception as e:  # workers that cannot take it are killed below
                 log.warning("could not send shutdown to workers: %s", e)
-        for p in self.procs:
+        for rank, p in enumerate(self.procs, start=1):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+            if self.dead is None:
+                (log.info if p.exitcode == 0 else log.warning)(
+                    "tensor-parallel worker rank %d exited with code %s", rank, p.exitcode)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+            self.runner = None
         destroy_tp()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        self.runner = None
         with self._pipe_lock:
             os.close(self._dead_r)
             os.close(self._dead_w)

@@ -2,15 +2,19 @@
 
 Every rank (the scheduler's rank 0 and each worker) owns one runner. A runner never sees a
 Sequence: it gets a StepPlan, copies its arrays to the device once, runs the forward, and on
-rank 0 samples one token per sampled row. Ranks > 0 run the same forward (their shards take
+rank 0 samples one token per sampled row (and, with draft tokens, says how many rows each
+sequence keeps: StepOutput.accepted). Ranks > 0 run the same forward (their shards take
 part in the collectives) and return None.
 
 Device calls go through an ``Accelerator`` (``device.py``); ``is_accelerator`` selects the
 device path (CUDA, or a fake accelerator in tests).
 
 Start-up order: load the model; size the KV cache (on a device this runs a warm-up step, which
-needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; then
-capture decode graphs.
+needs the eager path, so ``graphs`` is None until the cache exists); allocate the cache; on a
+device, run one small step per attention kernel variant (``warmup.py``: Triton compiles them
+now, not in the first mixed step); then capture decode graphs. ``close()`` frees all of it
+again (executors and workers call it on shutdown); nothing the runner owns points back at it,
+so dropping it frees the memory too.
 
 KV cache sizing:
     * ``config.num_kv_blocks`` set: exactly that many blocks.
@@ -35,6 +39,7 @@ A step's plan arrays reach the device through ``PlanStager``: one host buffer, o
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -47,10 +52,12 @@ from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
+from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
+from tpserve.workers.warmup import kernel_warmup_plans, warmup_plan
 
 log = logging.getLogger("tpserve.runner")
 
@@ -95,18 +102,44 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
-                                device=self.device)
-        prepack_model(self.model)  # bf16 on CPU: oneDNN's packed weights (models/packed_gemm.py)
-        self.sampler = Sampler()
+                                device=self.device, quantization=config.quantization)
+        prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
+        self.sampler = Sampler(device=self.device)
         self.stager = PlanStager(self.accel)
         self.graphs = None  # the warm-up inside the sizing runs eagerly
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
+            reason = self.model.enable_fused_decode()  # CPU decode steps: 2 C++ calls per layer
+            if reason is not None and self.device.type == "cpu":
+                log.info("decode steps run layer by layer: the fused decode %s", reason)
+        if self.accel.is_accelerator:
+            # Triton compiles a kernel variant on its first launch: here, not in a serving step.
+            for plan in kernel_warmup_plans(config):
+                self.execute(plan)
         if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+            graphs = DecodeGraphs(self.model, self.accel, config, max_batch=config.max_num_seqs)
             graphs.capture()
             self.graphs = graphs
+
+    def close(self) -> None:
+        """Free this rank's device memory now: decode graphs and their pool, the KV cache, the
+        weights and the staging buffers, then the allocator's cached blocks, so that another
+        engine started in this process sizes its KV pool against free memory. The runner
+        cannot run afterwards; closing twice is harmless."""
+        if self.model is None:
+            return
+        self.accel.synchronize()  # nothing queued may still read what is freed below
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.model.set_kv_caches([(None, None)] * self.model.num_layers)
+        self.kv_caches = []
+        self.model = None
+        self.stager = None
+        self._profiler = None
+        self.accel.empty_cache()
 
     # ---- KV cache ------------------------------------------------------------------------
     @property
@@ -173,39 +206,57 @@ class ModelRunner:
             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
             max_seqlen_q=int(plan.max_seqlen_q), max_seqlen_k=int(plan.max_seqlen_k),
             context_lens=t["context_lens"], block_tables=t["block_tables"],
-            slot_mapping=t["slot_mapping"])
+            slot_mapping=t["slot_mapping"],
+            num_decodes=plan.num_decodes if plan.num_decodes >= 0 else None)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, num_logprobs: int = -1):
-        """Run one step; rank 0 returns the sampled token ids (int64 [S]), others None.
+    def execute(self, plan: StepPlan, sample: SamplePlan | None = None) -> StepOutput | None:
+        """Run one step; rank 0 returns a StepOutput, other ranks None.
 
-        With ``num_logprobs`` >= 0 (rank 0 only: sampling never leaves rank 0, so the plan does
-        not carry it) rank 0 returns ``(tokens, (logprob [S], top_ids [S, k], top_logprobs [S, k]))``
-        with k = num_logprobs, as numpy arrays (see sampler.compute_logprobs).
+        ``sample`` (rank 0 only: sampling never leaves rank 0, so the plan does not carry it)
+        holds the logits controls and logprobs requests of the step's sample rows.
         """
+        if self.model is None:
+            raise RuntimeError("ModelRunner.execute: the runner is closed")
+        sample = sample if sample is not None else _NO_CONTROLS
         if plan.num_tokens == 0:
-            if not self.tp.is_first:
-                return None
-            empty = np.zeros(0, dtype=np.int64)
-            if num_logprobs < 0:
-                return empty
-            k = max(num_logprobs, 0)
-            return empty, (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+            return _empty_output(sample) if self.tp.is_first else None
         t = self.stager.stage(plan)
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, t)
         else:
             hidden = self.model(t["input_ids"], t["positions"], self.metadata(plan, t))
+        prompt_lp = self._prompt_logprobs(hidden, t["logprob_rows"], sample) \
+            if plan.logprob_rows.shape[0] else None
         rows = hidden[t["logits_indices"].long()]
         logits = self.model.compute_logits(rows)
         if not self.tp.is_first:
             return None
-        tokens = self.sampler(logits, t["temperatures"], t["top_ks"], t["top_ps"], t["seeds"],
-                              t["sample_steps"])
-        if num_logprobs < 0:
-            return tokens.cpu().numpy()
-        lp, top_ids, top_lp = compute_logprobs(logits, tokens, num_logprobs)
-        return tokens.cpu().numpy(), (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())
+        tokens, accepted = self.sampler.sample(logits, t["temperatures"], t["top_ks"], t["top_ps"],
+                                               t["seeds"], t["sample_steps"], sample)
+        out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp, accepted=accepted)
+        if sample.num_logprobs >= 0:
+            lp, top_ids, top_lp = compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs)
+            out.logprobs = (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, sample: SamplePlan):
+        """Log-probabilities of the prompt tokens that ``rows`` predict, in chunks of
+        PROMPT_LOGPROBS_CHUNK rows so a long prompt never holds a [rows, vocab] float32 tensor
+        at once. Every rank runs the LM head (it is sharded); rank 0 returns the arrays."""
+        n, k = rows.shape[0], sample.num_prompt_logprobs
+        first = self.tp.is_first
+        if first:
+            targets = torch.from_numpy(sample.prompt_targets).to(self.device).long()
+            lp = np.zeros(n, np.float32)
+            ids, tops = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
+        for a in range(0, n, PROMPT_LOGPROBS_CHUNK):
+            b = min(a + PROMPT_LOGPROBS_CHUNK, n)
+            logits = self.model.compute_logits(hidden[rows[a:b].long()])
+            if first:
+                got, top_ids, top_lp = compute_logprobs(logits, targets[a:b], k)
+                lp[a:b], ids[a:b], tops[a:b] = got.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy()
+        return (lp, ids, tops) if first else None
 
     # ---- control commands ----------------------------------------------------------------
     def handle(self, plan: StepPlan) -> np.ndarray | None:
@@ -224,27 +275,14 @@ class ModelRunner:
         return None
 
 
-def warmup_plan(config: EngineConfig) -> StepPlan:
-    """The memory-peak step: a prefill of ``max_step_tokens`` tokens (capped by what
-    ``max_num_seqs`` sequences can hold) that samples ``max_num_seqs`` rows (capped by the
-    token count) with temperature, top-k and top-p all on, so the sampler sorts the vocabulary
-    as its most expensive real step does."""
-    cfg = config
-    num_tokens = min(cfg.max_step_tokens, cfg.max_num_seqs * cfg.max_model_len)
-    num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // max(cfg.max_model_len, 1)))
-    lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
-    lens[-1] += num_tokens - int(lens.sum())
-    cu = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(lens, out=cu[1:])
-    samples = min(cfg.max_num_seqs, num_tokens)
-    rows = np.linspace(0, num_tokens - 1, samples).astype(np.int32)  # distinct: samples <= tokens
-    return StepPlan(is_prefill=True, max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()),
-                    input_ids=np.zeros(num_tokens, np.int32),
-                    positions=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
-                    slot_mapping=np.full(num_tokens, -1, np.int32), cu_seqlens_q=cu,
-                    cu_seqlens_k=cu.copy(), context_lens=lens,
-                    block_tables=np.zeros((num_seqs, 0), np.int32), logits_indices=rows,
-                    temperatures=np.ones(samples, np.float32),
-                    top_ks=np.full(samples, 50, np.int32), top_ps=np.full(samples, 0.9, np.float32),
-                    seeds=np.arange(samples, dtype=np.int64),
-                    sample_steps=np.zeros(samples, np.int32))
+# Rows of prompt logits computed at once: 512 x 152k fp32 is 311 MB.
+PROMPT_LOGPROBS_CHUNK = 512
+_NO_CONTROLS = SamplePlan()
+
+
+def _empty_output(sample: SamplePlan) -> StepOutput:
+    k = max(sample.num_logprobs, 0)
+    out = StepOutput(np.zeros(0, dtype=np.int64))
+    if sample.num_logprobs >= 0:
+        out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+    return out

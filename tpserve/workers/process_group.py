@@ -13,6 +13,17 @@ Start-up order on CUDA: a rank makes ``cuda:local_rank`` its current device *bef
 the group, and passes it as ``device_id``. NCCL binds a communicator to the current device when
 it is created (eagerly with ``device_id``, else at the first collective); a rank that has not
 set its device yet would join on cuda:0, so every rank of a node would share one GPU.
+
+Tear-down: ``destroy_tp`` must really free the group, or its gloo worker threads outlive it
+and the interpreter's exit aborts the process. ``torch.distributed.nn.functional`` binds
+``group.WORLD`` into its functions' default arguments when it is first imported; imported while
+a group exists (transformers imports it, through torch.distributed.fsdp, when it reads a Llama
+config) it holds that group forever. A gloo worker thread then finishes destroying the last
+collective's work during interpreter finalization, drops a tensor whose Python object needs the
+GIL, is exited by Python (pthread_exit), and the unwind through a noexcept destructor calls
+std::terminate: "terminate called without an active exception", SIGABRT, in about one run in
+six. So ``init_tp`` imports that module before the group exists, and ``destroy_tp`` drops any
+default argument still holding the group before releasing it.
 """
 from __future__ import annotations
 
@@ -20,6 +31,7 @@ import datetime
 import os
 import socket
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -87,6 +99,7 @@ def init_tp(rank: int, world_size: int, init_method: str | None = None,
     accel.set_device()
     if not accel.is_accelerator:
         share_cpu_threads(world_size)
+    import torch.distributed.nn  # noqa: F401  (before the group: see the module docstring)
     if not dist.is_initialized():
         kwargs = {}
         if accel.dist_device_id() is not None:
@@ -138,11 +151,41 @@ def share_cpu_threads(world_size: int) -> None:
 
 
 def destroy_tp() -> None:
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a peer may already be gone; nothing left to release
-            pass
+    """Destroy the default group and free it now: its gloo threads are joined here, while the
+    interpreter is alive, never during its finalization (module docstring)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = dist.group.WORLD
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a peer may already be gone; nothing left to release
+        pass
+    _drop_default_arguments(group)
+    del group  # the last reference: the C++ group joins its worker threads now
+
+
+def _drop_default_arguments(group) -> None:
+    """Replace ``group`` by None in the default arguments of the functions and methods of the
+    loaded ``torch.distributed`` modules: a destroyed group is no use to them, and None means
+    the default group again. (The garbage collector cannot find these holders: a defaults tuple
+    of untracked objects, such as a group, is itself untracked.)"""
+    def fix(fn) -> None:
+        if type(fn) is not types.FunctionType:
+            return
+        if fn.__defaults__ and any(d is group for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if d is group else d for d in fn.__defaults__)
+        if fn.__kwdefaults__ and any(d is group for d in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if d is group else d for k, d in fn.__kwdefaults__.items()}
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or type(module) is not types.ModuleType:
+            continue
+        for value in list(vars(module).values()):
+            if type(value) is type:
+                for member in list(vars(value).values()):
+                    fix(member)
+            else:
+                fix(value)
 
 
 def torchrun_env() -> tuple[int, int, int, int] | None:

@@ -39,7 +39,7 @@ def run_worker(rank: int, world_size: int, config: EngineConfig, init_method: st
     from tpserve.workers.model_runner import ModelRunner
     from tpserve.workers.rendezvous import join_channel
 
-    channel = None
+    channel = runner = None
     try:
         tp = init_tp(rank, world_size, init_method, local_rank=local_rank)
         channel = join_channel(rank, ring_name)
@@ -62,6 +62,8 @@ def run_worker(rank: int, world_size: int, config: EngineConfig, init_method: st
         log.error("rank %d failed:\n%s", rank, text)
         return 1
     finally:
+        if runner is not None:
+            runner.close()
         if channel is not None:
             channel.close()
         destroy_tp()

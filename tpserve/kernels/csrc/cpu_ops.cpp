@@ -24,68 +24,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_ops.h"
+#include "vec.h"
+
 namespace {
 
-// ---- scalar helpers ---------------------------------------------------------------------------
-
-template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
-
-template <>
-inline float to_f<at::BFloat16>(at::BFloat16 x) {
-  // bf16 is the top half of an fp32: a shift the compiler vectorises (the c10 conversion
-  // goes through a function the vectoriser does not see through).
-  return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16);
-}
-
-template <typename T>
-inline T from_f(float x) { return static_cast<T>(x); }
-
-template <>
-inline at::BFloat16 from_f<at::BFloat16>(float x) {
-  // Round to nearest even, as c10 does, but branch-free so that loops over it vectorise.
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint16_t out = std::isnan(x) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  return at::BFloat16(out, at::BFloat16::from_bits());
-}
-
-template <typename T>
-inline float round_to(float x) { return to_f<T>(from_f<T>(x)); }
-
-template <typename T>
-inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_f<T>(src[i]);
-}
-
-// A pragma cannot sit inside the dispatch macros' lambdas, hence this helper.
-inline float sum_squares(const float* x, int64_t n) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  return ss;
-}
-
-// exp(x) for x <= 0 (softmax arguments after subtracting the running maximum): Cody-Waite range
-// reduction and a degree-6 polynomial, relative error ~2e-7. Written so that a loop over it
-// vectorises; the libm expf call does not, and at 2M exponentials a decode step that matters.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(e);
-}
-
-void check_value(bool ok, const char* what) { TORCH_CHECK_VALUE(ok, what); }
+using namespace tpserve;
 
 void check_dtype(const at::Tensor& t, const char* what) {
   const auto s = t.scalar_type();
@@ -222,82 +166,10 @@ AttendFn<T> attend_for(int64_t head_dim) {
 // so there is no division per key. Measured at batch 64 (~280 keys, 8/4 heads of 64, bf16, one
 // thread, medians of 50 calls): the general kernel above 3.7-4.5 ms, this path 2.8 ms.
 
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
-// The attention loops work in vectors of the machine's width: 16 floats with AVX-512, 8
-// otherwise (GCC lowers a 16-float vector on an AVX2 target to spills and lane inserts when
-// many are live: with -march=haswell the prompt path ran 10x slower that way, the decode path
-// 2x). A prompt key tile is 16 keys, one or two vectors. (64-key tiles were measured: ~10%
-// faster on a 2,000-token prompt, ~15% slower on the benchmark's short prompts.)
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
+// A prompt key tile is 16 keys, one or two vectors. (64-key tiles were measured: ~10% faster on a
+// 2,000-token prompt, ~15% slower on the benchmark's short prompts.)
 constexpr int64_t kPromptKeys = 16;  // keys per prompt tile
 constexpr int64_t kTileVectors = kPromptKeys / kLanes;
-typedef float vfl __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t vu16l __attribute__((vector_size(kLanes * 2)));
-typedef uint32_t vu32l __attribute__((vector_size(kLanes * 4)));
-
-inline vfl loadl(const float* p) {
-  vfl v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vfl loadl(const at::BFloat16* p) {
-  vu16l h;
-  std::memcpy(&h, p, sizeof(h));
-  return reinterpret_cast<vfl>(__builtin_convertvector(h, vu32l) << 16);
-}
-
-inline void storel(float* p, vfl v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Rounds to bf16 as from_f does (nearest even, NaN -> 0x7FC0), a vector at a time.
-inline vu32l bf16_bits(vfl v) {
-  const vu32l bits = reinterpret_cast<vu32l>(v);
-  const vu32l rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const vu32l nan = rounded * 0u + 0x7FC0u;
-  return v != v ? nan : rounded;
-}
-
-inline void storel(at::BFloat16* p, vfl v) {
-  const vu16l h = __builtin_convertvector(bf16_bits(v), vu16l);
-  std::memcpy(p, &h, sizeof(h));
-}
-
-// round_to<T> for a vector: the value a store to T and a load back would give.
-inline vfl roundl(vfl v, float*) { return v; }
-inline vfl roundl(vfl v, at::BFloat16*) { return reinterpret_cast<vfl>(bf16_bits(v) << 16); }
-
-// Sums and maxima across lanes as trees of halves (a serial scalar loop was slower in the
-// decode path, which sums one vector per key and head).
-inline vf4 to_quarters(vf8 v, bool max) {
-  const vf4 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3), hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return max ? (lo > hi ? lo : hi) : lo + hi;
-}
-
-inline vf4 fold_lanes(vfl v, bool max) {
-#if defined(__AVX512F__)
-  const vf8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const vf8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  return to_quarters(max ? (lo > hi ? lo : hi) : lo + hi, max);
-#else
-  return to_quarters(v, max);
-#endif
-}
-
-inline float hsuml(vfl v) {
-  const vf4 b = fold_lanes(v, false);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-inline float hmaxl(vfl v) {
-  const vf4 b = fold_lanes(v, true);
-  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
-}
 
 // fn(row, p) for the cache's slot row of each position p < k_len, in order, walking the block
 // table entry by entry.
@@ -597,6 +469,44 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   });
 }
 
+// Every sequence's keys fit its block-table row and every block they need is a valid id: what a
+// step's plan promises, checked once per step (check_block_tables) rather than once per layer.
+void check_tables(const int32_t* cu, const int32_t* ctx, const int32_t* tables, int64_t B,
+                  int64_t width, int64_t num_blocks, int64_t block_size) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    check_value(q_len >= 0 && ctx[b] >= q_len,
+                "context_lens: each sequence needs at least as many keys as new query rows");
+    const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
+    check_value(used_blocks <= width, "block_tables: fewer columns than a sequence's blocks");
+    for (int64_t c = 0; c < used_blocks; ++c) {
+      const int32_t blk = tables[b * width + c];
+      check_value(blk >= 0 && blk < num_blocks,
+                  "block_tables: a block a sequence's keys need is -1 or out of range");
+    }
+  }
+}
+
+void check_index_arrays(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                        const at::Tensor& context_lens) {
+  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens}) {
+    check_value(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_tables/cu_seqlens_q/context_lens: expected contiguous int32");
+  }
+  check_value(block_tables.dim() == 2, "block_tables: expected [B, W]");
+  const int64_t B = context_lens.size(0);
+  check_value(cu_seqlens_q.size(0) == B + 1 && block_tables.size(0) == B,
+              "cu_seqlens_q/block_tables: expected B+1 entries / B rows for B = len(context_lens)");
+}
+
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                        const at::Tensor& context_lens, int64_t num_blocks, int64_t block_size) {
+  check_index_arrays(block_tables, cu_seqlens_q, context_lens);
+  check_tables(cu_seqlens_q.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+               block_tables.data_ptr<int32_t>(), context_lens.size(0), block_tables.size(1),
+               num_blocks, block_size);
+}
+
 // out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
 // cache [num_blocks, block_size, Hkv, D]. Sequence b owns query rows cu_seqlens_q[b]..[b+1],
 // which are the last q_len rows of its context_lens[b] keys (causal). Keys come from
@@ -605,10 +515,12 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 // Paths (fp32/bf16 with head_dim % 16 == 0; anything else takes the general kernel): a plan of
 // one row per sequence takes the decode path unless `prompt` is set; any other plan, or one with
 // `prompt`, takes the tiled prompt path, whose rows do not depend on how a prompt was split.
+// `num_decodes` (>= 0) says how many leading sequences have one row each, as the plan states it
+// (-1: count them); `checked`: check_block_tables already ran on these arrays for this step.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-                     double scale, bool prompt) {
+                     double scale, bool prompt, int64_t num_decodes, bool checked) {
   check_dtype(q, "q: expected float32, bfloat16 or float16");
   check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
   check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
@@ -622,35 +534,22 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_value(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim, "q: head_dim must be in [1, 512]");
   const int64_t hkv = k_cache.size(2);
   check_value(hkv > 0 && q.size(1) % hkv == 0, "k_cache: num_kv_heads must divide q's num_heads");
-  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens}) {
-    check_value(t->scalar_type() == at::kInt && t->is_contiguous(),
-                "block_tables/cu_seqlens_q/context_lens: expected contiguous int32");
-  }
-  check_value(block_tables.dim() == 2, "block_tables: expected [B, W]");
+  check_index_arrays(block_tables, cu_seqlens_q, context_lens);
   const int64_t B = context_lens.size(0);
-  check_value(cu_seqlens_q.size(0) == B + 1 && block_tables.size(0) == B,
-              "cu_seqlens_q/block_tables: expected B+1 entries / B rows for B = len(context_lens)");
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t width = block_tables.size(1);
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   check_value(cu[0] == 0 && cu[B] == q.size(0), "cu_seqlens_q: must run from 0 to T");
+  check_value(num_decodes <= B, "num_decodes: more than the sequences");
 
   const int64_t group = q.size(1) / hkv;
-  bool one_row_each = true;  // a decode plan: the decode path below
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t q_len = cu[b + 1] - cu[b];
-    one_row_each = one_row_each && q_len == 1;
-    check_value(q_len >= 0 && ctx[b] >= q_len,
-                "context_lens: each sequence needs at least as many keys as new query rows");
-    const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
-    check_value(used_blocks <= width, "block_tables: fewer columns than a sequence's blocks");
-    for (int64_t c = 0; c < used_blocks; ++c) {
-      const int32_t blk = tables[b * width + c];
-      check_value(blk >= 0 && blk < num_blocks,
-                  "block_tables: a block a sequence's keys need is -1 or out of range");
-    }
+  if (!checked) check_tables(cu, ctx, tables, B, width, num_blocks, block_size);
+  bool one_row_each = num_decodes == B;  // a decode plan: the decode path below
+  if (num_decodes < 0) {
+    one_row_each = true;
+    for (int64_t b = 0; b < B; ++b) one_row_each = one_row_each && cu[b + 1] - cu[b] == 1;
   }
   if (q.size(0) == 0) return;
   const bool vector_path = q.size(2) % 16 == 0 &&
@@ -1009,26 +908,163 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k,
   });
 }
 
+
+// ---- a decoder layer's decode step in two calls ---------------------------------------------------
+//
+// A decode step at batch 1 is ~45 small operators per layer when Python calls them one by one,
+// and their dispatch cost more than the arithmetic of a small model. These two ops run the
+// same operators (the same functions, so the same bits) in one call each: the attention half of
+// a layer up to o_proj, and the MLP half. Between them and after them, a tensor-parallel model
+// all-reduces the partial sums in Python. The plan's block tables are checked once per step
+// (check_block_tables) before the first layer, not here.
+
+PackedLinear packed_linear(const at::Tensor& data, int64_t kind, int64_t n, int64_t k,
+                           const c10::optional<at::Tensor>& scales,
+                           const c10::optional<at::Tensor>& colsum,
+                           const c10::optional<at::Tensor>& bias, const char* what) {
+  PackedLinear w;
+  w.data = data;
+  w.kind = kind;
+  w.n = n;
+  w.k = k;
+  if (scales.has_value()) w.scales = *scales;
+  if (colsum.has_value()) w.colsum = *colsum;
+  if (bias.has_value()) w.bias = *bias;
+  check_packed(w, what);
+  return w;
+}
+
+// residual (in/out) and normed: norm(hidden + residual) with the sum kept as the new residual,
+// or, for the first layer, residual = hidden and norm(hidden).
+void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor& residual,
+                        bool has_residual, const at::Tensor& weight, double eps) {
+  if (has_residual) {
+    rms_norm(normed, hidden, residual, residual, weight, eps);
+  } else {
+    residual.copy_(hidden);
+    rms_norm(normed, hidden, c10::nullopt, c10::nullopt, weight, eps);
+  }
+}
+
+// out [M, H] = o_proj(attention(rotary(qkv_proj(norm(hidden (+ residual)))))) for M decode
+// rows, one per sequence; residual [M, H] is updated in place (see norm_with_residual).
+void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
+                      bool has_residual, const at::Tensor& positions, const at::Tensor& k_cache_in,
+                      const at::Tensor& v_cache_in, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      const at::Tensor& ln_weight, double eps, const c10::optional<at::Tensor>& q_norm,
+                      const c10::optional<at::Tensor>& k_norm, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, double scale,
+                      const at::Tensor& qkv_data, int64_t qkv_kind, const c10::optional<at::Tensor>& qkv_scales,
+                      const c10::optional<at::Tensor>& qkv_colsum, const c10::optional<at::Tensor>& qkv_bias,
+                      const at::Tensor& o_data, int64_t o_kind, const c10::optional<at::Tensor>& o_scales,
+                      const c10::optional<at::Tensor>& o_colsum, const c10::optional<at::Tensor>& o_bias) {
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
+                  out.sizes() == hidden.sizes(),
+              "hidden/residual/out: expected contiguous [M, hidden] tensors");
+  check_value(context_lens.size(0) == M && slot_mapping.size(0) == M && positions.size(0) == M,
+              "context_lens/slot_mapping/positions: one entry per decode row");
+  check_value(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == M,
+              "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
+  check_value(head_dim % 16 == 0 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "hidden: the fused decode takes fp32/bf16 and head_dim % 16 == 0");
+  const PackedLinear qkv = packed_linear(qkv_data, qkv_kind, q_size + 2 * kv_size, H, qkv_scales,
+                                         qkv_colsum, qkv_bias, "qkv_proj");
+  const PackedLinear o = packed_linear(o_data, o_kind, H, q_size, o_scales, o_colsum, o_bias, "o_proj");
+  at::Tensor normed = at::empty_like(hidden);
+  norm_with_residual(normed, hidden, residual, has_residual, ln_weight, eps);
+  at::Tensor qkv_out = at::empty({M, qkv.n}, hidden.options());
+  linear_into(qkv_out, normed, qkv);
+  at::Tensor q = qkv_out.narrow(1, 0, q_size).view({M, num_heads, head_dim});
+  at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
+  at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
+  if (q_norm.has_value()) {
+    at::Tensor qn = at::empty_like(q, at::MemoryFormat::Contiguous);
+    at::Tensor kn = at::empty_like(k, at::MemoryFormat::Contiguous);
+    rms_norm(qn, q, c10::nullopt, c10::nullopt, *q_norm, eps);
+    rms_norm(kn, k, c10::nullopt, c10::nullopt, *k_norm, eps);
+    q = qn;
+    k = kn;
+  }
+  rotary_embedding(positions, q, k, cos, sin);
+  at::Tensor k_cache = k_cache_in, v_cache = v_cache_in;
+  store_kvcache(k, v, k_cache, v_cache, slot_mapping);
+  at::Tensor attn = at::empty({M, num_heads, head_dim}, hidden.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  if (hidden.scalar_type() == at::kFloat) {
+    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, static_cast<float>(scale));
+  } else {
+    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M,
+                               static_cast<float>(scale));
+  }
+  linear_into(out, attn.view({M, q_size}), o);
+}
+
+// out [M, H] = down_proj(silu_and_mul(gate_up_proj(norm(hidden + residual)))); residual is
+// updated in place.
+void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
+                const at::Tensor& ln_weight, double eps, int64_t intermediate,
+                const at::Tensor& gu_data, int64_t gu_kind, const c10::optional<at::Tensor>& gu_scales,
+                const c10::optional<at::Tensor>& gu_colsum, const c10::optional<at::Tensor>& gu_bias,
+                const at::Tensor& down_data, int64_t down_kind, const c10::optional<at::Tensor>& down_scales,
+                const c10::optional<at::Tensor>& down_colsum, const c10::optional<at::Tensor>& down_bias) {
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
+                  out.sizes() == hidden.sizes(),
+              "hidden/residual/out: expected contiguous [M, hidden] tensors");
+  const PackedLinear gu = packed_linear(gu_data, gu_kind, 2 * intermediate, H, gu_scales, gu_colsum,
+                                        gu_bias, "gate_up_proj");
+  const PackedLinear down = packed_linear(down_data, down_kind, H, intermediate, down_scales,
+                                          down_colsum, down_bias, "down_proj");
+  at::Tensor normed = at::empty_like(hidden);
+  norm_with_residual(normed, hidden, residual, true, ln_weight, eps);
+  at::Tensor gate_up = at::empty({M, 2 * intermediate}, hidden.options());
+  linear_into(gate_up, normed, gu);
+  at::Tensor act = at::empty({M, intermediate}, hidden.options());
+  silu_and_mul(act, gate_up);
+  linear_into(out, act, down);
+}
 }  // namespace
 
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
-        "bool prompt=False) -> ()");
+        "bool prompt=False, int num_decodes=-1, bool checked=False) -> ()");
+  m.def("check_block_tables(Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, "
+        "int num_blocks, int block_size) -> ()");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
         "Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("decode_attention(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, bool has_residual, "
+        "Tensor positions, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor ln_weight, float eps, Tensor? q_norm, "
+        "Tensor? k_norm, int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
+        "float scale, Tensor qkv_data, int qkv_kind, Tensor? qkv_scales, Tensor? qkv_colsum, "
+        "Tensor? qkv_bias, Tensor o_data, int o_kind, Tensor? o_scales, Tensor? o_colsum, "
+        "Tensor? o_bias) -> ()");
+  m.def("decode_mlp(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, Tensor ln_weight, float eps, "
+        "int intermediate, Tensor gu_data, int gu_kind, Tensor? gu_scales, Tensor? gu_colsum, "
+        "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
+        "Tensor? down_colsum, Tensor? down_bias) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("check_block_tables", &check_block_tables);
   m.impl("store_kvcache", &store_kvcache);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_mlp", &decode_mlp);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("rotary_embedding", &rotary_embedding);
 }

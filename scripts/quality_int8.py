@@ -1,0 +1,152 @@
+"""How much ``--quantization int8`` changes a model's outputs, measured against bf16.
+
+For the bundled model (prompts from its held-out stdlib files) and the random-weight 40M
+benchmark model (random token prompts), 20 prompts of 32 tokens, 64 greedy tokens each:
+
+  * free-running agreement: the fraction of the 64 positions where int8's greedy token equals
+    bf16's (each model generating from its own previous tokens, so one early difference
+    changes the rest of the completion);
+  * same-prefix agreement: both models read bf16's completion; the fraction of positions where
+    their next-token argmax agrees;
+  * mean KL(bf16 || int8) of the next-token distributions over those positions (nats);
+  * the same three figures for fp32 against bf16: how far bf16's own rounding moves the
+    outputs, the scale to read int8's figures on (random weights give next-token
+    distributions so flat that any rounding flips many greedy choices).
+
+For the bundled model also the held-out loss (nats/token) in bf16 and int8, on the held-out
+text and windows ``scripts/train_default_model.py`` evaluates (its training report has the
+figure of the fp32 reference with bf16-rounded weights). Targets: agreement >= 90%, loss
+within 1% of bf16.
+
+    python scripts/quality_int8.py [--skip-40m]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_models import build_bench_model  # noqa: E402
+from bench_throughput import cpu_isa  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
+PROMPTS, PROMPT_LEN, OUT = 20, 32, 64
+
+
+def load(path: Path, quantization: str | None, dtype: str = "bfloat16"):
+    from tpserve.kernels.backend import get_backend
+    from tpserve.models.loader import load_model
+    from tpserve.models.packed_gemm import prepack_model
+    model = load_model(path, dtype=dtype, quantization=quantization,
+                       backend=get_backend("auto", "cpu", 16))
+    prepack_model(model)
+    return model
+
+
+@torch.inference_mode()
+def logits_of(model, seqs: list[list[int]]) -> torch.Tensor:
+    """fp32 logits [sum of lengths, vocab] of whole sequences in one cache-less forward."""
+    from tpserve.kernels.metadata import AttentionMetadata
+    lens = [len(s) for s in seqs]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    meta = AttentionMetadata.from_arrays(
+        is_prefill=True, has_context=False, cu_seqlens_q=cu, cu_seqlens_k=cu, context_lens=lens,
+        block_tables=np.zeros((len(seqs), 0), np.int32), slot_mapping=np.full(int(cu[-1]), -1))
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.tensor([p for n in lens for p in range(n)])
+    return model.compute_logits(model.forward(ids, pos, meta)).float()
+
+
+def generate(path: Path, quantization: str | None, prompts, dtype: str = "bfloat16") -> list[list[int]]:
+    from tpserve import LLM, SamplingParams
+    llm = LLM(str(path), dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.5)
+    try:
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True),
+                           use_tqdm=False)
+        return [r.outputs[0].token_ids for r in res]
+    finally:
+        llm.shutdown()
+
+
+def agreement(path: Path, prompts, ref_out, ref_logits, other: dict) -> tuple[float, float, float]:
+    """(free-running, same-prefix agreement, mean KL(ref || other)) of the engine ``other``
+    (LLM/load keyword arguments) against the reference outputs and logits."""
+    out = generate(path, prompts=prompts, **other)
+    free = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref_out, out)]))
+    seqs = [p + o for p, o in zip(prompts, ref_out)]
+    # Positions that predict a generated token: the last prompt token onwards, less the end.
+    rows = torch.tensor([start + PROMPT_LEN - 1 + i for start in np.cumsum([0] + [len(s) for s in seqs[:-1]])
+                         for i in range(OUT)])
+    lp_ref = ref_logits[rows].log_softmax(-1)
+    lp = logits_of(load(path, **other), seqs)[rows].log_softmax(-1)
+    same = float((lp_ref.argmax(-1) == lp.argmax(-1)).float().mean())
+    kl = float((lp_ref.exp() * (lp_ref - lp)).sum(-1).mean())
+    return free, same, kl
+
+
+def compare(name: str, path: Path, prompts) -> None:
+    bf16_out = generate(path, None, prompts)
+    ref = logits_of(load(path, None), [p + o for p, o in zip(prompts, bf16_out)])
+    for label, other in (("int8", dict(quantization="int8")), ("fp32", dict(quantization=None, dtype="float32"))):
+        free, same, kl = agreement(path, prompts, bf16_out, ref, other)
+        print(f"quality {name}, {label} against bf16: greedy agreement free-running {free:.1%}, "
+              f"same-prefix {same:.1%}; mean KL(bf16||{label}) {kl:.4f} nats "
+              f"({PROMPTS} prompts x {OUT} tokens)", flush=True)
+
+
+def heldout(path: Path) -> tuple[torch.Tensor, int]:
+    """The held-out token stream and window of scripts/train_default_model.py."""
+    import train_default_model as t
+    from tokenizers import Tokenizer
+    s = t.Sizes()
+    texts = t.read_texts(t.stdlib_files(int(s.max_corpus_mb * 1e6), s.max_file_kb * 1000))
+    _, held = t.split_heldout(texts)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ids = t.encode_stream(tok, held, tok.token_to_id(t.EOS))
+    n = min(len(ids) - 1, s.eval_tokens) // s.context * s.context
+    return ids[:n + 1], s.context
+
+
+def heldout_loss(model, ids: torch.Tensor, context: int) -> float:
+    n = len(ids) - 1
+    windows = ids[:n].view(-1, context)
+    targets = ids[1:n + 1].view(-1, context)
+    total = 0.0
+    for i in range(0, windows.shape[0], 16):
+        logits = logits_of(model, windows[i:i + 16].tolist())
+        total += torch.nn.functional.cross_entropy(logits, targets[i:i + 16].reshape(-1), reduction="sum").item()
+    return total / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-40m", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    print(f"isa {cpu_isa()}; int8 = --quantization int8 (per-channel int8 weights, int8 activations per row) "
+          f"against bf16", flush=True)
+    ids, context = heldout(BUNDLED)
+    starts = np.linspace(0, len(ids) - PROMPT_LEN - 1, PROMPTS).astype(int)
+    bundled = [ids[s:s + PROMPT_LEN].tolist() for s in starts]
+    compare("bundled model", BUNDLED, bundled)
+    report = json.loads((BUNDLED / "training_report.json").read_text())
+    loss_bf16 = heldout_loss(load(BUNDLED, None), ids, context)
+    loss_int8 = heldout_loss(load(BUNDLED, "int8"), ids, context)
+    print(f"quality bundled model held-out loss ({len(ids) - 1} tokens): bf16 {loss_bf16:.4f}, int8 "
+          f"{loss_int8:.4f} ({loss_int8 / loss_bf16 - 1:+.2%}); training report {report['heldout_loss']:.4f}")
+    if not args.skip_40m:
+        path = build_bench_model("/tmp/tpserve-bench/qwen3-40m")
+        rng = np.random.default_rng(0)
+        compare("40m random-weight model", path, [rng.integers(3, 32768, PROMPT_LEN).tolist()
+                                                  for _ in range(PROMPTS)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

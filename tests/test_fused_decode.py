@@ -1,0 +1,79 @@
+"""The fused decode path (two C++ calls per layer): bit-identical to the module path for every
+weight kind, used exactly for pure decode steps, refused for models it cannot run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_factory import make_tiny_model
+from test_models import PagedKV, random_prompts, tpserve_model
+from tpserve.kernels import cpu_extension
+from tpserve.models.fused_decode import why_not_fused
+from tpserve.models.packed_gemm import prepack_model
+
+pytestmark = pytest.mark.skipif(not cpu_extension.available(), reason="needs the C++ operators")
+
+CASES = {  # name: (make_tiny_model overrides, dtype, --quantization)
+    "qwen3-fp32": (dict(), "float32", None),
+    "qwen3-bf16": (dict(), "bfloat16", None),
+    "qwen3-int8": (dict(), "float32", "int8"),
+    "llama-bias-bf16": (dict(arch="llama", attention_bias=True, mlp_bias=True), "bfloat16", None),
+}
+
+
+def _decode_logits(path, dtype, quant, fused: bool):
+    model = tpserve_model(path, backend="cpu", dtype=dtype, quantization=quant)
+    prepack_model(model)
+    prompts = random_prompts([9, 4, 17], 384, seed=3)
+    kv = PagedKV(model, len(prompts), 40)
+    if fused:
+        assert model.enable_fused_decode() is None
+    out = []
+    for new in [prompts] + [[[t] for t in row] for row in ([5, 7, 9], [11, 13, 15], [2, 3, 4])]:
+        ids, pos, meta = kv.step(new)
+        calls = []
+        if model.fused_decode is not None:
+            real = model.fused_decode
+            model.fused_decode = lambda *a, _r=real: calls.append(1) or _r(*a)
+        out.append(model.compute_logits(model.forward(ids, pos, meta)))
+        if model.fused_decode is not None:
+            model.fused_decode = real
+        assert len(calls) == (1 if fused and not meta.is_prefill else 0)  # decode steps only
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_decode_equals_the_module_path_bit_for_bit(tmp_path, name):
+    overrides, dtype, quant = CASES[name]
+    path = make_tiny_model(tmp_path, **overrides)
+    plain = _decode_logits(path, dtype, quant, fused=False)
+    fused = _decode_logits(path, dtype, quant, fused=True)
+    for a, b in zip(plain, fused):
+        assert torch.equal(a, b)
+
+
+def test_models_the_fused_path_cannot_run(tmp_path):
+    path = make_tiny_model(tmp_path)
+    model = tpserve_model(path, backend="cpu")
+    assert "KV cache" in why_not_fused(model)
+    PagedKV(model, 1, 16)
+    assert "packed" in why_not_fused(model)
+    torch_backend = tpserve_model(path, backend="torch")
+    prepack_model(torch_backend)
+    PagedKV(torch_backend, 1, 16)
+    assert "cpu attention backend" in torch_backend.enable_fused_decode()
+    assert torch_backend.fused_decode is None
+
+
+def test_a_bad_block_id_is_refused_before_any_layer(tmp_path):
+    path = make_tiny_model(tmp_path)
+    model = tpserve_model(path, backend="cpu")
+    prepack_model(model)
+    kv = PagedKV(model, 1, 32)
+    assert model.enable_fused_decode() is None
+    ids, pos, meta = kv.step([[5, 6, 7]])
+    model.forward(ids, pos, meta)
+    ids, pos, meta = kv.step([[8]])
+    meta.block_tables[0, 0] = 10_000
+    with pytest.raises(ValueError, match="block_tables: a block"):
+        model.forward(ids, pos, meta)

@@ -1,0 +1,106 @@
+"""Two tpserve daemons behind a real smg (SGLang's router, from PyPI in its own virtualenv:
+scripts/peer_smg.sh, which `make test` runs): smg identifies the engine, reads its limits and
+live load, and routes completions to both replicas.
+
+Uses scripts/bench_router.py's Replica and Smg at small size on the bundled model."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_router  # noqa: E402
+
+SMG = Path(os.environ.get("TPSERVE_SMG_VENV", "/work/peers/smg")) / "bin" / "smg"
+BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
+BLOCKS, BLOCK_SIZE = 64, 16
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    assert SMG.exists(), f"no smg at {SMG}: run scripts/peer_smg.sh (make test does)"
+    args = SimpleNamespace(block_size=BLOCK_SIZE, max_num_seqs=8, dtype="float32", startup_timeout=200.0)
+    started = bench_router.start_replicas(BUNDLED, BLOCKS, args, 2)
+    yield started
+    for r in started:
+        r.stop()
+
+
+def test_smg_identifies_the_replicas_reads_their_load_and_routes_to_both(replicas):
+    smg = bench_router.Smg(str(SMG), [r.url for r in replicas], "round_robin")
+    try:
+        workers = smg.workers()
+        assert {w["url"] for w in workers} == {r.url for r in replicas}
+        for w in workers:
+            # /version made it a vLLM-like backend; /v1/models gave the served name and context.
+            assert w["runtime_type"] == "vllm" and w["labels"]["version"] == "0.1.0"
+            assert w["labels"]["served_model_name"] == "bench"
+        deadline = time.monotonic() + 30
+        while not all(w.get("engine_load") for w in smg.workers()):  # polled every second
+            assert time.monotonic() < deadline, "smg never read the replicas' /v1/loads"
+            time.sleep(0.2)
+        for w in smg.workers():
+            (load,) = w["engine_load"]["loads"]
+            assert load["max_total_num_tokens"] == BLOCKS * BLOCK_SIZE
+            assert load["max_running_requests"] == 8
+        before = [bench_router.scrape(r.url)["tpserve:prompt_tokens_total"] for r in replicas]
+        for i in range(4):
+            out = post(smg.url + "/v1/completions", {"model": "bench", "prompt": f"def f{i}(x):",
+                                                     "max_tokens": 4, "temperature": 0})
+            assert out["choices"][0]["finish_reason"] in ("length", "stop")
+            assert out["usage"]["completion_tokens"] >= 1
+        after = [bench_router.scrape(r.url)["tpserve:prompt_tokens_total"] for r in replicas]
+        assert all(a > b for a, b in zip(after, before)), "round robin did not reach both replicas"
+    finally:
+        smg.stop()
+
+
+def test_least_load_sees_a_busy_replica_through_its_live_load(replicas):
+    """Requests kept running on one replica; smg's view of it (from /v1/loads) says so.
+
+    One request can end between two of smg's polls on a fast machine, so the replica is kept
+    busy with back-to-back requests until smg has seen one of them."""
+    smg = bench_router.Smg(str(SMG), [r.url for r in replicas], "least_load")
+    busy = replicas[0]
+    seen = threading.Event()
+    served = []
+
+    def keep_busy():
+        while not seen.is_set():
+            served.append(post(busy.url + "/v1/completions",
+                               {"model": "bench", "prompt": "x = 1", "max_tokens": 200,
+                                "ignore_eos": True, "temperature": 0}))
+
+    t = threading.Thread(target=keep_busy)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            loads = {w["url"]: w.get("engine_load", {}).get("loads", [{}])[0].get("num_running_reqs")
+                     for w in smg.workers()}
+            if loads.get(busy.url) == 1:
+                break
+            assert t.is_alive(), "the request keeping the replica busy failed"
+            assert time.monotonic() < deadline, f"smg never saw the running request: {loads}"
+            time.sleep(0.1)
+        assert loads[replicas[1].url] == 0
+    finally:
+        seen.set()
+        t.join(120)
+        smg.stop()
+    assert served and all(o["usage"]["completion_tokens"] == 200 for o in served)

@@ -1,0 +1,475 @@
+// Packed linear layers on CPU: out = x W^T (+ bias) for fp32, bf16 and int8 weights, one kernel
+// for every row count (a decode step's single row as well as a prompt's thousands).
+//
+// Layout. The weight [N, K] is cut into panels of P = 4 vectors of output channels (64 with
+// AVX-512, 32 otherwise; N is padded with zero channels to a whole panel). Within a panel the
+// channels of one input feature are contiguous, so one panel is one stream read front to back:
+//     fp32, int8 (weight-only)  [N/P][K][P]
+//     bf16                      [N/P][K/2][P][2]   (the pairs vdpbf16ps multiplies)
+//     int8 with int8 activations [N/P][K/4][P][4]  (the quads vpdpbusd multiplies)
+// (packed_gemm.py builds these with torch reshapes.) A vector of the panel holds consecutive
+// output channels, so the sums never need a horizontal reduction: each input feature (pair,
+// quad) is broadcast from x and multiplied into the panel's 4 vectors, for up to kTile rows of x
+// at once (4 x kTile accumulators). With one row the kernel is bound by reading the weight once;
+// with many, each panel stays in L2 while the rows stream past it.
+//
+// Sums: fp32, in order of k, whatever the row count or the rows around a row, so a row's result
+// does not depend on what shares its call. bf16 on AVX512-BF16 multiplies pairs with vdpbf16ps
+// (exact products, fp32 sums, denormals flushed); elsewhere bf16 is widened and summed with FMAs.
+// int8 weight-only: x (widened to fp32) times the int8 weights, summed in fp32, times the channel
+// scale at the end. int8 dynamic: each row of x is quantized symmetrically to [-127, 127] with
+// its own scale (absmax / 127), the int32 sums are exact, then scaled by both scales. The bias is
+// added in fp32 before the result is rounded to the output dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "linear_ops.h"
+#include "vec.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int64_t kPanel = 4 * kLanes;
+// Rows of x per micro-tile: 4 x kTile accumulators plus 4 weight vectors must fit the registers
+// (32 with AVX-512, 16 with AVX2).
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 4;
+#else
+constexpr int64_t kTile = 2;
+#endif
+// Rows per work item: items are (panel, block of rows), so small panels counts still split.
+constexpr int64_t kRowBlock = 64;
+
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBf16 = true;
+#else
+constexpr bool kNativeBf16 = false;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kInt8Path = 2;  // vpdpbusd: unsigned activations (x + 128), compensated by colsum
+#elif defined(__AVX2__)
+constexpr int kInt8Path = 1;  // vpmaddubsw on |x| and sign-adjusted weights (no saturation)
+#else
+constexpr int kInt8Path = 0;  // scalar
+#endif
+
+typedef int32_t vi32l __attribute__((vector_size(kLanes * 4)));
+typedef int8_t vi8l __attribute__((vector_size(kLanes)));
+
+int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// Bytes of packed data per (panel, input feature).
+int64_t bytes_per_k(int64_t kind) {
+  return kind == kFloat32 ? kPanel * 4 : kind == kBFloat16 ? kPanel * 2 : kPanel;
+}
+
+int64_t k_multiple(int64_t kind) { return kind == kBFloat16 ? 2 : kind == kInt8Dynamic ? 4 : 1; }
+
+// ---- activations in the form a kernel reads ------------------------------------------------
+
+// x rows as the kernels read them: the original rows (fp32 kind; bf16 with dpbf16), widened fp32
+// rows, or quantized rows with their scales.
+struct Rows {
+  const void* data;
+  int64_t ld;                // elements between rows
+  const float* scales = nullptr;  // kInt8Dynamic: per row
+};
+
+thread_local std::vector<float> t_widened;
+thread_local std::vector<int8_t> t_quantized;
+thread_local std::vector<float> t_row_scales;
+
+template <typename T>
+void widen_rows(const T* x, int64_t xs, int64_t M, int64_t K, float* dst) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 262144 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      for (int64_t k = 0; k < K; ++k) dst[m * K + k] = to_f<T>(x[m * xs + k]);
+    }
+  });
+}
+
+// Row m -> q = round(x / s) in [-127, 127], s = max|x| / 127 (1 for a zero row); stored as
+// q + 128 (unsigned) on the vpdpbusd path.
+template <typename T>
+void quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int8_t* dst, float* scales) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 131072 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const T* row = x + m * xs;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f<T>(row[k])));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      const float inv = 1.f / s;
+      scales[m] = s;
+      int8_t* q = dst + m * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::nearbyint(to_f<T>(row[k]) * inv);
+        const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+        q[k] = static_cast<int8_t>(kInt8Path == 2 ? c + 128 - 256 * (c >= 0) : c);
+      }
+    }
+  });
+}
+
+// ---- micro-kernels: tm <= kTile rows of x times one panel, over all of K ------------------------
+//
+// acc[t][i] holds output channels [i * kLanes, (i + 1) * kLanes) of the panel for row t.
+
+inline vfl load_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vfl)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vfl)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vi8l v;  // GCC's generic conversion of this vector is scalar code on x86: the intrinsics above
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(v, vfl);
+#endif
+}
+
+inline vfl load_w(const float* p) { return loadl(p); }
+inline vfl load_w(const int8_t* p) { return load_i8(p); }
+
+// fp32 weights, or int8 ones widened (their scale comes in the epilogue), times fp32 rows.
+template <int64_t TM, typename W>
+inline void tile_fma(const W* w, int64_t K, const float* x, int64_t ld, vfl (&acc)[kTile][4]) {
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
+    const vfl w0 = load_w(w), w1 = load_w(w + kLanes), w2 = load_w(w + 2 * kLanes), w3 = load_w(w + 3 * kLanes);
+    for (int64_t t = 0; t < TM; ++t) {
+      const float xv = x[t * ld + k];
+      acc[t][0] += xv * w0;
+      acc[t][1] += xv * w1;
+      acc[t][2] += xv * w2;
+      acc[t][3] += xv * w3;
+    }
+  }
+}
+
+// bf16 pairs without vdpbf16ps: the even feature of a pair is the low half of a 32-bit lane.
+inline void load_pair(const uint16_t* p, vfl& even, vfl& odd) {
+  vu32l v;
+  std::memcpy(&v, p, sizeof(v));
+  even = reinterpret_cast<vfl>(v << 16);
+  odd = reinterpret_cast<vfl>(v & 0xFFFF0000u);
+}
+
+template <int64_t TM>
+inline void tile_bf16_widened(const uint16_t* w, int64_t K, const float* x, int64_t ld,
+                              vfl (&acc)[kTile][4]) {
+  for (int64_t k = 0; k < K; k += 2, w += 2 * kPanel) {
+    vfl e[4], o[4];
+    for (int64_t i = 0; i < 4; ++i) load_pair(w + 2 * i * kLanes, e[i], o[i]);
+    for (int64_t t = 0; t < TM; ++t) {
+      const float x0 = x[t * ld + k], x1 = x[t * ld + k + 1];
+      for (int64_t i = 0; i < 4; ++i) acc[t][i] += x0 * e[i] + x1 * o[i];
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+template <int64_t TM>
+inline void tile_bf16_dp(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ld,
+                         vfl (&acc)[kTile][4]) {
+  __m512 a[TM][4];
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) a[t][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2, w += 2 * kPanel) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int64_t t = 0; t < TM; ++t) {
+      int32_t pair;
+      std::memcpy(&pair, x + t * ld + k, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      a[t][0] = _mm512_dpbf16_ps(a[t][0], w0, xb);
+      a[t][1] = _mm512_dpbf16_ps(a[t][1], w1, xb);
+      a[t][2] = _mm512_dpbf16_ps(a[t][2], w2, xb);
+      a[t][3] = _mm512_dpbf16_ps(a[t][3], w3, xb);
+    }
+  }
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) acc[t][i] = (vfl)a[t][i];
+}
+#endif
+
+// int8 x int8 quads -> exact int32 sums, returned as floats (before any scale or compensation).
+template <int64_t TM>
+inline void tile_i8i8(const int8_t* w, int64_t K, const int8_t* x, int64_t ld, vfl (&acc)[kTile][4]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512i a[TM][4];
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) a[t][i] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4, w += 4 * kPanel) {
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+    const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+    for (int64_t t = 0; t < TM; ++t) {
+      int32_t quad;
+      std::memcpy(&quad, x + t * ld + k, 4);
+      const __m512i xb = _mm512_set1_epi32(quad);
+      a[t][0] = _mm512_dpbusd_epi32(a[t][0], xb, w0);
+      a[t][1] = _mm512_dpbusd_epi32(a[t][1], xb, w1);
+      a[t][2] = _mm512_dpbusd_epi32(a[t][2], xb, w2);
+      a[t][3] = _mm512_dpbusd_epi32(a[t][3], xb, w3);
+    }
+  }
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) acc[t][i] = (vfl)_mm512_cvtepi32_ps(a[t][i]);
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i a[TM][4];
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) a[t][i] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 4, w += 4 * kPanel) {
+    __m256i wv[4];
+    for (int64_t i = 0; i < 4; ++i) wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * i));
+    for (int64_t t = 0; t < TM; ++t) {
+      int32_t quad;
+      std::memcpy(&quad, x + t * ld + k, 4);
+      const __m256i xb = _mm256_set1_epi32(quad);
+      const __m256i ax = _mm256_sign_epi8(xb, xb);  // |x|, unsigned
+      for (int64_t i = 0; i < 4; ++i) {
+        // |x| * (w * sign(x)) = x * w; pairs of such products stay within int16.
+        const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xb));
+        a[t][i] = _mm256_add_epi32(a[t][i], _mm256_madd_epi16(p, ones));
+      }
+    }
+  }
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) acc[t][i] = (vfl)_mm256_cvtepi32_ps(a[t][i]);
+#else
+  int32_t a[TM][kPanel] = {};
+  for (int64_t k = 0; k < K; k += 4, w += 4 * kPanel) {
+    for (int64_t t = 0; t < TM; ++t) {
+      const int8_t* xq = x + t * ld + k;
+      for (int64_t j = 0; j < kPanel; ++j) {
+        int32_t s = 0;
+        for (int64_t q = 0; q < 4; ++q) s += static_cast<int32_t>(w[j * 4 + q]) * xq[q];
+        a[t][j] += s;
+      }
+    }
+  }
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t l = 0; l < kLanes; ++l) acc[t][i][l] = static_cast<float>(a[t][i * kLanes + l]);
+#endif
+}
+
+// ---- one work item: a block of rows times one panel -----------------------------------------
+
+template <typename T>
+inline void store_row(T* dst, const vfl* v, int64_t valid) {
+  if (valid == kPanel) {
+    for (int64_t i = 0; i < 4; ++i) storel(dst + i * kLanes, v[i]);
+    return;
+  }
+  float buf[kPanel];
+  for (int64_t i = 0; i < 4; ++i) storel(buf + i * kLanes, v[i]);
+  for (int64_t j = 0; j < valid; ++j) dst[j] = from_f<T>(buf[j]);
+}
+
+template <typename T, int64_t TM>
+void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T* out, int64_t ldo) {
+  const int64_t K = w.k;
+  vfl acc[kTile][4];
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) acc[t][i] = vfl{};
+  const char* panel = static_cast<const char*>(w.data.data_ptr()) + p * K * bytes_per_k(w.kind);
+  switch (w.kind) {
+    case kFloat32:
+      tile_fma<TM>(reinterpret_cast<const float*>(panel), K,
+                   static_cast<const float*>(rows.data) + r0 * rows.ld, rows.ld, acc);
+      break;
+    case kBFloat16:
+#if defined(__AVX512BF16__)
+      tile_bf16_dp<TM>(reinterpret_cast<const uint16_t*>(panel), K,
+                       static_cast<const uint16_t*>(rows.data) + r0 * rows.ld, rows.ld, acc);
+#else
+      tile_bf16_widened<TM>(reinterpret_cast<const uint16_t*>(panel), K,
+                            static_cast<const float*>(rows.data) + r0 * rows.ld, rows.ld, acc);
+#endif
+      break;
+    case kInt8:
+      tile_fma<TM>(reinterpret_cast<const int8_t*>(panel), K,
+                  static_cast<const float*>(rows.data) + r0 * rows.ld, rows.ld, acc);
+      break;
+    default:
+      tile_i8i8<TM>(reinterpret_cast<const int8_t*>(panel), K,
+                    static_cast<const int8_t*>(rows.data) + r0 * rows.ld, rows.ld, acc);
+      break;
+  }
+  const int64_t n0 = p * kPanel;
+  const int64_t valid = std::min(kPanel, w.n - n0);
+  vfl scale[4], comp[4], bias[4];
+  const bool scaled = w.kind == kInt8 || w.kind == kInt8Dynamic;
+  if (scaled) {
+    const float* s = w.scales->data_ptr<float>() + n0;
+    for (int64_t i = 0; i < 4; ++i) scale[i] = loadl(s + i * kLanes);
+  }
+  const bool compensate = w.kind == kInt8Dynamic && kInt8Path == 2;
+  if (compensate) {
+    const int32_t* c = w.colsum->data_ptr<int32_t>() + n0;
+    for (int64_t i = 0; i < 4; ++i) {
+      vi32l ci;
+      std::memcpy(&ci, c + i * kLanes, sizeof(ci));
+      comp[i] = __builtin_convertvector(ci, vfl) * 128.f;
+    }
+  }
+  if (w.bias.has_value()) {
+    float b[kPanel] = {};
+    const T* bp = w.bias->data_ptr<T>() + n0;
+    for (int64_t j = 0; j < valid; ++j) b[j] = to_f<T>(bp[j]);
+    for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(b + i * kLanes);
+  }
+  for (int64_t t = 0; t < TM; ++t) {
+    vfl v[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      v[i] = acc[t][i];
+      if (compensate) v[i] -= comp[i];
+      if (w.kind == kInt8Dynamic) v[i] *= rows.scales[r0 + t];
+      if (scaled) v[i] *= scale[i];
+      if (w.bias.has_value()) v[i] += bias[i];
+    }
+    store_row(out + (r0 + t) * ldo + n0, v, valid);
+  }
+}
+
+template <typename T>
+void run_rows(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
+              int64_t ldo) {
+  int64_t r = r0;
+  for (; r + kTile <= r1; r += kTile) run_tile<T, kTile>(w, rows, p, r, out, ldo);
+  switch (r1 - r) {
+    case 1: run_tile<T, 1>(w, rows, p, r, out, ldo); break;
+    case 2: if constexpr (kTile > 2) run_tile<T, 2>(w, rows, p, r, out, ldo); break;
+    case 3: if constexpr (kTile > 3) run_tile<T, 3>(w, rows, p, r, out, ldo); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
+  const int64_t M = x.size(0), K = w.k;
+  const T* xp = x.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  Rows rows{xp, xs};
+  const bool reads_x = w.kind == kFloat32 || (w.kind == kBFloat16 && kNativeBf16);
+  if (w.kind == kInt8Dynamic) {
+    t_quantized.resize(static_cast<size_t>(M * K));
+    t_row_scales.resize(static_cast<size_t>(M));
+    quantize_rows(xp, xs, M, K, t_quantized.data(), t_row_scales.data());
+    rows = Rows{t_quantized.data(), K, t_row_scales.data()};
+  } else if (!reads_x) {
+    t_widened.resize(static_cast<size_t>(M * K));
+    widen_rows(xp, xs, M, K, t_widened.data());
+    rows = Rows{t_widened.data(), K};
+  }
+  T* op = out.data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
+  // At least ~64 KB of weights, or a block of rows, per thread's share: waking the pool for less
+  // costs more than it saves.
+  const int64_t panel_bytes = K * bytes_per_k(w.kind);
+  const int64_t grain = M > kTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
+  // Items panel-major: a thread's consecutive items reuse one panel (in L2) across row blocks.
+  at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / blocks, b = item % blocks;
+      run_rows<T>(w, rows, p, b * kRowBlock, std::min(M, (b + 1) * kRowBlock), op, ldo);
+    }
+  });
+}
+
+}  // namespace
+
+int64_t linear_panel_width() { return kPanel; }
+
+void check_packed(const PackedLinear& w, const char* what) {
+  TORCH_CHECK_VALUE(w.kind >= kFloat32 && w.kind <= kInt8Dynamic, what, ": unknown weight kind ", w.kind);
+  TORCH_CHECK_VALUE(w.n >= 1 && w.k >= 1 && w.k % k_multiple(w.kind) == 0, what,
+                    ": expected N >= 1 and K a multiple of ", k_multiple(w.kind), ", got N=", w.n, " K=", w.k);
+  const at::ScalarType dt = w.kind == kFloat32 ? at::kFloat : w.kind == kBFloat16 ? at::kBFloat16 : at::kChar;
+  const int64_t elems = panels(w.n) * kPanel * w.k;
+  TORCH_CHECK_VALUE(w.data.is_contiguous() && w.data.scalar_type() == dt && w.data.numel() == elems,
+                    what, ": packed data must be a contiguous ", c10::toString(dt), " tensor of ", elems,
+                    " elements (", panels(w.n), " panels of ", kPanel, " x ", w.k, ")");
+  const int64_t n_pad = panels(w.n) * kPanel;
+  const bool scaled = w.kind == kInt8 || w.kind == kInt8Dynamic;
+  TORCH_CHECK_VALUE(scaled == w.scales.has_value(), what, ": scales are given exactly for int8 weights");
+  if (scaled) {
+    TORCH_CHECK_VALUE(w.scales->is_contiguous() && w.scales->scalar_type() == at::kFloat &&
+                          w.scales->numel() == n_pad,
+                      what, ": scales must be a contiguous float32 [", n_pad, "]");
+  }
+  TORCH_CHECK_VALUE((w.kind == kInt8Dynamic) == w.colsum.has_value(), what,
+                    ": colsum is given exactly for int8 weights with int8 activations");
+  if (w.colsum.has_value()) {
+    TORCH_CHECK_VALUE(w.colsum->is_contiguous() && w.colsum->scalar_type() == at::kInt &&
+                          w.colsum->numel() == n_pad,
+                      what, ": colsum must be a contiguous int32 [", n_pad, "]");
+  }
+  if (w.bias.has_value()) {
+    TORCH_CHECK_VALUE(w.bias->is_contiguous() && w.bias->dim() == 1 && w.bias->size(0) == w.n, what,
+                      ": bias must be a contiguous [", w.n, "]");
+  }
+}
+
+void linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.k && x.stride(1) == 1,
+                    "x: expected [M, ", w.k, "] with contiguous rows, got ", x.sizes());
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16, "x: expected float32 or bfloat16");
+  TORCH_CHECK_VALUE(w.kind != kFloat32 || dt == at::kFloat, "x: fp32 weights take fp32 activations");
+  TORCH_CHECK_VALUE(w.kind != kBFloat16 || dt == at::kBFloat16, "x: bf16 weights take bf16 activations");
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.n &&
+                        out.stride(1) == 1 && out.scalar_type() == dt,
+                    "out: expected [M, N] of x's dtype with contiguous rows");
+  TORCH_CHECK_VALUE(!w.bias.has_value() || w.bias->scalar_type() == dt, "bias: expected x's dtype");
+  if (x.size(0) == 0) return;
+  if (dt == at::kFloat) {
+    linear_typed<float>(out, x, w);
+  } else {
+    linear_typed<at::BFloat16>(out, x, w);
+  }
+}
+
+namespace {
+
+void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& data, int64_t kind, int64_t n,
+               const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& colsum,
+               const c10::optional<at::Tensor>& bias) {
+  PackedLinear w;
+  w.data = data;
+  w.kind = kind;
+  w.n = n;
+  w.k = x.dim() == 2 ? x.size(1) : 0;
+  if (scales.has_value()) w.scales = *scales;
+  if (colsum.has_value()) w.colsum = *colsum;
+  if (bias.has_value()) w.bias = *bias;
+  check_packed(w, "weight");
+  linear_into(out, x, w);
+}
+
+// Whether this build quantizes activations for kInt8Dynamic as q + 128 (vpdpbusd) and so needs
+// colsum; 0: scalar, 1: AVX2 sign trick, 2: AVX512-VNNI.
+int64_t linear_int8_path() { return kInt8Path; }
+bool linear_native_bf16() { return kNativeBf16; }
+
+}  // namespace
+}  // namespace tpserve
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("linear(Tensor(a!) out, Tensor x, Tensor data, int kind, int n, Tensor? scales, "
+        "Tensor? colsum, Tensor? bias) -> ()");
+  m.def("linear_panel_width() -> int", &tpserve::linear_panel_width);
+  m.def("linear_int8_path() -> int", &tpserve::linear_int8_path);
+  m.def("linear_native_bf16() -> bool", &tpserve::linear_native_bf16);
+}
+
+TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("linear", &tpserve::linear_op); }

@@ -1,0 +1,127 @@
+"""Applying a QuantConfig (``tpserve/quantization.py``) to a model shard: int8 parameters, their
+loaders, and the compressed-tensors tensors read from a checkpoint.
+
+Before loading, :func:`prepare_model` marks every linear layer that the config quantizes:
+
+* quantized at load (``--quantization int8``): the layer keeps its float weight and is told to
+  quantize it when it is packed (``PackableLinear.quantize_at_load``);
+* int8 in the checkpoint: the layer's ``weight`` becomes an int8 parameter and it gains
+  ``weight_scale`` (fp32 ``[out, 1]``). Both are sharded exactly like the float weight: a
+  column-parallel layer (q/k/v, gate/up, the LM head) splits the output channels, so each rank
+  takes its rows of the weight and of the scales; a row-parallel layer (o_proj, down_proj)
+  splits the input features, so each rank takes its columns of the weight and all the scales.
+
+Packed modules (``qkv_proj``, ``gate_up_proj``) are quantized only as a whole: an ``ignore``
+list naming some of their parts but not all is refused. The LM head of a model with tied
+embeddings can be int8 only when quantized at load (the embedding keeps the float table).
+
+:func:`checkpoint_tensors` turns compressed-tensors names into tpserve's: ``weight_packed``
+(four int8 weights per int32, each stored + 128, low byte first) with its ``weight_shape``
+becomes ``weight``; a ``weight_zero_point`` must be all zeros (symmetric) and is dropped.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from tpserve.models.embedding import ParallelLMHead
+from tpserve.models.errors import CheckpointError, UnsupportedModelError
+from tpserve.models.linear import RowParallelLinear
+from tpserve.models.packed_gemm import PackableLinear
+from tpserve.models.weights import attach_loader, check_shape
+from tpserve.quantization import QuantConfig
+
+
+def _hf_parts(name: str, mapping: dict) -> list[str]:
+    """The checkpoint modules a tpserve module holds (``...qkv_proj`` -> its q/k/v_proj)."""
+    *prefix, leaf = name.split(".")
+    parts = [module for module, (packed, _) in mapping.items() if packed == leaf] or [leaf]
+    return [".".join([*prefix, p]) for p in parts]
+
+
+def _scale_loader(layer: PackableLinear):
+    """The loader of ``layer.weight_scale`` (full checkpoint tensor ``[out, 1]``)."""
+    if isinstance(layer, RowParallelLinear):
+        def replicated(param, loaded):
+            check_shape(loaded, (layer.output_size, 1), "RowParallelLinear weight_scale")
+            with torch.no_grad():
+                param.copy_(loaded)
+        return replicated
+    if isinstance(layer, ParallelLMHead):
+        def vocab_rows(param, loaded):
+            check_shape(loaded, (layer.num_embeddings, 1), "ParallelLMHead weight_scale")
+            real = max(0, min(layer.vocab_end, layer.num_embeddings) - layer.vocab_start)
+            with torch.no_grad():
+                param[:real].copy_(loaded.narrow(0, layer.vocab_start, real))
+                param[real:].fill_(1.0)
+        return vocab_rows
+    return layer.weight_loader  # column-parallel: rows of the scales, like rows of the weight
+
+
+def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
+    """Mark (and, for int8 checkpoints, re-type) the layers ``qc`` quantizes; returns how many."""
+    mapping = model.packed_modules_mapping
+    count = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, PackableLinear):
+            continue
+        parts = _hf_parts(name, mapping)
+        flags = {qc.quantizes(p) for p in parts}
+        if len(flags) > 1:
+            raise UnsupportedModelError(
+                "quantization_config.ignore", f"{', '.join(parts)} are one fused layer in tpserve: "
+                                              "ignore all of them or none")
+        if not flags.pop():
+            continue
+        tied = isinstance(layer, ParallelLMHead) and model.spec.tie_word_embeddings
+        if tied and qc.from_checkpoint:
+            raise UnsupportedModelError(
+                "quantization_config.ignore", "an int8 lm_head with tie_word_embeddings is not "
+                                              "supported; add 'lm_head' to ignore")
+        layer.int8_activations = qc.int8_activations
+        count += 1
+        if not qc.from_checkpoint:
+            layer.quantize_at_load = True
+            continue
+        loader = layer.weight.weight_loader
+        weight = torch.empty(layer.weight.shape, dtype=torch.int8, device=layer.weight.device)
+        layer.weight = attach_loader(nn.Parameter(weight, requires_grad=False), loader)
+        scale = torch.empty(layer.weight.shape[0], 1, dtype=torch.float32, device=weight.device)
+        layer.weight_scale = attach_loader(nn.Parameter(scale, requires_grad=False), _scale_loader(layer))
+    return count
+
+
+def unpack_int32(packed: torch.Tensor, shape: torch.Tensor, key: str) -> torch.Tensor:
+    """compressed-tensors' pack-quantized 8-bit weights -> int8 ``[N, K]``."""
+    n, k = (int(v) for v in shape.tolist())
+    if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != n or packed.shape[1] != -(-k // 4):
+        raise CheckpointError(f"{key}: expected int32 [{n}, {-(-k // 4)}] for weight_shape "
+                              f"[{n}, {k}], got {packed.dtype} {tuple(packed.shape)}")
+    # Little-endian words: byte j of a word is weight 4i + j, stored + 128.
+    u8 = packed.contiguous().view(torch.uint8)[:, :k]
+    return (u8.to(torch.int16) - 128).to(torch.int8)
+
+
+def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with compressed-tensors names mapped onto tpserve's parameters."""
+    packed: dict[str, torch.Tensor] = {}
+    shapes: dict[str, torch.Tensor] = {}
+    for key, tensor in weights:
+        prefix, _, leaf = key.rpartition(".")
+        if leaf == "weight_zero_point":
+            if bool(tensor.any()):
+                raise CheckpointError(f"{key}: non-zero zero points (asymmetric int8) are not supported")
+            continue
+        if leaf in ("weight_packed", "weight_shape"):
+            (packed if leaf == "weight_packed" else shapes)[prefix] = tensor
+            if prefix in packed and prefix in shapes:
+                yield f"{prefix}.weight", unpack_int32(packed.pop(prefix), shapes.pop(prefix), key)
+            continue
+        yield key, tensor
+    for prefix in packed:
+        raise CheckpointError(f"{prefix}.weight_packed: no {prefix}.weight_shape in the checkpoint")
+    for prefix in shapes:
+        raise CheckpointError(f"{prefix}.weight_shape: no {prefix}.weight_packed in the checkpoint")
