@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import zmq
 
+from model_factory import tiny_models_root  # noqa: F401
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout
 from tpserve.daemon.connections import Connections
@@ -623,6 +624,48 @@ def test_a_slowly_reading_client_is_not_dropped():
         assert deltas < 10 * 400  # it fell behind: some deltas were merged
         slow.close()
         assert s.stop() == 0
+
+
+def test_a_slow_readers_merged_deltas_equal_the_whole_reply_for_each_of_n_completions(tiny_models_root):
+    """The real engine, n=2 with log-probabilities and prompt log-probabilities: the slow
+    reader's answers to 4000 status requests fill its buffers, so every delta of its request
+    waits and is merged; per index, the deltas concatenate to exactly the non-streamed reply."""
+    from model_factory import make_tiny_model
+    from tpserve.config import EngineConfig
+    from tpserve.engine import Engine
+    path = make_tiny_model(tiny_models_root, arch="qwen3")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, block_size=4))
+    params = dict(n=2, temperature=0.9, seed=8, max_tokens=60, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    try:
+        with ServerThread(engine) as s:
+            fast = Raw(s.address)
+            fast.send_msg(gen("whole", [5, 6, 7, 8, 9], stream=False, **params))
+            whole = fast.recv_until_done("whole", 120)[-1]
+            generated = wait_idle(fast)["generation_tokens"]
+            slow = Raw(s.address, {zmq.RCVHWM: 2})
+            for _ in range(4000):
+                slow.send_msg(P.StatusRequest())
+            slow.send_msg(gen("s", [5, 6, 7, 8, 9], **params))
+            while wait_idle(fast)["generation_tokens"] == generated:
+                time.sleep(0.01)  # until "s" has run (to its end: idle); its messages wait for the slow reader
+            msgs = [m for m in slow.recv_until_done("s", 60) if m.id == "s"]
+            fast.close()
+            slow.close()
+    finally:
+        engine.shutdown()
+    deltas, done = msgs[:-1], msgs[-1]
+    assert all(isinstance(m, P.DeltaReply) for m in deltas) and isinstance(done, P.DoneReply)
+    assert len(deltas) < 2 * 60  # they were merged
+    assert deltas[0].prompt_logprobs == whole.prompt_logprobs is not None
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    for c in whole.completions:
+        mine = [d for d in deltas if d.index == c["index"]]
+        assert [t for d in mine for t in d.token_ids] == c["token_ids"] and len(c["token_ids"]) == 60
+        assert "".join(d.text for d in mine) == c["text"]
+        assert [e for d in mine for e in d.logprobs] == c["logprobs"]
+    assert [(c["index"], c["finish_reason"], c["completion_tokens"]) for c in done.completions] \
+        == [(c["index"], c["finish_reason"], c["completion_tokens"]) for c in whole.completions]
+    assert done.completion_tokens == whole.completion_tokens == 120
 
 
 def test_a_client_that_asks_without_ever_reading_is_dropped():
