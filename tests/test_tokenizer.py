@@ -89,12 +89,14 @@ def test_the_http_front_tokenizes_long_texts_in_the_tokenizer_process():
     long_text = " ".join(f"token{i % 89} text" for i in range(LONG_PROMPT_CHARS // 8))
     short_text = "a short prompt"
 
-    async def both():
-        return await front.encode(long_text), await front.encode(short_text)
-    ids_long, ids_short = asyncio.run(both())
+    async def all_three():
+        return (await front.encode(long_text), await front.encode(short_text),
+                await front.encode(long_text, add_special_tokens=True))  # a completion prompt's default
+    ids_long, ids_short, ids_special = asyncio.run(all_three())
     assert ids_long == in_process(long_text, add_special_tokens=False)
     assert ids_short == in_process(short_text, add_special_tokens=False)
-    assert seen == [len(short_text)]  # the long one never ran in this process
+    assert ids_special == in_process(long_text, add_special_tokens=True)
+    assert seen == [len(short_text)]  # the long ones never ran in this process
     child = front._tokenizer_process.pid
     assert pid_alive(child)
     asyncio.run(front.close())

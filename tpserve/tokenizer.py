@@ -101,7 +101,8 @@ class TokenizerProcess:
     this process dies, so it never outlives its parent for longer than the encode it is in.
 
     Wire (the child's stdin and stdout): each message is a 4-byte little-endian length and a
-    msgpack value: the text, answered by ``{"ids": int32 bytes}`` or ``{"error": text}``.
+    msgpack value: ``[text, add_special_tokens]``, answered by ``{"ids": int32 bytes}`` or
+    ``{"error": text}``.
     """
 
     def __init__(self, path, niceness: int = 10):
@@ -116,12 +117,12 @@ class TokenizerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added), as the in-process tokenizer gives."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, as the in-process tokenizer's ``encode`` gives them."""
         with self._lock:
             proc = self._running()
             try:
-                _write_frame(proc.stdin, msgpack.packb(text))
+                _write_frame(proc.stdin, msgpack.packb([text, bool(add_special_tokens)]))
                 frame = _read_frame(proc.stdout)
             except OSError:
                 frame = None
@@ -214,7 +215,8 @@ def _serve(path: str) -> int:
     sys.stdout = sys.stderr  # nothing but frames on the pipe
     while (frame := _read_frame(stdin)) is not None:
         try:
-            ids = tokenizer.encode(msgpack.unpackb(frame), add_special_tokens=False)
+            text, special = msgpack.unpackb(frame)
+            ids = tokenizer.encode(text, add_special_tokens=special)
             reply = {"ids": array.array("i", ids).tobytes()}
         except Exception as e:  # the parent turns it into the request's error
             reply = {"error": f"{type(e).__name__}: {e}"[:1024]}

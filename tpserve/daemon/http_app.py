@@ -99,10 +99,9 @@ class Front:
             raise O.bad(field, "this model has no tokenizer: send token ids")
         if len(text) > P.MAX_PROMPT_CHARS:
             raise O.bad(field, f"longer than {P.MAX_PROMPT_CHARS} characters")
-        # The process encodes without special tokens; a prompt that wants them is encoded here.
-        if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS and not add_special_tokens:
+        if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS:
             try:
-                ids = await self._in_pool(self._tokenizer_process.encode, text)
+                ids = await self._in_pool(self._tokenizer_process.encode, text, add_special_tokens)
             except TokenizerProcessError as e:
                 log.error("could not tokenize a prompt: %s", e)
                 raise O.OpenAIError(500, f"the prompt could not be tokenized: {e}", type_="server_error") from None
