@@ -1,6 +1,6 @@
 """A stalled HTTP front: SIGSTOP it while streams run, SIGCONT it, and see whether they all end.
 
-    python scripts/probe_http_stall.py [--streams 16] [--whole 4] [--stop-s 40] [--client-timeout 30]
+    python scripts/probe_http_stall.py [--streams 16] [--whole 4] [--stop-s 40] [--upstream-timeout 30]
 
 Starts a daemon with `--http-port 0` on the bundled model (or ``--model``), starts ``--streams``
 streaming and ``--whole`` non-streamed completions (greedy, ignore_eos, max_tokens 900), stops
@@ -83,11 +83,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=900)
     ap.add_argument("--stop-s", type=float, default=40.0)
     ap.add_argument("--wait-s", type=float, default=60.0)
-    ap.add_argument("--client-timeout", type=float, default=30.0)
+    ap.add_argument("--upstream-timeout", type=float, default=30.0)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     blocks = (args.streams + args.whole) * (args.max_tokens + 64) // 16 + 16
-    started = start_daemon(["--client-timeout", str(args.client_timeout), "--num-kv-blocks", str(blocks),
+    started = start_daemon(["--http-upstream-timeout", str(args.upstream_timeout), "--num-kv-blocks", str(blocks),
                             "--block-size", "16"], args.model)
     if started is None:
         return 1
@@ -119,7 +119,7 @@ def main() -> int:
         subprocess.run(TPSERVE + ["stop", "--runtime-dir", rd], capture_output=True)
         shutil.rmtree(rd, ignore_errors=True)
     broken = args.streams - normal - error_done - still_open
-    print(f"probe_http_stall streams={args.streams} stop_s={args.stop_s:g} client_timeout_s={args.client_timeout:g} "
+    print(f"probe_http_stall streams={args.streams} stop_s={args.stop_s:g} upstream_timeout_s={args.upstream_timeout:g} "
           f"daemon_dropped_front={int(dropped)} streams_finished={normal} streams_error_then_done={error_done} "
           f"streams_cut_without_done={broken} streams_open={still_open} daemon_in_flight={in_flight} "
           f"whole={','.join(f'{k}:{v}' for k, v in sorted(statuses.items()))}")

@@ -25,14 +25,18 @@ import msgpack
 import pytest
 import zmq
 
+from model_factory import tiny_models_root  # noqa: F401
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout
+from tpserve.daemon.connections import Connections
 from tpserve.daemon.keys import generate_keypair, load_secret_keys
+from tpserve.daemon.outbox import Peers
 from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
                                     is_loopback_tcp, read_ready)
 from tpserve.daemon.server import Server, ServerOptions
-from tpserve.errors import AdmissionError, ConfigError, InvalidRequestError, StepFailedError, WorkerDiedError
+from tpserve.errors import AdmissionError, ConfigError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
 from tpserve.outputs import RequestOutput
+from tpserve.procs import pid_alive
 from tpserve.requests import check_request
 from tpserve.sampling import SamplingParams
 
@@ -46,15 +50,21 @@ class FakeEngine:
     ``hold_marker`` waits in ``tokenize`` until ``release_tokenize`` is set). Each request holds
     ceil((prompt + max_tokens) / block_size) blocks from admission to finish/abort, so tests can
     see blocks being freed. ``fail_after`` makes step() raise after that many steps;
-    ``step_delay`` slows steps down; ``shutdown_delay`` makes shutdown() hang.
+    ``step_delay`` slows steps down; ``shutdown_delay`` makes shutdown() hang. ``max_running``
+    models the scheduler's limit: only the first that many requests (in order of admission)
+    advance in a step, the others wait, and ``has_room`` holds while fewer than that many wait.
+    While ``paused`` is set, steps advance nothing. ``finished`` lists request ids in the order
+    they finished.
     """
 
     def __init__(self, max_model_len=10**7, num_blocks=10**6, block_size=16, vocab=1000,
-                 step_delay=0.0, fail_after=None, shutdown_delay=0.0, eos=None):
+                 step_delay=0.0, fail_after=None, shutdown_delay=0.0, eos=None, max_running=None):
         self.config = SimpleNamespace(model="fake", model_path="fake-model", tensor_parallel_size=1,
                                       max_model_len=max_model_len, num_kv_blocks=num_blocks,
                                       block_size=block_size)
         self.vocab = vocab
+        self.max_running = max_running  # None: every request advances each step
+        self.max_waiting = None  # requests the server may hold back (None: no limit)
         self.hold_marker = "\x00hold\x00"
         self.release_tokenize = threading.Event()
         self.tokenize_started = threading.Event()
@@ -71,6 +81,8 @@ class FakeEngine:
         self.profiling = False
         self.profiles: list[str] = []
         self.integrity_checks = 0
+        self.paused = threading.Event()
+        self.finished: list[str] = []
         self.broken = False  # check_integrity fails
 
     @staticmethod
@@ -83,6 +95,9 @@ class FakeEngine:
             if tok in params.stop_token_ids or (tok == eos and not params.ignore_eos):
                 break
         return out
+
+    def tokenizer_path(self):
+        return None
 
     def tokenize(self, prompt):
         if self.hold_marker in prompt:
@@ -116,6 +131,13 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
+    def has_room(self):
+        return self.max_running is None or len(self.requests) - self.max_running < self.max_running
+
+    def check_queue_room(self, request_id, held):
+        if self.max_waiting is not None and held >= self.max_waiting:
+            raise OverloadedError(request_id, "max_waiting_requests", held + 1, self.max_waiting, 2.0)
+
     def health_fd(self):
         return None
 
@@ -140,7 +162,9 @@ class FakeEngine:
             time.sleep(self.step_delay)
         self.num_steps += 1
         outputs = []
-        for rid, r in list(self.requests.items()):
+        if self.paused.is_set():
+            return outputs
+        for rid, r in list(self.requests.items())[:self.max_running]:
             params, k = r["params"], len(r["out"])
             tok = (sum(r["ids"]) + 31 * k + (params.seed or 0)) % self.vocab
             r["out"].append(tok)
@@ -152,13 +176,15 @@ class FakeEngine:
                 reason = "length"
             if reason:
                 del self.requests[rid]
+                self.finished.append(rid)
             outputs.append(RequestOutput(rid, [tok], f"{tok} ", reason is not None, reason,
                                          len(r["ids"]), len(r["out"])))
         return outputs
 
     def stats(self):
         used = sum(r["blocks"] for r in self.requests.values())
-        return dict(num_running=len(self.requests), num_waiting=0, kv_blocks_used=used,
+        running = len(self.requests) if self.max_running is None else min(len(self.requests), self.max_running)
+        return dict(num_running=running, num_waiting=len(self.requests) - running, kv_blocks_used=used,
                     kv_blocks_total=self.config.num_kv_blocks, prefix_cache_hit_rate=0.0,
                     num_preemptions=0, prompt_tokens=0, generation_tokens=self.generated,
                     tokens_per_s=0.0, model=self.config.model_path, tensor_parallel_size=1)
@@ -506,25 +532,296 @@ def test_engine_input_errors_become_invalid_request():
 
 
 # ---- slow and vanished clients -------------------------------------------------------------
-def test_stalled_client_is_dropped_without_stalling_others():
-    opts = ServerOptions(client_timeout=0.5, send_hwm=4)
-    with ServerThread(FakeEngine(), opts) as s:
+def wait_idle(client: "Raw") -> dict:
+    """Status through ``client`` until nothing is in flight (the serving loop keeps turning)."""
+    while True:
+        client.send_msg(P.StatusRequest(id="s"))
+        stats = client.recv().stats
+        if stats["requests_in_flight"] == 0:
+            return stats
+
+
+def streamed(msgs) -> tuple[list[int], str]:
+    return [t for m in msgs[:-1] for t in m.token_ids], "".join(m.text for m in msgs[:-1])
+
+
+def test_a_client_that_stops_reading_stalls_nobody_and_gets_everything_later():
+    """It is not dropped, and what waits for it stays a few messages: 3000 deltas are merged."""
+    with ServerThread(FakeEngine(), ServerOptions(send_hwm=4, max_queued_replies=8)) as s:
         slow = Raw(s.address, {zmq.RCVHWM: 4})
-        slow.send_msg(gen("flood", max_tokens=10**6))
+        slow.send_msg(gen("flood", max_tokens=3000))
         fast = Raw(s.address)
-        deadline = time.monotonic() + 30
-        while "flood" not in client_ids(s.engine.aborted):
-            fast.send_msg(P.PingRequest(id="p"))  # served while the slow one is stuck
-            assert fast.recv(timeout=5) == P.PongReply(id="p")
-            assert time.monotonic() < deadline, "stalled client was never dropped"
-            time.sleep(0.05)
-        fast.send_msg(P.StatusRequest(id="s"))
-        stats = fast.recv().stats
-        assert stats["kv_blocks_used"] == 0 and stats["requests_in_flight"] == 0
+        stats = wait_idle(fast)  # served while the slow one reads nothing
+        assert stats["kv_blocks_used"] == 0 and s.engine.aborted == []
         fast.send_msg(gen("after", max_tokens=3))
         assert fast.recv_until_done("after")[-1].finish_reason == "length"
+        msgs = slow.recv_until_done("flood")
+        assert msgs[-1].finish_reason == "length"
+        tokens, text = streamed(msgs)
+        assert tokens == FakeEngine.expected_tokens("ab", SamplingParams(max_tokens=3000))
+        assert text == "".join(f"{t} " for t in tokens)
+        assert len(msgs) - 1 < 3000  # deltas that waited were merged
         slow.close()
         fast.close()
+
+
+class BigTextEngine(FakeEngine):
+    """Every token comes with 2 KB of text, so that socket buffers hold few deltas."""
+
+    def step(self):
+        return [RequestOutput(o.request_id, o.new_token_ids, o.new_text + "." * 2048, o.finished,
+                              o.finish_reason, o.num_prompt_tokens, o.num_completion_tokens)
+                for o in super().step()]
+
+
+def test_deltas_of_a_reused_id_are_not_merged_into_the_previous_request():
+    with ServerThread(BigTextEngine(), ServerOptions(send_hwm=2)) as s:
+        slow = Raw(s.address, {zmq.RCVHWM: 2})
+        fast = Raw(s.address)
+        slow.send_msg(gen("r", "ab", max_tokens=500))
+        wait_idle(fast)  # "r" finished; its last deltas and done wait for the slow reader
+        slow.send_msg(gen("r", "xyz", max_tokens=500))
+        wait_idle(fast)
+        first, second = slow.recv_until_done("r"), slow.recv_until_done("r")
+        assert streamed(first)[0] == FakeEngine.expected_tokens("ab", SamplingParams(max_tokens=500))
+        assert streamed(second)[0] == FakeEngine.expected_tokens("xyz", SamplingParams(max_tokens=500))
+        assert first[-1].finish_reason == second[-1].finish_reason == "length"
+        slow.close()
+        fast.close()
+
+
+def test_a_slowly_reading_client_is_not_dropped():
+    """ZeroMQ shows a sender its reader's progress only every half of the reader's receive
+    high-water mark (50 messages here, 500 by default), so a reader that takes its time accepts
+    nothing for long stretches, longer than any timeout a stopped reader could be caught by. It
+    gets every reply, and each of its requests exactly one done; what waits for it stays within
+    a few messages per request (its deltas merged)."""
+    engine = BigTextEngine(step_delay=0.001)
+    with ServerThread(engine, ServerOptions(send_hwm=10, max_queued_replies=32)) as s:
+        slow = Raw(s.address, {zmq.RCVHWM: 100})
+        ids = [f"s{i}" for i in range(10)] + ["whole0", "whole1"]  # the last two not streamed
+        for rid in ids:
+            slow.send_msg(gen(rid, max_tokens=400, stream=rid.startswith("s")))
+        got: dict[str, list] = {rid: [] for rid in ids}
+        texts: dict[str, str] = {rid: "" for rid in ids}
+        ends: dict[str, list] = {rid: [] for rid in ids}
+        deltas = 0
+        while any(not e for e in ends.values()):
+            m = slow.recv(30)
+            assert m is not None, f"no reply; ended: {[r for r, e in ends.items() if e]}"
+            if isinstance(m, P.DeltaReply):
+                assert not ends[m.id], f"a delta of {m.id} after its done"
+                got[m.id] += m.token_ids
+                texts[m.id] += m.text
+                deltas += 1
+            else:
+                ends[m.id].append(m)
+                if m.token_ids is not None:
+                    got[m.id], texts[m.id] = m.token_ids, m.text
+            time.sleep(0.01)  # a slow reader, not a timing under test
+        slow.send_msg(P.PingRequest(id="last"))
+        assert slow.recv(30) == P.PongReply(id="last")  # nothing more came for the requests
+        assert {rid: [(type(m).__name__, m.finish_reason) for m in e] for rid, e in ends.items()} \
+            == {rid: [("DoneReply", "length")] for rid in ids}
+        expected = FakeEngine.expected_tokens("ab", SamplingParams(max_tokens=400))
+        for rid in ids:
+            assert got[rid] == expected
+            assert texts[rid] == "".join(f"{t} " + "." * 2048 for t in expected)
+            assert ends[rid][0].completion_tokens == 400
+        assert engine.aborted == []
+        assert deltas < 10 * 400  # it fell behind: some deltas were merged
+        slow.close()
+        assert s.stop() == 0
+
+
+def test_a_slow_readers_merged_deltas_equal_the_whole_reply_for_each_of_n_completions(tiny_models_root):
+    """The real engine, n=2 with log-probabilities and prompt log-probabilities: the slow
+    reader's answers to 4000 status requests fill its buffers, so every delta of its request
+    waits and is merged; per index, the deltas concatenate to exactly the non-streamed reply."""
+    from model_factory import make_tiny_model
+    from tpserve.config import EngineConfig
+    from tpserve.engine import Engine
+    path = make_tiny_model(tiny_models_root, arch="qwen3")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, block_size=4))
+    params = dict(n=2, temperature=0.9, seed=8, max_tokens=60, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    try:
+        with ServerThread(engine) as s:
+            fast = Raw(s.address)
+            fast.send_msg(gen("whole", [5, 6, 7, 8, 9], stream=False, **params))
+            whole = fast.recv_until_done("whole", 120)[-1]
+            generated = wait_idle(fast)["generation_tokens"]
+            slow = Raw(s.address, {zmq.RCVHWM: 2})
+            for _ in range(4000):
+                slow.send_msg(P.StatusRequest())
+            slow.send_msg(gen("s", [5, 6, 7, 8, 9], **params))
+            while wait_idle(fast)["generation_tokens"] == generated:
+                time.sleep(0.01)  # until "s" has run (to its end: idle); its messages wait for the slow reader
+            msgs = [m for m in slow.recv_until_done("s", 60) if m.id == "s"]
+            fast.close()
+            slow.close()
+    finally:
+        engine.shutdown()
+    deltas, done = msgs[:-1], msgs[-1]
+    assert all(isinstance(m, P.DeltaReply) for m in deltas) and isinstance(done, P.DoneReply)
+    assert len(deltas) < 2 * 60  # they were merged
+    assert deltas[0].prompt_logprobs == whole.prompt_logprobs is not None
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    for c in whole.completions:
+        mine = [d for d in deltas if d.index == c["index"]]
+        assert [t for d in mine for t in d.token_ids] == c["token_ids"] and len(c["token_ids"]) == 60
+        assert "".join(d.text for d in mine) == c["text"]
+        assert [e for d in mine for e in d.logprobs] == c["logprobs"]
+    assert [(c["index"], c["finish_reason"], c["completion_tokens"]) for c in done.completions] \
+        == [(c["index"], c["finish_reason"], c["completion_tokens"]) for c in whole.completions]
+    assert done.completion_tokens == whole.completion_tokens == 120
+
+
+def test_a_client_that_asks_without_ever_reading_is_dropped():
+    """Its answers cannot be merged: past max_queued_replies waiting it is dropped, and its
+    request in the engine aborted."""
+    with ServerThread(FakeEngine(step_delay=0.001), ServerOptions(send_hwm=2, max_queued_replies=50)) as s:
+        mute = Raw(s.address, {zmq.RCVHWM: 2, zmq.SNDHWM: 0})
+        mute.send_msg(gen("running", max_tokens=10**6))
+        for _ in range(5000):  # ~1 MB of answers fill the socket buffers, then the daemon's queue
+            mute.send_msg(P.StatusRequest())
+        deadline = time.monotonic() + 30
+        while client_ids(s.engine.aborted) != ["running"]:
+            assert time.monotonic() < deadline, "a client that never reads kept its request"
+            time.sleep(0.02)
+        other = Raw(s.address)
+        other.send_msg(gen("fine", max_tokens=2))
+        assert other.recv_until_done("fine")[-1].finish_reason == "length"
+        other.close()
+        mute.close()
+        assert s.stop() == 0
+
+
+class RefusingSocket:
+    """Stands in for the ROUTER socket: accepts ``room`` more frames, then refuses (EAGAIN)."""
+
+    def __init__(self, room=0):
+        self.room = room
+        self.sent: list = []
+
+    def send_multipart(self, frames, flags=0):
+        if self.room <= 0:
+            raise zmq.Again()
+        self.room -= 1
+        self.sent.append(P.decode(frames[1], "reply"))
+
+
+def lp(k):
+    return [-0.5 * k, [[k, -0.5 * k], [k + 1, -1.0 - k]]]
+
+
+def delta(rid, k):
+    """Delta ``k`` of ``rid``: token k, text "<k>,", its log-probability entry."""
+    return P.DeltaReply(rid, f"{k},", [k], logprobs=[lp(k)])
+
+
+def test_waiting_deltas_are_merged_exactly_in_order_per_request():
+    sock, gone = RefusingSocket(), []
+    peers = Peers(sock, lambda peer, why: gone.append(why))
+    peer = peers.peer(b"c")
+    peers.send(peer, delta("a", 0))  # refused: the head of the outbox, closed to merging
+    for k in range(1, 6):
+        peers.send(peer, delta("a", k))
+        peers.send(peer, delta("b", 100 + k))
+    peers.send(peer, P.PongReply(id="p"))
+    peers.send(peer, delta("a", 6))  # joins a's waiting delta, ahead of the pong
+    peers.send(peer, P.DoneReply("a", "length", 2, 7))
+    peers.send(peer, delta("a", 50))  # the id reused by a new request: not merged into the old one
+    assert len(peer.outbox) == 6 and gone == []
+    sock.room = 1
+    peers.flush()  # sends the head; the merged delta of "a" becomes the head, closed
+    peers.send(peer, delta("b", 106))  # b's waiting delta is still open
+    sock.room = 100
+    peers.flush()
+    assert not peer.outbox and peers.get(b"c") is None
+    assert sock.sent == [
+        delta("a", 0),
+        P.DeltaReply("a", "1,2,3,4,5,6,", [1, 2, 3, 4, 5, 6], logprobs=[lp(k) for k in range(1, 7)]),
+        P.DeltaReply("b", "101,102,103,104,105,106,", list(range(101, 107)),
+                     logprobs=[lp(k) for k in range(101, 107)]),
+        P.PongReply(id="p"),
+        P.DoneReply("a", "length", 2, 7),
+        delta("a", 50),
+    ]
+
+
+def test_waiting_deltas_of_different_completions_are_not_mixed():
+    """n > 1: deltas merge per (id, index); the request's first delta keeps the prompt's
+    log-probabilities."""
+    sock = RefusingSocket()
+    peers = Peers(sock, lambda peer, why: None)
+    peer = peers.peer(b"c")
+    peers.send(peer, P.PongReply(id="p"))
+    prompt_lps = [None, lp(7)]
+    for k in range(4):
+        for index in (0, 1):
+            peers.send(peer, P.DeltaReply("a", f"{index}.{k},", [10 * index + k], logprobs=[lp(10 * index + k)],
+                                          index=index, prompt_logprobs=prompt_lps if k == index == 0 else None))
+    peers.send(peer, P.DoneReply("a", "length", 2, 8))
+    sock.room = 100
+    peers.flush()
+    assert sock.sent[1:] == [
+        P.DeltaReply("a", "0.0,0.1,0.2,0.3,", [0, 1, 2, 3], logprobs=[lp(k) for k in range(4)], index=0,
+                     prompt_logprobs=prompt_lps),
+        P.DeltaReply("a", "1.0,1.1,1.2,1.3,", [10, 11, 12, 13], logprobs=[lp(k) for k in range(10, 14)], index=1),
+        P.DoneReply("a", "length", 2, 8),
+    ]
+
+
+def test_a_delta_at_the_head_of_the_outbox_takes_no_more():
+    sock = RefusingSocket()
+    peers = Peers(sock, lambda peer, why: None)
+    peer = peers.peer(b"c")
+    peers.send(peer, P.PongReply(id="p"))
+    peers.send(peer, delta("a", 0))
+    peers.send(peer, delta("a", 1))
+    sock.room = 1
+    peers.flush()  # the pong leaves; a's merged delta is encoded, refused, kept as it is
+    peers.send(peer, delta("a", 2))
+    sock.room = 100
+    peers.flush()
+    assert sock.sent == [P.PongReply(id="p"), P.DeltaReply("a", "0,1,", [0, 1], logprobs=[lp(0), lp(1)]),
+                         delta("a", 2)]
+
+
+def test_a_merged_delta_stops_at_its_limits(monkeypatch):
+    import tpserve.daemon.outbox as outbox
+    monkeypatch.setattr(outbox, "MAX_MERGED_TOKENS", 3)
+    sock = RefusingSocket()
+    peers = Peers(sock, lambda peer, why: None)
+    peer = peers.peer(b"c")
+    peers.send(peer, P.PongReply(id="p"))
+    for k in range(8):
+        peers.send(peer, delta("a", k))
+    monkeypatch.setattr(outbox, "MAX_MERGED_TOKENS", 10**6)
+    monkeypatch.setattr(outbox, "MAX_MERGED_CHARS", 7)
+    for k in range(8, 12):
+        peers.send(peer, P.DeltaReply("a", "xyz", [], logprobs=None))
+    sock.room = 100
+    peers.flush()
+    got = [(m.text, m.token_ids) for m in sock.sent[1:]]
+    assert got == [("0,1,2,", [0, 1, 2]), ("3,4,5,", [3, 4, 5]), ("6,7,xyz", [6, 7]),
+                   ("xyzxyz", []), ("xyz", [])]
+    assert [m.logprobs for m in sock.sent[1:3]] == [[lp(0), lp(1), lp(2)], [lp(3), lp(4), lp(5)]]
+
+
+def test_a_peer_with_too_many_waiting_replies_is_dropped():
+    sock, gone = RefusingSocket(), []
+    peers = Peers(sock, lambda peer, why: gone.append(why), max_queued=5)
+    peer = peers.peer(b"c")
+    for k in range(100):  # one request's deltas take one place however many they are
+        peers.send(peer, delta("a", k))
+    assert gone == [] and len(peer.outbox) == 2
+    for k in range(3):
+        peers.send(peer, P.PongReply(id=f"p{k}"))
+    assert gone == []
+    peers.send(peer, P.PongReply(id="p3"))
+    assert gone == ["not reading: more than 5 replies waiting"]
+    assert not peer.outbox and peers.get(b"c") is None
 
 
 def test_disconnected_client_requests_are_aborted(srv):
@@ -537,6 +834,125 @@ def test_disconnected_client_requests_are_aborted(srv):
         assert time.monotonic() < deadline, "requests of a vanished client kept running"
         time.sleep(0.02)
     assert not srv.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_non_streaming_requests_of_a_vanished_client_are_aborted(transport):
+    """Nothing is sent to a non-streaming request before it ends, so only the connection's
+    close can tell that nobody waits for it any more."""
+    address = None if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
+    with ServerThread(FakeEngine(step_delay=0.001), address=address) as s:
+        gone = Raw(s.address)
+        for i in range(5):
+            gone.send_msg(gen(f"n{i}", max_tokens=10**6, stream=False))
+        gone.send_msg(P.PingRequest(id="after"))  # answered once the five are admitted
+        assert gone.recv() == P.PongReply(id="after")
+        gone.close()
+        deadline = time.monotonic() + 30
+        while sorted(client_ids(s.engine.aborted)) != [f"n{i}" for i in range(5)]:
+            assert time.monotonic() < deadline, "requests of a vanished client kept running"
+            time.sleep(0.02)
+        assert not s.engine.has_unfinished()
+        other = Raw(s.address)  # a new connection is served as before
+        other.send_msg(gen("next", max_tokens=2, stream=False))
+        assert other.recv_until_done("next")[-1].finish_reason == "length"
+        other.close()
+        assert s.stop() == 0
+
+
+def test_a_message_that_comes_before_its_accept_was_drained_is_kept():
+    """The accept of a connection may be reported after the serving loop drained the monitor
+    events and before it reads that connection's first message: the message is answered."""
+    d = short_tmpdir()
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    connections = Connections(router)
+    try:
+        router.bind(f"ipc://{d}/r.sock")
+        assert connections.drain_events() == []  # drained before the client connects
+        client = Raw(f"ipc://{d}/r.sock")
+        client.send_msg(P.PingRequest(id="p"))
+        assert router.poll(5000)
+        parts = router.recv_multipart(copy=False)
+        assert connections.attach(parts[0].bytes, parts[-1])
+        client.close()
+        deadline = time.monotonic() + 30
+        while parts[0].bytes not in connections.drain_events():  # and its close is still seen
+            assert time.monotonic() < deadline, "the connection's close was not reported"
+            time.sleep(0.01)
+    finally:
+        connections.close()
+        router.close(0)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_connection_with_many_queued_requests_does_not_hold_up_another():
+    """One connection queues 500 requests; another's request, sent after them, is served after
+    a few of them, not after all (the scheduler alone serves first come, first served)."""
+    engine = FakeEngine(max_running=4)
+    engine.paused.set()  # everything is received before anything runs
+    with ServerThread(engine) as s:
+        flood, other = Raw(s.address), Raw(s.address)
+        for i in range(500):
+            flood.send_msg(gen(f"f{i}", max_tokens=1, stream=False))
+        flood.send_msg(P.PingRequest(id="sent"))
+        assert flood.recv(10) == P.PongReply(id="sent")
+        other.send_msg(gen("other", max_tokens=1, stream=False))
+        other.send_msg(P.PingRequest(id="sent"))
+        assert other.recv(10) == P.PongReply(id="sent")
+        other.send_msg(P.StatusRequest())
+        stats = other.recv().stats
+        assert (stats["requests_in_flight"], stats["num_waiting"]) == (501, 501 - 4)
+        engine.paused.clear()
+        assert other.recv_until_done("other")[-1].finish_reason == "length"
+        done = 0
+        while done < 500:
+            m = flood.recv(10)
+            assert m is not None, f"{done} of the flood answered"
+            done += isinstance(m, P.DoneReply)
+        order = client_ids(engine.finished)
+        # 4 running and 4 waiting in the engine, then one from each connection in turn
+        assert order.index("other") < 12, order.index("other")
+        assert sorted(order) == sorted(["other"] + [f"f{i}" for i in range(500)])
+        flood.close()
+        other.close()
+        assert s.stop() == 0
+
+
+def test_fair_queue_takes_connections_in_turn_and_skips_discarded_entries():
+    from tpserve.daemon.fair_queue import FairQueue
+    q = FairQueue()
+    for i in range(3):
+        q.push("a", f"a{i}", f"A{i}")
+    q.push("b", "b0", "B0")
+    q.push("c", "c0", "C0")
+    q.push("c", "c1", "C1")
+    assert q.discard("c0") and not q.discard("c0") and len(q) == 5
+    assert [q.pop() for _ in range(6)] == ["A0", "B0", "C1", "A1", "A2", None]
+    assert len(q) == 0
+
+
+def test_requests_per_connection_are_capped():
+    engine = FakeEngine()
+    engine.paused.set()
+    with ServerThread(engine, ServerOptions(max_requests_per_connection=3)) as s:
+        r, other = Raw(s.address), Raw(s.address)
+        for i in range(3):
+            r.send_msg(gen(f"r{i}", max_tokens=2))
+        r.send_msg(gen("r3", max_tokens=2))
+        e = r.recv()
+        assert (type(e), e.code, e.id) == (P.ErrorReply, P.TOO_MANY_REQUESTS, "r3")
+        assert "3 requests in flight" in e.message and "--max-requests-per-connection" in e.message
+        other.send_msg(gen("o", max_tokens=2))  # another connection has its own allowance
+        r.send_msg(P.AbortRequest("r0"))
+        assert r.recv_until_done("r0")[-1].finish_reason == "abort"
+        r.send_msg(gen("r3", max_tokens=2))  # room again
+        engine.paused.clear()
+        for rid in ("r1", "r2", "r3"):
+            assert r.recv_until_done(rid)[-1].finish_reason == "length"
+        assert other.recv_until_done("o")[-1].finish_reason == "length"
+        r.close()
+        other.close()
+        assert s.stop() == 0
 
 
 # ---- shutdown and failure ------------------------------------------------------------------
@@ -1046,6 +1462,37 @@ def test_a_long_prompt_is_tokenized_off_the_serving_loop():
         assert s.stop() == 0
 
 
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "tpserve" / "assets" / "default-model")
+
+
+def test_a_long_prompt_is_tokenized_in_the_tokenizer_process():
+    """With a tokenizer on disk, a long text is tokenized in a child process (no GIL, no core
+    taken from the engine), with the same ids as in process; closing stops the child."""
+    from tpserve.tokenizer import load_tokenizer
+
+    class OnDisk(FakeEngine):
+        def tokenizer_path(self):
+            return DEFAULT_MODEL
+
+        def tokenize(self, prompt):
+            raise AssertionError("a long prompt was tokenized in the serving process")
+    engine = OnDisk(vocab=10**5)
+    text = " ".join(f"word{i % 97} and more" for i in range(2000))
+    expected = load_tokenizer(DEFAULT_MODEL).encode(text, add_special_tokens=False)
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=1000)) as s:
+        r = Raw(s.address)
+        r.send_msg(gen("long", text, max_tokens=1, stream=False))
+        done = r.recv_until_done("long", timeout=120)[-1]
+        assert (done.finish_reason, done.prompt_tokens) == ("length", len(expected))
+        assert engine.requests == {} and done.token_ids == FakeEngine.expected_tokens(
+            expected, SamplingParams(max_tokens=1), vocab=10**5)
+        child = s.server._tokenizer_process.pid
+        assert child is not None and pid_alive(child)
+        r.close()
+        assert s.stop() == 0
+    assert not pid_alive(child)
+
+
 def test_abort_while_tokenizing_and_shutdown_while_tokenizing():
     engine = FakeEngine()
     with ServerThread(engine, ServerOptions(inline_tokenize_chars=16, shutdown_grace=0.0)) as s:
@@ -1121,7 +1568,8 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     from tpserve.engine import Engine
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
-    assert set(names) == {"tokenize", "add_request", "abort_request", "has_unfinished", "step", "stats",
+    assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "has_room",
+                          "step", "stats",
                           "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
                           "shutdown", "enable_kv_events", "drain_kv_events"}
     def split(fn):

@@ -132,3 +132,22 @@ def test_the_idle_check_finds_state_left_behind(engine):
         bm.blocks[block_id].ref_count = 0
         bm._deallocate_block(block_id)
     engine.check_integrity()
+
+
+def test_long_token_id_prompts_are_checked_without_a_python_loop(monkeypatch):
+    """A prompt of 300k token ids is checked on the serving loop: per-id Python checks would
+    hold it (and the GIL) for most of a second."""
+    calls = []
+    real = R.is_int
+    monkeypatch.setattr(R, "is_int", lambda v: calls.append(v) or real(v))
+    ids = [i % 1000 for i in range(300_000)]
+    assert R.check_token_ids("prompt", ids, R.MAX_PROMPT_TOKENS, 1, vocab_size=1000) == ids
+    assert len(calls) == 0
+    for bad in (-1, 1000, True, 2.0, 2**70):
+        wrong = ids[:123_456] + [bad] + ids[123_456:]
+        with pytest.raises(InvalidFieldError, match=f"got {bad!r}$") as e:
+            R.check_token_ids("prompt", wrong, R.MAX_PROMPT_TOKENS, 1, vocab_size=1000)
+        assert e.value.field == "prompt[123456]"
+        if bad in (-1, 1000):  # an int out of range is found by the vector pass too
+            assert len(calls) == 0
+    assert R.check_token_ids("prompt", ids[:10], 16, 1) == ids[:10]

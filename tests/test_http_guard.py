@@ -36,7 +36,7 @@ from tpserve.daemon.runtime import descendants
 TPSERVE = [sys.executable, "-m", "tpserve"]
 BUNDLED = Path(__file__).resolve().parent.parent / "tpserve" / "assets" / "default-model"
 NOFILE = 600          # the daemon's (and so the front's) descriptor limit
-CLIENT_TIMEOUT = 2.0  # the daemon's --client-timeout, which the front's upstream watch follows
+UPSTREAM_TIMEOUT = 2.0  # --http-upstream-timeout: the front's upstream watch
 REQUEST_TIMEOUT = 2.0
 
 
@@ -52,8 +52,8 @@ class GuardedDaemon:
     def __init__(self):
         self.rd = tempfile.mkdtemp(prefix="tpg-", dir="/tmp")
         out = subprocess.run(TPSERVE + ["start", "--runtime-dir", self.rd, "--num-kv-blocks", "200",
-                                        "--block-size", "4", "--http-port", "0", "--client-timeout",
-                                        str(CLIENT_TIMEOUT), "--http-request-timeout", str(REQUEST_TIMEOUT),
+                                        "--block-size", "4", "--http-port", "0", "--http-upstream-timeout",
+                                        str(UPSTREAM_TIMEOUT), "--http-request-timeout", str(REQUEST_TIMEOUT),
                                         "--startup-timeout", "200"],
                              capture_output=True, text=True, timeout=240, env=_env(), preexec_fn=_few_descriptors)
         if out.returncode != 0:
@@ -381,12 +381,12 @@ class FakeDaemon(threading.Thread):
 
 @pytest.fixture(scope="module")
 def fake_front(tmp_path_factory):
-    """A real front process (client timeout 1 s) in front of a FakeDaemon."""
+    """A real front process (upstream timeout 1 s) in front of a FakeDaemon."""
     from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
     fake = FakeDaemon(f"ipc://{tmp_path_factory.mktemp('fake')}/fake.sock")
     fake.start()
-    front = HttpFrontProcess(HttpOptions(0, allowed_hosts=("api.example.com",)), fake.address, str(BUNDLED),
-                             "m", 64, client_timeout=1.0)
+    front = HttpFrontProcess(HttpOptions(0, allowed_hosts=("api.example.com",), upstream_timeout=1.0),
+                             fake.address, str(BUNDLED), "m", 64)
     front.start(timeout=120)
     yield fake, front
     front.stop()
@@ -402,7 +402,7 @@ def test_front_answers_the_configured_host_names(fake_front):
 
 
 def test_streams_of_a_stalled_front_end_with_an_error_then_done(fake_front):
-    """The front is stopped longer than the daemon's client timeout; the daemon dropped its
+    """The front is stopped longer than its upstream timeout; the daemon dropped its
     requests (the fake sends nothing more): on SIGCONT every stream ends, error event then [DONE],
     and a non-streamed request gets a 503."""
     fake, front = fake_front
@@ -412,7 +412,7 @@ def test_streams_of_a_stalled_front_end_with_an_error_then_done(fake_front):
     wait_until(lambda: fake.generates == 2, 60, "both requests sent")
     os.kill(front.proc.pid, signal.SIGSTOP)
     try:
-        time.sleep(2.5)  # longer than the client timeout: the daemon would have dropped the front
+        time.sleep(2.5)  # longer than the upstream timeout: the front cannot know whether the daemon dropped it
     finally:
         os.kill(front.proc.pid, signal.SIGCONT)
     assert requests.join(60), "a request still hangs"

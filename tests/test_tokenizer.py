@@ -75,3 +75,53 @@ def test_the_http_front_imports_no_torch():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_http_front_tokenizes_long_texts_in_the_tokenizer_process():
+    import asyncio
+
+    from tpserve.daemon.http_app import LONG_PROMPT_CHARS, Front
+    from tpserve.procs import pid_alive
+    front = Front("ipc:///nonexistent/s.sock", DEFAULT_MODEL, "m", 1024)
+    in_process = front.tokenizer.encode
+    seen = []
+    front.tokenizer.encode = lambda text, **kw: seen.append(len(text)) or in_process(text, **kw)
+    long_text = " ".join(f"token{i % 89} text" for i in range(LONG_PROMPT_CHARS // 8))
+    short_text = "a short prompt"
+
+    async def all_three():
+        return (await front.encode(long_text), await front.encode(short_text),
+                await front.encode(long_text, add_special_tokens=True))  # a completion prompt's default
+    ids_long, ids_short, ids_special = asyncio.run(all_three())
+    assert ids_long == in_process(long_text, add_special_tokens=False)
+    assert ids_short == in_process(short_text, add_special_tokens=False)
+    assert ids_special == in_process(long_text, add_special_tokens=True)
+    assert seen == [len(short_text)]  # the long ones never ran in this process
+    child = front._tokenizer_process.pid
+    assert pid_alive(child)
+    asyncio.run(front.close())
+    assert not pid_alive(child)
+
+
+def test_the_tokenizer_process_is_restarted_after_dying_and_refuses_after_close():
+    import os
+    import signal
+
+    from tpserve.procs import pid_alive
+    from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError
+    in_process = load_tokenizer(DEFAULT_MODEL)
+    proc = TokenizerProcess(DEFAULT_MODEL)
+    try:
+        assert proc.encode(TEXTS[2]) == in_process.encode(TEXTS[2], add_special_tokens=False)
+        first = proc.pid
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(TokenizerProcessError, match="exited"):
+            proc.encode(TEXTS[0])
+        assert proc.encode(TEXTS[0]) == in_process.encode(TEXTS[0], add_special_tokens=False)
+        second = proc.pid
+        assert second != first and not pid_alive(first)
+    finally:
+        proc.close()
+    assert not pid_alive(second)
+    with pytest.raises(TokenizerProcessError, match="closed"):
+        proc.encode("x")

@@ -130,6 +130,10 @@ class Engine:
         check_prompt_shape(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def tokenizer_path(self) -> str | None:
+        """The model directory ``tokenize``'s tokenizer was loaded from (None without one)."""
+        return str(self.config.model_path) if self.tokenizer is not None else None
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     detokenize: bool = True, *, priority: int = 0, timeout: float | None = None,
                     arrival: float | None = None) -> int:
@@ -232,6 +236,22 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_room(self) -> bool:
+        """Fewer requests wait than one step can start (``max_num_seqs``): one added now is
+        not queued behind more than a step's worth of others. Always under the "priority"
+        scheduling order, whose waiting queue orders every request by its priority."""
+        return self.scheduler.by_priority or len(self.scheduler.waiting) < self.config.max_num_seqs
+
+    def check_queue_room(self, request_id: str, held: int) -> None:
+        """Raise OverloadedError (with ``retry_after``) if a request arriving now behind
+        ``held`` requests that the caller holds back would take the waiting queue past
+        ``max_waiting_requests``. Their prompt tokens are checked when they are added."""
+        s = self.scheduler
+        cap, queued = s.max_waiting_requests, len(s.waiting) + held
+        if cap is not None and queued >= cap:
+            s.num_refused["max_waiting_requests"] += 1
+            raise OverloadedError(request_id, "max_waiting_requests", queued + 1, cap, self._retry_after())
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

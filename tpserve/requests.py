@@ -24,6 +24,8 @@ import numbers
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
+import numpy as np
+
 from tpserve.errors import InvalidFieldError
 
 MAX_ID_CHARS = 128
@@ -71,6 +73,9 @@ MAX_TIMEOUT = 1_000_000.0
 #: "timeout": its timeout passed before it finished.
 FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 
+# Shorter token-id arrays are checked item by item (numpy's set-up costs more than the loop).
+_VECTOR_MIN = 256
+
 
 def is_int(v: Any) -> bool:
     """An integer that is not a bool (numpy integers count)."""
@@ -85,11 +90,27 @@ def check_token_ids(name: str, ids: Any, max_len: int, min_len: int = 0,
     if not min_len <= len(ids) <= max_len:
         raise InvalidFieldError(name, f"length must be in [{min_len}, {max_len}], got {len(ids)}")
     hi = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
+    if len(ids) > _VECTOR_MIN and set(map(type, ids)) == {int}:
+        # A long prompt is checked in a few C passes: a loop of Python comparisons over a
+        # million ids holds the serving loop (and the GIL) for a second.
+        try:
+            arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        except OverflowError:
+            arr = None  # an id beyond int64: the loop below names it
+        if arr is not None:
+            bad = np.flatnonzero((arr < 0) | (arr > hi))
+            if bad.size:
+                raise _not_a_token_id(name, int(bad[0]), ids[int(bad[0])], hi, vocab_size)
+            return list(ids)
     for i, t in enumerate(ids):
         if not is_int(t) or not 0 <= t <= hi:
-            where = "the vocabulary " if vocab_size is not None else ""
-            raise InvalidFieldError(f"{name}[{i}]", f"must be a token id of {where}in [0, {hi}], got {t!r}"[:512])
+            raise _not_a_token_id(name, i, t, hi, vocab_size)
     return [int(t) for t in ids]
+
+
+def _not_a_token_id(name: str, i: int, t: Any, hi: int, vocab_size: int | None) -> InvalidFieldError:
+    where = "the vocabulary " if vocab_size is not None else ""
+    return InvalidFieldError(f"{name}[{i}]", f"must be a token id of {where}in [0, {hi}], got {t!r}"[:512])
 
 
 def check_prompt_shape(prompt: Any, name: str = "prompt") -> str | list[int]:

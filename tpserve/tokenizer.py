@@ -20,9 +20,17 @@ AutoTokenizer on the bundled model and the test models).
 """
 from __future__ import annotations
 
+import array
 import json
 import logging
+import os
+import struct
+import subprocess
+import sys
+import threading
 from pathlib import Path
+
+import msgpack
 
 log = logging.getLogger("tpserve.tokenizer")
 
@@ -74,3 +82,144 @@ def _is_byte_level(path: Path) -> bool:
     except (FileNotFoundError, ValueError):
         return False
     return '"ByteLevel"' in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+
+
+# ---- a tokenizer in a process of its own -----------------------------------------------------
+class TokenizerProcessError(RuntimeError):
+    """The tokenizer process died or answered nonsense; the prompt was not tokenized."""
+
+
+class TokenizerProcess:
+    """The model directory's tokenizer in a child process at a lower CPU priority.
+
+    Tokenizing a megabyte of text takes a CPU core for a second or more. In a thread of the
+    serving process it competes for the GIL and, on a machine with few cores, for the cores
+    the engine's threads need; a niced process yields both. ``encode`` blocks the calling
+    thread (in pipe I/O, without the GIL) until the ids are back; callers use it from a worker
+    thread. The child starts on the first ``encode`` (about a second) and is started again if
+    it died. ``close`` kills it; it also exits when its stdin closes, which the kernel does when
+    this process dies, so it never outlives its parent for longer than the encode it is in.
+
+    Wire (the child's stdin and stdout): each message is a 4-byte little-endian length and a
+    msgpack value: ``[text, add_special_tokens]``, answered by ``{"ids": int32 bytes}`` or
+    ``{"error": text}``.
+    """
+
+    def __init__(self, path, niceness: int = 10):
+        self.path = str(path)
+        self.niceness = niceness
+        self._proc = None
+        self._lock = threading.Lock()  # one request at a time on the pipes
+        self._spawn_lock = threading.Lock()  # starting vs closing: no child after close()
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, as the in-process tokenizer's ``encode`` gives them."""
+        with self._lock:
+            proc = self._running()
+            try:
+                _write_frame(proc.stdin, msgpack.packb([text, bool(add_special_tokens)]))
+                frame = _read_frame(proc.stdout)
+            except OSError:
+                frame = None
+            if frame is None:
+                code = proc.poll()
+                self._stop(proc)
+                raise TokenizerProcessError(f"the tokenizer process (pid {proc.pid}) exited"
+                                            f"{f' with status {code}' if code is not None else ''}")
+        reply = msgpack.unpackb(frame)
+        if "error" in reply:
+            raise TokenizerProcessError(f"tokenizing failed: {reply['error']}")
+        ids = array.array("i")
+        ids.frombytes(reply["ids"])
+        return ids.tolist()
+
+    def warm_up(self) -> None:
+        """Start the child and load its tokenizer (blocks); errors are logged, not raised."""
+        try:
+            self.encode(" ")
+        except TokenizerProcessError as e:
+            log.warning("the tokenizer process did not start: %s", e)
+
+    def close(self) -> None:
+        """Stop the child now (from any thread; an encode in progress fails, and so does every
+        later one); idempotent."""
+        with self._spawn_lock:
+            self._closed = True
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.wait()
+
+    def _running(self):
+        with self._spawn_lock:
+            if self._closed:
+                raise TokenizerProcessError("the tokenizer process is closed")
+            if self._proc is not None and self._proc.poll() is None:
+                return self._proc
+        dead = self._proc
+        if dead is not None:
+            self._stop(dead)
+        with self._spawn_lock:
+            if self._closed:
+                raise TokenizerProcessError("the tokenizer process is closed")
+            # Niced before its imports: starting takes a second of CPU too.
+            code = (f"import os, sys; os.nice({int(self.niceness)}); from tpserve.tokenizer import _serve; "
+                    "sys.exit(_serve(sys.argv[1]))")
+            proc = self._proc = subprocess.Popen([sys.executable, "-c", code, self.path], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, close_fds=True)
+        return proc
+
+    def _stop(self, proc) -> None:
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(_CHILD_EXIT_S)  # stdin closed: it exits after the encode it is in
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if self._proc is proc:
+            self._proc = None
+
+
+_CHILD_EXIT_S = 2.0
+
+
+def _write_frame(f, payload: bytes) -> None:
+    f.write(struct.pack("<I", len(payload)) + payload)
+    f.flush()
+
+
+def _read_frame(f) -> bytes | None:
+    """One message, or None at end of stream."""
+    head = f.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack("<I", head)
+    payload = f.read(n)
+    return payload if len(payload) == n else None
+
+
+def _serve(path: str) -> int:
+    """The child's loop: one text in, its ids out, until stdin closes."""
+    tokenizer = load_tokenizer(path)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames on the pipe
+    while (frame := _read_frame(stdin)) is not None:
+        try:
+            text, special = msgpack.unpackb(frame)
+            ids = tokenizer.encode(text, add_special_tokens=special)
+            reply = {"ids": array.array("i", ids).tobytes()}
+        except Exception as e:  # the parent turns it into the request's error
+            reply = {"error": f"{type(e).__name__}: {e}"[:1024]}
+        _write_frame(stdout, msgpack.packb(reply))
+    return 0
+

@@ -22,7 +22,7 @@ import click
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
-from tpserve.daemon.http_front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
+from tpserve.daemon.http_front import DEFAULT_REQUEST_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, HttpOptions, check_http_host
 from tpserve.daemon.http_guard import parse_allowed_hosts
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.kv_events import KVEventsOptions
@@ -74,9 +74,10 @@ def daemon_options(f):
         click.option("--curve-client-keys", type=click.Path(file_okay=False), show_envvar=True, envvar="TPSERVE_CURVE_CLIENT_KEYS",
                      metavar="DIR", help="accept only clients whose public key (*.key) is in DIR "
                      "[default: any client that has the server's public key]"),
-        click.option("--client-timeout", type=float, default=30.0, show_default=True,
-                     show_envvar=True, envvar="TPSERVE_CLIENT_TIMEOUT",
-                     help="abort the requests of a client that has not read its replies for this many seconds"),
+        click.option("--max-requests-per-connection", type=click.IntRange(min=1), default=4096, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_MAX_REQUESTS_PER_CONNECTION",
+                     help="requests one client connection may have in flight; more are refused "
+                          "(too_many_requests)"),
         click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
                      show_envvar=True, envvar="TPSERVE_SHUTDOWN_GRACE",
                      help="on SIGTERM (`tpserve stop`), stop admitting and let the requests in flight, queued "
@@ -102,6 +103,10 @@ def daemon_options(f):
         click.option("--http-request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, show_default=True,
                      show_envvar=True, envvar="TPSERVE_HTTP_REQUEST_TIMEOUT",
                      help="seconds an HTTP client has to send a request head (then 408), and then its body"),
+        click.option("--http-upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT, show_default=True,
+                     show_envvar=True, envvar="TPSERVE_HTTP_UPSTREAM_TIMEOUT",
+                     help="the HTTP front ends its requests in flight (error, then [DONE]; or 503) when the "
+                          "daemon has not answered its ping, or the front itself was stalled, this many seconds"),
         click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
                      metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
                                           "directory's name]"),
@@ -177,16 +182,15 @@ def _client_options(f, timeout: float):
 
 
 def _server_options(kw: dict) -> ServerOptions:
-    for name in ("client_timeout", "shutdown_grace"):
-        if kw[name] < 0:
-            raise click.BadParameter(f"must be >= 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
+    if kw["shutdown_grace"] < 0:
+        raise click.BadParameter(f"must be >= 0, got {kw['shutdown_grace']}", param_hint="'--shutdown-grace'")
     if kw["request_timeout"] is not None:
         try:
             check_timeout(kw["request_timeout"], "request_timeout")
         except InvalidFieldError as e:
             raise click.BadParameter(e.reason, param_hint="'--request-timeout'") from None
-    opts = ServerOptions(client_timeout=kw["client_timeout"], shutdown_grace=kw["shutdown_grace"],
-                         request_timeout=kw["request_timeout"],
+    opts = ServerOptions(shutdown_grace=kw["shutdown_grace"], request_timeout=kw["request_timeout"],
+                         max_requests_per_connection=kw["max_requests_per_connection"],
                          served_model_name=kw["served_model_name"] or None, kv_events=_kv_events_options(kw))
     if kw["curve_secret_key"]:
         try:
@@ -220,9 +224,11 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
         allowed = parse_allowed_hosts(kw["http_allowed_hosts"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--http-allowed-hosts'") from None
-    if not kw["http_request_timeout"] > 0:
-        raise click.BadParameter(f"must be > 0, got {kw['http_request_timeout']}", param_hint="'--http-request-timeout'")
-    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed, kw["http_request_timeout"])
+    for name in ("http_request_timeout", "http_upstream_timeout"):
+        if not kw[name] > 0:
+            raise click.BadParameter(f"must be > 0, got {kw[name]}", param_hint=f"'--{name.replace('_', '-')}'")
+    return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed, kw["http_request_timeout"],
+                       kw["http_upstream_timeout"])
 
 
 def _check_address(address: str, opts: ServerOptions) -> None:
@@ -331,8 +337,8 @@ def start(**kw):
     cleanup_stale(rd)
 
     argv = [sys.executable, "-m", "tpserve", "serve", "--runtime-dir", str(rd.absolute()),
-            "--address", address, "--client-timeout", str(kw["client_timeout"]),
-            "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"]]
+            "--address", address, "--shutdown-grace", str(kw["shutdown_grace"]), "--log-level", kw["log_level"],
+            "--max-requests-per-connection", str(kw["max_requests_per_connection"])]
     if kw["request_timeout"] is not None:
         argv += ["--request-timeout", str(kw["request_timeout"])]
     if kw["curve_secret_key"]:
@@ -345,7 +351,8 @@ def start(**kw):
     env = dict(os.environ)
     if http is not None:
         argv += ["--http-port", str(http.port), "--http-host", http.host,
-                 "--http-request-timeout", str(http.request_timeout)]
+                 "--http-request-timeout", str(http.request_timeout),
+                 "--http-upstream-timeout", str(http.upstream_timeout)]
         if http.allowed_hosts is not None:
             argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
         if http.api_key:

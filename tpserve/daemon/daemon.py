@@ -103,7 +103,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         if http is not None:
             front = HttpFrontProcess(http, connect_address(address), str(engine.config.model_path),
                                      served_model_name(engine, options), _usable_context(engine.config),
-                                     options.curve_public_key, client_timeout=options.client_timeout)
+                                     options.curve_public_key)
             url = front.start()
             server.status_extras = front.status
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)

@@ -22,6 +22,11 @@ class ServingEngine(Protocol):
         Raises InvalidRequestError/InvalidFieldError (tpserve.errors) for a prompt it refuses.
         """
 
+    def tokenizer_path(self) -> str | None:
+        """The model directory whose tokenizer ``tokenize`` uses, so that long prompts can be
+        tokenized in another process (tpserve.tokenizer.TokenizerProcess); None: only
+        ``tokenize`` can."""
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, priority: int = 0,
                     timeout: float | None = None, arrival: float | None = None) -> int:
@@ -39,6 +44,17 @@ class ServingEngine(Protocol):
 
     def has_unfinished(self) -> bool:
         """Whether ``step`` has work to do."""
+
+    def has_room(self) -> bool:
+        """Whether a request added now would be among those the next step can start (fewer
+        are waiting than a step admits at most); the Server holds the others back, so that it
+        can choose fairly between clients which one comes next. An engine that orders its
+        waiting requests by priority always has room: its own queue decides."""
+
+    def check_queue_room(self, request_id: str, held: int) -> None:
+        """Raise OverloadedError (with ``retry_after``) if a request arriving now, behind the
+        ``held`` requests the Server holds back, would take the engine's waiting queue past
+        its request limit; the Server then refuses it at once instead of holding it."""
 
     def step(self) -> list[RequestOutput]:
         """One engine step. Raises StepFailedError when only that step's requests are lost

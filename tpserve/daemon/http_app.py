@@ -1,8 +1,8 @@
 """The FastAPI application of the HTTP front (see http_front.py for the process and design).
 
 ``Front`` holds one front process's state: its AsyncClient to the daemon, the tokenizer (prompts
-are tokenized and chat-templated here, off the engine loop, in one worker thread), the served
-model name and context length. ``create_app`` maps the OpenAI endpoints onto it; request
+are tokenized and chat-templated here, off the engine loop, in one worker thread; long texts in
+a tokenizer process), the served model name and context length. ``create_app`` maps the OpenAI endpoints onto it; request
 validation and response shapes live in openai_api.py.
 """
 from __future__ import annotations
@@ -37,10 +37,13 @@ from tpserve.daemon.http_guard import HostPolicy, RequestGuard
 from tpserve.daemon.http_upstream import UpstreamLost
 from tpserve.daemon.tool_calls import ToolCallStream, split_calls
 from tpserve.sampling import MAX_SEED
+from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError, load_tokenizer
 
 log = logging.getLogger("tpserve.http")
 
 MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES
+# Texts longer than this are tokenized in the tokenizer process (the daemon's threshold too).
+LONG_PROMPT_CHARS = 8192
 
 
 class Front:
@@ -54,14 +57,20 @@ class Front:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.server_public_key = server_public_key
+        # Long texts are tokenized in a niced process of their own (see TokenizerProcess): in
+        # a thread here they would hold the GIL and a core from the event loop and the engine.
+        self._tokenizer_process = None
         if tokenizer is None:
-            from tpserve.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(model_path)
+            if tokenizer is not None:
+                self._tokenizer_process = TokenizerProcess(model_path)
         self.tokenizer = tokenizer
         self.created = int(time.time())
         # One thread: tokenizers are not meant to be shared by threads, and this keeps the
         # event loop free while a long prompt is encoded.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        if self._tokenizer_process is not None:  # started now, not with the first long prompt
+            self._pool.submit(self._tokenizer_process.warm_up)
         self._client = None
         self._in_flight: dict[asyncio.Queue, float] = {}  # each request's queue -> loop time it began
         self.restarts = 0            # times the daemon restarted this front (reported by /health)
@@ -77,6 +86,8 @@ class Front:
         if self._client is not None:
             await self._client.close()
         self._pool.shutdown(wait=False)
+        if self._tokenizer_process is not None:
+            self._tokenizer_process.close()
 
     # ---- tokenizing ----------------------------------------------------------------------
     async def _in_pool(self, fn, *args):
@@ -89,8 +100,15 @@ class Front:
             raise O.bad(field, "this model has no tokenizer: send token ids")
         if len(text) > P.MAX_PROMPT_CHARS:
             raise O.bad(field, f"longer than {P.MAX_PROMPT_CHARS} characters")
-        ids = await self._in_pool(functools.partial(self.tokenizer.encode, text,
-                                                    add_special_tokens=add_special_tokens))
+        if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS:
+            try:
+                ids = await self._in_pool(self._tokenizer_process.encode, text, add_special_tokens)
+            except TokenizerProcessError as e:
+                log.error("could not tokenize a prompt: %s", e)
+                raise O.OpenAIError(500, f"the prompt could not be tokenized: {e}", type_="server_error") from None
+        else:
+            ids = await self._in_pool(functools.partial(self.tokenizer.encode, text,
+                                                        add_special_tokens=add_special_tokens))
         if not ids:
             raise O.bad(field, "is empty after tokenization")
         return ids
@@ -238,6 +256,8 @@ def daemon_error(e, job) -> O.OpenAIError:
         if param in ("prompt",) and job.chat:
             param = "messages"
         return O.bad(param, e.message)
+    if e.code == P.TOO_MANY_REQUESTS:
+        return O.OpenAIError(429, e.message, type_="server_error", code="too_many_requests")
     if e.code == P.SHUTTING_DOWN:
         return O.OpenAIError(503, e.message, type_="server_error", code="shutting_down",
                              headers=_retry_after(e))

@@ -58,6 +58,7 @@ log = logging.getLogger("tpserve.http")
 
 _STOP_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 30.0  # s a client has for a request head, then for its body
+DEFAULT_UPSTREAM_TIMEOUT = 30.0  # s of no answer from the daemon (or of a stalled front) that end requests
 
 
 @dataclass
@@ -66,13 +67,16 @@ class HttpOptions:
 
     ``allowed_hosts``: Host names answered besides loopback ones (http_guard.py; None: loopback
     names only on a loopback bind, any elsewhere). ``request_timeout``: seconds a client has for
-    a request head, then for its body (http_conn.py)."""
+    a request head, then for its body (http_conn.py). ``upstream_timeout``: the front ends its
+    requests in flight when the daemon has not answered a ping, or the front itself was stalled,
+    for that many seconds (http_upstream.py)."""
 
     port: int
     host: str = "127.0.0.1"
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] | None = None
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT
 
 
 class HttpFrontError(TpserveError, RuntimeError):
@@ -117,13 +121,14 @@ class HttpFrontProcess:
     STABLE_S = 60.0
 
     def __init__(self, options: HttpOptions, daemon_address: str, model_path: str, model_name: str,
-                 max_model_len: int, server_public_key: bytes | None = None, client_timeout: float = 30.0):
+                 max_model_len: int, server_public_key: bytes | None = None):
         check_http_host(options.host, options.api_key)
         self.options = options
         self.argv = [sys.executable, "-m", "tpserve.daemon.http_front", "--address", daemon_address,
                      "--host", options.host, "--model-path", model_path,
                      "--model-name", model_name, "--max-model-len", str(max_model_len),
-                     "--client-timeout", str(client_timeout), "--request-timeout", str(options.request_timeout),
+                     "--upstream-timeout", str(options.upstream_timeout),
+                     "--request-timeout", str(options.request_timeout),
                      "--parent-pid", str(os.getpid())]
         if options.allowed_hosts is not None:
             self.argv += ["--allowed-hosts", ",".join(options.allowed_hosts)]
@@ -284,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-key", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--ready-fd", type=int, default=None)
-    ap.add_argument("--client-timeout", type=float, default=30.0, help="the daemon's --client-timeout")
+    ap.add_argument("--upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT,
+                    help="the daemon's --http-upstream-timeout")
     ap.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
     ap.add_argument("--allowed-hosts", default=None)
     ap.add_argument("--restarts", type=int, default=0, help="how often the daemon restarted the front")
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve():
         asyncio.get_running_loop().set_exception_handler(quiet_log.loop_exception_handler)
-        watch = UpstreamWatch(front, args.client_timeout)
+        watch = UpstreamWatch(front, args.upstream_timeout)
         watch.start()
         try:
             await server.serve(sockets=[sock])

@@ -3,12 +3,13 @@
 The front waits for the daemon's replies without a timeout of its own (a request may queue
 or prefill for long). Two ways the daemon's side of a request disappears without a last message:
 
-* the front stalled (SIGSTOP, a blocked loop) while the daemon had replies for it: after
-  ``client_timeout`` seconds of a full outbox the daemon drops the front's connection, aborts its
-  requests and sends them nothing more. The front cannot tell afterwards which of its requests
-  were dropped, but the daemon drops only for a stall of ``client_timeout`` or more, so
-  ``UpstreamWatch`` ticks every ``tick`` seconds, and when one tick comes ``limit`` or more after
-  the previous one it ends every request in flight;
+* the front stalled (SIGSTOP, a blocked loop) while the daemon had replies for it. The daemon
+  keeps a slow reader's replies (its deltas merged) and drops a connection that is still open
+  only when too many replies wait for it (docs/protocol.md, "Slow and vanished clients"); it then
+  aborts its requests and sends them nothing more. The front cannot tell afterwards whether that
+  happened, nor which of its requests it hit, so ``UpstreamWatch`` ticks every ``tick`` seconds,
+  and when one tick comes ``limit`` (``--http-upstream-timeout``) or more after the previous one
+  it ends every request in flight, rather than risk waiting forever for one the daemon dropped;
 * the daemon stopped answering (stopped, stuck in a step): while requests are in flight the
   watch pings it every ``limit / 4`` seconds; no answer within ``limit`` ends the requests in
   flight since before that ping.
@@ -28,7 +29,7 @@ from tpserve.errors import TpserveError
 
 log = logging.getLogger("tpserve.http")
 
-MIN_LIMIT = 1.0  # s: a daemon client timeout of 0 drops at once; the watch cannot be that fast
+MIN_LIMIT = 1.0  # s: the watch ticks a few times per limit; it cannot be much faster
 
 
 class UpstreamLost(TpserveError, ConnectionError):
@@ -68,7 +69,7 @@ class UpstreamWatch:
         if now - self._last >= self.limit:
             self.stalls += 1
             self._end(UpstreamLost(
-                f"the HTTP front was stalled for {now - self._last:.0f} s, at least the daemon's client "
+                f"the HTTP front was stalled for {now - self._last:.0f} s, at least its upstream "
                 f"timeout ({self.limit:g} s): the daemon may have dropped this request"), now)
         self._last = now
         if self.front.in_flight() and (self._ping_task is None or self._ping_task.done()) \

@@ -5,7 +5,9 @@ The socket routes mandatorily: "peer gone" and "peer full" are errors (EHOSTUNRE
 instead of silent drops, so a stream is never missing a piece. An ``ipc://`` socket file is
 private from its creation (umask 0177, then mode 0600) and removed by ``close``.
 
-The poller watches the socket, a wake-up socket pair (written by signal handlers through
+Connections are tracked through the socket's monitor (connections.py), so that the requests of
+a client that went away can be aborted. The poller watches the socket, its monitor, a wake-up
+socket pair (written by signal handlers through
 ``wake_fd`` and by other threads through ``wake``) and any extra descriptor the loop adds
 (``watch``), so an idle loop sleeps in one ``poll`` and uses no CPU.
 """
@@ -18,6 +20,7 @@ import socket
 import zmq
 
 from tpserve.daemon import protocol as P
+from tpserve.daemon.connections import Connections
 
 _CLOSE_LINGER_MS = 2000  # at close, at most this long for ZMQ to hand queued frames to the kernel
 
@@ -38,6 +41,7 @@ class Listener:
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, send_hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.connections = Connections(self.sock)
         if curve_secret_key is not None:
             self._enable_curve(curve_public_key, curve_secret_key, curve_client_keys_dir)
         # An ipc socket file is created by bind() in this thread; a umask keeps it private from
@@ -49,6 +53,7 @@ class Listener:
             if self._ipc_path:
                 os.chmod(self._ipc_path, 0o600)
         except zmq.ZMQError as e:
+            self.connections.close()
             self.sock.close(linger=0)
             self._stop_auth()
             if self._own_context:
@@ -62,6 +67,7 @@ class Listener:
         self._wake_w.setblocking(False)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
 
     def _enable_curve(self, public_key, secret_key, client_keys_dir) -> None:
@@ -113,6 +119,8 @@ class Listener:
 
     def close(self) -> None:
         """Close and remove the socket; returns once queued replies are delivered (at most 2 s)."""
+        self.sock.disable_monitor()
+        self.connections.close()
         self.sock.close(linger=_CLOSE_LINGER_MS)
         self._stop_auth()
         if self._ipc_path:

@@ -61,10 +61,11 @@ INVALID_REQUEST = "invalid_request"          # well-formed, but the engine refus
 SHUTTING_DOWN = "shutting_down"              # daemon is stopping; no new requests
 OVERLOADED = "overloaded"                    # the waiting queue is full; retry after retry_after s
 STEP_FAILED = "step_failed"                  # an engine step failed for this request; the daemon serves on
+TOO_MANY_REQUESTS = "too_many_requests"      # the connection has its maximum of requests in flight
 INTERNAL = "internal"                        # engine failure; the daemon is going down
 ERROR_CODES = (BAD_MESSAGE, UNSUPPORTED_VERSION, UNKNOWN_TYPE, UNKNOWN_FIELD, MISSING_FIELD,
                INVALID_FIELD, DUPLICATE_ID, UNKNOWN_ID, ADMISSION, INVALID_REQUEST, SHUTTING_DOWN, OVERLOADED,
-               STEP_FAILED, INTERNAL)
+               STEP_FAILED, TOO_MANY_REQUESTS, INTERNAL)
 
 
 class ProtocolError(TpserveError, ValueError):

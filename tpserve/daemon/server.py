@@ -28,11 +28,16 @@ Invariants:
   server added; a request leaves ``_requests`` exactly when its ``done`` or ``error`` is queued
   (or its client is dropped), and the engine is told to abort it unless it finished there.
 * a request whose prompt is being tokenized is in ``_tokenizer`` and its peer's ``requests``
-  (so ``abort`` and ``duplicate_id`` see it) but not yet in the engine.
+  (so ``abort`` and ``duplicate_id`` see it) but not yet in the engine; so is a request in
+  ``_queue``, held back while the engine has no room (fair_queue.py). A request is in exactly
+  one of ``_requests``, ``_tokenizer`` and ``_queue`` while it is in flight.
+* a connection has at most ``max_requests_per_connection`` requests in flight.
 * messages to one client leave in the order they were produced: once a send is refused, later
-  messages queue behind it in that client's outbox.
-* a client whose outbox has not moved for ``client_timeout`` seconds, or that disconnected
-  (EHOSTUNREACH), is dropped: its requests are aborted in the engine, freeing their KV blocks.
+  messages queue behind it in that client's outbox (a waiting delta takes in the later deltas
+  of its request, so each request's text and tokens keep their order).
+* a client that disconnected (its connection closed, or EHOSTUNREACH), or for which more than
+  ``max_queued_replies`` messages wait, is dropped: its requests are aborted in the engine,
+  freeing their KV blocks. A client that reads, however slowly, is not (outbox.py).
 * whenever the engine has become idle, its integrity check runs once (``check_integrity``:
   every KV block free, nothing queued); a broken invariant fails the daemon like a dead engine.
 * every frame received gets exactly one answer (docs/protocol.md), also frames still queued
@@ -52,6 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -60,6 +66,7 @@ import zmq
 
 from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
+from tpserve.daemon.fair_queue import FairQueue
 from tpserve.daemon.kv_events import KVEventPublisher, KVEventsOptions
 from tpserve.daemon.listener import Listener
 from tpserve.daemon.metrics import ServingMetrics
@@ -68,6 +75,7 @@ from tpserve.daemon.profiling import ProfileRecorder
 from tpserve.daemon.tokenizing import PromptTokenizer
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError
 from tpserve.sampling import SamplingParams
+from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -80,13 +88,18 @@ _EXIT_DRAIN_ROUNDS = 100  # rounds of max_messages_per_step frames answered at e
 class ServerOptions:
     """Knobs of the front. ``curve_*`` enable CurveZMQ; ``curve_client_keys`` limits clients."""
 
-    client_timeout: float = 30.0
     #: seconds a drain lets requests in flight finish before aborting them
     shutdown_grace: float = 30.0
     #: seconds a request without a ``timeout`` of its own may take (None: no limit)
     request_timeout: float | None = None
     max_messages_per_step: int = 64
     send_hwm: int = 1000
+    #: Requests one connection may have in flight (queued, tokenizing or running); past it a
+    #: ``generate`` is answered ``too_many_requests``.
+    max_requests_per_connection: int = 4096
+    #: Messages that may wait for one connection (its deltas merged, so about two per request)
+    #: before it counts as not reading and is dropped.
+    max_queued_replies: int = 65536
     #: Text prompts longer than this are tokenized off the serving loop.
     inline_tokenize_chars: int = 8192
     #: Where ``profile`` traces are written (the daemon uses its runtime dir); None: the temp dir.
@@ -96,6 +109,15 @@ class ServerOptions:
     curve_client_keys_dir: str | None = None
     served_model_name: str | None = None  # metrics label; default: the model directory's name
     kv_events: KVEventsOptions | None = None  # publish prefix-cache events (kv_events.py)
+
+
+@dataclass
+class _Queued:
+    """A request held in the fair queue until the engine has room for it."""
+
+    req: "_Request"
+    prompt: Callable[[], str | list[int]]
+    params: SamplingParams
 
 
 @dataclass
@@ -149,9 +171,13 @@ class Server:
         self.options = options = options or ServerOptions()
         self.listener = Listener(address, options.send_hwm, context, options.curve_public_key,
                                  options.curve_secret_key, options.curve_client_keys_dir)
-        self.peers = Peers(self.listener.sock, self._on_peer_gone)
+        self.peers = Peers(self.listener.sock, self._on_peer_gone, options.max_queued_replies)
         self._requests: dict[str, _Request] = {}  # by engine id
+        self._queue = FairQueue()  # received, not yet in the engine: _Queued by engine id
         self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
+        self._tokenizer_process: TokenizerProcess | None = None  # made by the tokenizing thread
+        self._tokenizer_process_lock = threading.Lock()
+        self._closed = False
         self._profiler = ProfileRecorder(options.profile_dir)
         self._started = time.monotonic()
         self._stop_requested = False
@@ -174,7 +200,18 @@ class Server:
         self._checked_idle = True  # the engine's integrity was checked since it last worked
 
     def _tokenize(self, prompt: str) -> list[int]:
-        return self.engine.tokenize(prompt)
+        """On the tokenizing thread: in the tokenizer process when the engine names its
+        tokenizer (the thread then only waits on a pipe), else with the engine's."""
+        path = self.engine.tokenizer_path()
+        if path is None:
+            return self.engine.tokenize(prompt)
+        with self._tokenizer_process_lock:  # against close(): no child is made after it
+            if self._closed:
+                raise TokenizerProcessError("the daemon is closing")
+            if self._tokenizer_process is None:
+                self._tokenizer_process = TokenizerProcess(path)
+            proc = self._tokenizer_process
+        return proc.encode(prompt)
 
     # ---- life cycle --------------------------------------------------------------------------
     def request_shutdown(self, now: bool = False) -> None:
@@ -202,19 +239,21 @@ class Server:
             self.engine.enable_kv_events()
         if self._health_fd is not None:  # a worker dying while the loop sleeps must wake it
             self.listener.watch(self._health_fd)
+        if self.engine.tokenizer_path() is not None:
+            self._tokenizer.prepare()  # the tokenizer process starts now, not with the first long prompt
         try:
             while True:
                 if self._stop_requested and not self._stopping:
                     self._begin_shutdown()
                 if self._stopping and self._stop_now:
                     self._stop_deadline = min(self._stop_deadline, time.monotonic())
-                if self._stopping and not (self._requests or self._tokenizer):
+                if self._stopping and not (self._requests or self._tokenizer or self._queue):
                     break
                 if self._stopping and time.monotonic() >= self._stop_deadline:
                     log.warning("the drain ended%s: aborting %d request(s) still in flight",
                                 " on a second stop signal" if self._stop_now
                                 else f" after its {self.options.shutdown_grace:g} s",
-                                len(self._requests) + len(self._tokenizer))
+                                len(self._requests) + len(self._tokenizer) + len(self._queue))
                     break
                 self._turn()
         except _EngineFailed:
@@ -240,10 +279,13 @@ class Server:
         events = self.listener.poll(timeout)
         if self._health_fd is not None and self._health_fd in events:
             self._check_engine_health()
+        self._drop_disconnected()
         if self.listener.sock in events:
             self._drain()
         if self._tokenizer:
             self._admit_tokenized()
+        if self._queue:
+            self._admit_queued()
         if self.engine.has_unfinished():
             self._checked_idle = False
             try:
@@ -260,7 +302,7 @@ class Server:
         deadline = self._profiler.deadline
         if deadline is not None and time.monotonic() >= deadline:
             self._finish_profile()
-        self.peers.flush(self.options.client_timeout)
+        self.peers.flush()
 
     def _check_idle_engine(self) -> None:
         """Once per idle period: the engine's invariants (every block free, queues empty). A
@@ -303,33 +345,48 @@ class Server:
                 break
         if self._profiler.deadline is not None:
             self._finish_profile()
-        for req in [*self._requests.values(), *self._tokenizer.requests()]:
+        for req in [*self._requests.values(), *self._tokenizer.requests(), *(q.req for q in self._queue.entries())]:
             self._abort(req, "shutting_down")
         # Let clients take their final messages while they keep reading; a client whose queue
         # has not moved for STALL_ON_EXIT seconds is dropped, and nobody delays exit past EXIT_FLUSH.
-        stall = min(self.options.client_timeout, _STALL_ON_EXIT)
         deadline = time.monotonic() + _EXIT_FLUSH
         while self.peers.any_queued() and time.monotonic() < deadline:
-            self.peers.flush(stall)
+            self.peers.flush(_STALL_ON_EXIT)
             time.sleep(0.005)
         log.info("front stopped")
 
     def close(self) -> None:
         """Close and remove the socket; returns once queued replies are delivered (at most 2 s)."""
+        with self._tokenizer_process_lock:
+            self._closed = True
         self._tokenizer.close()
+        if self._tokenizer_process is not None:
+            self._tokenizer_process.close()
         self.listener.close()
         if self._kv_events is not None:
             self._kv_events.close()
 
     # ---- receiving ---------------------------------------------------------------------------
+    def _drop_disconnected(self) -> None:
+        """Abort the requests of connections that closed (a vanished client's requests would
+        otherwise run to their end: nothing is sent to a non-streaming one until then)."""
+        for identity in self.listener.connections.drain_events():
+            peer = self.peers.get(identity)
+            if peer is not None:
+                self.peers.drop(peer, "disconnected")
+
     def _drain(self) -> int:
         """Handle at most max_messages_per_step queued frames; returns how many there were."""
-        sock = self.listener.sock
+        sock, connections = self.listener.sock, self.listener.connections
+        self._drop_disconnected()  # before the messages: they may come from a new connection
         for n in range(self.options.max_messages_per_step):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
+            frames = [p.bytes for p in parts]
+            if not connections.attach(frames[0], parts[-1]):
+                continue  # its connection closed since it was sent: there is nobody to answer
             try:
                 self._handle(frames)
             except _EngineFailed:
@@ -383,6 +440,11 @@ class Server:
             # No ``id``: an error with an id ends that request, and this one keeps running.
             return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
                          "that request continues", field="id")
+        limit = self.options.max_requests_per_connection
+        if peer is not None and len(peer.requests) >= limit:
+            return error(P.TOO_MANY_REQUESTS, f"this connection has {len(peer.requests)} requests in flight, the "
+                         f"most one connection may have (--max-requests-per-connection {limit}); wait for "
+                         "some to finish or use another connection", id=msg.id)
         peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
                        arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None,
@@ -392,14 +454,37 @@ class Server:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
             return
-        self._admit(req, lambda: msg.prompt, msg.params)
+        self._queue_or_admit(req, lambda: msg.prompt, msg.params)
 
     def _admit_tokenized(self) -> None:
-        """Add the requests whose prompts have been tokenized."""
+        """Queue (or add) the requests whose prompts have been tokenized."""
         for job in self._tokenizer.finished():  # also while draining: they arrived before it
             self._tokenizer.discard(job.req.engine_id)
             del job.req.peer.requests[job.req.client_id]
-            self._admit(job.req, job.result, job.params)
+            self._queue_or_admit(job.req, job.result, job.params)
+
+    def _queue_or_admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
+        """Add ``req`` to the engine now if it has room and nobody is queued before it, else
+        queue it (fair_queue.py): one connection's backlog must not delay the others."""
+        if not self._queue and self.engine.has_room():
+            self._admit(req, prompt, params)
+            return
+        try:  # held requests count against the engine's waiting-queue limit
+            self.engine.check_queue_room(req.engine_id, len(self._queue))
+        except OverloadedError as e:
+            self._refuse_overloaded(req, e)
+            self.peers.forget_if_idle(req.peer)
+            return
+        req.peer.requests[req.client_id] = req
+        self._queue.push(req.peer.tag, req.engine_id, _Queued(req, prompt, params))
+
+    def _admit_queued(self) -> None:
+        """Add queued requests, one connection after another, while the engine has room (also
+        while draining: they arrived before it)."""
+        while self._queue and self.engine.has_room():
+            queued = self._queue.pop()
+            del queued.req.peer.requests[queued.req.client_id]
+            self._admit(queued.req, queued.prompt, queued.params)
 
     def _admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
         """Add ``req`` to the engine, or answer the error that refused it."""
@@ -412,9 +497,7 @@ class Server:
             req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params, priority=req.priority,
                                                         timeout=req.timeout, arrival=req.arrival)
         except OverloadedError as e:
-            self.metrics.on_refused(e.limit)
-            error(P.OVERLOADED, str(e), limit=e.limit, requested=int(e.requested), allowed=int(e.allowed),
-                  retry_after=float(e.retry_after))
+            self._refuse_overloaded(req, e)
         except AdmissionError as e:
             self.metrics.on_refused("admission")
             over = e.requested - e.allowed
@@ -426,6 +509,9 @@ class Server:
             error(P.INVALID_REQUEST, e.reason, field=e.field)
         except ValueError as e:
             error(P.INVALID_REQUEST, str(e))
+        except TokenizerProcessError as e:
+            log.error("could not tokenize the prompt of %s: %s", req.engine_id, e)
+            error(P.INTERNAL, f"the prompt could not be tokenized: {e}")
         except Exception as e:
             log.exception("add_request failed for %s", req.engine_id)
             error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
@@ -435,6 +521,12 @@ class Server:
             self.metrics.on_admitted(req.prompt_tokens)
             self._requests[req.engine_id] = req
         self.peers.forget_if_idle(peer)
+
+    def _refuse_overloaded(self, req: _Request, e: OverloadedError) -> None:
+        self.metrics.on_refused(e.limit)
+        self.peers.send(req.peer, P.ErrorReply(P.OVERLOADED, str(e)[:P.MAX_MESSAGE_CHARS], id=req.client_id,
+                                               limit=e.limit, requested=int(e.requested),
+                                               allowed=int(e.allowed), retry_after=float(e.retry_after)))
 
     def _on_abort(self, identity: bytes, msg: P.AbortRequest) -> None:
         peer = self.peers.get(identity)
@@ -533,7 +625,7 @@ class Server:
     def _close(self, req: _Request) -> None:
         """Forget ``req`` (admitted, or still being tokenized: its tokens are then dropped)."""
         if self._requests.pop(req.engine_id, None) is None:
-            known = self._tokenizer.discard(req.engine_id)
+            known = self._tokenizer.discard(req.engine_id) or self._queue.discard(req.engine_id)
             assert known, req.engine_id
         del req.peer.requests[req.client_id]
 
@@ -543,12 +635,14 @@ class Server:
             self.engine.abort_request(req.engine_id)
 
     def _fail_all(self, message: str) -> None:
-        self._fail_requests([*self._requests, *self._tokenizer], P.INTERNAL, message)
+        queued = [q.req.engine_id for q in self._queue.entries()]
+        self._fail_requests([*self._requests, *self._tokenizer, *queued], P.INTERNAL, message)
 
     def _fail_requests(self, engine_ids, code: str, message: str) -> None:
         """Answer ``code`` to each request still known by ``engine_ids``; they end here."""
         for engine_id in engine_ids:
-            req = self._requests.get(engine_id) or getattr(self._tokenizer.get(engine_id), "req", None)
+            req = (self._requests.get(engine_id) or getattr(self._tokenizer.get(engine_id), "req", None)
+                   or getattr(self._queue.get(engine_id), "req", None))
             if req is None:
                 continue
             self._close(req)
@@ -560,13 +654,19 @@ class Server:
     def metrics(self) -> ServingMetrics:
         """The Prometheus metrics, made once the engine is attached (it names the model)."""
         if self._metrics is None:
-            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self.engine.stats)
+            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self._engine_stats)
         return self._metrics
+
+    def _engine_stats(self) -> dict:
+        """The engine's counters; waiting requests include those queued here."""
+        stats = dict(self.engine.stats())
+        stats["num_waiting"] = int(stats.get("num_waiting") or 0) + len(self._queue)
+        return stats
 
     def stats(self) -> dict:
         """Engine counters plus the daemon's own, as plain msgpack-able values."""
         try:
-            stats = dict(self.engine.stats())
+            stats = self._engine_stats()
         except Exception as e:
             log.exception("engine.stats() failed")
             stats = {"stats_error": f"{type(e).__name__}: {e}"}
@@ -574,7 +674,8 @@ class Server:
                      address=self.address, protocol_version=P.PROTOCOL_VERSION,
                      state="failed" if self.failure else "shutting_down" if self._stopping else "running",
                      ready=not (self.failure or self._stopping or self._stop_requested),
-                     requests_in_flight=len(self._requests) + len(self._tokenizer),
+                     requests_in_flight=len(self._requests) + len(self._tokenizer) + len(self._queue),
+                     requests_queued=len(self._queue),
                      clients=len(self.peers), shutdown_grace=self.options.shutdown_grace,
                      request_timeout=self.options.request_timeout)
         if self._stopping:

@@ -2,14 +2,20 @@
 
 Tokenizing megabytes of text takes seconds, and no other client may wait for that: the front
 hands a long prompt to ``submit`` and admits the request once its tokens are ready
-(``finished``). A job's completion wakes the loop through ``wake``. Jobs are keyed by the
-request's engine id; a request aborted meanwhile is ``discard``-ed and its tokens dropped.
+(``finished``). The worker thread only waits: with a tokenizer on disk, the Server's
+``tokenize`` hands the text to a tokenizer process (tpserve.tokenizer.TokenizerProcess), so
+neither the GIL nor a core is taken from the loop. A job's completion wakes the loop through
+``wake``. Jobs are keyed by the request's engine id; a request aborted meanwhile is
+``discard``-ed and its tokens dropped.
 """
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
+
+log = logging.getLogger("tpserve.daemon")
 
 
 @dataclass
@@ -49,10 +55,24 @@ class PromptTokenizer:
     def requests(self) -> list:
         return [job.req for job in self._jobs.values()]
 
-    def submit(self, engine_id: str, req, prompt: str, params) -> None:
+    def prepare(self) -> None:
+        """Tokenize a word in the background, so that whatever the first long prompt would
+        set up (a tokenizer process: a second or two) is ready before one comes."""
+        self._submit(self._warm_up)
+
+    def _warm_up(self) -> None:
+        try:
+            self._tokenize(" ")
+        except Exception as e:  # the first real prompt reports it
+            log.warning("preparing the tokenizer failed: %s", e)
+
+    def _submit(self, fn, *args) -> Future:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpserve-tokenize")
-        future = self._pool.submit(self._tokenize, prompt)
+        return self._pool.submit(fn, *args)
+
+    def submit(self, engine_id: str, req, prompt: str, params) -> None:
+        future = self._submit(self._tokenize, prompt)
         self._jobs[engine_id] = TokenizeJob(req, params, future)
         future.add_done_callback(self._wake)
 

@@ -1,0 +1,187 @@
+"""How long a huge text prompt stalls the other clients' streams (ZMQ and the HTTP front).
+
+    python scripts/bench_tokenize_stall.py [--model DIR] [--chars 1000000] [--rounds 2]
+
+One daemon (`tpserve start --http-port 0`, the bundled model by default). For each path (ZMQ
+client, then the OpenAI HTTP API) and each round: greedy streams of another client run one
+after another, and
+the worst gap between two of its deltas is taken over a few seconds (baseline), then again
+from the moment a ``--chars``-character text prompt is sent on the same path until that
+request is answered (an admission error: the prompt is far longer than the model's context,
+but it has to be tokenized to know). Prints one line: worst baseline gap and worst gap with
+the huge prompt, per path (the worst over all rounds), their ratio, and the ratio of the
+per-round medians. Timings depend on the machine's load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+from bench_daemon_run import isa, started_daemon
+
+_STREAM_TOKENS = 1000
+
+
+def huge_text(chars: int) -> str:
+    """Words of this repository's Python sources in random order: text a tokenizer works on."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tpserve")
+    words = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                    words += fh.read().split()
+    rng = random.Random(0)
+    out, n = [], 0
+    while n < chars:
+        w = rng.choice(words)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+class Arrivals:
+    """Arrival times of one stream's deltas, collected on a thread."""
+
+    def __init__(self, run):
+        self.times: list[float] = []
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._collect, args=(run,), daemon=True)
+        self._thread.start()
+        self.first.wait(120)
+
+    def _collect(self, run):
+        try:
+            for _ in run():
+                self.times.append(time.perf_counter())
+                self.first.set()
+                if self.stop.is_set():
+                    break  # closing the stream aborts the request
+        finally:
+            self.first.set()
+            self.done.set()
+
+    def worst_gap(self, start: float, end: float) -> float:
+        """The longest time without a delta within [start, end] (a window edge counts as a delta)."""
+        inside = [t for t in self.times if start <= t <= end]
+        points = [start] + inside + [min(end, self.times[-1] if self.done.is_set() else end)]
+        return max(b - a for a, b in zip(points, points[1:]))
+
+    def finish(self):
+        self.stop.set()
+        self._thread.join(600)
+
+
+def zmq_stream(address):
+    from tpserve.daemon.client import Client
+
+    def run():
+        with Client(address, timeout=600) as c:
+            while True:  # one stream after another, for as long as the measurement reads
+                for d in c.stream([5, 6, 7, 8], temperature=0.0, max_tokens=_STREAM_TOKENS, ignore_eos=True):
+                    yield d
+    return run
+
+
+def http_stream(url):
+    import httpx
+
+    def run():
+        body = {"model": "bench", "prompt": [5, 6, 7, 8], "max_tokens": _STREAM_TOKENS, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        while True:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        yield json.loads(line[6:])
+    return run
+
+
+def zmq_huge(address, text):
+    from tpserve.daemon.client import Client, RequestError
+    with Client(address, timeout=600) as c:
+        try:
+            c.generate(text, max_tokens=1)
+        except RequestError as e:
+            return e.code
+    return "ok"
+
+
+def http_huge(url, text):
+    import httpx
+    r = httpx.post(url + "/v1/completions", json={"model": "bench", "prompt": text, "max_tokens": 1}, timeout=600)
+    return r.status_code
+
+
+def _huge_sender(conn, path: str, target: str, chars: int) -> None:
+    """Child process: build the prompt, wait for "go", send it, report the answer."""
+    text = huge_text(chars)
+    conn.send("ready")
+    conn.recv()
+    conn.send(zmq_huge(target, text) if path == "zmq" else http_huge(target, text))
+
+
+def measure(stream, path: str, target: str, chars: int, baseline_s: float):
+    """(worst gap without, worst gap with the huge prompt in flight, its answer, whether the
+    stream outlasted it). The huge prompt is built and sent by another process, so its own
+    encoding work does not compete with this process's reading of the stream."""
+    import multiprocessing as mp
+    parent, child = mp.Pipe()
+    sender = mp.get_context("spawn").Process(target=_huge_sender, args=(child, path, target, chars))
+    sender.start()
+    parent.recv()
+    a = Arrivals(stream)
+    t0 = time.perf_counter()
+    time.sleep(baseline_s)
+    t1 = time.perf_counter()
+    base = a.worst_gap(t0, t1)
+    parent.send("go")
+    answer = parent.recv()
+    t2 = time.perf_counter()
+    covered = not a.done.is_set()  # the stream still ran when the huge prompt was answered
+    stalled = a.worst_gap(t1, t2)
+    a.finish()
+    sender.join()
+    return base, stalled, answer, covered
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--chars", type=int, default=1_000_000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline-s", type=float, default=2.0)
+    args = ap.parse_args()
+    results = {"zmq": [], "http": []}
+    try:
+        with started_daemon(args.model, http=True) as (address, url):
+            for _ in range(args.rounds):
+                results["zmq"].append(measure(zmq_stream(address), "zmq", address, args.chars, args.baseline_s))
+                results["http"].append(measure(http_stream(url), "http", url, args.chars, args.baseline_s))
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    fields = []
+    for path, rows in results.items():
+        base = max(r[0] for r in rows)
+        stalled = max(r[1] for r in rows)
+        med_base, med_stalled = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+        fields.append(f"{path}_baseline_gap_s={base:.3f} {path}_huge_prompt_gap_s={stalled:.3f} "
+                      f"{path}_ratio={stalled / base:.2f} {path}_median_ratio={med_stalled / med_base:.2f} "
+                      f"{path}_answer={rows[-1][2]}"
+                      + ("" if all(r[3] for r in rows) else f" {path}_stream_ended_early=1"))
+    print(f"bench_tokenize_stall model={os.path.basename(args.model or 'default-model')} isa={isa()} "
+          f"dtype=auto chars={args.chars} rounds={args.rounds} " + " ".join(fields))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
