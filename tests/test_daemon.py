@@ -918,6 +918,38 @@ def test_a_connection_with_many_queued_requests_does_not_hold_up_another():
         assert s.stop() == 0
 
 
+def test_requests_held_in_the_daemon_count_against_the_waiting_limit():
+    """Past the engine's waiting-request limit a request is refused with overloaded at once,
+    not held in the daemon's per-connection queue; the held ones still finish."""
+    engine = FakeEngine(max_running=2)
+    engine.max_waiting = 3  # the daemon may hold 3 requests beyond what the engine takes
+    engine.paused.set()
+    with ServerThread(engine) as s:
+        c = Raw(s.address)
+        for i in range(9):
+            c.send_msg(gen(f"r{i}", max_tokens=1, stream=False))
+        c.send_msg(P.PingRequest(id="sent"))
+        refused = []
+        while True:
+            m = c.recv(10)
+            assert m is not None
+            if isinstance(m, P.PongReply):
+                break
+            assert isinstance(m, P.ErrorReply) and m.code == P.OVERLOADED, m
+            assert m.limit == "max_waiting_requests" and m.retry_after == 2.0
+            refused.append(m.id)
+        # 2 running + 2 waiting in the engine (has_room), 3 held: the last 2 refused
+        assert refused == ["r7", "r8"]
+        c.send_msg(P.StatusRequest())
+        stats = c.recv().stats
+        assert stats["requests_queued"] == 3 and stats["refused_max_waiting_requests"] == 2
+        engine.paused.clear()
+        done = [c.recv_until_done(f"r{i}")[-1] for i in range(7)]
+        assert all(d.finish_reason == "length" for d in done)
+        c.close()
+        assert s.stop() == 0
+
+
 def test_fair_queue_takes_connections_in_turn_and_skips_discarded_entries():
     from tpserve.daemon.fair_queue import FairQueue
     q = FairQueue()
@@ -1033,6 +1065,32 @@ def test_shutdown_grace_lets_requests_finish_and_refuses_new_ones():
                 seen[m.id] = m
         assert seen["finishing"].finish_reason == "length" and seen["finishing"].completion_tokens == 40
         assert (seen["late"].code, seen["late"].id) == (P.SHUTTING_DOWN, "late")
+        s.thread.join(10)
+        assert s.exit_code == 0 and engine.aborted == []
+        r.close()
+
+
+def test_a_drain_lets_requests_held_in_the_daemon_finish_too():
+    """Requests held back in the daemon's per-connection queue when the drain begins arrived
+    before it: they enter the engine and finish like the rest."""
+    engine = FakeEngine(max_running=2)
+    engine.paused.set()
+    with ServerThread(engine, ServerOptions(shutdown_grace=20.0)) as s:
+        r = Raw(s.address)
+        for i in range(8):
+            r.send_msg(gen(f"h{i}", max_tokens=3, stream=False))
+        r.send_msg(P.StatusRequest())
+        assert r.recv().stats["requests_queued"] == 4  # 4 in the engine (has_room), 4 held
+        s.server.request_shutdown()
+        wait_for_state(r, "shutting_down")
+        engine.paused.clear()
+        done = {}
+        while len(done) < 8:
+            m = r.recv()
+            assert m is not None, f"{len(done)} of 8 answered"
+            if isinstance(m, (P.DoneReply, P.ErrorReply)):
+                done[m.id] = m
+        assert all(isinstance(m, P.DoneReply) and m.finish_reason == "length" for m in done.values()), done
         s.thread.join(10)
         assert s.exit_code == 0 and engine.aborted == []
         r.close()
@@ -1569,6 +1627,7 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
     assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "has_room",
+                          "check_queue_room",
                           "step", "stats",
                           "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
                           "shutdown", "enable_kv_events", "drain_kv_events"}

@@ -112,6 +112,22 @@ def test_a_full_queue_refuses_with_a_retry_estimate_and_queues_nothing(engine):
     assert sorted(k[0] for k in outs) == ["hold", "q0", "q1", "q2"] and idle(engine)
 
 
+def test_the_daemon_holds_nothing_back_under_priority_and_held_requests_count(engine, model):
+    """has_room: always under "priority" (its queue orders by priority); check_queue_room
+    counts the requests a daemon holds back with the engine's waiting ones."""
+    assert engine.has_room()
+    engine.check_queue_room("a", held=2)  # 0 waiting + 2 held < 3
+    with pytest.raises(OverloadedError) as e:
+        engine.check_queue_room("b", held=3)
+    assert (e.value.limit, e.value.requested, e.value.allowed) == ("max_waiting_requests", 4, 3)
+    with Engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=16, block_size=4,
+                             max_num_seqs=2)) as fcfs:
+        assert fcfs.has_room()
+        for i in range(2):
+            fcfs.add_request(f"w{i}", [5, 6, 7], P)
+        assert not fcfs.has_room()  # a step's worth waits: the daemon holds the next one
+
+
 def test_offline_generate_takes_vllm_priorities_and_timeouts(model):
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     with LLM(str(model), dtype="float32", num_kv_blocks=64, scheduling_order="priority") as llm:
