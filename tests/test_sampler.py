@@ -269,21 +269,41 @@ def test_triton_race_kernel_draws_what_the_torch_reference_draws(shape):
     assert torch.equal(race_argmax(x, seeds, steps), race_reference(x, seeds, steps))
 
 
-def test_penalty_operator_equals_the_torch_expressions():
+def test_penalty_operators_equal_the_torch_expressions():
+    """The seen-token pass (what a CPU step runs), the dense pass and the torch expressions give
+    the same bits, after starts and counts that keep the seen lists current."""
     assert cpu_extension.available()
     gen = torch.Generator().manual_seed(5)
-    vocab, slots = 3001, 6
+    rng = np.random.default_rng(5)
+    vocab = 3001
     state = PenaltyState(vocab)
-    state._reserve(slots - 1)
-    state.output.copy_(torch.randint(0, 3, (state.num_rows, vocab), generator=gen, dtype=torch.int32))
-    state.prompt.copy_(torch.rand(state.num_rows, vocab, generator=gen) < 0.2)
+    assert state.seen is not None  # the CPU operators keep seen lists
+    slots = i32(1, 5, 3, 0)
+    prompts = [rng.integers(0, vocab, int(n)).tolist() for n in (40, 1, 300, 7)]
+    outputs = [rng.integers(0, vocab, int(n)).tolist() for n in (12, 0, 50, 3)]
+    lens = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    state.start(slots, cu, i32(*map(len, prompts)), i32(*[t for p, o in zip(prompts, outputs) for t in p + o]))
+    # sampled tokens: new ones, repeats of the output, prompt tokens, one slot twice in a call
+    more = torch.tensor([5, 5, 1, 3, 3, 3]), torch.tensor([prompts[1][0], 77, 77, 9, outputs[2][0], 9])
+    state.count(*more)
+    for s_, t in zip(*more):
+        outputs[slots.tolist().index(int(s_))].append(int(t))
+    for i, s_ in enumerate(slots.tolist()):
+        listed = state.seen[s_, :int(state.seen_len[s_])].tolist()
+        assert sorted(listed) == sorted(set(prompts[i]) | set(outputs[i]))  # each seen token once
+        assert int(state.output[s_].sum()) == len(outputs[i])
     x = torch.randn(5, vocab, generator=gen) * 4
-    rows, sl = torch.tensor([4, 0, 2]), torch.tensor([1, 5, 3])
-    rep, freq, pres = torch.tensor([1.3, 1.0, 0.5]), torch.tensor([0.0, 0.7, -0.3]), torch.tensor([0.4, 0.0, 1.1])
-    a, b = x.clone(), x.clone()
+    rows, sl = torch.tensor([4, 0, 2, 1]), torch.from_numpy(slots.astype(np.int64))
+    rep, freq = torch.tensor([1.3, 1.0, 0.5, 2.0]), torch.tensor([0.0, 0.7, -0.3, 0.2])
+    pres = torch.tensor([0.4, 0.0, 1.1, -0.5])
+    a, b, c = x.clone(), x.clone(), x.clone()
     state.apply(a, rows, sl, rep, freq, pres)
     state.apply_reference(b, rows, sl, rep, freq, pres)
-    assert torch.equal(a, b) and not torch.equal(a, x)
+    cpu_extension.ops().apply_penalties(c, rows, sl, state.output, state.prompt, rep, freq, pres)
+    assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, x)
+    expect = reference_penalties(x[rows], prompts, outputs, rep.numpy(), freq.numpy(), pres.numpy())
+    torch.testing.assert_close(a[rows], expect)
 
 
 @pytest.mark.parametrize("vocab", [5, 64, 70, 32768])

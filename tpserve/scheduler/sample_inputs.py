@@ -1,11 +1,11 @@
 """Building a step's SamplePlan (the logits controls of its sample rows) on the scheduler side.
 
 ``SlotControls`` keeps, per slot of the ``SlotTable``, the numeric controls of the request that
-holds it (min-p, penalties, min_tokens) and flags saying which sparse ones it uses (logit bias,
-allowed tokens, bad words); the sparse data itself stays on the request's SamplingParams and
-Sequence. A step's plan is then a gather over the sample rows' slots, plus one short loop over
-the rows that use a sparse control. When no running request uses any control, building the plan
-is O(1): ``SamplePlan()``.
+holds it (min-p, penalties, min_tokens), its logit bias as arrays, and flags saying which sparse
+controls it uses (allowed tokens, bad words, whose data stays on the request's SamplingParams
+and Sequence). A step's plan is then a gather over the sample rows' slots, plus one short loop
+over the rows with allowed tokens or bad words. When no running request uses any control,
+building the plan is O(1): ``SamplePlan()``.
 
 Rules that belong to the request rather than to the sampler are applied here:
 
@@ -35,7 +35,6 @@ from tpserve.sample_plan import SamplePlan, draft_row_positions
 
 # Flags of SlotControls.flags.
 PENALTY, MIN_P, BIAS, ALLOWED, BAD_WORDS, MIN_TOKENS, GRAMMAR = (1 << i for i in range(7))
-_SPARSE = BIAS | ALLOWED | BAD_WORDS
 
 
 def _flags(sp) -> int:
@@ -67,6 +66,8 @@ class SlotControls:
         self.min_tokens = np.zeros(num_slots, dtype=np.int32)
         # True until the slot's penalty counts were sent to the sampling rank.
         self.fresh = np.zeros(num_slots, dtype=bool)
+        # logit_bias as arrays (token ids, biases), made once when the slot is acquired.
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * num_slots
         self.num_controlled = 0  # held slots with any flag set
 
     def acquire(self, slot: int, sp) -> None:
@@ -78,12 +79,15 @@ class SlotControls:
         self.presence[slot] = sp.presence_penalty
         self.min_tokens[slot] = sp.min_tokens
         self.fresh[slot] = bool(f & PENALTY)
+        self.bias[slot] = (_ids(list(sp.logit_bias)), np.asarray(list(sp.logit_bias.values()), np.float32)) \
+            if f & BIAS else None
         self.num_controlled += f != 0
 
     def release(self, slot: int) -> None:
         self.num_controlled -= self.flags[slot] != 0
         self.flags[slot] = 0
         self.fresh[slot] = False
+        self.bias[slot] = None
 
 
 def _ids(values) -> np.ndarray:
@@ -134,13 +138,15 @@ def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, n
             k, j = np.nonzero(stop >= 0)
             bans_r.append(rows[j].astype(np.int32))
             bans_t.append(stop[k, j].astype(np.int32))
-    for r in np.flatnonzero(flags & _SPARSE).tolist():
+    rows = np.flatnonzero(flags & BIAS)
+    if len(rows):  # one gather of the slots' bias arrays
+        biases = [c.bias[s] for s in slots[rows].tolist()]
+        plan.bias_rows = np.repeat(rows.astype(np.int32), [len(b[0]) for b in biases])
+        plan.bias_tokens = np.concatenate([b[0] for b in biases])
+        plan.bias_values = np.concatenate([b[1] for b in biases])
+    for r in np.flatnonzero(flags & (ALLOWED | BAD_WORDS)).tolist():
         seq, f = rows_of.seq_of(r), int(flags[r])
         sp = seq.sampling_params
-        if f & BIAS:
-            plan.bias_rows = _cat(plan.bias_rows, np.full(len(sp.logit_bias), r, np.int32))
-            plan.bias_tokens = _cat(plan.bias_tokens, _ids(list(sp.logit_bias)))
-            plan.bias_values = _cat(plan.bias_values, np.asarray(list(sp.logit_bias.values()), np.float32))
         if f & ALLOWED:
             n = 0 if plan.allow_rows is None else len(plan.allow_rows)
             plan.allow_rows = _cat(plan.allow_rows, np.array([r], np.int32))

@@ -9,6 +9,9 @@ after a preemption, with every token it holds so far).
 
     output[s, t]  int32  how often token t occurs in the output of slot s's request
     prompt[s, t]  bool   whether token t occurs in its prompt
+    seen[s, :seen_len[s]]  int32  with the C++ operators (CPU): every token of the prompt or
+                  the output, once each, so that a step penalizes the tokens a request has seen
+                  (hundreds) rather than its whole row (the vocabulary); same bits as the dense pass
 
 Rows are allocated on first use and grow to the highest slot seen (slots are handed out lowest
 first), so an engine that never sees a penalty allocates nothing.
@@ -31,6 +34,12 @@ class PenaltyState:
         self.device = torch.device(device)
         self.output = torch.zeros((0, vocab_size), dtype=torch.int32, device=self.device)
         self.prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
+        ops = cpu_extension.ops() if self.device.type == "cpu" and cpu_extension.available() else None
+        self._ops = ops if ops is not None and hasattr(ops, "apply_penalties_seen") else None
+        self.seen = self.seen_len = None
+        if self._ops is not None:
+            self.seen = torch.zeros((0, vocab_size), dtype=torch.int32)
+            self.seen_len = torch.zeros(0, dtype=torch.int32)
 
     @property
     def num_rows(self) -> int:
@@ -45,6 +54,9 @@ class PenaltyState:
         v, dev = self.vocab_size, self.device
         self.output = torch.cat([self.output, torch.zeros((extra, v), dtype=torch.int32, device=dev)])
         self.prompt = torch.cat([self.prompt, torch.zeros((extra, v), dtype=torch.bool, device=dev)])
+        if self.seen is not None:
+            self.seen = torch.cat([self.seen, torch.zeros((extra, v), dtype=torch.int32)])
+            self.seen_len = torch.cat([self.seen_len, torch.zeros(extra, dtype=torch.int32)])
 
     def start(self, slots: np.ndarray, cu: np.ndarray, prompt_lens: np.ndarray, tokens: np.ndarray) -> None:
         """Reset the rows of ``slots`` to the tokens given for each (see SamplePlan.init_*)."""
@@ -61,6 +73,10 @@ class PenaltyState:
             if b > p:
                 self.output[slot].index_add_(0, toks[p:b], torch.ones(b - p, dtype=torch.int32,
                                                                       device=self.device))
+            if self.seen is not None:
+                unique = torch.unique(toks[a:b]).to(torch.int32)
+                self.seen[slot, :len(unique)] = unique
+                self.seen_len[slot] = len(unique)
 
     def with_drafts(self, slots: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor) -> "PenaltyState":
         """A scratch state whose row i holds the counts of ``slots[i]`` plus one output
@@ -68,6 +84,7 @@ class PenaltyState:
         they would be after the draft tokens before a draft position. The state is unchanged."""
         view = PenaltyState.__new__(PenaltyState)
         view.vocab_size, view.device = self.vocab_size, self.device
+        view._ops, view.seen, view.seen_len = None, None, None  # a scratch view: the dense pass
         slots = slots.long()
         view.output = self.output[slots]
         view.prompt = self.prompt[slots]
@@ -78,7 +95,10 @@ class PenaltyState:
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Add one occurrence of ``tokens[i]`` to the output counts of ``slots[i]``."""
-        if slots.numel():
+        if slots.numel() and self.seen is not None:
+            self._ops.count_tokens(self.output, self.prompt, self.seen, self.seen_len,
+                                   slots.long().contiguous(), tokens.long().contiguous())
+        elif slots.numel():
             self.output.index_put_((slots.long(), tokens.long()),
                                    torch.ones(slots.shape[0], dtype=torch.int32, device=self.device),
                                    accumulate=True)
@@ -89,6 +109,11 @@ class PenaltyState:
         row on CPU; the torch expressions below elsewhere, and as its reference)."""
         slots = slots.long()
         rows = rows.long()
+        if self.seen is not None and x.device.type == "cpu" and x.stride(1) == 1:
+            self._ops.apply_penalties_seen(x, rows.contiguous(), slots.contiguous(), self.output, self.seen,
+                                           self.seen_len, repetition.float().contiguous(),
+                                           frequency.float().contiguous(), presence.float().contiguous())
+            return
         ops = cpu_extension.ops_for(x)
         if ops is not None and hasattr(ops, "apply_penalties") and x.stride(1) == 1:
             ops.apply_penalties(x, rows.contiguous(), slots.contiguous(), self.output, self.prompt,

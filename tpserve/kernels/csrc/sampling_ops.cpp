@@ -167,6 +167,99 @@ void apply_penalties(at::Tensor x, const at::Tensor& rows, const at::Tensor& slo
   });
 }
 
+// The same penalties over each row's seen tokens only: seen[slot, :seen_len[slot]] lists, once
+// each, every token of the slot's prompt or output (count_tokens keeps it current), and a token
+// outside it is left as it is by the dense pass too (no repetition factor, 0 * f, no presence),
+// so the result is the dense pass's, bit for bit, in O(tokens seen) per row instead of O(V).
+void apply_penalties_seen(at::Tensor x, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& counts,
+                          const at::Tensor& seen, const at::Tensor& seen_len, const at::Tensor& rep,
+                          const at::Tensor& freq, const at::Tensor& pres) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+                    "x: expected float32 [S, V] with contiguous rows");
+  const int64_t S = x.size(0), V = x.size(1), P = rows.numel();
+  TORCH_CHECK_VALUE(counts.dim() == 2 && counts.size(1) == V && counts.is_contiguous() &&
+                        counts.scalar_type() == at::kInt,
+                    "counts: expected a contiguous int32 [slots, V]");
+  TORCH_CHECK_VALUE(seen.sizes() == counts.sizes() && seen.is_contiguous() && seen.scalar_type() == at::kInt,
+                    "seen: expected a contiguous int32 tensor shaped as counts");
+  TORCH_CHECK_VALUE(seen_len.dim() == 1 && seen_len.numel() == counts.size(0) && seen_len.is_contiguous() &&
+                        seen_len.scalar_type() == at::kInt,
+                    "seen_len: expected contiguous int32 [slots]");
+  for (const auto* t : {&rows, &slots}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == P && t->is_contiguous() && t->scalar_type() == at::kLong,
+                      "rows, slots: expected contiguous int64 [P]");
+  }
+  for (const auto* t : {&rep, &freq, &pres}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == P && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                      "rep, freq, pres: expected contiguous float32 [P]");
+  }
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int32_t* lp = seen_len.data_ptr<int32_t>();
+  for (int64_t i = 0; i < P; ++i) {
+    TORCH_CHECK_VALUE(0 <= rp[i] && rp[i] < S && 0 <= sp[i] && sp[i] < counts.size(0),
+                      "rows/slots: index out of range");
+    TORCH_CHECK_VALUE(0 <= lp[sp[i]] && lp[sp[i]] <= V, "seen_len: out of range");
+  }
+  float* xp = x.data_ptr<float>();
+  const int32_t* cp = counts.data_ptr<int32_t>();
+  const int32_t* seenp = seen.data_ptr<int32_t>();
+  const float *rep_p = rep.data_ptr<float>(), *freq_p = freq.data_ptr<float>(), *pres_p = pres.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  for (int64_t i = 0; i < P; ++i) {
+    float* xr = xp + rp[i] * xs;
+    const int32_t* c = cp + sp[i] * V;
+    const int32_t* list = seenp + sp[i] * V;
+    const float r = rep_p[i], inv = 1.0f / r, f = freq_p[i], q = pres_p[i];
+    for (int32_t j = 0, n = lp[sp[i]]; j < n; ++j) {
+      const int32_t t = list[j];
+      TORCH_CHECK_VALUE(0 <= t && t < V, "seen: token out of range");
+      float v = xr[t];
+      const float cnt = static_cast<float>(c[t]);
+      v = v * (v > 0.0f ? inv : r);  // every listed token is in the prompt or the output
+      v = v - f * cnt;
+      v = v - q * (c[t] > 0 ? 1.0f : 0.0f);
+      xr[t] = v;
+    }
+  }
+}
+
+// One more occurrence of tokens[i] in the output counts of slots[i], in order; a token new to the
+// slot (not in its prompt, not yet in its output) is appended to its seen list.
+void count_tokens(at::Tensor counts, const at::Tensor& prompt, at::Tensor seen, at::Tensor seen_len,
+                  const at::Tensor& slots, const at::Tensor& tokens) {
+  TORCH_CHECK_VALUE(counts.dim() == 2 && counts.is_contiguous() && counts.scalar_type() == at::kInt,
+                    "counts: expected a contiguous int32 [slots, V]");
+  const int64_t R = counts.size(0), V = counts.size(1), N = slots.numel();
+  TORCH_CHECK_VALUE(prompt.sizes() == counts.sizes() && prompt.is_contiguous() && prompt.scalar_type() == at::kBool,
+                    "prompt: expected a contiguous bool tensor shaped as counts");
+  TORCH_CHECK_VALUE(seen.sizes() == counts.sizes() && seen.is_contiguous() && seen.scalar_type() == at::kInt,
+                    "seen: expected a contiguous int32 tensor shaped as counts");
+  TORCH_CHECK_VALUE(seen_len.dim() == 1 && seen_len.numel() == R && seen_len.is_contiguous() &&
+                        seen_len.scalar_type() == at::kInt,
+                    "seen_len: expected contiguous int32 [slots]");
+  for (const auto* t : {&slots, &tokens}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == N && t->is_contiguous() && t->scalar_type() == at::kLong,
+                      "slots, tokens: expected contiguous int64 [N]");
+  }
+  int32_t* cp = counts.data_ptr<int32_t>();
+  const bool* pp = prompt.data_ptr<bool>();
+  int32_t* seenp = seen.data_ptr<int32_t>();
+  int32_t* lp = seen_len.data_ptr<int32_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t s = sp[i], t = tp[i];
+    TORCH_CHECK_VALUE(0 <= s && s < R && 0 <= t && t < V, "slots/tokens: index out of range");
+    int32_t& c = cp[s * V + t];
+    if (c == 0 && !pp[s * V + t]) {
+      TORCH_CHECK_VALUE(lp[s] < V, "seen: list full");
+      seenp[s * V + lp[s]++] = static_cast<int32_t>(t);
+    }
+    ++c;
+  }
+}
+
 // The grammar bitmask (structured output) on rows ``rows`` of the float32 logits x [S, V]: token t
 // of row rows[g] keeps its logit when bit t % 32 of word t / 32 of bitmask[g] is set and becomes
 // -inf otherwise, as sampler.unpack_bitmask + masked_fill do, in one pass per row. A grammar
@@ -219,10 +312,16 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("apply_penalties(Tensor(a!) x, Tensor rows, Tensor slots, Tensor counts, Tensor prompt, "
         "Tensor rep, Tensor freq, Tensor pres) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) x, Tensor rows, Tensor bitmask) -> ()");
+  m.def("apply_penalties_seen(Tensor(a!) x, Tensor rows, Tensor slots, Tensor counts, Tensor seen, "
+        "Tensor seen_len, Tensor rep, Tensor freq, Tensor pres) -> ()");
+  m.def("count_tokens(Tensor(a!) counts, Tensor prompt, Tensor(b!) seen, Tensor(c!) seen_len, Tensor slots, "
+        "Tensor tokens) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("race_argmax", &race_argmax);
   m.impl("apply_penalties", &apply_penalties);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
+  m.impl("apply_penalties_seen", &apply_penalties_seen);
+  m.impl("count_tokens", &count_tokens);
 }
