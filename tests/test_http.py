@@ -288,6 +288,28 @@ def test_too_long_prompt_names_the_limit(daemon):
     assert "max_model_len" in error["message"] and error["code"] == "context_length_exceeded"
 
 
+def test_a_prompt_longer_than_the_context_is_refused_by_the_front_alone(daemon):
+    """Its ids never reach the daemon (no admission refusal counted there), text or ids, chat
+    too; truncate_prompt_tokens lets it through to be cut."""
+    def admissions():
+        with daemon.zmq() as c:
+            return c.status()["refused_admission"]
+    before = admissions()
+    for path, body in [("/v1/completions", {"prompt": list(range(1, 3000))}),
+                       ("/v1/completions", {"prompt": "x = 1\n" * 2000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 2000}]})]:
+        reply = post(daemon, path, body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "max_model_len=" in error["message"]
+        assert error["param"] == ("messages" if "chat" in path else "prompt")
+    assert admissions() == before
+    cut = post(daemon, "/v1/completions", {"prompt": list(range(1, 3000)), "max_tokens": 2,
+                                           "truncate_prompt_tokens": 100})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 100
+
+
 @pytest.mark.parametrize("body,param", [
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),

@@ -239,6 +239,18 @@ def _sibling(params, j: int):
 _DAEMON_ERRORS = (RequestError, ClientTimeout, P.ProtocolError, UpstreamLost)
 
 
+def too_long(job, prompts: list[list[int]], max_model_len: int) -> None:
+    """A prompt longer than the whole context is refused here, as the daemon would refuse it
+    (admission, max_model_len), without sending its token ids over: a huge prompt's ids would
+    cost the daemon's serving loop (and every stream on it) their transfer and checks."""
+    keep = job.params.truncate_prompt_tokens
+    longest = max((len(p) if keep is None else min(len(p), keep) for p in prompts), default=0)
+    if longest > max_model_len:
+        raise O.OpenAIError(400, f"the prompt is {longest} tokens, more than the model's context "
+                                 f"(max_model_len={max_model_len})", "messages" if job.chat else "prompt",
+                            code="context_length_exceeded")
+
+
 def daemon_error(e, job) -> O.OpenAIError:
     """An OpenAIError for the daemon's ``error`` reply (or a timeout, or a local protocol check)."""
     if isinstance(e, ClientTimeout):
@@ -520,6 +532,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
         return O.decode_body(bytes(data))
 
     async def run(request: Request, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
+        too_long(job, prompts, front.max_model_len)
         response = Response(front, job, prompts, prompt_texts)
         events = front.choices(prompts, job.params, job.n, job.priority, job.timeout)
         try:
