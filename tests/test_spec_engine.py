@@ -22,7 +22,9 @@ from tpserve.scheduler import Scheduler, Sequence
 from tpserve.workers import sampler as sampler_module
 from tpserve.workers.sampler import Sampler
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Drafts at any batch size: these tests check outputs with drafts, not when drafts pay.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "disable_by_batch_size": None}
 # Copy-heavy prompts (repeated spans; the model loops on some) beside plain ones.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [100, 3, 4], [7] * 33, [5, 6, 7, 8] * 3,
            list(range(200, 219))]
