@@ -116,17 +116,15 @@ void race_argmax(at::Tensor out, const at::Tensor& x, const at::Tensor& seeds, c
 // output count c = counts[s, t] and prompt flag p = prompt[s, t],
 //   if p or c > 0:  x *= (x > 0 ? 1 / rep : rep)         then  x -= freq * c + pres * (c > 0)
 // exactly as the torch version computes it (same operations, same order, in float32).
-void apply_penalties(at::Tensor x, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& counts,
-                     const at::Tensor& prompt, const at::Tensor& rep, const at::Tensor& freq,
-                     const at::Tensor& pres) {
+void check_penalty_args(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& slots,
+                        const at::Tensor& counts, const at::Tensor& rep, const at::Tensor& freq,
+                        const at::Tensor& pres) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
                     "x: expected float32 [S, V] with contiguous rows");
   const int64_t S = x.size(0), V = x.size(1), P = rows.numel();
   TORCH_CHECK_VALUE(counts.dim() == 2 && counts.size(1) == V && counts.is_contiguous() &&
                         counts.scalar_type() == at::kInt,
                     "counts: expected a contiguous int32 [slots, V]");
-  TORCH_CHECK_VALUE(prompt.sizes() == counts.sizes() && prompt.is_contiguous() && prompt.scalar_type() == at::kBool,
-                    "prompt: expected a contiguous bool tensor shaped as counts");
   for (const auto* t : {&rows, &slots}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == P && t->is_contiguous() && t->scalar_type() == at::kLong,
                       "rows, slots: expected contiguous int64 [P]");
@@ -141,6 +139,36 @@ void apply_penalties(at::Tensor x, const at::Tensor& rows, const at::Tensor& slo
     TORCH_CHECK_VALUE(0 <= rp[i] && rp[i] < S && 0 <= sp[i] && sp[i] < counts.size(0),
                       "rows/slots: index out of range");
   }
+}
+
+void check_prompt_flags(const at::Tensor& prompt, const at::Tensor& counts) {
+  TORCH_CHECK_VALUE(prompt.sizes() == counts.sizes() && prompt.is_contiguous() && prompt.scalar_type() == at::kBool,
+                    "prompt: expected a contiguous bool tensor shaped as counts");
+}
+
+void check_seen_lists(const at::Tensor& seen, const at::Tensor& seen_len, const at::Tensor& counts) {
+  TORCH_CHECK_VALUE(seen.sizes() == counts.sizes() && seen.is_contiguous() && seen.scalar_type() == at::kInt,
+                    "seen: expected a contiguous int32 tensor shaped as counts");
+  TORCH_CHECK_VALUE(seen_len.dim() == 1 && seen_len.numel() == counts.size(0) && seen_len.is_contiguous() &&
+                        seen_len.scalar_type() == at::kInt,
+                    "seen_len: expected contiguous int32 [slots]");
+}
+
+// One logit's penalties (seen: the token is in the prompt or the output; c: its output count).
+inline float penalized(float v, bool seen, int32_t c, float r, float inv, float f, float q) {
+  if (seen) v = v * (v > 0.0f ? inv : r);
+  v = v - f * static_cast<float>(c);
+  return v - q * (c > 0 ? 1.0f : 0.0f);
+}
+
+void apply_penalties(at::Tensor x, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& counts,
+                     const at::Tensor& prompt, const at::Tensor& rep, const at::Tensor& freq,
+                     const at::Tensor& pres) {
+  check_penalty_args(x, rows, slots, counts, rep, freq, pres);
+  check_prompt_flags(prompt, counts);
+  const int64_t V = x.size(1), P = rows.numel();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
   float* xp = x.data_ptr<float>();
   const int32_t* cp = counts.data_ptr<int32_t>();
   const bool* pp = prompt.data_ptr<bool>();
@@ -155,13 +183,7 @@ void apply_penalties(at::Tensor x, const at::Tensor& rows, const at::Tensor& slo
       const float r = rep_p[i], inv = 1.0f / r, f = freq_p[i], q = pres_p[i];
 #pragma omp simd
       for (int64_t t = 0; t < V; ++t) {
-        float v = xr[t];
-        const float cnt = static_cast<float>(c[t]);
-        const bool seen_out = c[t] > 0;
-        if (p[t] || seen_out) v = v * (v > 0.0f ? inv : r);
-        v = v - f * cnt;
-        v = v - q * (seen_out ? 1.0f : 0.0f);
-        xr[t] = v;
+        xr[t] = penalized(xr[t], p[t] || c[t] > 0, c[t], r, inv, f, q);
       }
     }
   });
@@ -174,31 +196,13 @@ void apply_penalties(at::Tensor x, const at::Tensor& rows, const at::Tensor& slo
 void apply_penalties_seen(at::Tensor x, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& counts,
                           const at::Tensor& seen, const at::Tensor& seen_len, const at::Tensor& rep,
                           const at::Tensor& freq, const at::Tensor& pres) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-                    "x: expected float32 [S, V] with contiguous rows");
-  const int64_t S = x.size(0), V = x.size(1), P = rows.numel();
-  TORCH_CHECK_VALUE(counts.dim() == 2 && counts.size(1) == V && counts.is_contiguous() &&
-                        counts.scalar_type() == at::kInt,
-                    "counts: expected a contiguous int32 [slots, V]");
-  TORCH_CHECK_VALUE(seen.sizes() == counts.sizes() && seen.is_contiguous() && seen.scalar_type() == at::kInt,
-                    "seen: expected a contiguous int32 tensor shaped as counts");
-  TORCH_CHECK_VALUE(seen_len.dim() == 1 && seen_len.numel() == counts.size(0) && seen_len.is_contiguous() &&
-                        seen_len.scalar_type() == at::kInt,
-                    "seen_len: expected contiguous int32 [slots]");
-  for (const auto* t : {&rows, &slots}) {
-    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == P && t->is_contiguous() && t->scalar_type() == at::kLong,
-                      "rows, slots: expected contiguous int64 [P]");
-  }
-  for (const auto* t : {&rep, &freq, &pres}) {
-    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == P && t->is_contiguous() && t->scalar_type() == at::kFloat,
-                      "rep, freq, pres: expected contiguous float32 [P]");
-  }
+  check_penalty_args(x, rows, slots, counts, rep, freq, pres);
+  check_seen_lists(seen, seen_len, counts);
+  const int64_t V = x.size(1), P = rows.numel();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int32_t* lp = seen_len.data_ptr<int32_t>();
   for (int64_t i = 0; i < P; ++i) {
-    TORCH_CHECK_VALUE(0 <= rp[i] && rp[i] < S && 0 <= sp[i] && sp[i] < counts.size(0),
-                      "rows/slots: index out of range");
     TORCH_CHECK_VALUE(0 <= lp[sp[i]] && lp[sp[i]] <= V, "seen_len: out of range");
   }
   float* xp = x.data_ptr<float>();
@@ -214,12 +218,7 @@ void apply_penalties_seen(at::Tensor x, const at::Tensor& rows, const at::Tensor
     for (int32_t j = 0, n = lp[sp[i]]; j < n; ++j) {
       const int32_t t = list[j];
       TORCH_CHECK_VALUE(0 <= t && t < V, "seen: token out of range");
-      float v = xr[t];
-      const float cnt = static_cast<float>(c[t]);
-      v = v * (v > 0.0f ? inv : r);  // every listed token is in the prompt or the output
-      v = v - f * cnt;
-      v = v - q * (c[t] > 0 ? 1.0f : 0.0f);
-      xr[t] = v;
+      xr[t] = penalized(xr[t], true, c[t], r, inv, f, q);
     }
   }
 }
@@ -231,13 +230,8 @@ void count_tokens(at::Tensor counts, const at::Tensor& prompt, at::Tensor seen, 
   TORCH_CHECK_VALUE(counts.dim() == 2 && counts.is_contiguous() && counts.scalar_type() == at::kInt,
                     "counts: expected a contiguous int32 [slots, V]");
   const int64_t R = counts.size(0), V = counts.size(1), N = slots.numel();
-  TORCH_CHECK_VALUE(prompt.sizes() == counts.sizes() && prompt.is_contiguous() && prompt.scalar_type() == at::kBool,
-                    "prompt: expected a contiguous bool tensor shaped as counts");
-  TORCH_CHECK_VALUE(seen.sizes() == counts.sizes() && seen.is_contiguous() && seen.scalar_type() == at::kInt,
-                    "seen: expected a contiguous int32 tensor shaped as counts");
-  TORCH_CHECK_VALUE(seen_len.dim() == 1 && seen_len.numel() == R && seen_len.is_contiguous() &&
-                        seen_len.scalar_type() == at::kInt,
-                    "seen_len: expected contiguous int32 [slots]");
+  check_prompt_flags(prompt, counts);
+  check_seen_lists(seen, seen_len, counts);
   for (const auto* t : {&slots, &tokens}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == N && t->is_contiguous() && t->scalar_type() == at::kLong,
                       "slots, tokens: expected contiguous int64 [N]");
