@@ -143,6 +143,12 @@ def test_tokenizer_endpoints_and_model_card(daemon, raw):
     assert raw.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PROMPT
     chat = raw.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 2
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with_tools = raw.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+                                             "return_token_strs": True}).json()
+    assert with_tools["count"] > chat["count"] and "get_weather" in "".join(with_tools["token_strs"])
+    bad_tools = raw.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], "tools": "x"})
+    assert bad_tools.status_code == 400 and bad_tools.json()["error"]["param"] == "tools"
     info = raw.get("/tokenizer_info").json()
     assert info["vocab_size"] > 0 and info["tokenizer_class"]
     assert raw.get(f"/v1/models/{MODEL}").json()["id"] == MODEL

@@ -3,7 +3,7 @@ probe them): the front's own tokenizer, the same one its completions use.
 
 * ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...],
   "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-  "add_special_tokens": false}``, plus ``"return_token_strs"`` -> ``{"count", "max_model_len",
+  "tools", "add_special_tokens": false}``, plus ``"return_token_strs"`` -> ``{"count", "max_model_len",
   "tokens", "token_strs"}``.
 * ``POST /detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``.
 * ``GET /tokenizer_info``: the tokenizer's class, vocabulary size, special tokens and chat
@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from tpserve import requests as R
 from tpserve.errors import InvalidFieldError
 from tpserve.daemon import openai_api as O
+from tpserve.daemon.tool_calls import parse_tools
 
 
 def make_tokenizer_router(front, authorize, read_json) -> APIRouter:
@@ -28,24 +29,28 @@ def make_tokenizer_router(front, authorize, read_json) -> APIRouter:
             raise O.OpenAIError(400, "this model has no tokenizer", code="tokenizer_missing")
         return front.tokenizer
 
-    def check_model(body: dict) -> None:
+    async def read_body(request: Request) -> dict:
+        """The JSON object of the request, for the served model (400 / 404 otherwise)."""
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise O.bad(None, "the request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != front.model_name:
             raise O.OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                      f"`{front.model_name}`.", "model", code="model_not_found")
+        return body
 
     @router.post("/tokenize")
     async def tokenize(request: Request):
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise O.bad(None, "the request body must be a JSON object")
-        check_model(body)
+        body = await read_body(request)
         tokenizer()
         strs = O._bool(body, "return_token_strs", False)
         if "messages" in body:
             job = O.parse_chat({"messages": body["messages"], **{k: body[k] for k in O._CHAT_OPTIONS if k in body}},
                                front.model_name)
-            ids = await front.chat_prompt(job.messages, job.chat_options, O._bool(body, "add_special_tokens", False))
+            plan = parse_tools(body)  # vLLM's tokenize renders the tools too
+            ids = await front.chat_prompt(job.messages, job.chat_options, O._bool(body, "add_special_tokens", False),
+                                          tools=plan.tools if plan is not None else None)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str) or not prompt:
@@ -57,10 +62,7 @@ def make_tokenizer_router(front, authorize, read_json) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(request: Request):
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise O.bad(None, "the request body must be a JSON object")
-        check_model(body)
+        body = await read_body(request)
         tok = tokenizer()
         try:
             ids = R.check_token_ids("tokens", body.get("tokens"), R.MAX_PROMPT_TOKENS, 0, len(tok))
