@@ -9,8 +9,10 @@ the worst gap between two of its deltas is taken over a few seconds (baseline), 
 from the moment a ``--chars``-character text prompt is sent on the same path until that
 request is answered (an admission error: the prompt is far longer than the model's context,
 but it has to be tokenized to know). Prints one line: worst baseline gap and worst gap with
-the huge prompt, per path (the worst over all rounds), their ratio, and the ratio of the
-per-round medians. Timings depend on the machine's load.
+the huge prompt, per path (the worst over all rounds), their ratio, the ratio of the
+per-round medians, and the median ratio of the stream's deltas per second with and without it.
+The stream is watched without the huge prompt for as long as with it (the worst of a longer
+window is larger). Timings depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -75,6 +77,9 @@ class Arrivals:
         points = [start] + inside + [min(end, self.times[-1] if self.done.is_set() else end)]
         return max(b - a for a, b in zip(points, points[1:]))
 
+    def count(self, start: float, end: float) -> int:
+        return sum(start <= t <= end for t in self.times)
+
     def finish(self):
         self.stop.set()
         self._thread.join(600)
@@ -131,8 +136,11 @@ def _huge_sender(conn, path: str, target: str, chars: int) -> None:
 
 def measure(stream, path: str, target: str, chars: int, baseline_s: float):
     """(worst gap without, worst gap with the huge prompt in flight, its answer, whether the
-    stream outlasted it). The huge prompt is built and sent by another process, so its own
-    encoding work does not compete with this process's reading of the stream."""
+    stream outlasted it, deltas per second without and with it). The huge prompt is built and
+    sent by another process, so its own encoding work does not compete with this process's
+    reading of the stream. The worst of a window grows with its length, so the stream is
+    watched without the huge prompt for at least as long as it is watched with it: before the
+    prompt is sent, and again after it is answered as long as needed."""
     import multiprocessing as mp
     parent, child = mp.Pipe()
     sender = mp.get_context("spawn").Process(target=_huge_sender, args=(child, path, target, chars))
@@ -142,15 +150,19 @@ def measure(stream, path: str, target: str, chars: int, baseline_s: float):
     t0 = time.perf_counter()
     time.sleep(baseline_s)
     t1 = time.perf_counter()
-    base = a.worst_gap(t0, t1)
     parent.send("go")
     answer = parent.recv()
     t2 = time.perf_counter()
-    covered = not a.done.is_set()  # the stream still ran when the huge prompt was answered
+    time.sleep(max(0.0, (t2 - t1) - (t1 - t0)))
+    t3 = time.perf_counter()
+    covered = not a.done.is_set()  # the stream still ran when the last window closed
+    base = max(a.worst_gap(t0, t1), a.worst_gap(t2, t3) if t3 > t2 + 0.01 else 0.0)
     stalled = a.worst_gap(t1, t2)
+    rate_base = (a.count(t0, t1) + a.count(t2, t3)) / ((t1 - t0) + (t3 - t2))
+    rate_huge = a.count(t1, t2) / (t2 - t1)
     a.finish()
     sender.join()
-    return base, stalled, answer, covered
+    return base, stalled, answer, covered, rate_base, rate_huge
 
 
 def main() -> int:
@@ -176,6 +188,7 @@ def main() -> int:
         med_base, med_stalled = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
         fields.append(f"{path}_baseline_gap_s={base:.3f} {path}_huge_prompt_gap_s={stalled:.3f} "
                       f"{path}_ratio={stalled / base:.2f} {path}_median_ratio={med_stalled / med_base:.2f} "
+                      f"{path}_rate_ratio={statistics.median(r[5] / r[4] for r in rows):.2f} "
                       f"{path}_answer={rows[-1][2]}"
                       + ("" if all(r[3] for r in rows) else f" {path}_stream_ended_early=1"))
     print(f"bench_tokenize_stall model={os.path.basename(args.model or 'default-model')} isa={isa()} "

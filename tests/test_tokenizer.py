@@ -125,3 +125,25 @@ def test_the_tokenizer_process_is_restarted_after_dying_and_refuses_after_close(
     assert not pid_alive(second)
     with pytest.raises(TokenizerProcessError, match="closed"):
         proc.encode("x")
+
+
+def test_the_tokenizer_process_yields_the_cpu_to_other_sessions_too():
+    """Under autogroup scheduling a nice value only ranks a process within its session, and the
+    HTTP front runs in a session of its own: the child takes a session of its own and lowers
+    that group's share, so that it yields to the engine whatever session its parent is in."""
+    import os
+    from pathlib import Path
+
+    from tpserve.tokenizer import TokenizerProcess
+    proc = TokenizerProcess(DEFAULT_MODEL, niceness=7)
+    try:
+        proc.encode("x")
+        child = proc.pid
+        assert os.getsid(child) == child != os.getsid(0)
+        assert os.getpriority(os.PRIO_PROCESS, child) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+        group = Path(f"/proc/{child}/autogroup")
+        if Path("/proc/self/autogroup").exists():  # kernels built with autogroup scheduling
+            assert group.read_text().split()[-1] == "7"
+            assert group.read_text().split()[0] != Path("/proc/self/autogroup").read_text().split()[0]
+    finally:
+        proc.close()

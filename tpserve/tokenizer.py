@@ -168,11 +168,20 @@ class TokenizerProcess:
         with self._spawn_lock:
             if self._closed:
                 raise TokenizerProcessError("the tokenizer process is closed")
-            # Niced before its imports: starting takes a second of CPU too.
-            code = (f"import os, sys; os.nice({int(self.niceness)}); from tpserve.tokenizer import _serve; "
-                    "sys.exit(_serve(sys.argv[1]))")
+            # Niced before its imports: starting takes a second of CPU too. Where the kernel
+            # groups processes by session for CPU shares (autogroup), a process's nice value
+            # only ranks it within its own session: the child gets a session of its own and
+            # sets that group's nice value, or else (under a front that runs in a session of its
+            # own) it would take half the cores from the engine's session however niced.
+            n = int(self.niceness)
+            code = (f"import os, sys; os.nice({n})\n"
+                    "try:\n"
+                    f"    with open('/proc/self/autogroup', 'w') as f: f.write('{n}')\n"
+                    "except OSError:\n"
+                    "    pass\n"
+                    "from tpserve.tokenizer import _serve; sys.exit(_serve(sys.argv[1]))")
             proc = self._proc = subprocess.Popen([sys.executable, "-c", code, self.path], stdin=subprocess.PIPE,
-                                                 stdout=subprocess.PIPE, close_fds=True)
+                                                 stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
         return proc
 
     def _stop(self, proc) -> None:
