@@ -94,26 +94,43 @@ void widen_rows(const T* x, int64_t xs, int64_t M, int64_t K, float* dst) {
 }
 
 // Row m -> q = round(x / s) in [-127, 127], s = max|x| / 127 (1 for a zero row); stored as
-// q + 128 (unsigned) on the vpdpbusd path.
+// q + 128 (unsigned) on the vpdpbusd path. Rounding: to nearest, ties to even (nearbyint under
+// the default mode; so does vcvtps2dq).
+template <typename T>
+void quantize_row(const T* row, int64_t K, int8_t* q, float* scale) {
+  int64_t k = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (; k + kLanes <= K; k += kLanes) vmax = _mm512_max_ps(vmax, _mm512_abs_ps((__m512)loadl(row + k)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_f<T>(row[k])));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  const float inv = 1.f / s;
+  *scale = s;
+  k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i offset = _mm512_set1_epi32(kInt8Path == 2 ? 128 : 0);
+  for (; k + kLanes <= K; k += kLanes) {
+    __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps((__m512)loadl(row + k), vinv));
+    c = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(c, lo), hi), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));  // low byte
+  }
+#endif
+  for (; k < K; ++k) {
+    const float v = std::nearbyint(to_f<T>(row[k]) * inv);
+    const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+    q[k] = static_cast<int8_t>(kInt8Path == 2 ? c + 128 - 256 * (c >= 0) : c);
+  }
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int8_t* dst, float* scales) {
   at::parallel_for(0, M, std::max<int64_t>(1, 131072 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) {
-      const T* row = x + m * xs;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f<T>(row[k])));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      const float inv = 1.f / s;
-      scales[m] = s;
-      int8_t* q = dst + m * K;
-#pragma omp simd
-      for (int64_t k = 0; k < K; ++k) {
-        const float v = std::nearbyint(to_f<T>(row[k]) * inv);
-        const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
-        q[k] = static_cast<int8_t>(kInt8Path == 2 ? c + 128 - 256 * (c >= 0) : c);
-      }
-    }
+    for (int64_t m = b; m < e; ++m) quantize_row(x + m * xs, K, dst + m * K, scales + m);
   });
 }
 
@@ -199,6 +216,17 @@ inline void tile_bf16_dp(const uint16_t* w, int64_t K, const uint16_t* x, int64_
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// acc += u8 quads of x times s8 quads of w. GCC 12 compiles _mm512_dpbusd_epi32 on an array
+// of accumulators into a register copy of every accumulator per step, one spilled to the stack,
+// and a memory operand per instruction (each weight vector loaded TM times): 45% of the
+// instruction's peak against 77% for the same loop on vdpbf16ps. Tied in asm, the loop is clean.
+inline __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+#endif
+
 // int8 x int8 quads -> exact int32 sums, returned as floats (before any scale or compensation).
 template <int64_t TM>
 inline void tile_i8i8(const int8_t* w, int64_t K, const int8_t* x, int64_t ld, vfl (&acc)[kTile][4]) {
@@ -213,10 +241,10 @@ inline void tile_i8i8(const int8_t* w, int64_t K, const int8_t* x, int64_t ld, v
       int32_t quad;
       std::memcpy(&quad, x + t * ld + k, 4);
       const __m512i xb = _mm512_set1_epi32(quad);
-      a[t][0] = _mm512_dpbusd_epi32(a[t][0], xb, w0);
-      a[t][1] = _mm512_dpbusd_epi32(a[t][1], xb, w1);
-      a[t][2] = _mm512_dpbusd_epi32(a[t][2], xb, w2);
-      a[t][3] = _mm512_dpbusd_epi32(a[t][3], xb, w3);
+      a[t][0] = dpbusd(a[t][0], xb, w0);
+      a[t][1] = dpbusd(a[t][1], xb, w1);
+      a[t][2] = dpbusd(a[t][2], xb, w2);
+      a[t][3] = dpbusd(a[t][3], xb, w3);
     }
   }
   for (int64_t t = 0; t < TM; ++t)
