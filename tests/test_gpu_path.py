@@ -411,6 +411,28 @@ def test_staged_arrays_equal_the_plan_with_their_dtypes():
     assert stager.stage(plan)["block_tables"].shape == (2, 900)
 
 
+def test_views_made_for_one_set_of_shapes_serve_the_next_plan_of_those_shapes_only():
+    from tpserve.plan import ARRAY_FIELDS
+    from tpserve.workers.staging import PlanStager
+    stager = PlanStager(Accelerator())
+    first = _sample_plan()
+    stager.stage(first)
+    second = _sample_plan()  # the same shapes, other values
+    second.input_ids = second.input_ids[::-1].copy()
+    second.block_tables = np.array([[9, 8, 7], [6, 5, 4]], np.int32)
+    second.seeds = np.array([11, 12], np.int64)
+    t = stager.stage(second)
+    for name in ARRAY_FIELDS:
+        assert np.array_equal(t[name].numpy(), getattr(second, name)), name
+    third = _sample_plan()  # other shapes: one sequence fewer, a wider table
+    third.cu_seqlens_q, third.cu_seqlens_k = np.array([0, 3], np.int32), np.array([0, 3], np.int32)
+    third.context_lens, third.block_tables = np.array([3], np.int32), np.array([[1, 2, 3, 4]], np.int32)
+    t = stager.stage(third)
+    for name in ARRAY_FIELDS:
+        assert t[name].shape == getattr(third, name).shape, name
+        assert np.array_equal(t[name].numpy(), getattr(third, name)), name
+
+
 class _CopyingAccelerator(Accelerator):
     """Device buffers on the meta device: the copy path runs, values are not kept."""
 

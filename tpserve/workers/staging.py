@@ -29,14 +29,18 @@ def plan_layout(plan: StepPlan) -> tuple[list[tuple[str, int, tuple[int, ...]]],
     """([(field, byte offset, shape)], total bytes) of ``plan``'s arrays in the staging buffer."""
     out, pos = [], 0
     for name, dtype in ARRAY_FIELDS.items():
-        shape = tuple(getattr(plan, name).shape)
-        out.append((name, pos, shape))
-        pos += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+        arr = getattr(plan, name)
+        out.append((name, pos, arr.shape))
+        pos += -(-arr.size * dtype.itemsize // _ALIGN) * _ALIGN
     return out, pos
 
 
 class PlanStager:
-    """Owns the staging buffers of one runner; ``stage(plan)`` -> {field: device tensor}."""
+    """Owns the staging buffers of one runner; ``stage(plan)`` -> {field: device tensor}.
+
+    Consecutive decode steps have the same array shapes; the typed views of the buffers are
+    made once per set of shapes and reused (making them was most of a small step's staging).
+    """
 
     def __init__(self, accel: Accelerator):
         self.accel = accel
@@ -44,6 +48,8 @@ class PlanStager:
         self._host_np: np.ndarray | None = None
         self._device: torch.Tensor | None = None
         self._copied = None
+        self._shapes: tuple | None = None  # the shapes the views below were made for
+        self._views: tuple[list[tuple[str, np.ndarray]], dict[str, torch.Tensor], int] | None = None
 
     def _reserve(self, nbytes: int) -> None:
         if self._host is not None and self._host.numel() >= nbytes:
@@ -56,25 +62,31 @@ class PlanStager:
         else:
             self._device = torch.empty(size, dtype=torch.uint8, device=self.accel.device)
         self._copied = None
+        self._shapes = self._views = None
 
-    def stage(self, plan: StepPlan) -> dict[str, torch.Tensor]:
-        """Device tensors of all of ``plan``'s arrays, valid until the next ``stage`` call."""
+    def _make_views(self, plan: StepPlan):
         layout, total = plan_layout(plan)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy still reads the host buffer
         self._reserve(total)
-        host = self._host_np
-        for name, off, shape in layout:
-            arr = getattr(plan, name)
-            dtype = ARRAY_FIELDS[name]
-            host[off:off + arr.nbytes].view(dtype).reshape(shape)[...] = arr
-        if self._device is not self._host:
-            self._device[:total].copy_(self._host[:total], non_blocking=True)
-            self._copied = self.accel.record_event()
-        out = {}
+        host, dev = [], {}
         for name, off, shape in layout:
             dtype = ARRAY_FIELDS[name]
             n = int(np.prod(shape, dtype=np.int64))
-            out[name] = (self._device[off:off + n * dtype.itemsize]
-                         .view(_TORCH_DTYPES[dtype]).view(shape))
-        return out
+            host.append((name, self._host_np[off:off + n * dtype.itemsize].view(dtype).reshape(shape)))
+            dev[name] = self._device[off:off + n * dtype.itemsize].view(_TORCH_DTYPES[dtype]).view(shape)
+        return host, dev, total
+
+    def stage(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Device tensors of all of ``plan``'s arrays, valid until the next ``stage`` call."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy still reads the host buffer
+        shapes = tuple(getattr(plan, name).shape for name in ARRAY_FIELDS)
+        if shapes != self._shapes:
+            self._views = self._make_views(plan)
+            self._shapes = shapes
+        host, dev, total = self._views
+        for name, view in host:
+            view[...] = getattr(plan, name)
+        if self._device is not self._host:
+            self._device[:total].copy_(self._host[:total], non_blocking=True)
+            self._copied = self.accel.record_event()
+        return dict(dev)
