@@ -147,3 +147,42 @@ def test_the_tokenizer_process_yields_the_cpu_to_other_sessions_too():
             assert group.read_text().split()[0] != Path("/proc/self/autogroup").read_text().split()[0]
     finally:
         proc.close()
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_one_in_the_http_front():
+    """The front waits on the tokenizer process (a long prompt: seconds; its start: a second)
+    on a thread of its own: a short prompt of another request is tokenized meanwhile."""
+    import asyncio
+    import threading
+
+    from tpserve.daemon.http_app import LONG_PROMPT_CHARS, Front
+    front = Front("ipc:///nonexistent/s.sock", DEFAULT_MODEL, "m", 1024)
+    release, entered = threading.Event(), threading.Event()
+
+    class Blocked:  # a tokenizer process busy with a long prompt until released
+        def encode(self, text, add_special_tokens=False):
+            entered.set()
+            release.wait(60)
+            return [1]
+
+        def close(self):
+            release.set()
+
+    front._tokenizer_process.close()
+    front._tokenizer_process = Blocked()
+
+    async def both():
+        long = asyncio.ensure_future(front.encode("x " * LONG_PROMPT_CHARS))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        short = await asyncio.wait_for(front.encode("a short prompt"), 30)  # hangs if queued behind
+        assert not long.done()
+        release.set()
+        return short, await long
+
+    try:
+        short, long = asyncio.run(both())
+    finally:
+        release.set()
+        asyncio.run(front.close())
+    assert short == front.tokenizer.encode("a short prompt", add_special_tokens=False) and long == [1]

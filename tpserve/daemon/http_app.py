@@ -67,10 +67,13 @@ class Front:
         self.tokenizer = tokenizer
         self.created = int(time.time())
         # One thread: tokenizers are not meant to be shared by threads, and this keeps the
-        # event loop free while a long prompt is encoded.
+        # event loop free while a prompt is encoded or a chat templated.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # Another waits on the tokenizer process, so that a long prompt (seconds), or the
+        # process's start, never delays the short prompts of other requests.
+        self._long_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
         if self._tokenizer_process is not None:  # started now, not with the first long prompt
-            self._pool.submit(self._tokenizer_process.warm_up)
+            self._long_pool.submit(self._tokenizer_process.warm_up)
         self._client = None
         self._in_flight: dict[asyncio.Queue, float] = {}  # each request's queue -> loop time it began
         self.restarts = 0            # times the daemon restarted this front (reported by /health)
@@ -86,12 +89,13 @@ class Front:
         if self._client is not None:
             await self._client.close()
         self._pool.shutdown(wait=False)
+        self._long_pool.shutdown(wait=False)
         if self._tokenizer_process is not None:
             self._tokenizer_process.close()
 
     # ---- tokenizing ----------------------------------------------------------------------
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _in_pool(self, fn, *args, pool: ThreadPoolExecutor | None = None):
+        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = False, field: str = "prompt") -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` as the tokenizer defines them (a Llama
@@ -102,7 +106,8 @@ class Front:
             raise O.bad(field, f"longer than {P.MAX_PROMPT_CHARS} characters")
         if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS:
             try:
-                ids = await self._in_pool(self._tokenizer_process.encode, text, add_special_tokens)
+                ids = await self._in_pool(self._tokenizer_process.encode, text, add_special_tokens,
+                                          pool=self._long_pool)
             except TokenizerProcessError as e:
                 log.error("could not tokenize a prompt: %s", e)
                 raise O.OpenAIError(500, f"the prompt could not be tokenized: {e}", type_="server_error") from None
