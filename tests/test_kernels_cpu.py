@@ -23,6 +23,8 @@ CASES = {
     "mixed": ([40, 0, 17, 255, 3], [1, 12, 1, 1, 30], True),
     # Chunks longer than the kernel's 16-row work unit, crossing block boundaries.
     "long_chunks": ([17, 250], [37, 70], True),
+    # One stream decoding: fewer sequences than threads, so its KV heads are split between them.
+    "one_decode": ([300], [1], False),
 }
 
 
@@ -111,13 +113,14 @@ def test_prompt_rows_do_not_depend_on_how_the_prompt_is_split(dtype, block_size)
         assert torch.equal(mixed[5:], all_new[cached:]), cached
 
 
-def test_thread_count_does_not_change_the_result():
+@pytest.mark.parametrize("case,heads", [("mixed", (4, 2)), ("one_decode", (8, 4)), ("one_decode", (4, 1))])
+def test_thread_count_does_not_change_the_result(case, heads):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        _, one, _ = run("mixed", block_size=16, heads=(4, 2))
+        _, one, _ = run(case, block_size=16, heads=heads)
         torch.set_num_threads(2)
-        _, two, _ = run("mixed", block_size=16, heads=(4, 2))
+        _, two, _ = run(case, block_size=16, heads=heads)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)

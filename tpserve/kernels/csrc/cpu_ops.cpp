@@ -188,17 +188,18 @@ template <typename T, int64_t kC>
 void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, const T* k_cache,
                  const T* v_cache, const int32_t* table, int64_t block_size, int64_t num_kv_heads,
                  int64_t group, int64_t head_dim, int64_t k_len, float scale,
-                 std::vector<float>& scratch) {
+                 std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end) {
   const int64_t C = kC > 0 ? kC : head_dim / kLanes;
   const int64_t D = C * kLanes;
   const int64_t hq = num_kv_heads * group;
   const int64_t row_stride = num_kv_heads * D;
+  const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
   scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * k_len));
   float* qf = scratch.data();
   float* acc = qf + hq * D;
   float* inv = acc + hq * D;
   float* s = inv + hq;  // scores [hq][k_len], then softmax weights
-  for (int64_t h = 0; h < hq; ++h) {
+  for (int64_t h = h_begin; h < h_end; ++h) {
     const T* src = q + seq * q_s0 + h * q_s1;
     for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f<T>(src[d]) * scale;
   }
@@ -206,7 +207,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
 
   // Pass 1: scores.
   for_each_slot_row(k_cache, table, block_size, row_stride, k_len, [&](const T* kp, int64_t p) {
-    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+    for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
       for (int64_t i = 0; i < C; ++i) row[i] = loadl(kp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         const float* qh = qf + h * D;
@@ -217,7 +218,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
     }
   });
   // Pass 2: softmax weights (unnormalised) and their sums.
-  for (int64_t h = 0; h < hq; ++h) {
+  for (int64_t h = h_begin; h < h_end; ++h) {
     float* sh = s + h * k_len;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < k_len; ++p) mx = std::max(mx, sh[p]);
@@ -230,9 +231,9 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
     inv[h] = 1.f / sum;
   }
   // Pass 3: weighted sum of the values.
-  std::fill(acc, acc + hq * D, 0.f);
+  std::fill(acc + h_begin * D, acc + h_end * D, 0.f);
   for_each_slot_row(v_cache, table, block_size, row_stride, k_len, [&](const T* vp, int64_t p) {
-    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+    for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
       for (int64_t i = 0; i < C; ++i) row[i] = loadl(vp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         const float w = s[h * k_len + p];
@@ -242,7 +243,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
     }
   });
   T* dst = out + seq * hq * D;
-  for (int64_t h = 0; h < hq; ++h) {
+  for (int64_t h = h_begin; h < h_end; ++h) {
     for (int64_t d = 0; d < D; ++d) dst[h * D + d] = from_f<T>(acc[h * D + d] * inv[h]);
   }
 }
@@ -250,7 +251,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
 template <typename T>
 using DecodeFn = void (*)(int64_t, const T*, int64_t, int64_t, T*, const T*, const T*,
                           const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                          std::vector<float>&);
+                          std::vector<float>&, int64_t, int64_t);
 
 template <typename T>
 DecodeFn<T> decode_for(int64_t head_dim) {
@@ -274,11 +275,17 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const DecodeFn<T> fn = decode_for<T>(D);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // A work item is a sequence, or with fewer sequences than threads a run of its KV heads, so
+  // that one stream's attention is not one thread's. Each head's arithmetic is the same either way.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = B >= threads ? 1 : std::min(hkv, (threads + B - 1) / B);
+  const int64_t chunk = (hkv + parts - 1) / parts, per_seq = (hkv + chunk - 1) / chunk;
+  at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / per_seq, kv0 = item % per_seq * chunk;
       fn(b, qp, q.stride(0), q.stride(1), op, kp, vp, tables + b * width, block_size, hkv, group,
-         D, ctx[b], scale, scratch);
+         D, ctx[b], scale, scratch, kv0, std::min(hkv, kv0 + chunk));
     }
   });
 }
