@@ -228,6 +228,30 @@ def test_timeouts_end_waiting_and_decoding_requests_and_free_their_blocks(serve)
     assert d.stop() == 0
 
 
+def test_a_request_held_in_front_of_a_full_engine_times_out_at_its_deadline(serve):
+    """With the engine's waiting queue full the daemon holds a request back (fair_queue.py);
+    its timeout still counts from its arrival, not from when the engine takes it."""
+    d = serve("--max-num-seqs", 1, "--num-kv-blocks", 512, "--max-waiting-requests", 16)
+    with d.zmq() as c, d.zmq() as other:
+        holder = c.stream([5, 6, 7, 8], max_tokens=1000, ignore_eos=True)
+        next(holder)                                                  # running
+        queued = c.stream([9, 10, 11], max_tokens=4, ignore_eos=True)  # waiting: the engine is full
+        deadline = 0.2
+        held = other.generate([1, 2, 3], max_tokens=8, request_timeout=deadline)  # held back
+        assert (held.finish_reason, held.completion_tokens, held.prompt_tokens) == ("timeout", 0, 3)
+        several = other.generate([1, 2, 3], max_tokens=8, n=2, request_timeout=deadline)
+        assert [(x.finish_reason, x.completion_tokens) for x in several.completions] == [("timeout", 0)] * 2
+        # It ended while the holder still ran: the engine never took it.
+        assert c.abort(holder.request_id) is True
+        drain_stream(holder)
+        assert holder.result.finish_reason == "abort"
+        drain_stream(queued)
+        assert queued.result.finish_reason == "length"
+        s = idle(d)
+    assert s["num_timed_out"] == 2 and s["requests_queued"] == 0
+    assert d.stop() == 0
+
+
 # ---- the drain -----------------------------------------------------------------------------------
 def test_sigterm_drains_20_streams_to_their_end_while_new_requests_get_503(serve):
     d = serve("--num-kv-blocks", 3000)  # the default grace: 30 s

@@ -54,6 +54,7 @@ from the drain's first moment.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -174,6 +175,9 @@ class Server:
         self.peers = Peers(self.listener.sock, self._on_peer_gone, options.max_queued_replies)
         self._requests: dict[str, _Request] = {}  # by engine id
         self._queue = FairQueue()  # received, not yet in the engine: _Queued by engine id
+        # (deadline, engine id) of queued requests with a timeout: they end at it, held or not
+        self._held_deadlines: list[tuple[float, str]] = []
+        self._held_timed_out = 0
         self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
         self._tokenizer_process: TokenizerProcess | None = None  # made by the tokenizing thread
         self._tokenizer_process_lock = threading.Lock()
@@ -284,6 +288,8 @@ class Server:
             self._drain()
         if self._tokenizer:
             self._admit_tokenized()
+        if self._held_deadlines:
+            self._expire_held(time.monotonic())
         if self._queue:
             self._admit_queued()
         if self.engine.has_unfinished():
@@ -477,6 +483,35 @@ class Server:
             return
         req.peer.requests[req.client_id] = req
         self._queue.push(req.peer.tag, req.engine_id, _Queued(req, prompt, params))
+        if req.timeout is not None:
+            heapq.heappush(self._held_deadlines, (req.arrival + req.timeout, req.engine_id))
+
+    def _expire_held(self, now: float) -> None:
+        """End with "timeout" the held requests whose deadline has passed (the engine would
+        expire them only once it took them); those admitted meanwhile the engine times out."""
+        heap = self._held_deadlines
+        while heap and heap[0][0] <= now:
+            _, engine_id = heapq.heappop(heap)
+            queued = self._queue.get(engine_id)
+            if queued is None:
+                continue  # admitted, aborted or gone since
+            req = queued.req
+            prompt = queued.prompt()
+            req.prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+            self._close(req)
+            self._held_timed_out += 1
+            self.metrics.on_finished(now, req.arrival)
+            done = P.DoneReply(req.client_id, "timeout", req.prompt_tokens, 0, abort_reason=None)
+            if not req.stream:
+                done.text, done.token_ids = "", []
+            if req.n > 1:  # as _finish_completion reports them: one entry per completion
+                done.completions = [{"index": i, "finish_reason": "timeout", "completion_tokens": 0,
+                                     **({} if req.stream else {"text": "", "token_ids": [], "logprobs": None})}
+                                    for i in range(req.n)]
+            self.peers.send(req.peer, done)
+            self.peers.forget_if_idle(req.peer)
+        if not self._queue:
+            heap.clear()
 
     def _admit_queued(self) -> None:
         """Add queued requests, one connection after another, while the engine has room (also
@@ -661,6 +696,8 @@ class Server:
         """The engine's counters; waiting requests include those queued here."""
         stats = dict(self.engine.stats())
         stats["num_waiting"] = int(stats.get("num_waiting") or 0) + len(self._queue)
+        if "num_timed_out" in stats:
+            stats["num_timed_out"] = int(stats["num_timed_out"]) + self._held_timed_out
         return stats
 
     def stats(self) -> dict:
