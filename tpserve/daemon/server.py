@@ -122,6 +122,15 @@ class _Queued:
 
 
 @dataclass
+class _Ended:
+    """A completion that ended without running, as ``_finish_completion`` reads one."""
+
+    index: int
+    finish_reason: str
+    num_completion_tokens: int
+
+
+@dataclass
 class _Request:
     peer: Peer
     client_id: str
@@ -498,18 +507,9 @@ class Server:
             req = queued.req
             prompt = queued.prompt()
             req.prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
-            self._close(req)
             self._held_timed_out += 1
-            self.metrics.on_finished(now, req.arrival)
-            done = P.DoneReply(req.client_id, "timeout", req.prompt_tokens, 0, abort_reason=None)
-            if not req.stream:
-                done.text, done.token_ids = "", []
-            if req.n > 1:  # as _finish_completion reports them: one entry per completion
-                done.completions = [{"index": i, "finish_reason": "timeout", "completion_tokens": 0,
-                                     **({} if req.stream else {"text": "", "token_ids": [], "logprobs": None})}
-                                    for i in range(req.n)]
-            self.peers.send(req.peer, done)
-            self.peers.forget_if_idle(req.peer)
+            for index in range(req.n):  # the last one sends the done and forgets the request
+                self._finish_completion(req, _Ended(index, "timeout", 0), now)
         if not self._queue:
             heap.clear()
 
