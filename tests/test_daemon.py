@@ -280,6 +280,17 @@ class Raw:
                 if isinstance(m, (P.DoneReply, P.ErrorReply)):
                     return msgs
 
+    def final_replies(self, count, timeout=5.0) -> dict:
+        """The final reply (done or error) of ``count`` requests, by id, in whatever order
+        their messages interleave."""
+        finals = {}
+        while len(finals) < count:
+            m = self.recv(timeout)
+            assert m is not None, f"{len(finals)} of {count} answered: {sorted(finals)}"
+            if isinstance(m, (P.DoneReply, P.ErrorReply)):
+                finals[m.id] = m
+        return finals
+
     def close(self):
         self.sock.close(linger=0)
 
@@ -1084,12 +1095,7 @@ def test_a_drain_lets_requests_held_in_the_daemon_finish_too():
         s.server.request_shutdown()
         wait_for_state(r, "shutting_down")
         engine.paused.clear()
-        done = {}
-        while len(done) < 8:
-            m = r.recv()
-            assert m is not None, f"{len(done)} of 8 answered"
-            if isinstance(m, (P.DoneReply, P.ErrorReply)):
-                done[m.id] = m
+        done = r.final_replies(8)
         assert all(isinstance(m, P.DoneReply) and m.finish_reason == "length" for m in done.values()), done
         s.thread.join(10)
         assert s.exit_code == 0 and engine.aborted == []
@@ -1473,13 +1479,7 @@ def test_a_failed_step_fails_only_its_requests_and_the_daemon_serves_on():
         r = Raw(s.address)
         r.send_msg(gen("good", [1, 2], max_tokens=3))
         r.send_msg(gen("bad", [66, 66], max_tokens=3))
-        # The last reply of each, in whatever order the two requests' messages interleave.
-        replies = {}
-        while len(replies) < 2:
-            m = r.recv()
-            assert m is not None, f"no final reply for {set(('good', 'bad')) - set(replies)}"
-            if isinstance(m, (P.DoneReply, P.ErrorReply)):
-                replies[m.id] = m
+        replies = r.final_replies(2)
         assert (replies["bad"].code, replies["bad"].id) == (P.STEP_FAILED, "bad")
         assert "OverflowError" in replies["bad"].message
         assert replies["good"].finish_reason == "length"
