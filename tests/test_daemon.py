@@ -1313,7 +1313,8 @@ DAEMON_SCRIPT = textwrap.dedent("""
     engine = Announcing(shutdown_delay={shutdown_delay})
     code = run_daemon(EngineConfig(), None, {rd!r}, ServerOptions(shutdown_grace={grace}),
                       engine_factory=lambda cfg: engine)
-    print("shutdown_called", engine.shutdown_called, flush=True)
+    import gc
+    print("shutdown_called", engine.shutdown_called, "heap_frozen", gc.get_freeze_count() > 0, flush=True)
     sys.exit(code)
 """)
 
@@ -1346,6 +1347,25 @@ def _spawn_fake_daemon(rd, shutdown_delay=0.0, grace=0.0):
     return proc
 
 
+def test_freeze_heap_collects_start_up_garbage_and_freezes_the_rest():
+    code = textwrap.dedent("""
+        import gc, weakref
+        from tpserve.procs import freeze_heap
+        class Node: pass
+        garbage = Node(); garbage.self = garbage; dead = weakref.ref(garbage); del garbage
+        kept = [Node() for _ in range(100)]
+        frozen = freeze_heap()
+        assert dead() is None, "start-up garbage was frozen"
+        assert frozen >= 100 and gc.get_freeze_count() == frozen and gc.isenabled()
+        later = Node(); later.self = later; ref = weakref.ref(later); del later
+        gc.collect()
+        assert ref() is None, "garbage made after the freeze is still collected"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_daemon_process_sigterm_aborts_in_flight_and_cleans_up():
     rd = short_tmpdir()
     proc = _spawn_fake_daemon(rd)
@@ -1362,7 +1382,7 @@ def test_daemon_process_sigterm_aborts_in_flight_and_cleans_up():
             assert (stream.result.finish_reason, stream.result.abort_reason) == ("abort", "shutting_down")
         out, _ = proc.communicate(timeout=20)
         assert proc.returncode == 0, out
-        assert "shutdown_called True" in out
+        assert "shutdown_called True heap_frozen True" in out  # before serving (procs.freeze_heap)
         assert os.listdir(rd) == []
     finally:
         if proc.poll() is None:

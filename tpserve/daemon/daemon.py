@@ -30,7 +30,7 @@ import threading
 from tpserve.config import EngineConfig
 from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, connect_address,
                                     ensure_runtime_dir, resolve_address, write_ready)
-from tpserve.procs import kill_tree
+from tpserve.procs import freeze_heap, kill_tree
 from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOptions
 from tpserve.daemon.server import Server, ServerOptions, served_model_name
 
@@ -112,6 +112,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
                  stats.get("model"), stats.get("tensor_parallel_size"))
         serving.set()
+        freeze_heap()
         try:
             code = server.run()
         finally:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from tpserve.daemon.runtime import InsecureAddressError, is_loopback_tcp
 from tpserve.errors import TpserveError
+from tpserve.procs import freeze_heap
 
 log = logging.getLogger("tpserve.http")
 
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve():
         asyncio.get_running_loop().set_exception_handler(quiet_log.loop_exception_handler)
+        freeze_heap()  # the app, tokenizer and modules: a full collection of them stalled streams
         watch = UpstreamWatch(front, args.upstream_timeout)
         watch.start()
         try:

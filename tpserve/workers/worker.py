@@ -14,6 +14,7 @@ import traceback
 
 from tpserve.config import EngineConfig
 from tpserve.plan import Command, StepPlan
+from tpserve.procs import freeze_heap
 from tpserve.workers.process_group import destroy_tp, device_for, init_tp, torchrun_env
 
 log = logging.getLogger("tpserve.worker")
@@ -47,6 +48,7 @@ def run_worker(rank: int, world_size: int, config: EngineConfig, init_method: st
         if ready_conn is not None:
             ready_conn.send(("ready", runner.num_blocks))
             ready_conn.close()
+        freeze_heap()  # a full collection here would stall every rank's collective
         serve_plans(runner, channel)
         return 0
     except ChannelClosed:
