@@ -132,9 +132,12 @@ def check_request(prompt: Any, params, vocab_size: int | None) -> str | list[int
     (stop_token_ids, logit_bias keys, allowed_token_ids) must be < ``vocab_size`` too.
     ``vocab_size`` None skips the vocabulary checks.
     """
-    prompt = check_prompt_shape(prompt)
-    if isinstance(prompt, list) and vocab_size is not None:
+    if isinstance(prompt, (list, tuple)) and vocab_size is not None:
+        # the shape and the vocabulary in one pass: a million ids take ~15 ms a pass, on the
+        # daemon's serving loop
         prompt = check_token_ids("prompt", prompt, MAX_PROMPT_TOKENS, 1, vocab_size)
+    else:
+        prompt = check_prompt_shape(prompt)
     if vocab_size is not None and params is not None:
         check_token_ids("params.stop_token_ids", params.stop_token_ids, MAX_STOP_TOKEN_IDS,
                         vocab_size=vocab_size)
