@@ -7,6 +7,7 @@ end to end in test_cli.py.
 """
 from __future__ import annotations
 
+import array
 import math
 import os
 import select
@@ -84,6 +85,7 @@ class FakeEngine:
         self.paused = threading.Event()
         self.finished: list[str] = []
         self.broken = False  # check_integrity fails
+        self.lent: list[int] = []  # lend_cores calls
 
     @staticmethod
     def expected_tokens(prompt, params: SamplingParams, vocab=1000, eos=None) -> list[int]:
@@ -99,7 +101,7 @@ class FakeEngine:
     def tokenizer_path(self):
         return None
 
-    def tokenize(self, prompt):
+    def tokenize(self, prompt, add_special_tokens=False):
         if self.hold_marker in prompt:
             self.tokenize_started.set()
             assert self.release_tokenize.wait(60), "the test never released the tokenizer"
@@ -121,6 +123,9 @@ class FakeEngine:
         self.requests[request_id] = dict(ids=ids, params=params, out=[], blocks=blocks)
         self.added.append(request_id)
         return len(ids)
+
+    def lend_cores(self, cores):
+        self.lent.append(cores)
 
     def abort_request(self, request_id):
         if self.requests.pop(request_id, None) is None:
@@ -1540,6 +1545,92 @@ def test_a_long_prompt_is_tokenized_off_the_serving_loop():
         assert s.stop() == 0
 
 
+def test_the_engine_lends_a_core_while_a_long_prompt_is_tokenized():
+    """The tokenizer takes a core while it works: the engine runs on one fewer meanwhile and
+    takes it back once the prompt is tokenized."""
+    engine = FakeEngine()
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16)) as s:
+        r = Raw(s.address)
+        try:
+            r.send_msg(gen("long", "y" * 50 + engine.hold_marker, max_tokens=2))
+            assert engine.tokenize_started.wait(10)
+            r.send_msg(P.PingRequest(id="p"))  # a turn of the loop while the tokenizer works
+            assert r.recv() == P.PongReply(id="p")
+            assert engine.lent == [1]
+            engine.release_tokenize.set()
+            assert r.recv_until_done("long")[-1].finish_reason == "length"
+            assert engine.lent == [1, 0]
+            r.send_msg(gen("short", "hi", max_tokens=2))  # tokenized inline: nothing is lent
+            assert r.recv_until_done("short")[-1].finish_reason == "length"
+            assert engine.lent == [1, 0]
+        finally:
+            engine.release_tokenize.set()
+            r.close()
+        assert s.stop() == 0
+
+
+def test_tokenize_answers_the_ids_short_texts_at_once_long_ones_off_the_loop():
+    class Special(FakeEngine):
+        def tokenize(self, prompt, add_special_tokens=False):
+            return ([999] if add_special_tokens else []) + super().tokenize(prompt)
+    engine = Special()
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16, max_requests_per_connection=2)) as s:
+        r = Raw(s.address)
+        try:
+            r.send_msg(P.TokenizeRequest("a", "hi"))
+            assert r.recv() == P.TokensReply("a", array.array("i", [ord("h"), ord("i")]))
+            r.send_msg(P.TokenizeRequest("a", "hi", add_special_tokens=True))
+            assert r.recv() == P.TokensReply("a", array.array("i", [999, ord("h"), ord("i")]))
+            long = "z" * 40 + engine.hold_marker
+            r.send_msg(P.TokenizeRequest("long", long))
+            assert engine.tokenize_started.wait(10)
+            r.send_msg(P.TokenizeRequest("long", "again"))  # its id is in flight
+            dup = r.recv()
+            assert (dup.code, dup.id, dup.field) == (P.DUPLICATE_ID, None, "id")
+            r.send_msg(gen("g", "x" * 20, max_tokens=1))  # queued behind it on the tokenizer
+            r.send_msg(gen("third", [1], max_tokens=1))  # over the connection's cap of 2
+            over = r.recv()
+            assert (over.code, over.id) == (P.TOO_MANY_REQUESTS, "third")
+            r.send_msg(P.PingRequest(id="p"))
+            assert r.recv() == P.PongReply(id="p") and engine.lent == [1]
+            engine.release_tokenize.set()
+            assert r.recv() == P.TokensReply("long", array.array("i", [ord(c) % 1000 for c in long]))  # before "g"'s
+            assert r.recv_until_done("g")[-1].finish_reason == "length"
+            r.send_obj({"v": 1, "type": "tokenize", "id": "empty", "text": ""})
+            e = r.recv()
+            assert (e.code, e.id, e.field) == (P.INVALID_FIELD, "empty", "text")
+        finally:
+            engine.release_tokenize.set()
+            r.close()
+        assert s.stop() == 0
+
+
+def test_a_tokenize_without_a_tokenizer_and_one_cut_by_the_shutdown_get_errors():
+    class NoTokenizer(FakeEngine):
+        def tokenize(self, prompt, add_special_tokens=False):
+            if self.hold_marker in prompt:
+                return super().tokenize(prompt)
+            raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
+    engine = NoTokenizer()
+    with ServerThread(engine, ServerOptions(inline_tokenize_chars=16, shutdown_grace=0.0)) as s:
+        r = Raw(s.address)
+        try:
+            for text in ("short", "long enough to go to the tokenizer"):
+                r.send_msg(P.TokenizeRequest("t", text))
+                e = r.recv()
+                assert (e.code, e.id, e.field) == (P.INVALID_REQUEST, "t", "text") and "no tokenizer" in e.message
+            r.send_msg(P.TokenizeRequest("held", "w" * 30 + engine.hold_marker))
+            assert engine.tokenize_started.wait(10)
+            s.server.request_shutdown()
+            e = r.recv()
+            assert (e.code, e.id) == (P.SHUTTING_DOWN, "held")
+            s.thread.join(10)
+            assert s.exit_code == 0
+        finally:
+            engine.release_tokenize.set()
+            r.close()
+
+
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "tpserve" / "assets" / "default-model")
 
 
@@ -1552,7 +1643,7 @@ def test_a_long_prompt_is_tokenized_in_the_tokenizer_process():
         def tokenizer_path(self):
             return DEFAULT_MODEL
 
-        def tokenize(self, prompt):
+        def tokenize(self, prompt, add_special_tokens=False):
             raise AssertionError("a long prompt was tokenized in the serving process")
     engine = OnDisk(vocab=10**5)
     text = " ".join(f"word{i % 97} and more" for i in range(2000))
@@ -1595,7 +1686,7 @@ def test_abort_while_tokenizing_and_shutdown_while_tokenizing():
 
 def test_a_tokenizer_error_is_the_requests_error():
     class NoTokenizer(FakeEngine):
-        def tokenize(self, prompt):
+        def tokenize(self, prompt, add_special_tokens=False):
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
     with ServerThread(NoTokenizer(), ServerOptions(inline_tokenize_chars=4)) as s:
         r = Raw(s.address)
@@ -1649,7 +1740,7 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "has_room",
                           "check_queue_room",
                           "step", "stats",
-                          "start_profile", "stop_profile", "check_integrity", "health_fd", "check_health",
+                          "start_profile", "stop_profile", "lend_cores", "check_integrity", "health_fd", "check_health",
                           "shutdown", "enable_kv_events", "drain_kv_events"}
     def split(fn):
         params = inspect.signature(fn).parameters.values()

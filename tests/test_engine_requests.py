@@ -151,3 +151,27 @@ def test_long_token_id_prompts_are_checked_without_a_python_loop(monkeypatch):
         if bad in (-1, 1000):  # an int out of range is found by the vector pass too
             assert len(calls) == 0
     assert R.check_token_ids("prompt", ids[:10], 16, 1) == ids[:10]
+
+
+def test_lent_cores_leave_the_intra_op_pool_and_come_back(engine):
+    """While cores are lent (the daemon's tokenizer works) the CPU rank runs on fewer threads,
+    one at least, and steps as before; lending 0 gives it its share back."""
+    import torch
+
+    def tokens(rid):
+        engine.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        return out
+    own = torch.get_num_threads()
+    before = tokens("before")
+    try:
+        engine.lend_cores(1)
+        assert torch.get_num_threads() == max(1, own - 1)
+        engine.lend_cores(own + 5)
+        assert torch.get_num_threads() == 1
+        assert tokens("lent") == before and len(before) == 4
+    finally:
+        engine.lend_cores(0)
+    assert torch.get_num_threads() == own

@@ -1,6 +1,8 @@
 """Wire protocol: a round trip per message type, and a typed error for every bad field."""
 from __future__ import annotations
 
+import array
+
 import msgpack
 import pytest
 
@@ -57,6 +59,9 @@ ROUND_TRIP = [
     ("reply", P.PongReply(id="x")),
     ("reply", P.DoneReply("r1", "stop", 3, 1, text="a", token_ids=[1], logprobs=[[-0.25, [[1, -0.25]]]])),
     ("reply", P.MetricsReply("# HELP x y\nx 1.0\n", id="m")),
+    ("request", P.TokenizeRequest("t", "wörld")),
+    ("request", P.TokenizeRequest("t", "x", add_special_tokens=True)),
+    ("reply", P.TokensReply("t", array.array("i", [1, 2, 3, 2**31 - 1]))),
 ]
 
 
@@ -250,6 +255,11 @@ def test_prompt_limits_are_inclusive():
     ("ping", {"payload": b"x"}, P.UNKNOWN_FIELD, "payload"),
     ("metrics", {"id": 3}, P.INVALID_FIELD, "id"),
     ("metrics", {"format": "json"}, P.UNKNOWN_FIELD, "format"),
+    ("tokenize", {"id": "t"}, P.MISSING_FIELD, "text"),
+    ("tokenize", {"id": "t", "text": ""}, P.INVALID_FIELD, "text"),
+    ("tokenize", {"id": "t", "text": "x" * (P.MAX_PROMPT_CHARS + 1)}, P.INVALID_FIELD, "text"),
+    ("tokenize", {"id": "t", "text": "x", "add_special_tokens": 1}, P.INVALID_FIELD, "add_special_tokens"),
+    ("tokenize", {"text": "x"}, P.MISSING_FIELD, "id"),
 ])
 def test_other_request_bad_fields(type_, fields, code, field):
     with pytest.raises(P.ProtocolError) as e:
@@ -285,6 +295,10 @@ def test_other_request_bad_fields(type_, fields, code, field):
     ("delta", {"id": "a", "text": "", "token_ids": [1], "logprobs": {"a": 1}}, P.INVALID_FIELD, "logprobs"),
     ("metrics", {}, P.MISSING_FIELD, "text"),
     ("metrics", {"text": 5}, P.INVALID_FIELD, "text"),
+    ("tokens", {"id": "t", "token_ids": "ab"}, P.INVALID_FIELD, "token_ids"),
+    ("tokens", {"id": "t", "token_ids": b"\x01\x00\x00"}, P.INVALID_FIELD, "token_ids"),
+    ("tokens", {"id": "t", "token_ids": b"\x01\x00\x00\x00\xff\xff\xff\xff"}, P.INVALID_FIELD, "token_ids[1]"),
+    ("tokens", {"id": "t"}, P.MISSING_FIELD, "token_ids"),
 ])
 def test_reply_bad_fields(type_, fields, code, field):
     with pytest.raises(P.ProtocolError) as e:
@@ -324,3 +338,13 @@ def test_limits_have_one_home():
                  "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "FINISH_REASONS"):
         assert getattr(P, name) is getattr(R, name), name
     assert scheduler.FINISH_REASONS is R.FINISH_REASONS and BACKEND_NAMES is ATTENTION_BACKENDS
+
+
+def test_tokens_are_packed_little_endian_int32_and_a_list_is_packed_when_encoded():
+    frame = P.encode(P.TokensReply("t", [1, 256, 2**31 - 1]))
+    assert msgpack.unpackb(frame)["token_ids"] == (1).to_bytes(4, "little") + (256).to_bytes(4, "little") + \
+        (2**31 - 1).to_bytes(4, "little")
+    assert P.decode(frame, "reply").token_ids == array.array("i", [1, 256, 2**31 - 1])
+    with pytest.raises(P.ProtocolError) as e:
+        P.encode(P.TokensReply("t", [1, -2]))
+    assert e.value.field == "token_ids[1]"

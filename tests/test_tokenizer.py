@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
+from test_daemon import FakeEngine, ServerThread
 import tpserve
 from tpserve.tokenizer import load_tokenizer, tokenizer_class
 
@@ -77,30 +78,89 @@ def test_the_http_front_imports_no_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_the_http_front_tokenizes_long_texts_in_the_tokenizer_process():
+class _OnDisk(FakeEngine):
+    """A daemon's engine whose tokenizer is the bundled model's (its long texts go to the
+    daemon's tokenizer process; a short one is tokenized in the serving thread)."""
+
+    def __init__(self):
+        super().__init__(vocab=10**6)
+        self._tokenizer = load_tokenizer(DEFAULT_MODEL)
+
+    def tokenizer_path(self):
+        return DEFAULT_MODEL
+
+    def tokenize(self, prompt, add_special_tokens=False):
+        return self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def test_the_http_front_has_the_daemon_tokenize_long_texts():
+    """A long text is tokenized by the daemon's tokenizer process (whose core the engine lends
+    meanwhile), with the ids the front's own tokenizer gives; a short one in the front."""
     import asyncio
 
     from tpserve.daemon.http_app import LONG_PROMPT_CHARS, Front
-    from tpserve.procs import pid_alive
-    front = Front("ipc:///nonexistent/s.sock", DEFAULT_MODEL, "m", 1024)
-    in_process = front.tokenizer.encode
-    seen = []
-    front.tokenizer.encode = lambda text, **kw: seen.append(len(text)) or in_process(text, **kw)
-    long_text = " ".join(f"token{i % 89} text" for i in range(LONG_PROMPT_CHARS // 8))
-    short_text = "a short prompt"
+    engine = _OnDisk()
+    with ServerThread(engine) as s:
+        front = Front(s.address, DEFAULT_MODEL, "m", 1024)
+        in_process = front.tokenizer.encode
+        seen = []
+        front.tokenizer.encode = lambda text, **kw: seen.append(len(text)) or in_process(text, **kw)
+        long_text = " ".join(f"token{i % 89} text" for i in range(LONG_PROMPT_CHARS // 8))
+        short_text = "a short prompt"
 
-    async def all_three():
-        return (await front.encode(long_text), await front.encode(short_text),
-                await front.encode(long_text, add_special_tokens=True))  # a completion prompt's default
-    ids_long, ids_short, ids_special = asyncio.run(all_three())
-    assert ids_long == in_process(long_text, add_special_tokens=False)
-    assert ids_short == in_process(short_text, add_special_tokens=False)
-    assert ids_special == in_process(long_text, add_special_tokens=True)
-    assert seen == [len(short_text)]  # the long ones never ran in this process
-    child = front._tokenizer_process.pid
-    assert pid_alive(child)
-    asyncio.run(front.close())
-    assert not pid_alive(child)
+        async def all_three():
+            try:
+                return (await front.encode(long_text), await front.encode(short_text),
+                        await front.encode(long_text, add_special_tokens=True))  # a completion prompt's default
+            finally:
+                await front.close()
+        ids_long, ids_short, ids_special = asyncio.run(all_three())
+        assert ids_long == in_process(long_text, add_special_tokens=False)
+        assert ids_short == in_process(short_text, add_special_tokens=False)
+        assert ids_special == in_process(long_text, add_special_tokens=True)
+        assert seen == [len(short_text)]  # the long ones never ran in the front
+        # lent while each long text (and the tokenizer's start) was tokenized, taken back after
+        lent = engine.lent
+        assert s.server._tokenizer_process.pid is not None and lent.count(1) >= 2
+        assert lent == [1, 0] * (len(lent) // 2)
+        assert s.stop() == 0
+
+
+async def _long_text_held(front, engine):
+    """The front's encode of a long text (a task), once the daemon's tokenizer holds it."""
+    import asyncio
+
+    from tpserve.daemon.http_app import LONG_PROMPT_CHARS
+    wait = asyncio.ensure_future(front.encode("x " * LONG_PROMPT_CHARS + engine.hold_marker))
+    while not engine.tokenize_started.is_set():
+        await asyncio.sleep(0.01)
+    return wait
+
+
+def test_the_http_front_ends_a_long_texts_wait_when_its_upstream_is_lost():
+    import asyncio
+
+    from tpserve.daemon import openai_api as O
+    from tpserve.daemon.http_app import Front
+    from tpserve.daemon.http_upstream import UpstreamLost
+    engine = FakeEngine()
+    with ServerThread(engine) as s:
+        front = Front(s.address, DEFAULT_MODEL, "m", 1024)
+
+        async def lost():
+            try:
+                wait = await _long_text_held(front, engine)
+                assert front.in_flight() == 1
+                front.fail_requests(UpstreamLost("the daemon stopped answering"), asyncio.get_running_loop().time())
+                with pytest.raises(O.OpenAIError) as e:
+                    await asyncio.wait_for(wait, 30)
+                return e.value, front.in_flight()
+            finally:
+                engine.release_tokenize.set()
+                await front.close()
+        error, left = asyncio.run(lost())
+        assert (error.status, error.code, left) == (503, "upstream_lost", 0)
+        assert s.stop() == 0
 
 
 def test_the_tokenizer_process_is_restarted_after_dying_and_refuses_after_close():
@@ -153,39 +213,26 @@ def test_the_tokenizer_process_yields_the_cpu_to_other_sessions_too():
 
 
 def test_a_short_prompt_is_not_queued_behind_a_long_one_in_the_http_front():
-    """The front waits on the tokenizer process (a long prompt: seconds; its start: a second)
-    on a thread of its own: a short prompt of another request is tokenized meanwhile."""
+    """While the daemon tokenizes a long prompt (seconds), the front tokenizes another
+    request's short prompt."""
     import asyncio
-    import threading
 
     from tpserve.daemon.http_app import LONG_PROMPT_CHARS, Front
-    front = Front("ipc:///nonexistent/s.sock", DEFAULT_MODEL, "m", 1024)
-    release, entered = threading.Event(), threading.Event()
+    engine = FakeEngine()
+    with ServerThread(engine) as s:
+        front = Front(s.address, DEFAULT_MODEL, "m", 1024)
 
-    class Blocked:  # a tokenizer process busy with a long prompt until released
-        def encode(self, text, add_special_tokens=False):
-            entered.set()
-            release.wait(60)
-            return [1]
-
-        def close(self):
-            release.set()
-
-    front._tokenizer_process.close()
-    front._tokenizer_process = Blocked()
-
-    async def both():
-        long = asyncio.ensure_future(front.encode("x " * LONG_PROMPT_CHARS))
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
-        short = await asyncio.wait_for(front.encode("a short prompt"), 30)  # hangs if queued behind
-        assert not long.done()
-        release.set()
-        return short, await long
-
-    try:
+        async def both():
+            try:
+                long = await _long_text_held(front, engine)
+                short = await asyncio.wait_for(front.encode("a short prompt"), 30)  # hangs if queued behind
+                assert not long.done()
+                engine.release_tokenize.set()
+                return short, await long
+            finally:
+                engine.release_tokenize.set()
+                await front.close()
         short, long = asyncio.run(both())
-    finally:
-        release.set()
-        asyncio.run(front.close())
-    assert short == front.tokenizer.encode("a short prompt", add_special_tokens=False) and long == [1]
+        assert short == front.tokenizer.encode("a short prompt", add_special_tokens=False)
+        assert long == engine.tokenize("x " * LONG_PROMPT_CHARS + engine.hold_marker)
+        assert s.stop() == 0

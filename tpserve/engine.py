@@ -119,8 +119,8 @@ class Engine:
         vocab = self.config.hf_config.get("vocab_size")
         return int(vocab) if vocab else None
 
-    def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of a text prompt (no special tokens added).
+    def tokenize(self, prompt: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a text prompt (``add_special_tokens``: as the tokenizer defines them).
 
         Safe to call from another thread than the one stepping the engine: it touches only the
         tokenizer, never the scheduler. The daemon tokenizes long prompts off its serving loop.
@@ -128,7 +128,7 @@ class Engine:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
         check_prompt_shape(prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def tokenizer_path(self) -> str | None:
         """The model directory ``tokenize``'s tokenizer was loaded from (None without one)."""
@@ -421,6 +421,11 @@ class Engine:
         return None
 
     # ---- health --------------------------------------------------------------------------
+    def lend_cores(self, cores: int) -> None:
+        """Leave ``cores`` cores of each CPU rank to other work of this machine (0: take them
+        back): ModelRunner.lend_cores. The daemon lends one while it tokenizes a long prompt."""
+        self.executor.control(Command.LEND_CORES, cores=int(cores))
+
     def health_fd(self) -> int | None:
         """A file descriptor that becomes readable when the engine can no longer run steps
         (a tensor-parallel worker died), so an idle caller can ``poll`` on it; None if no such

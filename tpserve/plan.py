@@ -69,6 +69,7 @@ class Command(enum.IntEnum):
     SHUTDOWN = 1
     PROFILE_START = 3  # 2 and 5 were commands no runner acted on; their numbers stay unused
     PROFILE_STOP = 4
+    LEND_CORES = 6  # args: cores, how many of its cores a CPU rank leaves to other work (0: none)
 
 
 # name -> dtype, in encoding order.

@@ -117,8 +117,9 @@ class TokenizerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``, as the in-process tokenizer's ``encode`` gives them."""
+    def encode(self, text: str, add_special_tokens: bool = False, packed: bool = False) -> list[int] | array.array:
+        """Token ids of ``text``, as the in-process tokenizer's ``encode`` gives them
+        (``packed``: as an ``array.array("i")``, not a list of a million ints)."""
         with self._lock:
             proc = self._running()
             try:
@@ -136,7 +137,7 @@ class TokenizerProcess:
             raise TokenizerProcessError(f"tokenizing failed: {reply['error']}")
         ids = array.array("i")
         ids.frombytes(reply["ids"])
-        return ids.tolist()
+        return ids if packed else ids.tolist()
 
     def warm_up(self) -> None:
         """Start the child and load its tokenizer (blocks); errors are logged, not raised."""

@@ -250,6 +250,10 @@ class Client(_ClientCore):
         """The daemon's Prometheus metrics, in the text exposition format."""
         return self._call(P.MetricsRequest(id=self._new_id()), timeout).text
 
+    def tokenize(self, text: str, add_special_tokens: bool = False, timeout=_DEFAULT) -> list[int]:
+        """The token ids of ``text`` by the daemon's tokenizer (a long text off its serving loop)."""
+        return self._call(P.TokenizeRequest(self._new_id(), text, add_special_tokens), timeout).token_ids.tolist()
+
     def ping(self, timeout=_DEFAULT) -> float:
         """Round-trip time in seconds; raises ClientTimeout if the daemon does not answer."""
         start = time.perf_counter()
@@ -445,6 +449,10 @@ class AsyncClient(_ClientCore):
 
     async def metrics(self, timeout=_DEFAULT) -> str:
         return (await self._call(P.MetricsRequest(id=self._new_id()), timeout)).text
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False, timeout=_DEFAULT) -> list[int]:
+        reply = await self._call(P.TokenizeRequest(self._new_id(), text, add_special_tokens), timeout)
+        return reply.token_ids.tolist()
 
     async def ping(self, timeout=_DEFAULT) -> float:
         start = time.perf_counter()

@@ -16,7 +16,7 @@ from tpserve.sampling import SamplingParams
 class ServingEngine(Protocol):
     """What ``Server`` calls. All methods but ``tokenize`` run on the serving loop's thread."""
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a text prompt. Thread-safe: the Server calls it off the serving loop.
 
         Raises InvalidRequestError/InvalidFieldError (tpserve.errors) for a prompt it refuses.
@@ -85,6 +85,10 @@ class ServingEngine(Protocol):
 
     def check_health(self) -> None:
         """Raise WorkerDiedError (tpserve.errors) if a worker died; cheap, no collective."""
+
+    def lend_cores(self, cores: int) -> None:
+        """Leave ``cores`` cores to other work of this machine until lent 0 (the Server lends
+        one while its tokenizer works on a long prompt)."""
 
     def shutdown(self) -> None:
         """Stop the workers and free the engine's resources."""

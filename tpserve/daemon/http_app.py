@@ -18,6 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import replace
+from types import SimpleNamespace
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,13 +38,15 @@ from tpserve.daemon.http_guard import HostPolicy, RequestGuard
 from tpserve.daemon.http_upstream import UpstreamLost
 from tpserve.daemon.tool_calls import ToolCallStream, split_calls
 from tpserve.sampling import MAX_SEED
-from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError, load_tokenizer
+from tpserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("tpserve.http")
 
 MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES
-# Texts longer than this are tokenized in the tokenizer process (the daemon's threshold too).
+# Texts longer than this are tokenized by the daemon, off its serving loop (its threshold too).
 LONG_PROMPT_CHARS = 8192
+# What a tokenize request's errors name as the request (daemon_error).
+_TOKENIZE_JOB = SimpleNamespace(chat=False, structured_param=None)
 
 
 class Front:
@@ -57,23 +60,18 @@ class Front:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.server_public_key = server_public_key
-        # Long texts are tokenized in a niced process of their own (see TokenizerProcess): in
-        # a thread here they would hold the GIL and a core from the event loop and the engine.
-        self._tokenizer_process = None
+        # Long texts are tokenized by the daemon (its tokenizer process, while the engine lends
+        # it a core: daemon/tokenizing.py): in a thread here they would hold the GIL from the
+        # event loop, and in any process of its own they would take a core from the engine.
+        self._long_texts_upstream = False
         if tokenizer is None:
             tokenizer = load_tokenizer(model_path)
-            if tokenizer is not None:
-                self._tokenizer_process = TokenizerProcess(model_path)
+            self._long_texts_upstream = tokenizer is not None  # the daemon's tokenizer is this one
         self.tokenizer = tokenizer
         self.created = int(time.time())
         # One thread: tokenizers are not meant to be shared by threads, and this keeps the
         # event loop free while a prompt is encoded or a chat templated.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        # Another waits on the tokenizer process, so that a long prompt (seconds), or the
-        # process's start, never delays the short prompts of other requests.
-        self._long_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
-        if self._tokenizer_process is not None:  # started now, not with the first long prompt
-            self._long_pool.submit(self._tokenizer_process.warm_up)
         self._client = None
         self._in_flight: dict[asyncio.Queue, float] = {}  # each request's queue -> loop time it began
         self.restarts = 0            # times the daemon restarted this front (reported by /health)
@@ -89,13 +87,10 @@ class Front:
         if self._client is not None:
             await self._client.close()
         self._pool.shutdown(wait=False)
-        self._long_pool.shutdown(wait=False)
-        if self._tokenizer_process is not None:
-            self._tokenizer_process.close()
 
     # ---- tokenizing ----------------------------------------------------------------------
-    async def _in_pool(self, fn, *args, pool: ThreadPoolExecutor | None = None):
-        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = False, field: str = "prompt") -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` as the tokenizer defines them (a Llama
@@ -104,19 +99,34 @@ class Front:
             raise O.bad(field, "this model has no tokenizer: send token ids")
         if len(text) > P.MAX_PROMPT_CHARS:
             raise O.bad(field, f"longer than {P.MAX_PROMPT_CHARS} characters")
-        if self._tokenizer_process is not None and len(text) > LONG_PROMPT_CHARS:
-            try:
-                ids = await self._in_pool(self._tokenizer_process.encode, text, add_special_tokens,
-                                          pool=self._long_pool)
-            except TokenizerProcessError as e:
-                log.error("could not tokenize a prompt: %s", e)
-                raise O.OpenAIError(500, f"the prompt could not be tokenized: {e}", type_="server_error") from None
+        if self._long_texts_upstream and len(text) > LONG_PROMPT_CHARS:
+            ids = await self._encode_upstream(text, add_special_tokens, field)
         else:
             ids = await self._in_pool(functools.partial(self.tokenizer.encode, text,
                                                         add_special_tokens=add_special_tokens))
         if not ids:
             raise O.bad(field, "is empty after tokenization")
         return ids
+
+    async def _encode_upstream(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        """The daemon's token ids of ``text``; the upstream watch ends the wait as it ends a
+        generation's (``fail_requests``)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._in_flight[queue] = asyncio.get_running_loop().time()
+        call = asyncio.ensure_future(self.client.tokenize(text, add_special_tokens, timeout=None))
+        call.add_done_callback(lambda done: queue.put_nowait((None, done)))
+        try:
+            _, got = await queue.get()
+            if isinstance(got, Exception):  # the upstream watch ended the wait
+                raise got
+            return got.result()
+        except _DAEMON_ERRORS as e:
+            if isinstance(e, RequestError) and e.code == P.INVALID_REQUEST:
+                raise O.bad(field, e.message) from None
+            raise daemon_error(e, _TOKENIZE_JOB) from None
+        finally:
+            self._in_flight.pop(queue, None)
+            call.cancel()
 
     async def chat_text(self, messages: list[dict], options: dict | None = None,
                         tools: list[dict] | None = None) -> str:

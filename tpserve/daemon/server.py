@@ -8,7 +8,9 @@
   and/or ``done`` to the client that asked (a step that fails with StepFailedError costs only
   its own requests, answered ``step_failed``; any other engine failure ends the daemon),
 * admitting text prompts longer than ``inline_tokenize_chars`` once they are tokenized off the
-  loop (tokenizing.py): tokenizing megabytes takes seconds, and no other client may wait for that,
+  loop (tokenizing.py): tokenizing megabytes takes seconds, and no other client may wait for that
+  (``tokenize`` requests, the HTTP front's long prompts, take the same way); meanwhile the engine
+  lends the tokenizer one of its cores (Engine.lend_cores),
 * retrying sends that a slow client's high-water mark refused (outbox.py).
 
 When the engine is idle it sleeps in the listener's poll (listener.py) on the socket, a wake-up
@@ -54,11 +56,13 @@ from the drain's first moment.
 """
 from __future__ import annotations
 
+import array
 import heapq
 import logging
 import math
 import os
 import threading
+from concurrent.futures import Future
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -188,6 +192,9 @@ class Server:
         self._held_deadlines: list[tuple[float, str]] = []
         self._held_timed_out = 0
         self._tokenizer = PromptTokenizer(self._tokenize, self.listener.wake)
+        # tokenize requests waiting for their ids: (connection, id) -> future of the ids
+        self._encodes: dict[tuple[bytes, str], Future] = {}
+        self._cores_lent = 0  # to the tokenizer, while it works
         self._tokenizer_process: TokenizerProcess | None = None  # made by the tokenizing thread
         self._tokenizer_process_lock = threading.Lock()
         self._closed = False
@@ -212,19 +219,21 @@ class Server:
                 raise
         self._checked_idle = True  # the engine's integrity was checked since it last worked
 
-    def _tokenize(self, prompt: str) -> list[int]:
+    def _tokenize(self, prompt: str, add_special_tokens: bool = False, packed: bool = False):
         """On the tokenizing thread: in the tokenizer process when the engine names its
-        tokenizer (the thread then only waits on a pipe), else with the engine's."""
+        tokenizer (the thread then only waits on a pipe), else with the engine's. ``packed``:
+        an ``array.array("i")`` (a tokenize request's reply), not a list."""
         path = self.engine.tokenizer_path()
         if path is None:
-            return self.engine.tokenize(prompt)
+            ids = self.engine.tokenize(prompt, add_special_tokens)
+            return array.array("i", ids) if packed else ids
         with self._tokenizer_process_lock:  # against close(): no child is made after it
             if self._closed:
                 raise TokenizerProcessError("the daemon is closing")
             if self._tokenizer_process is None:
                 self._tokenizer_process = TokenizerProcess(path)
             proc = self._tokenizer_process
-        return proc.encode(prompt)
+        return proc.encode(prompt, add_special_tokens, packed)
 
     # ---- life cycle --------------------------------------------------------------------------
     def request_shutdown(self, now: bool = False) -> None:
@@ -260,7 +269,7 @@ class Server:
                     self._begin_shutdown()
                 if self._stopping and self._stop_now:
                     self._stop_deadline = min(self._stop_deadline, time.monotonic())
-                if self._stopping and not (self._requests or self._tokenizer or self._queue):
+                if self._stopping and not (self._requests or self._tokenizer or self._queue or self._encodes):
                     break
                 if self._stopping and time.monotonic() >= self._stop_deadline:
                     log.warning("the drain ended%s: aborting %d request(s) still in flight",
@@ -297,10 +306,13 @@ class Server:
             self._drain()
         if self._tokenizer:
             self._admit_tokenized()
+        if self._encodes:
+            self._answer_tokenized()
         if self._held_deadlines:
             self._expire_held(time.monotonic())
         if self._queue:
             self._admit_queued()
+        self._lend_cores()
         if self.engine.has_unfinished():
             self._checked_idle = False
             try:
@@ -318,6 +330,13 @@ class Server:
         if deadline is not None and time.monotonic() >= deadline:
             self._finish_profile()
         self.peers.flush()
+
+    def _lend_cores(self) -> None:
+        """While the tokenizer works it takes a core: the engine leaves it one (tokenizing.py)."""
+        want = 1 if self._tokenizer.busy else 0
+        if want != self._cores_lent:
+            self._cores_lent = want
+            self.engine.lend_cores(want)
 
     def _check_idle_engine(self) -> None:
         """Once per idle period: the engine's invariants (every block free, queues empty). A
@@ -362,6 +381,10 @@ class Server:
             self._finish_profile()
         for req in [*self._requests.values(), *self._tokenizer.requests(), *(q.req for q in self._queue.entries())]:
             self._abort(req, "shutting_down")
+        for identity, client_id in list(self._encodes):
+            del self._encodes[identity, client_id]
+            self.peers.reply(identity, P.ErrorReply(P.SHUTTING_DOWN, "the daemon stopped before the text was "
+                                                    "tokenized", id=client_id))
         # Let clients take their final messages while they keep reading; a client whose queue
         # has not moved for STALL_ON_EXIT seconds is dropped, and nobody delays exit past EXIT_FLUSH.
         deadline = time.monotonic() + _EXIT_FLUSH
@@ -438,6 +461,8 @@ class Server:
                 reply(identity, error)
         elif isinstance(msg, P.MetricsRequest):
             reply(identity, P.MetricsReply(self.metrics.render(), id=msg.id))
+        elif isinstance(msg, P.TokenizeRequest):
+            self._on_tokenize(identity, msg)
         else:
             assert isinstance(msg, P.PingRequest)
             reply(identity, P.PongReply(id=msg.id))
@@ -455,11 +480,8 @@ class Server:
             # No ``id``: an error with an id ends that request, and this one keeps running.
             return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
                          "that request continues", field="id")
-        limit = self.options.max_requests_per_connection
-        if peer is not None and len(peer.requests) >= limit:
-            return error(P.TOO_MANY_REQUESTS, f"this connection has {len(peer.requests)} requests in flight, the "
-                         f"most one connection may have (--max-requests-per-connection {limit}); wait for "
-                         "some to finish or use another connection", id=msg.id)
+        if self._refused_over_cap(identity, peer, msg.id):
+            return
         peer = self.peers.peer(identity)
         req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
                        arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None,
@@ -470,6 +492,63 @@ class Server:
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
             return
         self._queue_or_admit(req, lambda: msg.prompt, msg.params)
+
+    def _refused_over_cap(self, identity: bytes, peer: Peer | None, client_id: str) -> bool:
+        """Refuse (too_many_requests) a request of a connection at its cap of requests in flight."""
+        limit = self.options.max_requests_per_connection
+        in_flight = (len(peer.requests) if peer is not None else 0) + (
+            sum(key[0] == identity for key in self._encodes) if self._encodes else 0)
+        if in_flight < limit:
+            return False
+        self.peers.reply(identity, P.ErrorReply(
+            P.TOO_MANY_REQUESTS, f"this connection has {in_flight} requests in flight, the most one connection "
+            f"may have (--max-requests-per-connection {limit}); wait for some to finish or use another connection",
+            id=client_id))
+        return True
+
+    def _on_tokenize(self, identity: bytes, msg: P.TokenizeRequest) -> None:
+        """Answer the text's token ids: a long text from the tokenizing thread (as a long
+        prompt is), a short one at once. In flight it counts against the connection's cap."""
+        def error(code, message, **kw):
+            self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
+
+        if self._stopping:
+            return error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
+                         id=msg.id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
+        peer = self.peers.get(identity)
+        if (identity, msg.id) in self._encodes or (peer is not None and msg.id in peer.requests):
+            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
+                         "that request continues", field="id")
+        if self._refused_over_cap(identity, peer, msg.id):
+            return
+        if len(msg.text) > self.options.inline_tokenize_chars:
+            self._encodes[identity, msg.id] = self._tokenizer.encode(msg.text, msg.add_special_tokens)
+            return
+        future: Future = Future()
+        try:
+            future.set_result(self.engine.tokenize(msg.text, msg.add_special_tokens))
+        except Exception as e:
+            future.set_exception(e)
+        self._answer_encode(identity, msg.id, future)
+
+    def _answer_tokenized(self) -> None:
+        for key, future in list(self._encodes.items()):
+            if future.done():
+                del self._encodes[key]
+                self._answer_encode(*key, future)
+
+    def _answer_encode(self, identity: bytes, client_id: str, future: Future) -> None:
+        try:
+            ids = future.result()
+        except (InvalidRequestError, InvalidFieldError) as e:
+            reply = P.ErrorReply(P.INVALID_REQUEST, e.reason[:P.MAX_MESSAGE_CHARS], id=client_id, field="text")
+        except Exception as e:
+            log.error("could not tokenize the text of request %r: %s", client_id, e)
+            reply = P.ErrorReply(P.INTERNAL, f"the text could not be tokenized: {e}"[:P.MAX_MESSAGE_CHARS],
+                                 id=client_id)
+        else:
+            reply = P.TokensReply(client_id, ids)
+        self.peers.reply(identity, reply)
 
     def _admit_tokenized(self) -> None:
         """Queue (or add) the requests whose prompts have been tokenized."""

@@ -6,11 +6,17 @@ hands a long prompt to ``submit`` and admits the request once its tokens are rea
 ``tokenize`` hands the text to a tokenizer process (tpserve.tokenizer.TokenizerProcess), so
 neither the GIL nor a core is taken from the loop. A job's completion wakes the loop through
 ``wake``. Jobs are keyed by the request's engine id; a request aborted meanwhile is
-``discard``-ed and its tokens dropped.
+``discard``-ed and its tokens dropped. ``encode`` runs a tokenize-only request (the protocol's
+``tokenize``, which the HTTP front sends for its long prompts) on the same worker.
+
+While the worker works (``busy``) the tokenizer takes a core, so the Server lends the engine's
+one (Engine.lend_cores): a CPU engine runs one thread per core, and a thread sharing its core
+with a busy process delays every parallel region of every step.
 """
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,11 +40,20 @@ class TokenizeJob:
 class PromptTokenizer:
     """Runs ``tokenize(prompt)`` on a worker, one prompt at a time."""
 
-    def __init__(self, tokenize: Callable[[str], list[int]], wake: Callable[..., None]):
-        self._tokenize = tokenize
+    def __init__(self, tokenize: Callable[..., list[int]], wake: Callable[..., None]):
+        self._tokenize = tokenize  # (text, add_special_tokens=False, packed=False) -> token ids
         self._wake = wake
         self._jobs: dict[str, TokenizeJob] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[Future] = deque()  # submitted, in order (one worker: they end in order)
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything submitted (a prompt, a text, starting the tokenizer) is unfinished."""
+        pending = self._pending
+        while pending and pending[0].done():
+            pending.popleft()
+        return bool(pending)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -69,12 +84,18 @@ class PromptTokenizer:
     def _submit(self, fn, *args) -> Future:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpserve-tokenize")
-        return self._pool.submit(fn, *args)
+        future = self._pool.submit(fn, *args)
+        self._pending.append(future)
+        future.add_done_callback(self._wake)  # the loop takes its result, and its lent core back
+        return future
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> Future:
+        """Tokenize ``text`` for a tokenize-only request; the future's completion wakes the loop."""
+        return self._submit(self._tokenize, text, add_special_tokens, True)
 
     def submit(self, engine_id: str, req, prompt: str, params) -> None:
         future = self._submit(self._tokenize, prompt)
         self._jobs[engine_id] = TokenizeJob(req, params, future)
-        future.add_done_callback(self._wake)
 
     def finished(self) -> list[TokenizeJob]:
         """The jobs whose tokens (or error) are ready, in submission order; they stay known

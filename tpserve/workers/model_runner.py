@@ -106,6 +106,7 @@ class ModelRunner:
         prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
         self.sampler = Sampler(device=self.device)
         self.stager = PlanStager(self.accel)
+        self._own_threads = torch.get_num_threads()  # the cores this rank runs on (share_cpu_threads)
         self.graphs = None  # the warm-up inside the sizing runs eagerly
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
@@ -259,6 +260,15 @@ class ModelRunner:
         return (lp, ids, tops) if first else None
 
     # ---- control commands ----------------------------------------------------------------
+    def lend_cores(self, cores: int) -> None:
+        """Run the intra-op pool on ``cores`` fewer threads (one at least) than this rank's
+        share, until lent 0. A CPU rank has one thread per core, and each parallel region waits
+        at its barrier for its slowest thread: a thread that shares its core with another busy
+        process (the daemon's tokenizer process) stalls every layer of every step, whatever that
+        process's priority. Ranks on an accelerator ignore it."""
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, self._own_threads - max(0, cores)))
+
     def handle(self, plan: StepPlan) -> np.ndarray | None:
         """Run a plan of any command; STEP returns tokens on rank 0."""
         if plan.cmd == Command.STEP:
@@ -266,6 +276,8 @@ class ModelRunner:
         if plan.cmd == Command.PROFILE_START:
             self._profiler = torch.profiler.profile(record_shapes=False)
             self._profiler.__enter__()
+        elif plan.cmd == Command.LEND_CORES:
+            self.lend_cores(int(plan.args.get("cores", 0)))
         elif plan.cmd == Command.PROFILE_STOP and getattr(self, "_profiler", None) is not None:
             self._profiler.__exit__(None, None, None)
             path = plan.args.get("path")
