@@ -153,6 +153,24 @@ def test_long_token_id_prompts_are_checked_without_a_python_loop(monkeypatch):
     assert R.check_token_ids("prompt", ids[:10], 16, 1) == ids[:10]
 
 
+def test_packed_token_ids_are_checked_as_a_list_is():
+    """The ids of a long text come from the tokenizer process packed (array "i"): the same
+    checks in one vector pass, and the same list out."""
+    import array
+    ids = [i % 1000 for i in range(300_000)]
+    assert R.check_token_ids("prompt", array.array("i", ids), R.MAX_PROMPT_TOKENS, 1, vocab_size=1000) == ids
+    for bad in (-1, 1000):
+        wrong = array.array("i", ids[:5] + [bad] + ids[5:])
+        with pytest.raises(InvalidFieldError, match=f"got {bad}$") as e:
+            R.check_token_ids("prompt", wrong, R.MAX_PROMPT_TOKENS, 1, vocab_size=1000)
+        assert e.value.field == "prompt[5]"
+    with pytest.raises(InvalidFieldError, match="length"):
+        R.check_token_ids("prompt", array.array("i"), R.MAX_PROMPT_TOKENS, 1)
+    with pytest.raises(InvalidFieldError, match="array of token ids"):
+        R.check_token_ids("prompt", array.array("d", [1.0]), R.MAX_PROMPT_TOKENS, 1)
+    assert R.check_request(array.array("i", [1, 2]), None, 1000) == [1, 2]
+
+
 def test_lent_cores_leave_the_intra_op_pool_and_come_back(engine):
     """While cores are lent (the daemon's tokenizer works) the CPU rank runs on fewer threads,
     one at least, and steps as before; lending 0 gives it its share back."""

@@ -18,6 +18,7 @@ Field names are the wire's: ``prompt``, ``prompt[3]``, ``params.stop_token_ids[0
 """
 from __future__ import annotations
 
+import array
 import json
 import math
 import numbers
@@ -84,12 +85,23 @@ def is_int(v: Any) -> bool:
 
 def check_token_ids(name: str, ids: Any, max_len: int, min_len: int = 0,
                     vocab_size: int | None = None) -> list[int]:
-    """``ids`` as a list of ints in [0, vocab_size) (or [0, MAX_TOKEN_ID] without a vocabulary)."""
-    if not isinstance(ids, (list, tuple)):
+    """``ids`` as a list of ints in [0, vocab_size) (or [0, MAX_TOKEN_ID] without a vocabulary).
+
+    ``ids`` may also be an ``array.array("i")``, as the tokenizer process gives a long text's
+    ids: checked in one vectorized pass, with no Python int looked at.
+    """
+    packed = isinstance(ids, array.array) and ids.typecode == "i"
+    if not (packed or isinstance(ids, (list, tuple))):
         raise InvalidFieldError(name, f"must be an array of token ids, got {type(ids).__name__}")
     if not min_len <= len(ids) <= max_len:
         raise InvalidFieldError(name, f"length must be in [{min_len}, {max_len}], got {len(ids)}")
     hi = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
+    if packed:
+        arr = np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, np.int32)
+        bad = np.flatnonzero((arr < 0) | (arr > hi))
+        if bad.size:
+            raise _not_a_token_id(name, int(bad[0]), int(arr[bad[0]]), hi, vocab_size)
+        return ids.tolist()
     if len(ids) > _VECTOR_MIN and set(map(type, ids)) == {int}:
         # A long prompt is checked in a few C passes: a loop of Python comparisons over a
         # million ids holds the serving loop (and the GIL) for a second.
@@ -120,7 +132,7 @@ def check_prompt_shape(prompt: Any, name: str = "prompt") -> str | list[int]:
             raise InvalidFieldError(name, f"length must be in [1, {MAX_PROMPT_CHARS}] characters, "
                                           f"got {len(prompt)}")
         return prompt
-    if isinstance(prompt, (list, tuple)):
+    if isinstance(prompt, (list, tuple, array.array)):
         return check_token_ids(name, prompt, MAX_PROMPT_TOKENS, min_len=1)
     raise InvalidFieldError(name, f"must be a string or an array of token ids, got {type(prompt).__name__}")
 
@@ -132,7 +144,7 @@ def check_request(prompt: Any, params, vocab_size: int | None) -> str | list[int
     (stop_token_ids, logit_bias keys, allowed_token_ids) must be < ``vocab_size`` too.
     ``vocab_size`` None skips the vocabulary checks.
     """
-    if isinstance(prompt, (list, tuple)) and vocab_size is not None:
+    if isinstance(prompt, (list, tuple, array.array)) and vocab_size is not None:
         # the shape and the vocabulary in one pass: a million ids take ~15 ms a pass, on the
         # daemon's serving loop
         prompt = check_token_ids("prompt", prompt, MAX_PROMPT_TOKENS, 1, vocab_size)

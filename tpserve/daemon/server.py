@@ -585,7 +585,7 @@ class Server:
                 continue  # admitted, aborted or gone since
             req = queued.req
             prompt = queued.prompt()
-            req.prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+            req.prompt_tokens = 0 if isinstance(prompt, str) else len(prompt)
             self._held_timed_out += 1
             for index in range(req.n):  # the last one sends the done and forgets the request
                 self._finish_completion(req, _Ended(index, "timeout", 0), now)

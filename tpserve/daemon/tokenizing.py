@@ -33,7 +33,7 @@ class TokenizeJob:
     params: Any
     future: Future
 
-    def result(self) -> list[int]:
+    def result(self) -> "array.array | list[int]":
         return self.future.result()
 
 
@@ -94,7 +94,7 @@ class PromptTokenizer:
         return self._submit(self._tokenize, text, add_special_tokens, True)
 
     def submit(self, engine_id: str, req, prompt: str, params) -> None:
-        future = self._submit(self._tokenize, prompt)
+        future = self._submit(self._tokenize, prompt, False, True)  # packed: the engine checks them at once
         self._jobs[engine_id] = TokenizeJob(req, params, future)
 
     def finished(self) -> list[TokenizeJob]:

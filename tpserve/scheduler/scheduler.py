@@ -223,9 +223,6 @@ class Scheduler:
         prompt_len = seq.num_prompt_tokens
         if prompt_len == 0:
             raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
-        if min(seq.token_ids) < 0:
-            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
-                              f"got {min(seq.token_ids)}")
         assert seq.status is WAITING and not seq.block_table and len(seq) == prompt_len, \
             "add() takes a fresh sequence"
         max_tokens = seq.sampling_params.max_tokens
@@ -241,6 +238,11 @@ class Scheduler:
             raise AdmissionError(rid, "num_kv_blocks", blocks, pool,
                                  f"prompt of {prompt_len} tokens + max_tokens {max_tokens} needs "
                                  f"{blocks} blocks of {self.block_size} tokens; the KV pool has {pool}")
+        # After the length checks: a prompt far over the context is refused without a pass over
+        # its ids (a million of them: 7 ms of the serving loop).
+        if min(seq.token_ids) < 0:
+            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
+                                    f"got {min(seq.token_ids)}")
         if seq.priority != 0 and not self.by_priority:
             raise InvalidFieldError("priority", f"is {seq.priority}, but this engine schedules first come, "
                                     "first served (scheduling_order fcfs): only 0 is accepted; start it with "
