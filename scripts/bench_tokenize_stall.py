@@ -10,7 +10,10 @@ from the moment a ``--chars``-character text prompt is sent on the same path unt
 request is answered (an admission error: the prompt is far longer than the model's context,
 but it has to be tokenized to know). Prints one line: worst baseline gap and worst gap with
 the huge prompt, per path (the worst over all rounds), their ratio, the ratio of the
-per-round medians, and the median ratio of the stream's deltas per second with and without it.
+per-round medians, the median ratio of the stream's deltas per second with and without it, the
+CPU time the hypervisor stole in each kind of window (/proc/stat; on a virtual machine a stolen
+tick stalls a stream for 10 ms or more, whatever runs), and the worst-gap ratio over the rounds
+in which nothing was stolen.
 The stream is watched without the huge prompt for as long as with it (the worst of a longer
 window is larger). Timings depend on the machine's load.
 """
@@ -157,6 +160,17 @@ def _huge_sender(conn, path: str, target: str, chars: int) -> None:
     conn.recv()
 
 
+def steal_ms() -> float:
+    """CPU time the hypervisor took from this machine's CPUs so far (/proc/stat "steal"), in ms:
+    a virtual CPU descheduled for a tick stalls whatever ran on it, tpserve or not."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000.0 / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def measure(stream, path: str, target: str, chars: int, baseline_s: float):
     """(worst gap without, worst gap with the huge prompt in flight, its answer, whether the
     stream outlasted it, deltas per second without and with it). The huge prompt is built and
@@ -170,14 +184,14 @@ def measure(stream, path: str, target: str, chars: int, baseline_s: float):
     sender.start()
     parent.recv()
     a = Arrivals(stream)
-    t0 = time.perf_counter()
+    t0, s0 = time.perf_counter(), steal_ms()
     time.sleep(baseline_s)
-    t1 = time.perf_counter()
+    t1, s1 = time.perf_counter(), steal_ms()
     parent.send("go")
     answer = parent.recv()
-    t2 = time.perf_counter()
+    t2, s2 = time.perf_counter(), steal_ms()
     time.sleep(max(0.0, (t2 - t1) - (t1 - t0)))
-    t3 = time.perf_counter()
+    t3, s3 = time.perf_counter(), steal_ms()
     covered = not a.done.is_set()  # the stream still ran when the last window closed
     parent.send("exit")
     base = max(a.worst_gap(t0, t1), a.worst_gap(t2, t3) if t3 > t2 + 0.01 else 0.0)
@@ -186,7 +200,16 @@ def measure(stream, path: str, target: str, chars: int, baseline_s: float):
     rate_huge = a.count(t1, t2) / (t2 - t1)
     a.finish()
     sender.join()
-    return base, stalled, answer, covered, rate_base, rate_huge
+    return base, stalled, answer, covered, rate_base, rate_huge, (s1 - s0) + (s3 - s2), s2 - s1
+
+
+def _unstolen(path: str, rows) -> str:
+    """The worst-gap ratio over the rounds in which the hypervisor stole nothing, in either window."""
+    calm = [r for r in rows if r[6] == 0 and r[7] == 0]
+    if not calm:
+        return f"{path}_rounds_without_steal=0 "
+    ratio = max(r[1] for r in calm) / max(r[0] for r in calm)
+    return f"{path}_rounds_without_steal={len(calm)} {path}_ratio_without_steal={ratio:.2f} "
 
 
 def main() -> int:
@@ -213,6 +236,9 @@ def main() -> int:
         fields.append(f"{path}_baseline_gap_s={base:.3f} {path}_huge_prompt_gap_s={stalled:.3f} "
                       f"{path}_ratio={stalled / base:.2f} {path}_median_ratio={med_stalled / med_base:.2f} "
                       f"{path}_rate_ratio={statistics.median(r[5] / r[4] for r in rows):.2f} "
+                      f"{path}_steal_ms_baseline={sum(r[6] for r in rows):.0f} "
+                      f"{path}_steal_ms_huge_prompt={sum(r[7] for r in rows):.0f} "
+                      + _unstolen(path, rows) +
                       f"{path}_answer={rows[-1][2]}"
                       + ("" if all(r[3] for r in rows) else f" {path}_stream_ended_early=1"))
     print(f"bench_tokenize_stall model={os.path.basename(args.model or 'default-model')} isa={isa()} "
