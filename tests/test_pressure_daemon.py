@@ -32,6 +32,7 @@ import soak  # noqa: E402
 TPSERVE = [sys.executable, "-m", "tpserve"]
 MODEL = "default-model"
 LONG = 60.0  # s: generous bounds on waits that only a broken daemon reaches
+HELD = 1020  # tokens of a request that keeps its slot: the bundled model's context less a 4-token prompt
 
 
 class Served(soak.Daemon):
@@ -55,11 +56,13 @@ class Served(soak.Daemon):
             return c.status()
 
     def wait_for(self, condition, what: str) -> dict:
-        """The daemon's status once ``condition(status)`` holds."""
+        """The daemon's status once ``condition(status)`` holds (polled on one connection: a
+        new one per poll made each poll slow enough to miss a short-lived state)."""
         deadline = time.monotonic() + LONG
-        while not condition(s := self.status()):
-            assert time.monotonic() < deadline, (what, s)
-            time.sleep(0.02)
+        with self.zmq() as c:
+            while not condition(s := c.status()):
+                assert time.monotonic() < deadline, (what, s)
+                time.sleep(0.005)
         return s
 
     def stop(self) -> int:
@@ -97,13 +100,15 @@ def drain_stream(stream) -> list[int]:
 
 # ---- the queue's cap -----------------------------------------------------------------------------
 def test_a_flood_beyond_the_cap_gets_429s_while_admitted_requests_all_finish(serve):
-    d = serve("--max-num-seqs", 2, "--max-waiting-requests", 3, "--num-kv-blocks", 256)
-    assert (d.status()["max_waiting_requests"], d.status()["max_waiting_tokens"]) == (3, 1024)
+    d = serve("--max-num-seqs", 2, "--max-waiting-requests", 3, "--num-kv-blocks", 1024)
+    assert (d.status()["max_waiting_requests"], d.status()["max_waiting_tokens"]) == (3, 4096)
     with d.zmq() as c:
-        # Two running and three waiting: the queue is full until they finish.
-        holders = [c.stream([5, 6, 7, i], max_tokens=300, ignore_eos=True) for i in range(2)]
+        # Two running and three waiting: the queue is full until they finish. They are as long
+        # as the context allows: the bundled model writes 300 tokens in ~0.1 s, and a loaded
+        # machine's test process could look only after that.
+        holders = [c.stream([5, 6, 7, i], max_tokens=HELD, ignore_eos=True) for i in range(2)]
         d.wait_for(lambda s: s["num_running"] == 2, "two running")
-        holders += [c.stream([5, 6, 7, i], max_tokens=300, ignore_eos=True) for i in range(2, 5)]
+        holders += [c.stream([5, 6, 7, i], max_tokens=HELD, ignore_eos=True) for i in range(2, 5)]
         d.wait_for(lambda s: s["num_waiting"] == 3, "a full queue")
         with pytest.raises(RequestError) as e:
             c.generate([1, 2, 3], max_tokens=4)
@@ -126,8 +131,8 @@ def test_a_flood_beyond_the_cap_gets_429s_while_admitted_requests_all_finish(ser
 
         results = asyncio.run(flood(40))
         for h in holders:
-            assert len(drain_stream(h)) == 300 and (h.result.finish_reason, h.result.completion_tokens) == \
-                ("length", 300)
+            assert len(drain_stream(h)) == HELD and (h.result.finish_reason, h.result.completion_tokens) == \
+                ("length", HELD)
     refused = [r for r in results if isinstance(r, openai.RateLimitError)]
     served = [r for r in results if not isinstance(r, openai.RateLimitError)]
     assert refused and len(refused) + len(served) == 40
