@@ -1605,6 +1605,39 @@ def test_tokenize_answers_the_ids_short_texts_at_once_long_ones_off_the_loop():
         assert s.stop() == 0
 
 
+def test_an_engine_that_cannot_lend_its_cores_fails_like_a_failed_step():
+    class Dead(FakeEngine):
+        def lend_cores(self, cores):
+            raise RuntimeError("worker 1 is gone")
+    engine = Dead()
+    s = ServerThread(engine, ServerOptions(inline_tokenize_chars=16))
+    r = Raw(s.address)
+    try:
+        r.send_msg(gen("long", "y" * 50 + engine.hold_marker, max_tokens=2))
+        e = r.recv(10)
+        assert (e.code, e.id) == (P.INTERNAL, "long") and "worker 1 is gone" in e.message
+        s.thread.join(10)
+        assert s.exit_code == 1 and "worker 1 is gone" in s.server.failure
+    finally:
+        engine.release_tokenize.set()
+        r.close()
+        s.cleanup()
+
+
+def test_a_text_of_more_ids_than_a_reply_carries_is_refused(monkeypatch):
+    monkeypatch.setattr(P, "MAX_TOKENIZED_IDS", 3)
+    with ServerThread(FakeEngine(), ServerOptions(inline_tokenize_chars=16)) as s:
+        r = Raw(s.address)
+        for text in ("four", "x" * 20):  # tokenized at once, and off the loop
+            r.send_msg(P.TokenizeRequest("t", text))
+            e = r.recv()
+            assert (e.code, e.id, e.field) == (P.INVALID_REQUEST, "t", "text") and "more than one reply" in e.message
+        r.send_msg(P.TokenizeRequest("t", "abc"))
+        assert r.recv() == P.TokensReply("t", array.array("i", [97, 98, 99]))
+        r.close()
+        assert s.stop() == 0
+
+
 def test_a_tokenize_without_a_tokenizer_and_one_cut_by_the_shutdown_get_errors():
     class NoTokenizer(FakeEngine):
         def tokenize(self, prompt, add_special_tokens=False):

@@ -42,8 +42,9 @@ MAX_ID_CHARS = R.MAX_ID_CHARS
 MAX_PROMPT_CHARS = R.MAX_PROMPT_CHARS
 MAX_PROMPT_TOKENS = R.MAX_PROMPT_TOKENS
 MAX_TOKEN_ID = R.MAX_TOKEN_ID
-# A character is at most 4 bytes of UTF-8, and a byte-level tokenizer gives at least one byte per id.
-MAX_TOKENIZED_IDS = 4 * MAX_PROMPT_CHARS
+# The ids one ``tokens`` reply carries: 4 bytes each within a frame (a million-character text
+# gives ~360k ids of an English BPE vocabulary, at most 4M of a byte-level one).
+MAX_TOKENIZED_IDS = (MAX_MESSAGE_BYTES - 4096) // 4
 MAX_STOP_STRINGS = R.MAX_STOP_STRINGS
 MAX_STOP_CHARS = R.MAX_STOP_CHARS
 MAX_N = R.MAX_N

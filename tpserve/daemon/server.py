@@ -62,8 +62,8 @@ import logging
 import math
 import os
 import threading
-from concurrent.futures import Future
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -336,7 +336,11 @@ class Server:
         want = 1 if self._tokenizer.busy else 0
         if want != self._cores_lent:
             self._cores_lent = want
-            self.engine.lend_cores(want)
+            try:
+                self.engine.lend_cores(want)
+            except Exception as e:  # a dead worker: like a failed step
+                log.exception("lending cores to the tokenizer failed; shutting down")
+                self._engine_failed(e)
 
     def _check_idle_engine(self) -> None:
         """Once per idle period: the engine's invariants (every block free, queues empty). A
@@ -547,7 +551,11 @@ class Server:
             reply = P.ErrorReply(P.INTERNAL, f"the text could not be tokenized: {e}"[:P.MAX_MESSAGE_CHARS],
                                  id=client_id)
         else:
-            reply = P.TokensReply(client_id, ids)
+            if len(ids) <= P.MAX_TOKENIZED_IDS:
+                reply = P.TokensReply(client_id, ids)
+            else:
+                reply = P.ErrorReply(P.INVALID_REQUEST, f"the text is {len(ids)} tokens, more than one reply "
+                                     f"carries ({P.MAX_TOKENIZED_IDS})", id=client_id, field="text")
         self.peers.reply(identity, reply)
 
     def _admit_tokenized(self) -> None:
