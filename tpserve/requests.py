@@ -88,20 +88,15 @@ def check_token_ids(name: str, ids: Any, max_len: int, min_len: int = 0,
     """``ids`` as a list of ints in [0, vocab_size) (or [0, MAX_TOKEN_ID] without a vocabulary).
 
     ``ids`` may also be an ``array.array("i")``, as the tokenizer process gives a long text's
-    ids: checked in one vectorized pass, with no Python int looked at.
+    ids (check_packed_ids).
     """
-    packed = isinstance(ids, array.array) and ids.typecode == "i"
-    if not (packed or isinstance(ids, (list, tuple))):
+    if isinstance(ids, array.array) and ids.typecode == "i":
+        return check_packed_ids(name, ids, max_len, min_len, vocab_size).tolist()
+    if not isinstance(ids, (list, tuple)):
         raise InvalidFieldError(name, f"must be an array of token ids, got {type(ids).__name__}")
     if not min_len <= len(ids) <= max_len:
         raise InvalidFieldError(name, f"length must be in [{min_len}, {max_len}], got {len(ids)}")
     hi = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
-    if packed:
-        arr = np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, np.int32)
-        bad = np.flatnonzero((arr < 0) | (arr > hi))
-        if bad.size:
-            raise _not_a_token_id(name, int(bad[0]), int(arr[bad[0]]), hi, vocab_size)
-        return ids.tolist()
     if len(ids) > _VECTOR_MIN and set(map(type, ids)) == {int}:
         # A long prompt is checked in a few C passes: a loop of Python comparisons over a
         # million ids holds the serving loop (and the GIL) for a second.
@@ -123,6 +118,20 @@ def check_token_ids(name: str, ids: Any, max_len: int, min_len: int = 0,
 def _not_a_token_id(name: str, i: int, t: Any, hi: int, vocab_size: int | None) -> InvalidFieldError:
     where = "the vocabulary " if vocab_size is not None else ""
     return InvalidFieldError(f"{name}[{i}]", f"must be a token id of {where}in [0, {hi}], got {t!r}"[:512])
+
+
+def check_packed_ids(name: str, ids: array.array, max_len: int, min_len: int = 0,
+                     vocab_size: int | None = None) -> array.array:
+    """``ids`` (an ``array.array("i")``) checked as check_token_ids checks a list, in one
+    vectorized pass with no Python int looked at; returns it."""
+    if not min_len <= len(ids) <= max_len:
+        raise InvalidFieldError(name, f"length must be in [{min_len}, {max_len}], got {len(ids)}")
+    hi = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
+    arr = np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, np.int32)
+    bad = np.flatnonzero((arr < 0) | (arr > hi))
+    if bad.size:
+        raise _not_a_token_id(name, int(bad[0]), int(arr[bad[0]]), hi, vocab_size)
+    return ids
 
 
 def check_prompt_shape(prompt: Any, name: str = "prompt") -> str | list[int]:

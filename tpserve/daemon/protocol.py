@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, fields as dc_fields
 from typing import Any, Callable, ClassVar
 
 import msgpack
-import numpy as np
 
 from tpserve import requests as R
 from tpserve.errors import InvalidFieldError, TpserveError
@@ -159,18 +158,14 @@ def packed_token_ids(max_len: int) -> Validator:
         if isinstance(v, (bytes, bytearray, memoryview)):
             if len(v) % 4:
                 raise _bad(name, f"must be int32 little-endian token ids, got {len(v)} bytes")
-            v = _native(array.array("i", bytes(v)))
+            ids = array.array("i")
+            ids.frombytes(v)
+            v = _native(ids)
         elif isinstance(v, (list, tuple)):
             v = array.array("i", _wire(R.check_token_ids, name, v, max_len))
         elif not (isinstance(v, array.array) and v.typecode == "i"):
             raise _bad(name, f"must be packed token ids (bin), got {type(v).__name__}")
-        if len(v) > max_len:
-            raise _bad(name, f"length must be in [0, {max_len}], got {len(v)}")
-        ids = np.frombuffer(v, dtype=np.int32)
-        bad = np.flatnonzero((ids < 0) | (ids > R.MAX_TOKEN_ID))
-        if bad.size:
-            raise _bad(f"{name}[{int(bad[0])}]", f"must be a token id in [0, {R.MAX_TOKEN_ID}], got {ids[bad[0]]}")
-        return v
+        return _wire(R.check_packed_ids, name, v, max_len)
     return check
 
 

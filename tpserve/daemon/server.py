@@ -219,21 +219,21 @@ class Server:
                 raise
         self._checked_idle = True  # the engine's integrity was checked since it last worked
 
-    def _tokenize(self, prompt: str, add_special_tokens: bool = False, packed: bool = False):
+    def _tokenize(self, prompt: str, add_special_tokens: bool = False) -> array.array:
         """On the tokenizing thread: in the tokenizer process when the engine names its
-        tokenizer (the thread then only waits on a pipe), else with the engine's. ``packed``:
-        an ``array.array("i")`` (a tokenize request's reply), not a list."""
+        tokenizer (the thread then only waits on a pipe), else with the engine's. The ids come
+        packed (an ``array.array("i")``): the engine checks them, and a tokenize reply carries
+        them, without a Python int per id."""
         path = self.engine.tokenizer_path()
         if path is None:
-            ids = self.engine.tokenize(prompt, add_special_tokens)
-            return array.array("i", ids) if packed else ids
+            return array.array("i", self.engine.tokenize(prompt, add_special_tokens))
         with self._tokenizer_process_lock:  # against close(): no child is made after it
             if self._closed:
                 raise TokenizerProcessError("the daemon is closing")
             if self._tokenizer_process is None:
                 self._tokenizer_process = TokenizerProcess(path)
             proc = self._tokenizer_process
-        return proc.encode(prompt, add_special_tokens, packed)
+        return proc.encode(prompt, add_special_tokens, packed=True)
 
     # ---- life cycle --------------------------------------------------------------------------
     def request_shutdown(self, now: bool = False) -> None:
@@ -528,22 +528,19 @@ class Server:
         if len(msg.text) > self.options.inline_tokenize_chars:
             self._encodes[identity, msg.id] = self._tokenizer.encode(msg.text, msg.add_special_tokens)
             return
-        future: Future = Future()
-        try:
-            future.set_result(self.engine.tokenize(msg.text, msg.add_special_tokens))
-        except Exception as e:
-            future.set_exception(e)
-        self._answer_encode(identity, msg.id, future)
+        self._answer_encode(identity, msg.id, lambda: self.engine.tokenize(msg.text, msg.add_special_tokens))
 
     def _answer_tokenized(self) -> None:
         for key, future in list(self._encodes.items()):
             if future.done():
                 del self._encodes[key]
-                self._answer_encode(*key, future)
+                self._answer_encode(*key, future.result)
 
-    def _answer_encode(self, identity: bytes, client_id: str, future: Future) -> None:
+    def _answer_encode(self, identity: bytes, client_id: str,
+                       ids_of: Callable[[], list[int] | array.array]) -> None:
+        """Reply ``ids_of()``, or the error it raises."""
         try:
-            ids = future.result()
+            ids = ids_of()
         except (InvalidRequestError, InvalidFieldError) as e:
             reply = P.ErrorReply(P.INVALID_REQUEST, e.reason[:P.MAX_MESSAGE_CHARS], id=client_id, field="text")
         except Exception as e:

@@ -15,6 +15,7 @@ with a busy process delays every parallel region of every step.
 """
 from __future__ import annotations
 
+import array
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +34,7 @@ class TokenizeJob:
     params: Any
     future: Future
 
-    def result(self) -> "array.array | list[int]":
+    def result(self) -> array.array:
         return self.future.result()
 
 
@@ -41,7 +42,7 @@ class PromptTokenizer:
     """Runs ``tokenize(prompt)`` on a worker, one prompt at a time."""
 
     def __init__(self, tokenize: Callable[..., list[int]], wake: Callable[..., None]):
-        self._tokenize = tokenize  # (text, add_special_tokens=False, packed=False) -> token ids
+        self._tokenize = tokenize  # (text, add_special_tokens=False) -> token ids (packed)
         self._wake = wake
         self._jobs: dict[str, TokenizeJob] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -91,10 +92,10 @@ class PromptTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Future:
         """Tokenize ``text`` for a tokenize-only request; the future's completion wakes the loop."""
-        return self._submit(self._tokenize, text, add_special_tokens, True)
+        return self._submit(self._tokenize, text, add_special_tokens)
 
     def submit(self, engine_id: str, req, prompt: str, params) -> None:
-        future = self._submit(self._tokenize, prompt, False, True)  # packed: the engine checks them at once
+        future = self._submit(self._tokenize, prompt)
         self._jobs[engine_id] = TokenizeJob(req, params, future)
 
     def finished(self) -> list[TokenizeJob]:
