@@ -208,26 +208,31 @@ def test_replayed_events_always_equal_the_cached_hashes(bs, pool_tokens, max_num
         assert view.hashes == set(bm.hash_to_block_id)
 
     for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens, ignore_eos, stop_ids = op[:5]
-            max_tokens = min(max_tokens, 40 - len(prompt), blocks * bs + 1 - len(prompt))
-            if max_tokens >= 1:
-                h.add(prompt, max_tokens, ignore_eos, stop_ids)
-        elif op[0] == "step":
-            if h.s.has_unfinished():
-                h.step()
-        elif op[0] == "abort":
-            h.abort(op[1])
-        elif op[0] == "preempt":
-            h.preempt(op[1])
-        elif op[0] == "reset":
-            bm.reset_prefix_cache()
-        else:
-            for i in range(sink.capacity + 1):  # more than the sink holds: events are lost
-                sink.add(BlockRemoved([i]))
+        run_op(h, sink, op, blocks, bs)
         sync()
     h.drain()
     sync()
+
+
+def run_op(h: Harness, sink: KVEventSink, op: tuple, blocks: int, bs: int) -> None:
+    """One operation of ``op_st`` on the harness (a request's length capped to what fits)."""
+    if op[0] == "add":
+        _, prompt, max_tokens, ignore_eos, stop_ids = op[:5]
+        max_tokens = min(max_tokens, 40 - len(prompt), blocks * bs + 1 - len(prompt))
+        if max_tokens >= 1:
+            h.add(prompt, max_tokens, ignore_eos, stop_ids)
+    elif op[0] == "step":
+        if h.s.has_unfinished():
+            h.step()
+    elif op[0] == "abort":
+        h.abort(op[1])
+    elif op[0] == "preempt":
+        h.preempt(op[1])
+    elif op[0] == "reset":
+        h.s.block_manager.reset_prefix_cache()
+    else:
+        for i in range(sink.capacity + 1):  # more than the sink holds: events are lost
+            sink.add(BlockRemoved([i]))
 
 
 # ---- the wire format and the publisher --------------------------------------------------------

@@ -22,7 +22,9 @@ import click
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, ClientTimeout, RequestError
 from tpserve.daemon.daemon import run_daemon, torchrun_rank
-from tpserve.daemon.http_front import DEFAULT_REQUEST_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, HttpOptions, check_http_host
+from tpserve.daemon.grpc_front import GrpcOptions, check_grpc_available, check_grpc_host
+from tpserve.daemon.http_front import (DEFAULT_REQUEST_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, HttpFrontError, HttpOptions,
+                                       check_http_host)
 from tpserve.daemon.http_guard import parse_allowed_hosts
 from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
 from tpserve.daemon.kv_events import KVEventsOptions
@@ -107,6 +109,12 @@ def daemon_options(f):
                      show_envvar=True, envvar="TPSERVE_HTTP_UPSTREAM_TIMEOUT",
                      help="the HTTP front ends its requests in flight (error, then [DONE]; or 503) when the "
                           "daemon has not answered its ping, or the front itself was stalled, this many seconds"),
+        click.option("--grpc-port", type=click.IntRange(0, 65535), default=None, show_envvar=True,
+                     envvar="TPSERVE_GRPC_PORT", metavar="PORT",
+                     help="also serve vLLM's gRPC engine service on this port, with the KV-cache events "
+                          "smg's cache-aware routing indexes (needs the grpc extra; 0: any free port)"),
+        click.option("--grpc-host", default="127.0.0.1", show_default=True, show_envvar=True,
+                     envvar="TPSERVE_GRPC_HOST", help="gRPC address; a non-loopback one needs --api-key"),
         click.option("--served-model-name", default=None, show_envvar=True, envvar="TPSERVE_SERVED_MODEL_NAME",
                      metavar="NAME", help="model name of the HTTP API and metrics [default: the model "
                                           "directory's name]"),
@@ -231,6 +239,23 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
                        kw["http_upstream_timeout"])
 
 
+def _grpc_options(kw: dict, opts: ServerOptions) -> GrpcOptions | None:
+    """The gRPC front's options, or None without --grpc-port."""
+    if kw["grpc_port"] is None:
+        return None
+    if opts.curve_client_keys_dir:
+        raise click.BadParameter("cannot be combined with --curve-client-keys (the gRPC front connects "
+                                 "to the daemon with a key of its own)", param_hint="'--grpc-port'")
+    try:
+        check_grpc_host(kw["grpc_host"], kw["api_key"])
+        check_grpc_available()
+    except InsecureAddressError as e:
+        raise click.BadParameter(str(e), param_hint="'--grpc-host'") from None
+    except HttpFrontError as e:
+        raise click.BadParameter(str(e), param_hint="'--grpc-port'") from None
+    return GrpcOptions(kw["grpc_port"], kw["grpc_host"], kw["api_key"] or None)
+
+
 def _check_address(address: str, opts: ServerOptions) -> None:
     try:
         check_address(address, opts.curve_secret_key is not None)
@@ -302,11 +327,12 @@ def serve(**kw):
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = _server_options(kw)
     http = _http_options(kw, opts)
+    grpc = _grpc_options(kw, opts)
     rd = _runtime_dir(kw["runtime_dir"])
     address = resolve_address(kw["address"], rd)
     _check_address(address, opts)
     try:
-        code = run_daemon(config, address, rd, opts, http=http)
+        code = run_daemon(config, address, rd, opts, http=http, grpc=grpc)
     except (RuntimeDirError, OSError, TpserveError) as e:
         _fail(str(e))
     except Exception as e:  # the traceback goes to the log; the last line says why in one line
@@ -327,6 +353,7 @@ def start(**kw):
     config = config_from_options(kw)
     opts = _server_options(kw)
     http = _http_options(kw, opts)
+    grpc = _grpc_options(kw, opts)
     rd = _runtime_dir(kw["runtime_dir"])
     address = resolve_address(kw["address"], rd)
     _check_address(address, opts)
@@ -357,6 +384,10 @@ def start(**kw):
             argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
+    if grpc is not None:
+        argv += ["--grpc-port", str(grpc.port), "--grpc-host", grpc.host]
+        if grpc.api_key:
+            env["TPSERVE_API_KEY"] = grpc.api_key
     argv += options_argv(config)
 
     log_path = rd / LOG_NAME
@@ -399,6 +430,8 @@ def start(**kw):
     click.echo(address)
     if ready.get("http"):
         click.echo(ready["http"])
+    if ready.get("grpc"):
+        click.echo(ready["grpc"])
 
 
 def _log_tail(path: Path, offset: int, lines: int = 30, skip: int = 0) -> str:

@@ -31,6 +31,7 @@ from tpserve.config import EngineConfig
 from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, connect_address,
                                     ensure_runtime_dir, resolve_address, write_ready)
 from tpserve.procs import freeze_heap, kill_tree
+from tpserve.daemon.grpc_front import GrpcFrontProcess, GrpcOptions, kv_events_for_grpc
 from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOptions
 from tpserve.daemon.server import Server, ServerOptions, served_model_name
 
@@ -45,19 +46,23 @@ class _StartupInterrupted(Exception):
 
 
 def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.PathLike | None,
-               options: ServerOptions, engine_factory=None, http: HttpOptions | None = None) -> int:
+               options: ServerOptions, engine_factory=None, http: HttpOptions | None = None,
+               grpc: GrpcOptions | None = None) -> int:
     """Serve until stopped; returns the process exit status. Must run on the main thread.
 
-    ``http`` starts the OpenAI-compatible HTTP front with the daemon and stops it with it."""
+    ``http`` starts the OpenAI-compatible HTTP front with the daemon and stops it with it;
+    ``grpc`` the gRPC front (grpc_front.py), which relays the KV events the daemon then publishes."""
     rd = ensure_runtime_dir(runtime_dir)
     address = resolve_address(address, rd)
     check_address(address, options.curve_secret_key is not None)
-    if http is not None and options.curve_client_keys_dir:
-        raise HttpFrontError("the HTTP front cannot be combined with a CurveZMQ client allow-list "
-                             "(--curve-client-keys): it connects with a key of its own")
+    if (http is not None or grpc is not None) and options.curve_client_keys_dir:
+        raise HttpFrontError("the HTTP and gRPC fronts cannot be combined with a CurveZMQ client allow-list "
+                             "(--curve-client-keys): they connect with a key of their own")
+    if grpc is not None:
+        options = dataclasses.replace(options, kv_events=kv_events_for_grpc(options.kv_events, rd))
     pidfile = PidFile(rd)
     pidfile.acquire()
-    engine = server = front = None
+    engine = server = front = grpc_front = None
     shutting_down = threading.Event()
     serving = threading.Event()      # the serving loop runs (a "stop now" can still reach it)
     watchdog: list[threading.Timer] = []
@@ -105,9 +110,17 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
                                      served_model_name(engine, options), _usable_context(engine.config),
                                      options.curve_public_key)
             url = front.start()
-            server.status_extras = front.status
+        grpc_url = None
+        if grpc is not None:
+            grpc_front = GrpcFrontProcess(grpc, connect_address(address), str(engine.config.model_path),
+                                          served_model_name(engine, options), _usable_context(engine.config),
+                                          options.kv_events, options.curve_public_key)
+            grpc_url = grpc_front.start()
+        fronts = [f for f in (front, grpc_front) if f is not None]
+        if fronts:
+            server.status_extras = lambda: {k: v for f in fronts for k, v in f.status().items()}
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
-        write_ready(rd, address, url, shutdown_grace=options.shutdown_grace)
+        write_ready(rd, address, url, shutdown_grace=options.shutdown_grace, grpc=grpc_url)
         stats = engine.stats()
         log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
                  stats.get("model"), stats.get("tensor_parallel_size"))
@@ -130,6 +143,8 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         (rd / READY_NAME).unlink(missing_ok=True)
         if front is not None:
             front.stop()
+        if grpc_front is not None:
+            grpc_front.stop()
         if server is not None:
             server.close()
         if engine is not None:

@@ -107,8 +107,10 @@ def describe_exit(code: int) -> str:
 
 
 # ---- the daemon's side: one child process, restarted when it dies ---------------------------
-class HttpFrontProcess:
-    """Starts the front as a child of the daemon, restarts it when it dies, and stops it.
+class FrontProcess:
+    """Starts a front (a child process that is one more ZMQ client of the daemon) as a child of
+    the daemon, restarts it when it dies, and stops it. Subclasses say which front: ``NAME`` in
+    messages, ``KEY`` in the status map, ``SCHEME`` of its URL, and the argv of its process.
 
     ``start`` spawns the first front and waits until it listens (its failure fails the daemon's
     start-up). Afterwards a watch thread restarts a front that exits on its own, on the same
@@ -120,19 +122,19 @@ class HttpFrontProcess:
     MAX_RESTARTS = 5
     RESTART_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0)
     STABLE_S = 60.0
+    NAME = "front"
+    KEY = "front"
+    SCHEME = "http"
+    SERVES = "the API"
 
-    def __init__(self, options: HttpOptions, daemon_address: str, model_path: str, model_name: str,
-                 max_model_len: int, server_public_key: bytes | None = None):
-        check_http_host(options.host, options.api_key)
+    def __init__(self, options, module: str, daemon_address: str, model_path: str, model_name: str,
+                 max_model_len: int, server_public_key: bytes | None, extra: list[str]):
+        """``options`` has ``host``, ``port`` and ``api_key``; ``module`` is run with the
+        arguments of ``front_arguments`` and ``extra``."""
         self.options = options
-        self.argv = [sys.executable, "-m", "tpserve.daemon.http_front", "--address", daemon_address,
-                     "--host", options.host, "--model-path", model_path,
-                     "--model-name", model_name, "--max-model-len", str(max_model_len),
-                     "--upstream-timeout", str(options.upstream_timeout),
-                     "--request-timeout", str(options.request_timeout),
-                     "--parent-pid", str(os.getpid())]
-        if options.allowed_hosts is not None:
-            self.argv += ["--allowed-hosts", ",".join(options.allowed_hosts)]
+        self.argv = [sys.executable, "-m", module, "--address", daemon_address, "--host", options.host,
+                     "--model-path", model_path, "--model-name", model_name, "--max-model-len", str(max_model_len),
+                     "--parent-pid", str(os.getpid()), *extra]
         if server_public_key:
             self.argv += ["--server-key", server_public_key.decode()]
         self.proc: subprocess.Popen | None = None
@@ -149,15 +151,15 @@ class HttpFrontProcess:
         self._stopping.clear()
         proc, port = self._spawn(self.options.port, timeout)
         host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
-        self.port, self.url, self.state = port, f"http://{host}:{port}", "running"
-        log.info("HTTP front (pid %d) serving the OpenAI API at %s", proc.pid, self.url)
-        threading.Thread(target=self._watch, args=(proc, timeout), name="http-front-watch", daemon=True).start()
+        self.port, self.url, self.state = port, f"{self.SCHEME}://{host}:{port}", "running"
+        log.info("%s (pid %d) serving %s at %s", self.NAME, proc.pid, self.SERVES, self.url)
+        threading.Thread(target=self._watch, args=(proc, timeout), name=f"{self.KEY}-watch", daemon=True).start()
         return self.url
 
     def status(self) -> dict:
         """The front's state for the daemon's status map."""
-        return {"http_front": self.state, "http_front_restarts": self.restarts,
-                "http_front_last_exit": self.last_exit, "http_url": self.url}
+        return {self.KEY: self.state, f"{self.KEY}_restarts": self.restarts,
+                f"{self.KEY}_last_exit": self.last_exit, f"{self.SCHEME}_url": self.url}
 
     def _spawn(self, port: int, timeout: float) -> tuple[subprocess.Popen, int]:
         r, w = os.pipe()
@@ -171,7 +173,7 @@ class HttpFrontProcess:
         try:
             with self._lock:
                 if self._stopping.is_set():
-                    raise HttpFrontError("the HTTP front is being stopped")
+                    raise HttpFrontError(f"the {self.NAME} is being stopped")
                 # Its own session: a terminal's Ctrl-C reaches the daemon, which stops the front
                 # itself, instead of killing the front first (which would read as a crash).
                 self.proc = proc = subprocess.Popen(argv + ["--ready-fd", str(w)], pass_fds=(w,), env=env,
@@ -196,14 +198,14 @@ class HttpFrontProcess:
                 in_a_row = 0
             if in_a_row >= self.MAX_RESTARTS:
                 self.state = "failed"
-                log.error("the HTTP front (pid %d) exited with %s; it was restarted %d times in a row: "
+                log.error("the %s (pid %d) exited with %s; it was restarted %d times in a row: "
                           "giving up, %s no longer answers (the ZMQ socket still does)",
-                          proc.pid, self.last_exit, in_a_row, self.url)
+                          self.NAME, proc.pid, self.last_exit, in_a_row, self.url)
                 return
             self.state = "restarting"
             delay = self.RESTART_DELAYS[min(in_a_row, len(self.RESTART_DELAYS) - 1)]
-            log.error("the HTTP front (pid %d) exited with %s; restarting it in %g s on %s",
-                      proc.pid, self.last_exit, delay, self.url)
+            log.error("the %s (pid %d) exited with %s; restarting it in %g s on %s",
+                      self.NAME, proc.pid, self.last_exit, delay, self.url)
             while True:
                 in_a_row += 1
                 if self._stopping.wait(delay):
@@ -218,13 +220,13 @@ class HttpFrontProcess:
                     self.last_exit = str(e)
                     if in_a_row >= self.MAX_RESTARTS:
                         self.state = "failed"
-                        log.error("the HTTP front could not be restarted (%s): giving up, %s no longer "
-                                  "answers (the ZMQ socket still does)", e, self.url)
+                        log.error("the %s could not be restarted (%s): giving up, %s no longer "
+                                  "answers (the ZMQ socket still does)", self.NAME, e, self.url)
                         return
                     delay = self.RESTART_DELAYS[min(in_a_row, len(self.RESTART_DELAYS) - 1)]
-                    log.error("the HTTP front could not be restarted (%s); next try in %g s", e, delay)
+                    log.error("the %s could not be restarted (%s); next try in %g s", self.NAME, e, delay)
             self.state = "running"
-            log.info("HTTP front restarted (pid %d, restart %d) at %s", proc.pid, self.restarts, self.url)
+            log.info("%s restarted (pid %d, restart %d) at %s", self.NAME, proc.pid, self.restarts, self.url)
 
     def _read_port(self, proc: subprocess.Popen, fd: int, port: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
@@ -233,13 +235,13 @@ class HttpFrontProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 _terminate(proc)
-                raise HttpFrontError(f"the HTTP front did not listen within {timeout:g} s")
+                raise HttpFrontError(f"the {self.NAME} did not listen within {timeout:g} s")
             ready, _, _ = select.select([fd], [], [], min(left, 0.5))
             if ready:
                 chunk = os.read(fd, 64)
                 if not chunk:  # the child closed the pipe: it exited
                     code = proc.wait()
-                    raise HttpFrontError(f"the HTTP front exited with {describe_exit(code)} before listening "
+                    raise HttpFrontError(f"the {self.NAME} exited with {describe_exit(code)} before listening "
                                          f"on {self.options.host}:{port} (see the log above)")
                 data += chunk
         return int(data.split(b"\n")[0])
@@ -253,6 +255,24 @@ class HttpFrontProcess:
             self.state = "stopped"
         if proc is not None:
             _terminate(proc)
+
+
+class HttpFrontProcess(FrontProcess):
+    """The OpenAI-compatible HTTP front's process (see FrontProcess)."""
+
+    NAME = "HTTP front"
+    KEY = "http_front"
+    SCHEME = "http"
+    SERVES = "the OpenAI API"
+
+    def __init__(self, options: HttpOptions, daemon_address: str, model_path: str, model_name: str,
+                 max_model_len: int, server_public_key: bytes | None = None):
+        check_http_host(options.host, options.api_key)
+        extra = ["--upstream-timeout", str(options.upstream_timeout), "--request-timeout", str(options.request_timeout)]
+        if options.allowed_hosts is not None:
+            extra += ["--allowed-hosts", ",".join(options.allowed_hosts)]
+        super().__init__(options, "tpserve.daemon.http_front", daemon_address, model_path, model_name,
+                         max_model_len, server_public_key, extra)
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -278,9 +298,9 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tpserve.daemon.http_front",
-                                 description="tpserve's HTTP front (started by the daemon)")
+def front_arguments(prog: str, description: str) -> argparse.ArgumentParser:
+    """The argv every front process takes from FrontProcess (its subclass adds its own)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--address", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
@@ -290,12 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-key", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--ready-fd", type=int, default=None)
+    ap.add_argument("--restarts", type=int, default=0, help="how often the daemon restarted the front")
+    ap.add_argument("--last-exit", default=None, help="how the previous front ended")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = front_arguments("python -m tpserve.daemon.http_front", "tpserve's HTTP front (started by the daemon)")
     ap.add_argument("--upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT,
                     help="the daemon's --http-upstream-timeout")
     ap.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
     ap.add_argument("--allowed-hosts", default=None)
-    ap.add_argument("--restarts", type=int, default=0, help="how often the daemon restarted the front")
-    ap.add_argument("--last-exit", default=None, help="how the previous front ended")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -36,6 +36,7 @@ reconnecting.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -133,12 +134,15 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
+        self._bound: list[str] = []
         try:
             self._pub.bind(endpoint)
+            self._bound.append(endpoint)
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(replay_endpoint)
+                self._bound.append(replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise OSError(e.errno, f"cannot bind the KV events socket: {e.strerror}") from None
@@ -241,3 +245,9 @@ class KVEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
+        for ep in self._bound:  # an ipc socket's file outlives its socket
+            if ep.startswith("ipc://"):
+                try:
+                    os.unlink(ep[len("ipc://"):])
+                except OSError:
+                    pass

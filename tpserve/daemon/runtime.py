@@ -238,13 +238,15 @@ def cleanup_stale(runtime_dir: Path) -> None:
 
 
 def write_ready(runtime_dir: Path, address: str, http: str | None = None,
-                shutdown_grace: float | None = None) -> None:
-    """``http``: the base URL of the HTTP front, when one runs; ``shutdown_grace``: how long its
-    drain may take (`tpserve stop` waits that long before killing it)."""
+                shutdown_grace: float | None = None, grpc: str | None = None) -> None:
+    """``http``, ``grpc``: the URLs of the HTTP and gRPC fronts, when they run; ``shutdown_grace``:
+    how long its drain may take (`tpserve stop` waits that long before killing it)."""
     tmp = runtime_dir / (READY_NAME + ".tmp")
     ready = {"pid": os.getpid(), "address": address}
     if http:
         ready["http"] = http
+    if grpc:
+        ready["grpc"] = grpc
     if shutdown_grace is not None:
         ready["shutdown_grace"] = shutdown_grace
     tmp.write_text(json.dumps(ready))
