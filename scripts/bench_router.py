@@ -1,6 +1,6 @@
 """Replicas behind a real router: smg's routing policies in front of two tpserve daemons.
 
-    python scripts/bench_router.py [--policies round_robin cache_aware prefix_hash kv_aware least_load]
+    python scripts/bench_router.py [--policies round_robin cache_aware cache_aware_events prefix_hash kv_aware least_load]
         [--scenarios shared-prefix skewed] [--model DIR] [--system-tokens 1500] [--turns 6]
         [--smg VENV/bin/smg]
 
@@ -27,13 +27,16 @@ Scenarios (all prompts are text: the replicas read the id tokenizer of bench_mod
   one (``--long-tokens``) in six: a load-blind policy stacks short requests behind long
   prefills; ``least_load`` reads each replica's live load (``/v1/loads``) every second.
 
+Policy ``cache_aware_events`` is smg's ``cache_aware`` in front of the replicas' gRPC fronts
+(``--grpc-port``; grpc_front.py) instead of their HTTP ones: smg tokenizes, and its index is
+fed by each replica's KV-cache events (``SubscribeKvEvents``), so it routes to the replica whose
+cache really holds the longest prefix, evictions included (``--kv-index``: positional by
+default). Text ``cache_aware`` guesses from the prompts it routed, and cannot see evictions.
+
 Policy ``kv_aware`` is vllm-router's (``--vllm-router``; scripts/peer_vllm_router.sh): it
 subscribes to both replicas' KV-cache events (``--kv-events-endpoint``, with replay) and routes
 each request to the replica whose cache really holds the longest prefix of it, evictions
 included; it needs token ids, so its requests carry the same tokens as ids instead of text.
-smg's own event-driven index (``--kv-index``) is fed only by gRPC workers' SubscribeKvEvents
-stream, not by HTTP workers, so it cannot run against HTTP replicas: the script prints why
-instead of a result (docs/scaling.md).
 
 Everything runs on 127.0.0.1 and is stopped when its turn ends, also on errors. Timings on a
 shared machine are noisy: the header says how many CPUs the run had.
@@ -58,11 +61,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import HOST, TPSERVE, OpenAIDriver, Record, free_port, machine, pct, summarize  # noqa: E402
 
-POLICIES = ("round_robin", "cache_aware", "prefix_hash", "kv_aware", "least_load")
+POLICIES = ("round_robin", "cache_aware", "cache_aware_events", "prefix_hash", "kv_aware", "least_load")
 EVENT_POLICIES = ("kv_aware",)  # vllm-router's, fed by the replicas' KV events
+GRPC_POLICIES = {"cache_aware_events": "cache_aware"}  # smg's, in front of the replicas' gRPC fronts
 NUM_SYSTEM_PROMPTS = 8
-KV_INDEX_NOTE = ("smg's event-driven index reads KV events only from gRPC workers (SubscribeKvEvents); "
-                 "HTTP workers are not subscribed")
 
 
 def http_json(url: str, timeout: float = 10.0):
@@ -81,9 +83,10 @@ def scrape(url: str) -> dict[str, float]:
 class Replica:
     """One ``tpserve start --http-port`` daemon on a private runtime directory."""
 
-    def __init__(self, model: Path, num_kv_blocks: int, args, kv_events: bool = True):
+    def __init__(self, model: Path, num_kv_blocks: int, args, kv_events: bool = True, grpc: bool = False):
         self.rd = tempfile.mkdtemp(prefix="tpserve-bench-router-")
         self.port = free_port()
+        self.grpc_url = f"grpc://{HOST}:{free_port()}" if grpc else None
         self.kv_endpoint = f"tcp://{HOST}:{free_port()}" if kv_events else None
         self.kv_replay = f"tcp://{HOST}:{free_port()}" if kv_events else None
         cmd = TPSERVE + ["start", "--runtime-dir", self.rd, "--log-level", "warning", "--model", str(model),
@@ -93,6 +96,8 @@ class Replica:
                          "--startup-timeout", str(args.startup_timeout)]
         if self.kv_endpoint:
             cmd += ["--kv-events-endpoint", self.kv_endpoint, "--kv-events-replay-endpoint", self.kv_replay]
+        if self.grpc_url:
+            cmd += ["--grpc-port", self.grpc_url.rsplit(":", 1)[1]]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.startup_timeout + 30)
         if out.returncode != 0:
             log = Path(self.rd, "tpserve.log")
@@ -106,11 +111,12 @@ class Replica:
         shutil.rmtree(self.rd, ignore_errors=True)
 
 
-def start_replicas(model: Path, num_kv_blocks: int, args, n: int) -> list[Replica]:
-    """``n`` replicas started side by side (a start is mostly waiting for the model to load)."""
+def start_replicas(model: Path, num_kv_blocks: int, args, n: int, grpc: bool = False) -> list[Replica]:
+    """``n`` replicas started side by side (a start is mostly waiting for the model to load);
+    ``grpc``: each with a gRPC front too (smg's event-driven index reads its KV events)."""
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(Replica, model, num_kv_blocks, args) for _ in range(n)]
+        futures = [pool.submit(Replica, model, num_kv_blocks, args, True, grpc) for _ in range(n)]
     started = [f.result() for f in futures if f.exception() is None]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
@@ -124,13 +130,13 @@ class Smg:
     """``smg launch`` in front of ``urls`` with ``policy``; waits until it routes to all of them."""
 
     def __init__(self, smg: str, urls: list[str], policy: str, startup_timeout: float = 120.0,
-                 extra: list[str] | None = None):
+                 extra: list[str] | None = None, log_level: str = "warn"):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="bench-router-smg-", suffix=".log", delete=False)
         cmd = [smg, "launch", "--host", HOST, "--port", str(self.port), "--worker-urls", *urls,
                "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
-               "--load-monitor-interval", "1", "--log-level", "warn", *(extra or [])]
+               "--load-monitor-interval", "1", "--log-level", log_level, *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait(len(urls), startup_timeout)
@@ -157,6 +163,14 @@ class Smg:
 
     def log_text(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
+
+    def wait_for_kv_events(self, n: int, timeout: float = 60.0) -> None:
+        """Until smg has subscribed to the KV events of ``n`` gRPC workers (its log says so)."""
+        deadline = time.monotonic() + timeout
+        while self.log_text().count("KV event stream connected") < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"smg did not subscribe to {n} workers' KV events: {self.log_text()[-3000:]}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         stop_process(self.proc, self.log)
@@ -290,10 +304,17 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
     replicas: list[Replica] = []
     smg = None
     events = policy in EVENT_POLICIES
+    grpc = policy in GRPC_POLICIES
     try:
-        replicas += start_replicas(model, blocks, args, 2)
-        smg = (VllmRouter(args.vllm_router, replicas, policy) if events else
-               Smg(args.smg, [r.url for r in replicas], policy, extra=args.smg_args.split()))
+        replicas += start_replicas(model, blocks, args, 2, grpc=grpc)
+        if events:
+            smg = VllmRouter(args.vllm_router, replicas, policy)
+        elif grpc:
+            smg = Smg(args.smg, [r.grpc_url for r in replicas], GRPC_POLICIES[policy], extra=args.smg_args.split(),
+                      log_level="info")  # its subscriptions are logged at info
+            smg.wait_for_kv_events(len(replicas))
+        else:
+            smg = Smg(args.smg, [r.url for r in replicas], policy, extra=args.smg_args.split())
         # Warm-up through each replica directly (first calls are slow), not measured.
         for r in replicas:
             asyncio.run(run_requests(r.port, [(0.0, [5, 6, 7, 8], 2)], None))
@@ -319,7 +340,7 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
                    for a, b in zip(after, before)]
     s = summarize(records)
     errors = sorted({r.error for r in records if r.error})
-    router = "vllm-router" if events else "smg"
+    router = "vllm-router" if events else "smg-grpc" if grpc else "smg"
     line = (f"bench_router scenario={scenario} router={router} policy={policy} done={s['done']}/{len(reqs)} "
             f"prefix_hit_rate={hits / queries if queries else 0.0:.3f} hit_tokens={hits:.0f} "
             f"ttft_ms p50={pct(s['ttft'], 50) * 1e3:.0f} p99={pct(s['ttft'], 99) * 1e3:.0f} "
@@ -378,9 +399,6 @@ def main(argv=None) -> int:
             except Exception as e:
                 print(f"bench_router scenario={scenario} policy={policy} unavailable: {type(e).__name__}: "
                       f"{str(e)[-500:]}", flush=True)
-        if scenario == "shared-prefix":
-            print(f"bench_router scenario={scenario} router=smg policy=cache_aware+kv_index unavailable: "
-                  f"{KV_INDEX_NOTE}", flush=True)
     return 0
 
 

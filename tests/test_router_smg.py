@@ -104,3 +104,65 @@ def test_least_load_sees_a_busy_replica_through_its_live_load(replicas):
         t.join(120)
         smg.stop()
     assert served and all(o["usage"]["completion_tokens"] == 200 for o in served)
+
+
+@pytest.fixture(scope="module")
+def grpc_replicas():
+    assert SMG.exists(), f"no smg at {SMG}: run scripts/peer_smg.sh (make test does)"
+    args = SimpleNamespace(block_size=BLOCK_SIZE, max_num_seqs=8, dtype="float32", startup_timeout=200.0)
+    started = bench_router.start_replicas(BUNDLED, BLOCKS, args, 2, grpc=True)
+    yield started
+    for r in started:
+        r.stop()
+
+
+def _counter(replica, name: str) -> float:
+    return bench_router.scrape(replica.url).get(name, 0.0)
+
+
+def test_smg_routes_to_grpc_fronts_and_follows_their_kv_events_to_the_replica_holding_a_prefix(grpc_replicas):
+    """smg in front of the replicas' gRPC fronts: it detects vLLM's service, subscribes to
+    both replicas' KV events, serves completions (whole and streamed), and sends requests
+    sharing a prefix to the replica whose cache holds it now: one that evicted it and one that
+    cached it without smg knowing, so only the replicas' events can have told it."""
+    smg = bench_router.Smg(str(SMG), [r.grpc_url for r in grpc_replicas], "cache_aware", log_level="info")
+    try:
+        smg.wait_for_kv_events(2)
+        workers = smg.workers()
+        assert {w["url"] for w in workers} == {r.grpc_url for r in grpc_replicas}
+        assert all(w["connection_mode"] == "grpc" and w["runtime_type"] == "vllm" for w in workers)
+        prefix = "def add(x, y):\n    return x + y\n\n" * 24  # ~15 blocks of the bundled tokenizer
+
+        def complete(url, prompt, max_tokens=3):
+            out = post(url + "/v1/completions", {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
+                                                 "temperature": 0, "ignore_eos": True})
+            assert out["usage"]["completion_tokens"] == max_tokens
+        # Through smg, the prefix lands on one replica: smg's text tree and its event index agree.
+        before = [_counter(r, "tpserve:prompt_tokens_total") for r in grpc_replicas]
+        complete(smg.url, prefix + "# 0")
+        grew = [_counter(r, "tpserve:prompt_tokens_total") > b for r, b in zip(grpc_replicas, before)]
+        assert grew.count(True) == 1
+        first, holder = (grpc_replicas[0], grpc_replicas[1]) if grew[0] else (grpc_replicas[1], grpc_replicas[0])
+        # Behind smg's back: the first replica evicts the prefix (prompts that fill its pool) and
+        # the other caches it. A router that guesses from what it routed would still pick the
+        # first; the KV events say where the blocks are now.
+        for k in range(3):
+            complete(first.url, f"unrelated text number {k} " * 150)
+        complete(holder.url, prefix + "# 1")
+        other = first
+        time.sleep(1.0)  # their events reach smg's index (milliseconds on one host)
+        hits = _counter(holder, "tpserve:prefix_cache_hits_total")
+        other_prompts = _counter(other, "tpserve:prompt_tokens_total")
+        for i in range(2, 6):
+            body = {"model": "bench", "prompt": prefix + f"# {i}", "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": True, "stream": i % 2 == 0}
+            req = urllib.request.Request(smg.url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                text = r.read().decode()
+            if body["stream"]:
+                assert text.rstrip().endswith("data: [DONE]") and '"text"' in text
+        assert _counter(other, "tpserve:prompt_tokens_total") == other_prompts, "a request left the prefix's replica"
+        assert _counter(holder, "tpserve:prefix_cache_hits_total") - hits >= 4 * 10 * BLOCK_SIZE
+    finally:
+        smg.stop()

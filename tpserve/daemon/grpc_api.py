@@ -358,6 +358,9 @@ class VllmEngineService(VG.VllmEngineServicer):
         if relay is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon publishes no KV events")
         sub = relay.subscribe(request.start_sequence_number)
+        # Headers now, not with the first batch (which an idle engine may not send for long):
+        # the subscriber then knows its stream is up.
+        await context.send_initial_metadata(())
         try:
             for batch in sub.initial:
                 yield batch
