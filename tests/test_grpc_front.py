@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -85,8 +86,8 @@ class GrpcThread:
     """grpc_front.serve on a thread of its own, in front of ``address``."""
 
     def __init__(self, address: str, model_path: Path, kv: KVEventsOptions | None = None,
-                 api_key: str | None = None):
-        self.args = SimpleNamespace(
+                 api_key: str | None = None, upstream_timeout: float = 30.0):
+        self.args = SimpleNamespace(upstream_timeout=upstream_timeout,
             address=address, host="127.0.0.1", port=0, model_path=str(model_path), model_name="tiny",
             max_model_len=256, server_key=None, ready_fd=None, restarts=0, last_exit=None,
             kv_events_endpoint=kv.endpoint if kv else None,
@@ -317,7 +318,26 @@ def test_an_api_key_is_required_as_bearer_metadata(served):
         front.stop()
 
 
+def test_calls_end_unavailable_when_the_daemon_does_not_answer(tmp_path, tiny_models_root):  # noqa: F811
+    """No daemon behind the front (as one stopped with SIGSTOP): its ping goes unanswered and
+    the call in flight ends with UNAVAILABLE instead of waiting forever."""
+    front = GrpcThread(f"ipc://{tmp_path}/nobody.sock", make_tiny_model(tiny_models_root), upstream_timeout=1.0)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(front.stub.Generate(gen([5, 6, 7], True, "lost", max_tokens=4), timeout=60))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "did not answer" in e.value.details()
+        health = front.stub.HealthCheck(V.HealthCheckRequest(), timeout=60)
+        assert not health.healthy and "does not answer" in health.message
+    finally:
+        front.stop()
+
+
 # ---- the front as the daemon's child ---------------------------------------------------------
+
+def status_of(rd: Path) -> dict:
+    with Client(f"ipc://{rd}/tpserve.sock", timeout=30) as c:
+        return c.status()
+
 
 def _front_pids(rd: Path) -> list[int]:
     pids = []
@@ -342,8 +362,7 @@ def test_tpserve_start_with_a_grpc_port_serves_reports_and_stops_the_front(tmp_p
     url = out.stdout.split()[-1]
     assert url.startswith("grpc://127.0.0.1:")
     try:
-        with Client(f"ipc://{rd}/tpserve.sock", timeout=30) as c:
-            status = c.status()
+        status = status_of(rd)
         assert status["grpc_front"] == "running" and status["grpc_url"] == url
         assert status["kv_events_next_seq"] == 0  # the daemon publishes for the front
         assert (rd / "kv-events.sock").exists()
@@ -357,6 +376,17 @@ def test_tpserve_start_with_a_grpc_port_serves_reports_and_stops_the_front(tmp_p
             first = next(events)  # the snapshot: the prompt's two full blocks
             assert sum(len(e.stored.blocks) for e in first.events if e.WhichOneof("data") == "stored") == 2
             events.cancel()
+        # A front that dies is restarted on the same port, and the status map says so.
+        os.kill(pid, signal.SIGKILL)
+
+        def restarted():
+            s = status_of(rd)
+            return s["grpc_front"] == "running" and s["grpc_front_restarts"] == 1 and _front_pids(rd)
+        wait_until(restarted, "the gRPC front was not restarted")
+        assert "SIGKILL" in status_of(rd)["grpc_front_last_exit"]
+        with grpc.insecure_channel(url[len("grpc://"):]) as ch:
+            assert VG.VllmEngineStub(ch).HealthCheck(V.HealthCheckRequest(), timeout=30).healthy
+        (pid,) = _front_pids(rd)
     finally:
         stop = subprocess.run(tp + ["stop", "--runtime-dir", str(rd)], capture_output=True, text=True, timeout=120)
     assert stop.returncode == 0, stop.stderr

@@ -107,8 +107,9 @@ def daemon_options(f):
                      help="seconds an HTTP client has to send a request head (then 408), and then its body"),
         click.option("--http-upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT, show_default=True,
                      show_envvar=True, envvar="TPSERVE_HTTP_UPSTREAM_TIMEOUT",
-                     help="the HTTP front ends its requests in flight (error, then [DONE]; or 503) when the "
-                          "daemon has not answered its ping, or the front itself was stalled, this many seconds"),
+                     help="the HTTP front ends its requests in flight (error, then [DONE]; or 503), and the "
+                          "gRPC front its calls (UNAVAILABLE), when the daemon has not answered its ping, or the "
+                          "front itself was stalled, this many seconds"),
         click.option("--grpc-port", type=click.IntRange(0, 65535), default=None, show_envvar=True,
                      envvar="TPSERVE_GRPC_PORT", metavar="PORT",
                      help="also serve vLLM's gRPC engine service on this port, with the KV-cache events "
@@ -253,7 +254,9 @@ def _grpc_options(kw: dict, opts: ServerOptions) -> GrpcOptions | None:
         raise click.BadParameter(str(e), param_hint="'--grpc-host'") from None
     except HttpFrontError as e:
         raise click.BadParameter(str(e), param_hint="'--grpc-port'") from None
-    return GrpcOptions(kw["grpc_port"], kw["grpc_host"], kw["api_key"] or None)
+    if not kw["http_upstream_timeout"] > 0:
+        raise click.BadParameter(f"must be > 0, got {kw['http_upstream_timeout']}", param_hint="'--http-upstream-timeout'")
+    return GrpcOptions(kw["grpc_port"], kw["grpc_host"], kw["api_key"] or None, kw["http_upstream_timeout"])
 
 
 def _check_address(address: str, opts: ServerOptions) -> None:
@@ -385,7 +388,8 @@ def start(**kw):
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     if grpc is not None:
-        argv += ["--grpc-port", str(grpc.port), "--grpc-host", grpc.host]
+        argv += ["--grpc-port", str(grpc.port), "--grpc-host", grpc.host,
+                 "--http-upstream-timeout", str(grpc.upstream_timeout)]
         if grpc.api_key:
             env["TPSERVE_API_KEY"] = grpc.api_key
     argv += options_argv(config)

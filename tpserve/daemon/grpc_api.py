@@ -45,7 +45,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as V
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as VG
 
 import tpserve
-from tpserve.daemon.client import AsyncClient, ClientTimeout, RequestError
+from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.kv_relay import KvRelay
 from tpserve.daemon.router_api import load_snapshot
 from tpserve.errors import InvalidFieldError, TpserveError
@@ -193,6 +193,8 @@ def tokenizer_zip(model_dir: str | Path) -> bytes:
 class GrpcFront:
     """What the servicer needs of the daemon and the model: the client, config, relay."""
 
+    KIND = "gRPC"
+
     def __init__(self, client: AsyncClient, model_path: str, model_name: str, max_model_len: int,
                  relay: KvRelay | None):
         self.client = client
@@ -202,7 +204,7 @@ class GrpcFront:
         self.relay = relay
         self.started = time.time()
         self.last_receive = 0.0
-        self.in_flight: set[str] = set()
+        self.in_flight_calls: dict[asyncio.Queue, tuple[float, asyncio.Future]] = {}  # -> loop time began, pump
         self.restarts = 0
         self.last_exit: str | None = None
         self._tokenizer: tuple[bytes, str] | None = None
@@ -221,6 +223,19 @@ class GrpcFront:
             return await self.client.status(timeout=_STATUS_TIMEOUT)
         except (ClientTimeout, RequestError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the tpserve daemon does not answer: {e}")
+
+    def in_flight(self) -> int:
+        return len(self.in_flight_calls)
+
+    def fail_requests(self, exc: Exception, before: float) -> int:
+        """End the Generate calls in flight since before loop time ``before`` with ``exc``
+        (UNAVAILABLE); their requests are aborted (UpstreamWatch calls this)."""
+        ended = [q for q, (began, _) in self.in_flight_calls.items() if began < before]
+        for q in ended:
+            _, pump = self.in_flight_calls.pop(q)
+            pump.cancel()
+            q.put_nowait(exc)
+        return len(ended)
 
     def tokenizer(self) -> tuple[bytes, str]:
         if self._tokenizer is None:
@@ -250,53 +265,76 @@ class VllmEngineService(VG.VllmEngineServicer):
             params = sampling_params(request)
         except Refused as e:
             await context.abort(e.code, str(e))
-        rid = request.request_id or None
-        n_prompt = len(prompt) if isinstance(prompt, list) else 0
+        # A task reads the daemon's replies into a queue, which UpstreamWatch can also end
+        # (Front.fail_requests); cancelling the task aborts the request in the daemon.
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.ensure_future(self._pump(prompt, params, request.request_id or None, request.stream, queue))
+        front.in_flight_calls[queue] = (asyncio.get_running_loop().time(), pump)
         try:
-            if request.stream:
-                async for item in self._stream(prompt, params, rid):
-                    yield item
-            else:
-                result = await front.client.generate(prompt, params, request_id=rid, timeout=None)
-                for c in (result.completions or [result]):
-                    lp = output_logprobs(c.logprobs)
-                    if lp is not None:
-                        lp.token_ids.extend(c.token_ids)
-                    yield V.GenerateResponse(complete=V.GenerateComplete(
-                        output_ids=c.token_ids, finish_reason=c.finish_reason,
-                        prompt_tokens=result.prompt_tokens or n_prompt, completion_tokens=len(c.token_ids),
-                        output_logprobs=lp, input_logprobs=input_logprobs(result.prompt_logprobs, prompt),
-                        index=c.index))
-        except RequestError as e:
-            await context.abort(_CODES.get(e.code, grpc.StatusCode.INTERNAL), str(e))  # "code: field: why"
-        except ClientTimeout as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the tpserve daemon does not answer: {e}")
-
-    async def _stream(self, prompt, params, rid):
-        counts: dict[int, int] = {}
-        first = True
-        stream = self.front.client.stream(prompt, params, request_id=rid, final=True, timeout=None)
-        try:
-            async for item in stream:
-                if hasattr(item, "finish_reason"):  # the GenerateResult that ends the stream
-                    for c in (item.completions or [item]):
-                        yield V.GenerateResponse(complete=V.GenerateComplete(
-                            finish_reason=c.finish_reason, prompt_tokens=item.prompt_tokens,
-                            completion_tokens=counts.get(c.index, 0), index=c.index))
+            while True:
+                item = await queue.get()
+                if item is None:
                     return
-                counts[item.index] = counts.get(item.index, 0) + len(item.token_ids)
+                if isinstance(item, RequestError):
+                    await context.abort(_CODES.get(item.code, grpc.StatusCode.INTERNAL), str(item))  # "code: field: why"
+                if isinstance(item, Exception):  # the daemon does not answer, or the upstream was lost
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                yield item
+        finally:
+            front.in_flight_calls.pop(queue, None)
+            pump.cancel()
+
+    async def _pump(self, prompt, params, rid, stream: bool, queue: asyncio.Queue) -> None:
+        try:
+            async for response in self._responses(prompt, params, rid, stream):
+                queue.put_nowait(response)
+            queue.put_nowait(None)
+        except (RequestError, ClientTimeout) as e:
+            queue.put_nowait(e)
+
+    async def _responses(self, prompt, params, rid, stream: bool):
+        """The GenerateResponses of one request: streamed, a chunk per delta then a complete per
+        completion; whole, a complete per completion with all its tokens."""
+        n_prompt = len(prompt) if isinstance(prompt, list) else 0
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
+        prompt_lp = None
+        call = self.front.client.stream(prompt, params, request_id=rid, final=True, timeout=None)
+        try:
+            async for item in call:
+                if isinstance(item, GenerateResult):  # the last one: finish reasons and counts
+                    for c in (item.completions or [item]):
+                        done = V.GenerateComplete(finish_reason=c.finish_reason, prompt_tokens=item.prompt_tokens,
+                                                  completion_tokens=len(tokens.get(c.index, ())), index=c.index)
+                        if not stream:
+                            done.output_ids.extend(tokens.get(c.index, ()))
+                            lp = output_logprobs(logprobs.get(c.index))
+                            if lp is not None:
+                                lp.token_ids.extend(tokens[c.index])
+                                done.output_logprobs.CopyFrom(lp)
+                            if prompt_lp is not None:
+                                done.input_logprobs.CopyFrom(input_logprobs(prompt_lp, prompt))
+                        yield V.GenerateResponse(complete=done)
+                    return
+                first = prompt_lp is None and item.prompt_logprobs
+                if first:
+                    prompt_lp = item.prompt_logprobs
+                tokens.setdefault(item.index, []).extend(item.token_ids)
+                if item.logprobs:
+                    logprobs.setdefault(item.index, []).extend(item.logprobs)
+                if not stream:
+                    continue
+                chunk = V.GenerateStreamChunk(token_ids=item.token_ids, completion_tokens=len(item.token_ids),
+                                              prompt_tokens=n_prompt, index=item.index)
                 lp = output_logprobs(item.logprobs)
                 if lp is not None:
                     lp.token_ids.extend(item.token_ids)
-                chunk = V.GenerateStreamChunk(token_ids=item.token_ids, completion_tokens=len(item.token_ids),
-                                              prompt_tokens=len(prompt) if isinstance(prompt, list) else 0,
-                                              output_logprobs=lp, index=item.index)
-                if first and item.prompt_logprobs:
-                    chunk.input_logprobs.CopyFrom(input_logprobs(item.prompt_logprobs, prompt))
-                first = False
+                    chunk.output_logprobs.CopyFrom(lp)
+                if first:
+                    chunk.input_logprobs.CopyFrom(input_logprobs(prompt_lp, prompt))
                 yield V.GenerateResponse(chunk=chunk)
         finally:
-            await stream.aclose()  # a cancelled call: the client aborts the request
+            await call.aclose()  # not finished (cancelled, failed): the client aborts the request
 
     async def Abort(self, request, context):
         for rid in request.request_ids:

@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpserve.daemon.http_front import FrontProcess, HttpFrontError, _die_with_parent, front_arguments, is_loopback_host
+from tpserve.daemon.http_front import (DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, HttpFrontError, _die_with_parent,
+                                       front_arguments, is_loopback_host)
 from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.runtime import InsecureAddressError
 from tpserve.procs import freeze_heap
@@ -48,6 +49,7 @@ class GrpcOptions:
     port: int
     host: str = "127.0.0.1"
     api_key: str | None = None
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT  # as the HTTP front's (http_upstream.py)
 
 
 def check_grpc_host(host: str, api_key: str | None) -> None:
@@ -93,7 +95,7 @@ class GrpcFrontProcess(FrontProcess):
                  max_model_len: int, kv_events: KVEventsOptions | None, server_public_key: bytes | None = None):
         check_grpc_host(options.host, options.api_key)
         check_grpc_available()
-        extra = []
+        extra = ["--upstream-timeout", str(options.upstream_timeout)]
         if kv_events is not None:
             extra += ["--kv-events-endpoint", kv_events.endpoint, "--kv-events-topic", kv_events.topic]
             if kv_events.replay_endpoint:
@@ -130,6 +132,7 @@ async def serve(args, api_key: str | None, stop: asyncio.Event | None = None, on
 
     from tpserve.daemon.client import AsyncClient
     from tpserve.daemon.grpc_api import GrpcFront, VllmEngineService
+    from tpserve.daemon.http_upstream import UpstreamWatch
     from tpserve.daemon.kv_relay import KvEventsFeed, KvRelay
 
     relay = feed_task = None
@@ -168,6 +171,8 @@ async def serve(args, api_key: str | None, stop: asyncio.Event | None = None, on
         for s in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(s, stop.set)
         freeze_heap()
+    watch = UpstreamWatch(front, getattr(args, "upstream_timeout", DEFAULT_UPSTREAM_TIMEOUT))
+    watch.start()
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter] + ([feed_task] if feed_task is not None else [])
     done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
@@ -175,6 +180,7 @@ async def serve(args, api_key: str | None, stop: asyncio.Event | None = None, on
     if feed_task is not None and feed_task in done:
         log.error("the KV events feed ended: %r", feed_task.exception())
         code = 1
+    watch.stop()
     await server.stop(grace=2.0)
     for t in watched:
         t.cancel()
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-events-endpoint", default=None)
     ap.add_argument("--kv-events-replay-endpoint", default=None)
     ap.add_argument("--kv-events-topic", default="")
+    ap.add_argument("--upstream-timeout", type=float, default=DEFAULT_UPSTREAM_TIMEOUT)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

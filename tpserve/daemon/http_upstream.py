@@ -40,13 +40,15 @@ class UpstreamWatch:
     """Ends the front's requests when the front stalled or the daemon stopped answering.
 
     ``front`` provides ``in_flight()`` (number of requests), ``fail_requests(exc, before)``
-    (ends those started before loop time ``before``; returns how many) and ``client.ping``."""
+    (ends those started before loop time ``before``; returns how many) and ``client.ping``;
+    its ``KIND`` ("HTTP" unless it says) names it in messages."""
 
     def __init__(self, front, limit: float, tick: float = 0.5):
         self.front = front
         self.limit = max(float(limit), MIN_LIMIT)
         self.tick = min(tick, self.limit / 4)
         self.stalls = 0  # ticks that came ``limit`` or more late
+        self.kind = getattr(front, "KIND", "HTTP")
 
     def start(self) -> None:
         """Begin ticking on the running loop."""
@@ -69,7 +71,7 @@ class UpstreamWatch:
         if now - self._last >= self.limit:
             self.stalls += 1
             self._end(UpstreamLost(
-                f"the HTTP front was stalled for {now - self._last:.0f} s, at least its upstream "
+                f"the {self.kind} front was stalled for {now - self._last:.0f} s, at least its upstream "
                 f"timeout ({self.limit:g} s): the daemon may have dropped this request"), now)
         self._last = now
         if self.front.in_flight() and (self._ping_task is None or self._ping_task.done()) \
@@ -89,4 +91,4 @@ class UpstreamWatch:
     def _end(self, exc: UpstreamLost, before: float) -> None:
         n = self.front.fail_requests(exc, before)
         if n:
-            log.error("ended %d HTTP request(s) in flight: %s", n, exc, extra={"condition": "upstream lost"})
+            log.error("ended %d %s request(s) in flight: %s", n, self.kind, exc, extra={"condition": "upstream lost"})
