@@ -32,6 +32,7 @@ Policy ``cache_aware_events`` is smg's ``cache_aware`` in front of the replicas'
 fed by each replica's KV-cache events (``SubscribeKvEvents``), so it routes to the replica whose
 cache really holds the longest prefix, evictions included (``--kv-index``: positional by
 default). Text ``cache_aware`` guesses from the prompts it routed, and cannot see evictions.
+``least_load_grpc`` is smg's ``least_load`` over the gRPC fronts (load from ``GetLoads``).
 
 Policy ``kv_aware`` is vllm-router's (``--vllm-router``; scripts/peer_vllm_router.sh): it
 subscribes to both replicas' KV-cache events (``--kv-events-endpoint``, with replay) and routes
@@ -61,9 +62,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import HOST, TPSERVE, OpenAIDriver, Record, free_port, machine, pct, summarize  # noqa: E402
 
-POLICIES = ("round_robin", "cache_aware", "cache_aware_events", "prefix_hash", "kv_aware", "least_load")
+POLICIES = ("round_robin", "cache_aware", "cache_aware_events", "prefix_hash", "kv_aware", "least_load",
+            "least_load_grpc")
 EVENT_POLICIES = ("kv_aware",)  # vllm-router's, fed by the replicas' KV events
-GRPC_POLICIES = {"cache_aware_events": "cache_aware"}  # smg's, in front of the replicas' gRPC fronts
+# smg's policies in front of the replicas' gRPC fronts: the event-driven index, and load from GetLoads.
+GRPC_POLICIES = {"cache_aware_events": "cache_aware", "least_load_grpc": "least_load"}
 NUM_SYSTEM_PROMPTS = 8
 
 
@@ -312,7 +315,8 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
         elif grpc:
             smg = Smg(args.smg, [r.grpc_url for r in replicas], GRPC_POLICIES[policy], extra=args.smg_args.split(),
                       log_level="info")  # its subscriptions are logged at info
-            smg.wait_for_kv_events(len(replicas))
+            if GRPC_POLICIES[policy] == "cache_aware":  # smg subscribes for cache_aware only
+                smg.wait_for_kv_events(len(replicas))
         else:
             smg = Smg(args.smg, [r.url for r in replicas], policy, extra=args.smg_args.split())
         # Warm-up through each replica directly (first calls are slow), not measured.
@@ -392,7 +396,8 @@ def main(argv=None) -> int:
           f"(timings on a shared machine are noisy)", flush=True)
     for scenario in args.scenarios:
         policies = args.policies if scenario == "shared-prefix" else \
-            [p for p in args.policies if p in ("round_robin", "least_load", "power_of_two")] or args.policies
+            [p for p in args.policies if p in ("round_robin", "least_load", "least_load_grpc", "power_of_two")] \
+            or args.policies
         for policy in policies:
             try:
                 print(run_one(scenario, policy, model, args), flush=True)

@@ -365,6 +365,8 @@ def test_tpserve_start_with_a_grpc_port_serves_reports_and_stops_the_front(tmp_p
         status = status_of(rd)
         assert status["grpc_front"] == "running" and status["grpc_url"] == url
         assert status["kv_events_next_seq"] == 0  # the daemon publishes for the front
+        shown = subprocess.run(tp + ["status", "--runtime-dir", str(rd)], capture_output=True, text=True, timeout=60)
+        assert f"running (restarts: 0) at {url}" in shown.stdout, shown.stdout
         assert (rd / "kv-events.sock").exists()
         (pid,) = _front_pids(rd)
         with grpc.insecure_channel(url[len("grpc://"):]) as ch:

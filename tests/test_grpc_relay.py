@@ -148,24 +148,24 @@ def test_a_resume_inside_the_history_gets_the_very_batches_and_an_older_one_a_co
     relay = KvRelay(history=3)
     for s in range(1, 7):
         relay_batch(relay, [BlockStored([100 + s], 100 + s - 1 if s > 1 else None, [s] * 2, 2)], s)
-    sub = relay.subscribe(4)
-    assert [b.sequence_number for b in sub.initial] == [5, 6]
-    assert all(not b.HasField("snapshot") for b in sub.initial)
-    sub = relay.subscribe(1)  # batches 2 and 3 are gone from the history
-    assert [b.sequence_number for b in sub.initial] == [2, 3, 4, 5, 6]
-    assert [b.snapshot.index for b in sub.initial] == [0, 1, 2, 3, 4]
-    assert {b.snapshot.count for b in sub.initial} == {5}
-    first = sub.initial[0]
+    initial = list(relay.subscribe(4).initial)
+    assert [b.sequence_number for b in initial] == [5, 6]
+    assert all(not b.HasField("snapshot") for b in initial)
+    initial = list(relay.subscribe(1).initial)  # batches 2 and 3 are gone from the history
+    assert [b.sequence_number for b in initial] == [2, 3, 4, 5, 6]
+    assert [b.snapshot.index for b in initial] == [0, 1, 2, 3, 4]
+    assert {b.snapshot.count for b in initial} == {5}
+    first = initial[0]
     assert first.events[0].WhichOneof("data") == "cleared"
     stored = [e.stored for e in first.events[1:]]
     assert [s.blocks[0].block_hash for s in stored] == [101, 102, 103, 104, 105, 106]  # parents first
     assert [s.parent_block_hash if s.HasField("parent_block_hash") else None for s in stored] == \
         [None, 101, 102, 103, 104, 105]
-    assert all(not b.events for b in sub.initial[1:])
-    assert relay.subscribe(6).initial == []
+    assert all(not b.events for b in initial[1:])
+    assert list(relay.subscribe(6).initial) == []
     (snap,) = relay.subscribe(0).initial
     assert snap.sequence_number == 6 and len(snap.events) == 7
-    assert KvRelay().subscribe(0).initial == []  # nothing yet: nothing to send
+    assert list(KvRelay().subscribe(0).initial) == []  # nothing yet: nothing to send
 
 
 def test_a_subscriber_that_falls_behind_is_ended_and_counted_and_the_others_are_not(event_loop_set):

@@ -536,6 +536,8 @@ _STATUS_LINES = [
     ("failure", "failure", "{}"),  # only once the engine failed
     ("HTTP front", ("http_front", "http_front_restarts"), "{} (restarts: {})"),  # with --http-port
     ("HTTP front exit", "http_front_last_exit", "{}"),  # once it has died
+    ("gRPC front", ("grpc_front", "grpc_front_restarts", "grpc_url"), "{} (restarts: {}) at {}"),  # with --grpc-port
+    ("gRPC front exit", "grpc_front_last_exit", "{}"),
     ("requests running", "num_running", "{}"),
     ("requests waiting", ("num_waiting", "max_waiting_requests"), "{} (limit {})"),
     ("waiting tokens", ("num_waiting_tokens", "max_waiting_tokens"), "{} (limit {})"),

@@ -7,7 +7,8 @@ Order of events, each step undone in reverse on the way out:
 3. load the engine (spawns tensor-parallel workers); SIGTERM/SIGINT here abort the start-up;
 4. with an HTTP port, start the HTTP front (a child process, one more ZMQ client; see
    http_front.py) and wait until it listens; a front that dies later is restarted, and the
-   status map reports its state (``http_front``, ``http_front_restarts``);
+   status map reports its state (``http_front``, ``http_front_restarts``); the same for the
+   gRPC front with a gRPC port (grpc_front.py: ``grpc_front``, ``grpc_front_restarts``);
 5. write the ready file -- `tpserve start` waits for it -- then serve;
 6. first SIGTERM/SIGINT: drain -- stop admitting (``shutting_down``; the HTTP front answers
    503), let the requests in flight, queued ones included, finish for up to

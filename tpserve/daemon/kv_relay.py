@@ -33,6 +33,7 @@ reconnecting with its last sequence it is exact again.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -83,9 +84,10 @@ def decode_events(payload: bytes) -> tuple[float, list[tuple]]:
 
 
 class Subscriber:
-    """One SubscribeKvEvents stream: the batches it starts with, then its queue of live ones."""
+    """One SubscribeKvEvents stream: the batches it starts with (an iterable), then its queue
+    of live ones."""
 
-    def __init__(self, initial: list, queue_size: int):
+    def __init__(self, initial, queue_size: int):
         self.initial = initial
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
         self.overflowed = False
@@ -94,7 +96,7 @@ class Subscriber:
 class KvRelay:
     """State, history and subscribers; every method runs on the front's event loop."""
 
-    def __init__(self, history: int = 100_000, queue_size: int = 4096):
+    def __init__(self, history: int = 10_000, queue_size: int = 4096):
         self.blocks: dict[int, tuple[int | None, tuple[int, ...], int]] = {}  # hash -> parent, tokens, size
         self.history: deque[tuple[int, C.KvEventBatch]] = deque(maxlen=history)
         self.seq = 0  # the last relayed batch's number (0: none)
@@ -157,14 +159,22 @@ class KvRelay:
         elif self.history and self.history[0][0] <= start + 1 and self._contiguous():
             initial = [b for s, b in self.history if s > start]
         else:
-            n = self.seq - start
-            initial = [self.snapshot(start + 1, n)] + [
-                C.KvEventBatch(sequence_number=start + 1 + i, timestamp=time.time(), dp_rank=0,
-                               snapshot=C.KvSnapshotChunk(index=i, count=n, blocks=len(self.blocks)))
-                for i in range(1, n)]
+            initial = self._chunks(start, self.seq)
         sub = Subscriber(initial, self.queue_size)
         self.subscribers.add(sub)
         return sub
+
+    def _chunks(self, start: int, end: int):
+        """The state now as a snapshot in chunks numbered ``start + 1 .. end``: the first carries
+        it, the empty rest are made lazily (after a long absence there can be many)."""
+        n = end - start
+        first, blocks = self.snapshot(start + 1, n), len(self.blocks)
+
+        def rest():
+            for i in range(1, n):
+                yield C.KvEventBatch(sequence_number=start + 1 + i, timestamp=time.time(), dp_rank=0,
+                                     snapshot=C.KvSnapshotChunk(index=i, count=n, blocks=blocks))
+        return itertools.chain([first], rest())
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self.subscribers.discard(sub)
