@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from test_daemon import Raw
 from tpserve.daemon import protocol as P
 from tpserve.daemon.client import Client, RequestError
@@ -32,7 +33,7 @@ import soak  # noqa: E402
 TPSERVE = [sys.executable, "-m", "tpserve"]
 MODEL = "default-model"
 LONG = 60.0  # s: generous bounds on waits that only a broken daemon reaches
-HELD = 1020  # tokens of a request that keeps its slot: the bundled model's context less a 4-token prompt
+HELD = 1500  # tokens of a request that keeps its slot for seconds, on a tiny model of a longer context
 
 
 class Served(soak.Daemon):
@@ -99,13 +100,16 @@ def drain_stream(stream) -> list[int]:
 
 
 # ---- the queue's cap -----------------------------------------------------------------------------
-def test_a_flood_beyond_the_cap_gets_429s_while_admitted_requests_all_finish(serve):
-    d = serve("--max-num-seqs", 2, "--max-waiting-requests", 3, "--num-kv-blocks", 1024)
-    assert (d.status()["max_waiting_requests"], d.status()["max_waiting_tokens"]) == (3, 4096)
+def test_a_flood_beyond_the_cap_gets_429s_while_admitted_requests_all_finish(serve, tiny_models_root):  # noqa: F811
+    # Two running and three waiting: the queue is full until they finish. They must outlast
+    # the test's look at the daemon's status by far: the bundled model writes its whole context
+    # (1,020 tokens) in ~0.3 s, shorter than the CPU a hypervisor steals at times, so they run
+    # on a tiny model of a long context instead (HELD tokens take seconds).
+    model = make_tiny_model(tiny_models_root, max_position_embeddings=HELD + 64)
+    d = serve("--model", model, "--served-model-name", MODEL, "--max-num-seqs", 2, "--max-waiting-requests", 3,
+              "--num-kv-blocks", 2 * (HELD + 8) // 4 + 16, "--max-model-len", HELD + 64)
+    assert d.status()["max_waiting_requests"] == 3
     with d.zmq() as c:
-        # Two running and three waiting: the queue is full until they finish. They are as long
-        # as the context allows: the bundled model writes 300 tokens in ~0.1 s, and a loaded
-        # machine's test process could look only after that.
         holders = [c.stream([5, 6, 7, i], max_tokens=HELD, ignore_eos=True) for i in range(2)]
         d.wait_for(lambda s: s["num_running"] == 2, "two running")
         holders += [c.stream([5, 6, 7, i], max_tokens=HELD, ignore_eos=True) for i in range(2, 5)]
