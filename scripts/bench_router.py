@@ -137,8 +137,10 @@ class Smg:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="bench-router-smg-", suffix=".log", delete=False)
+        prometheus_port = free_port()
+        self.prometheus_url = f"http://{HOST}:{prometheus_port}/metrics"
         cmd = [smg, "launch", "--host", HOST, "--port", str(self.port), "--worker-urls", *urls,
-               "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+               "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port),
                "--load-monitor-interval", "1", "--log-level", log_level, *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
@@ -166,6 +168,17 @@ class Smg:
 
     def log_text(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
+
+    def applied_kv_batches(self) -> dict[str, float]:
+        """KV-event batches smg has applied to its index, by worker URL (its metrics)."""
+        with urllib.request.urlopen(self.prometheus_url, timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("smg_kv_event_batches_total{") and 'disposition="applied"' in line:
+                worker = line.split('worker="', 1)[1].split('"', 1)[0]
+                out[worker] = out.get(worker, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def wait_for_kv_events(self, n: int, timeout: float = 60.0) -> None:
         """Until smg has subscribed to the KV events of ``n`` gRPC workers (its log says so)."""

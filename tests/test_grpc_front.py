@@ -137,6 +137,24 @@ def served(tiny_models_root):  # noqa: F811
     engine.shutdown()
 
 
+LONG_TOKENS = 4000  # a request of seconds on the tiny model: a test looks at it while it runs
+
+
+@pytest.fixture(scope="module")
+def long_served(tiny_models_root):  # noqa: F811
+    from tpserve.config import EngineConfig
+    from tpserve.engine import Engine
+    path = make_tiny_model(tiny_models_root, max_position_embeddings=LONG_TOKENS + 64)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=(LONG_TOKENS + 64) // 4 + 8,
+                                 block_size=4, max_num_seqs=2, max_model_len=LONG_TOKENS + 64))
+    server = ServerThread(engine, ServerOptions(shutdown_grace=0.0))
+    front = GrpcThread(server.address, path)
+    yield SimpleNamespace(engine=engine, server=server, front=front, stub=front.stub, path=path)
+    front.stop()
+    server.stop()
+    engine.shutdown()
+
+
 def gen(ids, stream, rid, **sp):
     return V.GenerateRequest(request_id=rid, tokenized=V.TokenizedInput(input_ids=ids), stream=stream,
                              sampling_params=V.SamplingParams(**sp))
@@ -231,23 +249,32 @@ def test_the_daemons_refusals_become_status_codes_and_it_keeps_serving(served):
     assert in_flight(served) == 0
 
 
-def test_a_cancelled_call_and_an_abort_rpc_end_their_requests(served):
+def generated(served) -> int:
+    with Client(served.server.address, timeout=10) as c:
+        return c.status()["generation_tokens"]
+
+
+def test_a_cancelled_call_and_an_abort_rpc_end_their_requests(long_served):
+    served = long_served
     stub = served.stub
-    call = stub.Generate(gen([5, 6, 7], True, "cancel-me", max_tokens=250, ignore_eos=True))
+    before = generated(served)
+    call = stub.Generate(gen([5, 6, 7], True, "cancel-me", max_tokens=LONG_TOKENS, ignore_eos=True))
     next(call)
     assert in_flight(served) == 1
     call.cancel()
     wait_until(lambda: in_flight(served) == 0, "the cancelled call's request still runs")
+    assert generated(served) - before < LONG_TOKENS  # it was aborted, not run to its end
     got = []
     reader = threading.Thread(target=lambda: got.extend(stub.Generate(
-        gen([5, 6, 7], False, "abort-me", max_tokens=250, ignore_eos=True))))
+        gen([5, 6, 7], False, "abort-me", max_tokens=LONG_TOKENS, ignore_eos=True))))
     reader.start()
     wait_until(lambda: in_flight(served) == 1, "the request never started")
     stub.Abort(V.AbortRequest(request_ids=["abort-me", "never-was"]))
-    reader.join(30)
+    reader.join(60)
     assert not reader.is_alive()
     (done,) = got
     assert done.complete.finish_reason == "abort"
+    assert len(done.complete.output_ids) < LONG_TOKENS
     assert in_flight(served) == 0
 
 

@@ -150,7 +150,16 @@ def test_smg_routes_to_grpc_fronts_and_follows_their_kv_events_to_the_replica_ho
             complete(first.url, f"unrelated text number {k} " * 150)
         complete(holder.url, prefix + "# 1")
         other = first
-        time.sleep(1.0)  # their events reach smg's index (milliseconds on one host)
+        # Until smg's index has applied every batch both replicas published.
+        deadline = time.monotonic() + 60
+        while True:
+            applied = smg.applied_kv_batches()
+            published = {r.grpc_url: bench_router.http_json(r.url + "/server_info")["kv_events"]["published"]
+                         for r in grpc_replicas}
+            if all(applied.get(u, 0) >= n for u, n in published.items()):
+                break
+            assert time.monotonic() < deadline, (applied, published)
+            time.sleep(0.05)
         hits = _counter(holder, "tpserve:prefix_cache_hits_total")
         other_prompts = _counter(other, "tpserve:prompt_tokens_total")
         for i in range(2, 6):
