@@ -18,7 +18,10 @@ text and windows ``scripts/train_default_model.py`` evaluates (its training repo
 figure of the fp32 reference with bf16-rounded weights). Targets: agreement >= 90%, loss
 within 1% of bf16.
 
-    python scripts/quality_int8.py [--skip-40m]
+    python scripts/quality_int8.py [--skip-40m] [--llamacpp /work/peers/llamacpp]
+
+With ``--llamacpp`` it also measures llama.cpp's Q8_0 against llama.cpp's bf16 on the 40M model
+(the same prompts and agreements): how far the field's int8 format moves this model.
 """
 from __future__ import annotations
 
@@ -90,7 +93,7 @@ def agreement(path: Path, prompts, ref_out, ref_logits, other: dict) -> tuple[fl
     return free, same, kl
 
 
-def compare(name: str, path: Path, prompts) -> None:
+def compare(name: str, path: Path, prompts, llamacpp: Path | None = None) -> None:
     bf16_out = generate(path, None, prompts)
     ref = logits_of(load(path, None), [p + o for p, o in zip(prompts, bf16_out)])
     for label, other in (("int8", dict(quantization="int8")), ("fp32", dict(quantization=None, dtype="float32"))):
@@ -98,6 +101,40 @@ def compare(name: str, path: Path, prompts) -> None:
         print(f"quality {name}, {label} against bf16: greedy agreement free-running {free:.1%}, "
               f"same-prefix {same:.1%}; mean KL(bf16||{label}) {kl:.4f} nats "
               f"({PROMPTS} prompts x {OUT} tokens)", flush=True)
+    if llamacpp is not None:
+        llamacpp_agreement(llamacpp, name, path, prompts, bf16_out)
+
+
+def llamacpp_agreement(peer: Path, name: str, path: Path, prompts, ref_out) -> None:
+    """llama.cpp's Q8_0 against its own bf16 on the same model and prompts, the same two
+    agreements (same-prefix: both read tpserve bf16's completions, one greedy token per position
+    asked of llama-server with the prefix cached): the figure int8's is to be read beside."""
+    import bench_latency as bl
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    files = bl.gguf_models(peer, path, vocab)
+    got = {}
+    for kind in ("bf16", "q8_0"):
+        server = bl.LlamaServer(peer, files[kind], kind, slots=1, threads=2)
+        server.resume()
+        try:
+            def ask(prompt, n):
+                body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                                   "cache_prompt": True, "stream": False, "return_tokens": True}).encode()
+                req = bl.urllib.request.Request(f"http://127.0.0.1:{server.port}/completion", data=body,
+                                                headers={"Content-Type": "application/json"})
+                with bl.urllib.request.urlopen(req, timeout=600) as r:
+                    return json.loads(r.read())["tokens"]
+            free = [ask(p, OUT) for p in prompts]
+            same = [[ask(p + o[:i], 1)[0] for i in range(OUT)] for p, o in zip(prompts, ref_out)]
+            got[kind] = free, same
+        finally:
+            server.close()
+    (free_b, same_b), (free_q, same_q) = got["bf16"], got["q8_0"]
+    free = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(free_b, free_q)]))
+    same = float(np.mean(np.array(same_b) == np.array(same_q)))
+    ref = float(np.mean(np.array(same_b) == np.array(ref_out)))
+    print(f"quality {name}, llama.cpp Q8_0 against llama.cpp bf16: greedy agreement free-running {free:.1%}, "
+          f"same-prefix {same:.1%} (llama.cpp bf16 against tpserve bf16, same-prefix: {ref:.1%})", flush=True)
 
 
 def heldout(path: Path) -> tuple[torch.Tensor, int]:
@@ -127,6 +164,8 @@ def heldout_loss(model, ids: torch.Tensor, context: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-40m", action="store_true")
+    ap.add_argument("--llamacpp", type=Path, default=None,
+                    help="llama.cpp's build (scripts/peer_llamacpp.sh): also measure its Q8_0 against its bf16")
     args = ap.parse_args()
     torch.set_num_threads(2)
     print(f"isa {cpu_isa()}; int8 = --quantization int8 (per-channel int8 weights, int8 activations per row) "
@@ -144,7 +183,7 @@ def main() -> int:
         path = build_bench_model("/tmp/tpserve-bench/qwen3-40m")
         rng = np.random.default_rng(0)
         compare("40m random-weight model", path, [rng.integers(3, 32768, PROMPT_LEN).tolist()
-                                                  for _ in range(PROMPTS)])
+                                                  for _ in range(PROMPTS)], args.llamacpp)
     return 0
 
 
