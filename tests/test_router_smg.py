@@ -124,7 +124,8 @@ def test_smg_routes_to_grpc_fronts_and_follows_their_kv_events_to_the_replica_ho
     """smg in front of the replicas' gRPC fronts: it detects vLLM's service, subscribes to
     both replicas' KV events, serves completions (whole and streamed), and sends requests
     sharing a prefix to the replica whose cache holds it now: one that evicted it and one that
-    cached it without smg knowing, so only the replicas' events can have told it."""
+    cached it without smg knowing, so only the replicas' events can have told it. Then a chat
+    completion with a JSON schema: smg renders the chat, the replica applies the schema."""
     smg = bench_router.Smg(str(SMG), [r.grpc_url for r in grpc_replicas], "cache_aware", log_level="info")
     try:
         smg.wait_for_kv_events(2)
@@ -173,5 +174,15 @@ def test_smg_routes_to_grpc_fronts_and_follows_their_kv_events_to_the_replica_ho
                 assert text.rstrip().endswith("data: [DONE]") and '"text"' in text
         assert _counter(other, "tpserve:prompt_tokens_total") == other_prompts, "a request left the prefix's replica"
         assert _counter(holder, "tpserve:prefix_cache_hits_total") - hits >= 4 * 10 * BLOCK_SIZE
+        # smg renders the chat template itself; a JSON schema reaches the replica as the
+        # constraint of vLLM's SamplingParams, and the output follows it.
+        schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                  "additionalProperties": False}
+        out = post(smg.url + "/v1/chat/completions", {
+            "model": "bench", "messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 40,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}})
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop", out
+        assert json.loads(choice["message"]["content"]) in ({"a": "x"}, {"a": "y"})
     finally:
         smg.stop()
