@@ -218,6 +218,7 @@ def test_streamed_and_whole_generations_carry_the_daemons_tokens(served):
     assert done.complete.completion_tokens == 6 and not done.complete.output_ids
     (whole,) = served.stub.Generate(gen(ids, False, "w1", temperature=0.0, max_tokens=6, ignore_eos=True))
     assert list(whole.complete.output_ids) == want and whole.complete.completion_tokens == 6
+    assert whole.complete.cached_tokens == 19  # all 5 blocks cached by now; the last token is recomputed
     two = list(served.stub.Generate(gen(ids, False, "w2", temperature=0.0, max_tokens=6, ignore_eos=True, n=2)))
     assert sorted(r.complete.index for r in two) == [0, 1]
     assert all(list(r.complete.output_ids) == want for r in two)  # greedy: both the same

@@ -184,6 +184,21 @@ def test_n_siblings_share_the_prompt_blocks(daemon, client):
     assert hits >= 2 * full_blocks * 4, (hits, prompt_len)
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client):
+    # A first line no other test sends: nothing of the prompt is cached before the first request.
+    prompt = ("# zq usage probe\ndef fibonacci(n):\n    if n < 2:\n        return n\n"
+              "    return fibonacci(n - 1) + fibonacci(n - 2)\n")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    full_blocks = (first.usage.prompt_tokens - 1) // 4  # block size 4; the last token is recomputed
+    assert full_blocks >= 3
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks * 4
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == full_blocks * 4
+
+
 # ---- chat ----------------------------------------------------------------------------------
 def test_chat_completion_and_its_stream(client):
     messages = [{"role": "system", "content": "You write Python."},

@@ -74,6 +74,9 @@ def test_prefix_cache_hits_keep_greedy_output(tiny_models_root):  # noqa: F811
         stats = llm.stats()
     assert [o.token_ids for o in first + rest] == ref
     assert stats["prefix_cache_hit_tokens"] >= 64 + 48 + 32
+    # Per request, the prompt tokens served from the cache (a fully cached prompt recomputes its
+    # last token), as vLLM's RequestOutput.num_cached_tokens.
+    assert [o.num_cached_tokens for o in first + rest] == [0, 64, 63, 31, 64]
 
 
 def test_batch_composition_does_not_change_greedy_output(model_and_ref):

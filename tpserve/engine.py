@@ -404,7 +404,8 @@ class Engine:
         return RequestOutput(fam.request_id, list(new_ids), text, finished,
                              reason if finished else None, seq.num_prompt_tokens, len(completion),
                              logprobs=logprobs, queue_time=req.queue_time, index=req.index,
-                             prompt_logprobs=prompt_logprobs, error=error)
+                             prompt_logprobs=prompt_logprobs, error=error,
+                             num_cached_tokens=seq.num_cached_prompt_tokens or 0)
 
     @staticmethod
     def _find_stop_string(req: _Request, new_ids: list[int], finished: bool) -> int | None:

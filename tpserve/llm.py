@@ -102,6 +102,8 @@ class LLM:
                     comp = res.outputs[out.index]
                     if out.prompt_logprobs is not None:
                         res.prompt_logprobs = out.prompt_logprobs
+                    if out.index == 0 and out.num_cached_tokens:
+                        res.num_cached_tokens = out.num_cached_tokens
                     comp.token_ids.extend(out.new_token_ids)
                     comp.text += out.new_text
                     if out.logprobs is not None:

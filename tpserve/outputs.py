@@ -32,6 +32,9 @@ class RequestOutput:
     # finish_reason "error" because the request's grammar (structured_outputs) did not
     # compile: the InvalidFieldError naming the field. Its request produced no token.
     error: Exception | None = None
+    # Prompt tokens whose KV came from the prefix cache when the request was first scheduled
+    # (0 before that, and without prefix caching).
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -61,6 +64,8 @@ class GenerateOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache (vLLM's RequestOutput.num_cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:

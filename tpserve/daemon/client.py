@@ -94,6 +94,7 @@ class GenerateResult:
     prompt_logprobs: list | None = None
     completions: list["GenerateResult"] | None = None
     index: int = 0
+    cached_tokens: int = 0  # prompt tokens the daemon served from its prefix cache
 
 
 def _make_params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
@@ -175,7 +176,8 @@ def _result(rid: str, msg: P.Message, text: str | None = None, token_ids: list[i
                                       msg.prompt_tokens, c["completion_tokens"], logprobs=c.get("logprobs"),
                                       index=c["index"]) for c in msg.completions]
     return GenerateResult(rid, text, token_ids, msg.finish_reason, msg.prompt_tokens, msg.completion_tokens,
-                          msg.abort_reason, logprobs, msg.prompt_logprobs, completions)
+                          msg.abort_reason, logprobs, msg.prompt_logprobs, completions,
+                          cached_tokens=msg.cached_tokens or 0)
 
 
 def _delta(msg: P.DeltaReply) -> Delta:

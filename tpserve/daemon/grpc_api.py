@@ -305,7 +305,8 @@ class VllmEngineService(VG.VllmEngineServicer):
                 if isinstance(item, GenerateResult):  # the last one: finish reasons and counts
                     for c in (item.completions or [item]):
                         done = V.GenerateComplete(finish_reason=c.finish_reason, prompt_tokens=item.prompt_tokens,
-                                                  completion_tokens=len(tokens.get(c.index, ())), index=c.index)
+                                                  completion_tokens=len(tokens.get(c.index, ())), index=c.index,
+                                                  cached_tokens=item.cached_tokens)
                         if not stream:
                             done.output_ids.extend(tokens.get(c.index, ()))
                             lp = output_logprobs(logprobs.get(c.index))

@@ -387,8 +387,9 @@ class Response:
         return out
 
     def usage(self) -> dict:
-        prompt = sum(r.prompt_tokens for i, r in self.results.items() if i % self.job.n == 0)
-        return O.usage(prompt, sum(r.completion_tokens for r in self.results.values()))
+        firsts = [r for i, r in self.results.items() if i % self.job.n == 0]  # one per prompt
+        return O.usage(sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in self.results.values()),
+                       sum(r.cached_tokens for r in firsts))
 
     # ---- streaming -------------------------------------------------------------------------
     def _chunk(self, choice: dict) -> str:

@@ -453,7 +453,8 @@ class DoneReply(Message):
               "abort_reason": (nullable(one_of(ABORT_REASONS)), False),
               "logprobs": (nullable(logprobs_list), False),
               "prompt_logprobs": (nullable(prompt_logprobs_list), False),
-              "completions": (nullable(completions_list), False)}
+              "completions": (nullable(completions_list), False),
+              "cached_tokens": (nullable(count), False)}
     id: str
     finish_reason: str
     prompt_tokens: int
@@ -464,6 +465,7 @@ class DoneReply(Message):
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # unless an earlier delta carried them
     completions: list | None = None      # n > 1: every completion (the fields above: the first's)
+    cached_tokens: int | None = None     # prompt tokens served from the prefix cache
 
 
 @dataclass

@@ -142,6 +142,7 @@ class _Request:
     stream: bool
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first completion's)
     arrival: float = 0.0
     last_token: float | None = None
     n: int = 1
@@ -680,6 +681,8 @@ class Server:
                 continue
             if out.num_prompt_tokens:
                 req.prompt_tokens = out.num_prompt_tokens
+            if out.index == 0 and out.num_cached_tokens:
+                req.cached_tokens = out.num_cached_tokens
             req.completion_tokens += len(out.new_token_ids)
             if out.new_token_ids:
                 metrics.on_tokens(len(out.new_token_ids), now, req.arrival, req.last_token, out.queue_time)
@@ -721,7 +724,7 @@ class Server:
         first = min(req.done, key=lambda c: c["index"])
         done = P.DoneReply(req.client_id, first["finish_reason"], req.prompt_tokens,
                            sum(c["completion_tokens"] for c in req.done) or req.completion_tokens,
-                           abort_reason=None, prompt_logprobs=req.prompt_logprobs)
+                           abort_reason=None, prompt_logprobs=req.prompt_logprobs, cached_tokens=req.cached_tokens)
         if not req.stream:
             done.text, done.token_ids, done.logprobs = first["text"], first["token_ids"], first["logprobs"]
         if req.n > 1:
@@ -734,7 +737,7 @@ class Server:
         self._close(req)
         self.engine.abort_request(req.engine_id)
         done = P.DoneReply(req.client_id, "abort", req.prompt_tokens, req.completion_tokens,
-                           abort_reason=reason)
+                           abort_reason=reason, cached_tokens=req.cached_tokens)
         if not req.stream:
             text_parts, token_ids, _ = req.parts.get(0, ([], [], []))
             done.text, done.token_ids = "".join(text_parts), token_ids

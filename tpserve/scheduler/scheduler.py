@@ -402,6 +402,8 @@ class Scheduler:
                 # Fully cached: recompute the last token for its logits (slot -1, see build_plan).
                 seq.num_cached_tokens = len(seq) - 1
             self.prefix_cache_hit_tokens += seq.num_cached_tokens
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = seq.num_cached_tokens
             remaining = len(seq) - seq.num_cached_tokens
             n = min(remaining, budget)
             seq.num_scheduled_tokens = n

@@ -41,7 +41,8 @@ class Sequence:
                  "block_size", "status", "is_prefill", "num_scheduled_tokens", "block_table",
                  "_num_cached_tokens", "_cached_follows_len", "num_prefix_hit_tokens",
                  "num_hashed_blocks", "block_hashes", "finish_reason", "slot", "bad_words_ids",
-                 "num_prompt_logprobs_done", "grammar", "proposer_state", "priority", "deadline")
+                 "num_prompt_logprobs_done", "grammar", "proposer_state", "priority", "deadline",
+                 "num_cached_prompt_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16,
@@ -61,6 +62,9 @@ class Sequence:
         self._cached_follows_len = False
         # Tokens covered by prefix-cache blocks at admission; their KV is never rewritten.
         self.num_prefix_hit_tokens = 0
+        # Prompt tokens whose KV came from the prefix cache at the first admission (None before
+        # it): what a request reports as cached (OpenAI's usage.prompt_tokens_details).
+        self.num_cached_prompt_tokens: int | None = None
         # Leading blocks of block_table that are registered in the prefix cache.
         self.num_hashed_blocks = 0
         # Chained hashes of this sequence's full blocks, computed once (contents never change).
