@@ -72,7 +72,7 @@ import zmq
 from tpserve.daemon import protocol as P
 from tpserve.daemon.engine_api import ServingEngine
 from tpserve.daemon.fair_queue import FairQueue
-from tpserve.daemon.kv_events import KVEventPublisher, KVEventsOptions
+from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.listener import Listener
 from tpserve.daemon.metrics import ServingMetrics
 from tpserve.daemon.outbox import Peer, Peers
