@@ -62,7 +62,7 @@ class Served(soak.Daemon):
         deadline = time.monotonic() + LONG
         with self.zmq() as c:
             while not condition(s := c.status()):
-                assert time.monotonic() < deadline, (what, s)
+                assert time.monotonic() < deadline, (what, s, self.log_text()[-3000:])
                 time.sleep(0.005)
         return s
 

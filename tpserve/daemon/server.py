@@ -724,7 +724,7 @@ class Server:
         first = min(req.done, key=lambda c: c["index"])
         done = P.DoneReply(req.client_id, first["finish_reason"], req.prompt_tokens,
                            sum(c["completion_tokens"] for c in req.done) or req.completion_tokens,
-                           abort_reason=None, prompt_logprobs=req.prompt_logprobs, cached_tokens=req.cached_tokens)
+                           abort_reason=None, prompt_logprobs=req.prompt_logprobs, cached_tokens=req.cached_tokens or None)
         if not req.stream:
             done.text, done.token_ids, done.logprobs = first["text"], first["token_ids"], first["logprobs"]
         if req.n > 1:
@@ -737,7 +737,7 @@ class Server:
         self._close(req)
         self.engine.abort_request(req.engine_id)
         done = P.DoneReply(req.client_id, "abort", req.prompt_tokens, req.completion_tokens,
-                           abort_reason=reason, cached_tokens=req.cached_tokens)
+                           abort_reason=reason, cached_tokens=req.cached_tokens or None)
         if not req.stream:
             text_parts, token_ids, _ = req.parts.get(0, ([], [], []))
             done.text, done.token_ids = "".join(text_parts), token_ids
