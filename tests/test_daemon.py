@@ -901,6 +901,46 @@ def test_a_message_that_comes_before_its_accept_was_drained_is_kept():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_new_connection_on_the_descriptor_of_one_that_closed_is_not_taken_for_it():
+    """A client closes and the next one gets its descriptor, both between two of the serving
+    loop's drains of the monitor events: the new client's message must not be tied to the old
+    connection (whose close, drained next, would then drop the new client's requests)."""
+    d = short_tmpdir()
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    connections = Connections(router)
+
+    def connect():
+        client = Raw(f"ipc://{d}/r.sock")
+        client.send_msg(P.PingRequest(id="p"))
+        assert router.poll(5000)
+        return client, router.recv_multipart(copy=False)
+    try:
+        router.bind(f"ipc://{d}/r.sock")
+        old, a = connect()
+        assert connections.attach(a[0].bytes, a[-1]) and connections.drain_events() == []
+        # The clients live in this process too, so the kernel may hand the freed descriptor to a
+        # client's own socket: try until the daemon's side gets it back.
+        for _ in range(50):
+            old.close()
+            time.sleep(0.05)  # the daemon's side of the old connection closes its descriptor
+            new, b = connect()
+            if b[-1].get(zmq.SRCFD) == a[-1].get(zmq.SRCFD):
+                break
+            assert connections.attach(b[0].bytes, b[-1])
+            connections.drain_events()
+            old, a = new, b
+        else:
+            raise AssertionError("no new connection got a closed one's descriptor in 50 tries")
+        assert connections.attach(b[0].bytes, b[-1])
+        gone = connections.drain_events()
+        assert a[0].bytes in gone and b[0].bytes not in gone
+        new.close()
+    finally:
+        connections.close()
+        router.close(0)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_a_connection_with_many_queued_requests_does_not_hold_up_another():
     """One connection queues 500 requests; another's request, sent after them, is served after
     a few of them, not after all (the scheduler alone serves first come, first served)."""

@@ -9,14 +9,16 @@ ids of a connection that closed.
 
 Descriptors are reused by the kernel, so each accepted connection is a new ``Connection``
 object: a routing id is tied to the object current for its descriptor when its message is
-handled. An accept is reported before any message of that connection can arrive, but it may
-reach the monitor after the loop last drained it: a message from a descriptor not known yet
-drains the events again before it counts as coming from a closed connection, so a message is
-never tied to an older connection on the same descriptor. The monitor's queue is unbounded:
-a lost accept would make a live connection look closed. (One race is left: a message read
-from the socket before its connection closed, but handled after a new connection got the same
-descriptor, is tied to the new one; its requests then end when their first reply finds the
-peer gone.)
+handled. ZeroMQ reports a connection's close before it frees the descriptor, and an accept
+before any message of that connection can arrive, but both may reach the monitor after the
+loop last drained it: so every message drains the pending events before it is tied (one
+non-blocking read when there are none). A client that closes and the next one that gets its
+descriptor, both between two drains, are then told apart; tying the new one's message to the
+old connection made the old one's close drop the new client's requests. The monitor's queue is
+unbounded: a lost accept would make a live connection look closed. (One race is left: a
+message read from the socket before its connection closed, but handled after a new connection
+got the same descriptor, is tied to the new one; its requests then end when their first reply
+finds the peer gone.)
 
 Messages of transports without descriptors (inproc) are not tracked (``fd`` -1).
 """
@@ -89,12 +91,12 @@ class Connections:
             return True
         if fd < 0:
             return True
+        # The events queued before this message arrived first: the descriptor's connection may
+        # have closed and a new one (this message's) taken the descriptor since the last drain.
+        self._read_events()
         conn = self._by_fd.get(fd)
-        if conn is None:  # accepted since the events were last drained, or closed
-            self._read_events()
-            conn = self._by_fd.get(fd)
-            if conn is None:
-                return False
+        if conn is None:  # its connection closed
+            return False
         conn.identities.add(identity)
         return True
 
