@@ -12,7 +12,9 @@ AsyncClient to the daemon (grpc_front.py):
   ``SamplingParams`` become a ``generate``. Unset proto3 scalars mean vLLM's defaults, as
   vLLM's own servicer reads them (``top_p`` 0 → 1, ``repetition_penalty`` 0 → 1, ``n`` 0 → 1,
   ``max_tokens`` unset → up to the context). The constraint oneof becomes
-  ``structured_outputs``. Streamed: one ``chunk`` per delta (its token ids, ``completion_tokens``
+  ``structured_outputs``; tpserve constrains from the first token (it has no engine-side
+  reasoning parser to wait for), which is what ``grammar_from_first_token`` asks, set or not.
+  ``tokenized.original_text`` is for reference only, as the proto says. Streamed: one ``chunk`` per delta (its token ids, ``completion_tokens``
   the delta's count, logprobs, prompt logprobs in the first), then one ``complete`` per
   completion (finish reason, counts; its ``output_ids`` empty: the chunks carried them).
   Not streamed: one ``complete`` per completion with every token. Fields tpserve has nothing
@@ -33,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import json
 import logging
 import time
 import zipfile
@@ -47,7 +48,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as VG
 import tpserve
 from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.daemon.kv_relay import KvRelay
-from tpserve.daemon.router_api import load_snapshot
+from tpserve.daemon.router_api import load_snapshot, model_json
 from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.sampling import SamplingParams, StructuredOutputsParams
 
@@ -208,15 +209,8 @@ class GrpcFront:
         self.restarts = 0
         self.last_exit: str | None = None
         self._tokenizer: tuple[bytes, str] | None = None
-        self.config = self._json("config.json")
-        self.generation = self._json("generation_config.json")
-
-    def _json(self, name: str) -> dict:
-        try:
-            with open(Path(self.model_path) / name) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
+        self.config = model_json(model_path)
+        self.generation = model_json(model_path, "generation_config.json")
 
     async def status(self, context) -> dict:
         try:

@@ -171,7 +171,7 @@ async def serve(args, api_key: str | None, stop: asyncio.Event | None = None, on
         for s in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(s, stop.set)
         freeze_heap()
-    watch = UpstreamWatch(front, getattr(args, "upstream_timeout", DEFAULT_UPSTREAM_TIMEOUT))
+    watch = UpstreamWatch(front, args.upstream_timeout)
     watch.start()
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter] + ([feed_task] if feed_task is not None else [])

@@ -56,21 +56,21 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
 FORMATS = ("map", "array")
+#: Each event's fields after its tag, in the order of the "array" format.
+EVENT_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
 
 
 def encode_event(event, format: str = "map") -> dict | list:
     """One event as vLLM's tagged struct: a map with ``"type"`` first, or (``"array"``) the
     positional array of earlier vLLM releases."""
-    if isinstance(event, BlockStored):
-        fields = {"block_hashes": event.block_hashes, "parent_block_hash": event.parent_block_hash,
-                  "token_ids": event.token_ids, "block_size": event.block_size, "lora_id": None,
-                  "medium": MEDIUM, "lora_name": None}
-    elif isinstance(event, BlockRemoved):
-        fields = {"block_hashes": event.block_hashes, "medium": MEDIUM}
-    else:
-        assert isinstance(event, AllBlocksCleared), event
-        fields = {}
+    assert isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)), event
+    values = {**event._asdict(), "lora_id": None, "medium": MEDIUM, "lora_name": None}
     tag = type(event).__name__
+    fields = {name: values[name] for name in EVENT_FIELDS[tag]}
     return [tag, *fields.values()] if format == "array" else {"type": tag, **fields}
 
 

@@ -43,6 +43,8 @@ import zmq
 import zmq.asyncio
 from smg_grpc_proto.generated import common_pb2 as C
 
+from tpserve.daemon.kv_events import EVENT_FIELDS
+
 log = logging.getLogger("tpserve.grpc")
 
 _TWO_64 = 1 << 64
@@ -68,9 +70,7 @@ def decode_events(payload: bytes) -> tuple[float, list[tuple]]:
             fields = e
         else:
             kind = e[0]
-            names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-                     "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}.get(kind, ())
-            fields = dict(zip(names, e[1:]))
+            fields = dict(zip(EVENT_FIELDS.get(kind, ()), e[1:]))
         if kind == "BlockStored":
             events.append(("stored", list(fields["block_hashes"]), fields["parent_block_hash"],
                            list(fields["token_ids"]), int(fields["block_size"])))
@@ -81,6 +81,14 @@ def decode_events(payload: bytes) -> tuple[float, list[tuple]]:
         else:
             raise ValueError(f"unknown KV event type {kind!r}")
     return float(ts), events
+
+
+def _stored(blocks: list, parent: int | None) -> C.KvCacheEvent:
+    stored = C.KvBlocksStored(blocks=blocks, tier=C.KV_CACHE_TIER_DEVICE, locality=C.KV_CACHE_LOCALITY_LOCAL,
+                              medium="GPU")
+    if parent is not None:
+        stored.parent_block_hash = wire_hash(parent)
+    return C.KvCacheEvent(stored=stored)
 
 
 class Subscriber:
@@ -118,11 +126,7 @@ class KvRelay:
                     chunk = tuple(tokens[i * size:(i + 1) * size])
                     self.blocks[h] = (parent if i == 0 else hashes[i - 1], chunk, size)
                     blocks.append(C.KvBlock(block_hash=wire_hash(h), token_ids=chunk, block_size=size))
-                stored = C.KvBlocksStored(blocks=blocks, tier=C.KV_CACHE_TIER_DEVICE,
-                                          locality=C.KV_CACHE_LOCALITY_LOCAL, medium="GPU")
-                if parent is not None:
-                    stored.parent_block_hash = wire_hash(parent)
-                out.append(C.KvCacheEvent(stored=stored))
+                out.append(_stored(blocks, parent))
             elif e[0] == "removed":
                 for h in e[1]:
                     self.blocks.pop(h, None)
@@ -205,11 +209,8 @@ class KvRelay:
         events = [C.KvCacheEvent(cleared=C.KvCacheCleared())]
         for h in sorted(self.blocks, key=depth.__getitem__):
             parent, tokens, size = self.blocks[h]
-            stored = C.KvBlocksStored(blocks=[C.KvBlock(block_hash=wire_hash(h), token_ids=tokens, block_size=size)],
-                                      tier=C.KV_CACHE_TIER_DEVICE, locality=C.KV_CACHE_LOCALITY_LOCAL, medium="GPU")
-            if parent is not None and parent in self.blocks:
-                stored.parent_block_hash = wire_hash(parent)
-            events.append(C.KvCacheEvent(stored=stored))
+            events.append(_stored([C.KvBlock(block_hash=wire_hash(h), token_ids=tokens, block_size=size)],
+                                  parent if parent in self.blocks else None))
         return C.KvEventBatch(sequence_number=seq, timestamp=time.time(), events=events, dp_rank=0,
                               snapshot=C.KvSnapshotChunk(index=0, count=count, blocks=len(self.blocks)))
 
@@ -249,7 +250,7 @@ class KvEventsFeed:
         sub.connect(self.endpoint)
         replay = None
         try:
-            replay = await self._ask_replay(None)
+            replay = await self._ask_replay()
             while True:
                 poller = zmq.asyncio.Poller()
                 poller.register(sub, zmq.POLLIN)
@@ -276,13 +277,13 @@ class KvEventsFeed:
                     seq = int.from_bytes(frames[1], "big")
                     self._take(seq, frames[2])
                     if replay is None and not self._waiting_resync and self._pending:
-                        replay = await self._ask_replay(replay)
+                        replay = await self._ask_replay()
         finally:
             sub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
 
-    async def _ask_replay(self, old):
+    async def _ask_replay(self):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)

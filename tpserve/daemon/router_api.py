@@ -70,9 +70,10 @@ def load_snapshot(stats: dict) -> dict:
     }
 
 
-def _model_config(model_path: str) -> dict:
+def model_json(model_path: str, name: str = "config.json") -> dict:
+    """A JSON file of the model directory (config.json by default); {} when unreadable."""
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
+        with open(os.path.join(model_path, name)) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
@@ -82,7 +83,7 @@ def make_router(front, authorize) -> APIRouter:
     """The endpoints above for one front (http_app.Front); ``authorize`` is its API-key check."""
     router = APIRouter()
     private = APIRouter(dependencies=[Depends(authorize)])
-    config = _model_config(front.model_path)
+    config = model_json(front.model_path)
 
     async def status() -> dict:
         try:
