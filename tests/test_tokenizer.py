@@ -187,6 +187,168 @@ def test_the_tokenizer_process_is_restarted_after_dying_and_refuses_after_close(
         proc.encode("x")
 
 
+def _long_text(chars: int) -> str:
+    return " ".join(f"token{i % 89} text{i % 13}," for i in range(chars // 16))[:chars]
+
+
+def _child_state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped; "" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def test_the_tokenizer_process_answers_whole_though_stopped_and_continued():
+    """A stop signal cuts a large pipe write short (SIGSTOP/SIGCONT: the duty cycle, an
+    operator, a debugger); the child's reply still arrives whole, and the next one too."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tpserve.tokenizer import TokenizerProcess
+    text = _long_text(400_000)
+    expected = load_tokenizer(DEFAULT_MODEL).encode(text, add_special_tokens=False)
+    proc = TokenizerProcess(DEFAULT_MODEL)
+    got, done = [], threading.Event()
+
+    def encode_all():
+        try:
+            for _ in range(3):
+                got.append(proc.encode(text) == expected)
+        finally:
+            done.set()
+    try:
+        proc.encode("x")
+        child = proc.pid
+        worker = threading.Thread(target=encode_all, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60  # three encodes take a few seconds
+        while not done.is_set() and time.monotonic() < deadline:
+            os.kill(child, signal.SIGSTOP)
+            done.wait(0.0006)
+            os.kill(child, signal.SIGCONT)
+            done.wait(0.0014)
+        os.kill(child, signal.SIGCONT)
+        worker.join(30)
+        assert got == [True, True, True]
+    finally:
+        proc.close()  # a reply that never came: its encode fails, and the worker ends
+
+
+def test_a_cpu_share_runs_the_child_on_a_duty_cycle_and_never_leaves_it_stopped():
+    import threading
+
+    from tpserve.tokenizer import TokenizerProcess
+    text = _long_text(300_000)
+    expected = load_tokenizer(DEFAULT_MODEL).encode(text, add_special_tokens=False)
+    proc = TokenizerProcess(DEFAULT_MODEL)
+    try:
+        proc.encode("x")
+        child = proc.pid
+        for share in (0.5, 1.0):
+            proc.cpu_share = share
+            states, done = set(), threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    states.add(_child_state(child))
+                    done.wait(0.001)
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                assert proc.encode(text) == expected
+            finally:
+                done.set()
+                sampler.join()
+            assert ("T" in states) == (share < 1.0), (share, states)
+            assert _child_state(child) in ("S", "R")  # running or waiting for the next text
+    finally:
+        proc.close()
+
+
+def test_a_stopped_tokenizer_process_dies_with_its_parent():
+    """Its parent may hold it stopped; however the parent dies, the child does not stay behind."""
+    import os
+    import signal
+
+    from tpserve.procs import pid_alive, wait_gone
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from tpserve.tokenizer import TokenizerProcess
+        proc = TokenizerProcess({DEFAULT_MODEL!r})
+        proc.encode("x")
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.waitpid(proc.pid, os.WUNTRACED)  # returns once it is stopped
+        print(proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _child_state(child) == "T"
+        parent.kill()
+        parent.wait()
+        assert wait_gone([child], 30), f"the tokenizer process {child} outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert not pid_alive(child)
+
+
+def test_the_daemon_holds_its_tokenizer_to_a_share_of_a_core_while_others_run():
+    """While another request runs, the daemon's tokenizer process takes CONTENDED_CPU_SHARE of
+    its core; once the long prompt is tokenized it has a whole core again."""
+    import time
+
+    from tpserve.daemon import protocol as P
+    from tpserve.daemon.tokenizing import CONTENDED_CPU_SHARE
+    from tpserve.tokenizer import TokenizerProcess
+    from test_daemon import Raw, gen
+
+    class Busy(_OnDisk):
+        def __init__(self):
+            super().__init__()
+            self.step_delay = 0.005
+    engine = Busy()
+    seen = []
+
+    def reply_to(r, rid):
+        while True:
+            m = r.recv(60)
+            assert m is not None, f"no reply to {rid}"
+            if m.id == rid:
+                return m
+    original = TokenizerProcess._await_reply
+
+    def watched(self, proc):
+        deadline = time.monotonic() + 30
+        while self.cpu_share == 1.0 and time.monotonic() < deadline:  # the loop's next turn sets it
+            time.sleep(0.005)
+        seen.append(self.cpu_share)
+        return original(self, proc)
+    TokenizerProcess._await_reply = watched
+    try:
+        with ServerThread(engine) as s:
+            r = Raw(s.address)
+            try:
+                r.send_msg(gen("running", [5, 6, 7], max_tokens=100_000))
+                assert r.recv().id == "running"  # its first delta: it runs
+                r.send_msg(P.TokenizeRequest("long", _long_text(200_000)))
+                reply = reply_to(r, "long")
+                assert list(reply.token_ids) == engine.tokenize(_long_text(200_000))
+                assert seen[-1] == CONTENDED_CPU_SHARE < 1.0
+                r.send_msg(P.PingRequest(id="p"))  # a turn after it: the share is whole again
+                reply_to(r, "p")
+                assert s.server._tokenizer_process.cpu_share == 1.0
+            finally:
+                r.close()
+            assert s.stop() == 0
+    finally:
+        TokenizerProcess._await_reply = original
+
+
 def test_the_tokenizer_process_yields_the_cpu_to_other_sessions_too():
     """Under autogroup scheduling a nice value only ranks a process within its session, and the
     HTTP front runs in a session of its own: the child takes a session of its own and lowers

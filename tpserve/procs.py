@@ -1,14 +1,16 @@
 """Process helpers shared by the daemon and the workers: liveness and killing a process tree,
-and freezing a serving process's start-up heap.
+freezing a serving process's start-up heap, and a child's death with its parent.
 
 Linux first: both read /proc. Where there is no procfs, liveness falls back to ``kill(pid, 0)``
 and no descendants can be found.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,19 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process ``sig`` when its parent dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; strictly, when the parent's thread that started it ends). SIGKILL for a
+    process its parent may hold stopped: a stopped process keeps any other signal pending."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        sys.exit(1)
 
 
 def pid_alive(pid: int) -> bool:

@@ -24,10 +24,13 @@ import array
 import json
 import logging
 import os
+import select
+import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -100,14 +103,26 @@ class TokenizerProcess:
     it died. ``close`` kills it; it also exits when its stdin closes, which the kernel does when
     this process dies, so it never outlives its parent for longer than the encode it is in.
 
+    ``cpu_share`` (set from any thread, read at every period) caps the share of one core the
+    child takes while it encodes: below 1 the waiting thread runs it on a duty cycle, stopped
+    (SIGSTOP) for ``1 - cpu_share`` of every ``DUTY_PERIOD_S``. A nice value cannot keep a
+    machine's last core free: once every core is busy a virtual machine can be descheduled by
+    its host for whole periods (measured on a 2-vCPU VM: two busy processes made every other
+    process miss 100 ms at a time, one busy process none), and a parallel region waits for its
+    slowest thread. The child dies with its parent's thread (PR_SET_PDEATHSIG), so a stopped
+    child does not outlive a killed parent.
+
     Wire (the child's stdin and stdout): each message is a 4-byte little-endian length and a
     msgpack value: ``[text, add_special_tokens]``, answered by ``{"ids": int32 bytes}`` or
     ``{"error": text}``.
     """
 
+    DUTY_PERIOD_S = 0.02
+
     def __init__(self, path, niceness: int = 10):
         self.path = str(path)
         self.niceness = niceness
+        self.cpu_share = 1.0
         self._proc = None
         self._lock = threading.Lock()  # one request at a time on the pipes
         self._spawn_lock = threading.Lock()  # starting vs closing: no child after close()
@@ -124,6 +139,7 @@ class TokenizerProcess:
             proc = self._running()
             try:
                 _write_frame(proc.stdin, msgpack.packb([text, bool(add_special_tokens)]))
+                self._await_reply(proc)
                 frame = _read_frame(proc.stdout)
             except OSError:
                 frame = None
@@ -138,6 +154,23 @@ class TokenizerProcess:
         ids = array.array("i")
         ids.frombytes(reply["ids"])
         return ids if packed else ids.tolist()
+
+    def _await_reply(self, proc) -> None:
+        """Return once the child's reply starts (or it exited), holding it to ``cpu_share`` of
+        a core meanwhile; the child is never left stopped."""
+        period = self.DUTY_PERIOD_S
+        while True:
+            share = min(1.0, max(0.05, float(self.cpu_share)))
+            readable, _, _ = select.select([proc.stdout], [], [], period * share)
+            if readable or proc.poll() is not None:
+                return
+            if share >= 1.0:
+                continue
+            proc.send_signal(signal.SIGSTOP)  # not once it is reaped: its pid may be another's
+            try:
+                time.sleep(period * (1.0 - share))
+            finally:
+                proc.send_signal(signal.SIGCONT)
 
     def warm_up(self) -> None:
         """Start the child and load its tokenizer (blocks); errors are logged, not raised."""
@@ -176,6 +209,7 @@ class TokenizerProcess:
             # own) it would take half the cores from the engine's session however niced.
             n = int(self.niceness)
             code = (f"import os, sys; os.nice({n})\n"
+                    f"from tpserve.procs import die_with_parent; die_with_parent({os.getpid()}, {int(signal.SIGKILL)})\n"
                     "try:\n"
                     f"    with open('/proc/self/autogroup', 'w') as f: f.write('{n}')\n"
                     "except OSError:\n"
@@ -208,6 +242,16 @@ def _write_frame(f, payload: bytes) -> None:
     f.flush()
 
 
+def _write_frame_to_fd(fd: int, payload: bytes) -> None:
+    """The child's reply, written with ``os.write`` until every byte is out. A buffered writer
+    can lose the tail of a large write that a stop signal cut short (SIGSTOP and SIGCONT, from
+    the parent's duty cycle, an operator or a debugger, make a pipe write return early), and
+    the parent would then wait for bytes that never come."""
+    view = memoryview(struct.pack("<I", len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _read_frame(f) -> bytes | None:
     """One message, or None at end of stream."""
     head = f.read(4)
@@ -221,7 +265,7 @@ def _read_frame(f) -> bytes | None:
 def _serve(path: str) -> int:
     """The child's loop: one text in, its ids out, until stdin closes."""
     tokenizer = load_tokenizer(path)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin, stdout = sys.stdin.buffer, sys.stdout.fileno()
     sys.stdout = sys.stderr  # nothing but frames on the pipe
     while (frame := _read_frame(stdin)) is not None:
         try:
@@ -230,6 +274,6 @@ def _serve(path: str) -> int:
             reply = {"ids": array.array("i", ids).tobytes()}
         except Exception as e:  # the parent turns it into the request's error
             reply = {"error": f"{type(e).__name__}: {e}"[:1024]}
-        _write_frame(stdout, msgpack.packb(reply))
+        _write_frame_to_fd(stdout, msgpack.packb(reply))
     return 0
 

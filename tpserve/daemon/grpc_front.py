@@ -30,11 +30,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpserve.daemon.http_front import (DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, HttpFrontError, _die_with_parent,
+from tpserve.daemon.http_front import (DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, HttpFrontError,
                                        front_arguments, is_loopback_host)
 from tpserve.daemon.kv_events import KVEventsOptions
 from tpserve.daemon.runtime import InsecureAddressError
-from tpserve.procs import freeze_heap
+from tpserve.procs import die_with_parent, freeze_heap
 
 log = logging.getLogger("tpserve.grpc")
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
     api_key = os.environ.get("TPSERVE_API_KEY") or None
     check_grpc_host(args.host, api_key)
     return asyncio.run(serve(args, api_key))

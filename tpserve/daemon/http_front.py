@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import select
@@ -53,7 +52,7 @@ from dataclasses import dataclass
 
 from tpserve.daemon.runtime import InsecureAddressError, is_loopback_tcp
 from tpserve.errors import TpserveError
-from tpserve.procs import freeze_heap
+from tpserve.procs import die_with_parent, freeze_heap
 
 log = logging.getLogger("tpserve.http")
 
@@ -287,17 +286,6 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 # ---- the front process's main --------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGTERM this process when the daemon dies, however it dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # it died before prctl took effect
-        sys.exit(1)
-
-
 def front_arguments(prog: str, description: str) -> argparse.ArgumentParser:
     """The argv every front process takes from FrontProcess (its subclass adds its own)."""
     ap = argparse.ArgumentParser(prog=prog, description=description)
@@ -327,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpserve.daemon import quiet_log
     quiet_log.install()
     if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
     api_key = os.environ.get("TPSERVE_API_KEY") or None
     check_http_host(args.host, api_key)
     import uvicorn

@@ -77,7 +77,7 @@ from tpserve.daemon.listener import Listener
 from tpserve.daemon.metrics import ServingMetrics
 from tpserve.daemon.outbox import Peer, Peers
 from tpserve.daemon.profiling import ProfileRecorder
-from tpserve.daemon.tokenizing import PromptTokenizer
+from tpserve.daemon.tokenizing import CONTENDED_CPU_SHARE, PromptTokenizer
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError
 from tpserve.sampling import SamplingParams
 from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError
@@ -333,8 +333,13 @@ class Server:
         self.peers.flush()
 
     def _lend_cores(self) -> None:
-        """While the tokenizer works it takes a core: the engine leaves it one (tokenizing.py)."""
-        want = 1 if self._tokenizer.busy else 0
+        """While the tokenizer works it takes a core: the engine leaves it one (tokenizing.py),
+        and while other requests run the tokenizer process takes only part of it."""
+        busy = self._tokenizer.busy
+        proc = self._tokenizer_process
+        if proc is not None:
+            proc.cpu_share = CONTENDED_CPU_SHARE if busy and self.engine.has_unfinished() else 1.0
+        want = 1 if busy else 0
         if want != self._cores_lent:
             self._cores_lent = want
             try:

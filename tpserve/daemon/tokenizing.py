@@ -11,7 +11,11 @@ neither the GIL nor a core is taken from the loop. A job's completion wakes the 
 
 While the worker works (``busy``) the tokenizer takes a core, so the Server lends the engine's
 one (Engine.lend_cores): a CPU engine runs one thread per core, and a thread sharing its core
-with a busy process delays every parallel region of every step.
+with a busy process delays every parallel region of every step. While other requests run, the
+tokenizer process also takes only ``CONTENDED_CPU_SHARE`` of that core (its duty cycle,
+TokenizerProcess.cpu_share): with every core busy, a virtual machine's host can take whole
+scheduling periods from it, stalling every stream by 100 ms at a time. The long prompt is then
+tokenized at half speed, and the others stream on as before.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 log = logging.getLogger("tpserve.daemon")
+
+CONTENDED_CPU_SHARE = 0.5  # of one core, for the tokenizer process while other requests run
 
 
 @dataclass
