@@ -901,6 +901,20 @@ def test_a_message_that_comes_before_its_accept_was_drained_is_kept():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_connections_made_one_after_another_in_a_process_each_get_their_monitor():
+    """A closed ROUTER's monitor endpoint stays bound until ZeroMQ reaps it: a new Connections
+    (a new Server in the same process) must not ask for the same name. It did when the name
+    came from id(), which Python hands out again at once; every later server then failed."""
+    context = zmq.Context.instance()
+    for _ in range(20):
+        router = context.socket(zmq.ROUTER)
+        try:
+            connections = Connections(router)  # raised "Address already in use" from the second on
+            connections.close()
+        finally:
+            router.close(0)
+
+
 def test_a_new_connection_on_the_descriptor_of_one_that_closed_is_not_taken_for_it():
     """A client closes and the next one gets its descriptor, both between two of the serving
     loop's drains of the monitor events: the new client's message must not be tied to the old

@@ -24,7 +24,9 @@ Messages of transports without descriptors (inproc) are not tracked (``fd`` -1).
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -32,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 log = logging.getLogger("tpserve.daemon")
 
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_MONITOR_SERIALS = itertools.count()
 
 
 class Connection:
@@ -50,8 +53,11 @@ class Connections:
     Made before the socket binds, so that no accept goes unseen."""
 
     def __init__(self, sock: zmq.Socket):
-        address = f"inproc://tpserve-monitor-{id(self):x}"
+        # Unique in the process: a closed socket's monitor endpoint stays bound until ZeroMQ's
+        # reaper gets to it, so a name made of id(self), which Python reuses at once, could clash.
+        address = f"inproc://tpserve-monitor-{os.getpid()}-{next(_MONITOR_SERIALS)}"
         sock.monitor(address, EVENTS)
+        self._sock = sock
         self.monitor = sock.context.socket(zmq.PAIR)
         self.monitor.setsockopt(zmq.RCVHWM, 0)  # 0 on either side: the inproc pipe is unbounded
         self.monitor.connect(address)
@@ -101,4 +107,8 @@ class Connections:
         return True
 
     def close(self) -> None:
+        try:
+            self._sock.disable_monitor()  # releases the inproc endpoint now
+        except zmq.ZMQError:  # the ROUTER is closed already
+            pass
         self.monitor.close(linger=0)
