@@ -138,7 +138,7 @@ class TokenizerProcess:
         with self._lock:
             proc = self._running()
             try:
-                _write_frame(proc.stdin, msgpack.packb([text, bool(add_special_tokens)]))
+                _write_frame(proc.stdin.fileno(), msgpack.packb([text, bool(add_special_tokens)]))
                 self._await_reply(proc)
                 frame = _read_frame(proc.stdout)
             except OSError:
@@ -237,16 +237,11 @@ class TokenizerProcess:
 _CHILD_EXIT_S = 2.0
 
 
-def _write_frame(f, payload: bytes) -> None:
-    f.write(struct.pack("<I", len(payload)) + payload)
-    f.flush()
-
-
-def _write_frame_to_fd(fd: int, payload: bytes) -> None:
-    """The child's reply, written with ``os.write`` until every byte is out. A buffered writer
-    can lose the tail of a large write that a stop signal cut short (SIGSTOP and SIGCONT, from
-    the parent's duty cycle, an operator or a debugger, make a pipe write return early), and
-    the parent would then wait for bytes that never come."""
+def _write_frame(fd: int, payload: bytes) -> None:
+    """One message, written with ``os.write`` until every byte is out (both directions). A
+    buffered writer can lose the tail of a large write that a stop signal cut short (SIGSTOP
+    and SIGCONT, from the parent's duty cycle, an operator or a debugger, make a pipe write
+    return early), and the reader would then wait for bytes that never come."""
     view = memoryview(struct.pack("<I", len(payload)) + payload)
     while view:
         view = view[os.write(fd, view):]
@@ -274,6 +269,6 @@ def _serve(path: str) -> int:
             reply = {"ids": array.array("i", ids).tobytes()}
         except Exception as e:  # the parent turns it into the request's error
             reply = {"error": f"{type(e).__name__}: {e}"[:1024]}
-        _write_frame_to_fd(stdout, msgpack.packb(reply))
+        _write_frame(stdout, msgpack.packb(reply))
     return 0
 
