@@ -21,13 +21,16 @@ CASES = {  # name: (make_tiny_model overrides, dtype, --quantization)
 }
 
 
-def _decode_logits(path, dtype, quant, fused: bool):
+def _decode_logits(path, dtype, quant, fused: bool, stack: bool = True):
     model = tpserve_model(path, backend="cpu", dtype=dtype, quantization=quant)
     prepack_model(model)
     prompts = random_prompts([9, 4, 17], 384, seed=3)
     kv = PagedKV(model, len(prompts), 40)
     if fused:
         assert model.enable_fused_decode() is None
+        assert model.fused_decode.stack is not None  # one process: the whole stack in one call
+        if not stack:
+            model.fused_decode.stack = None  # the layer-by-layer calls tensor parallelism takes
     out = []
     for new in [prompts] + [[[t] for t in row] for row in ([5, 7, 9], [11, 13, 15], [2, 3, 4])]:
         ids, pos, meta = kv.step(new)
@@ -47,9 +50,38 @@ def test_fused_decode_equals_the_module_path_bit_for_bit(tmp_path, name):
     overrides, dtype, quant = CASES[name]
     path = make_tiny_model(tmp_path, **overrides)
     plain = _decode_logits(path, dtype, quant, fused=False)
-    fused = _decode_logits(path, dtype, quant, fused=True)
-    for a, b in zip(plain, fused):
-        assert torch.equal(a, b)
+    for stack in (True, False):
+        fused = _decode_logits(path, dtype, quant, fused=True, stack=stack)
+        for a, b in zip(plain, fused):
+            assert torch.equal(a, b)
+
+
+def _fused_model_at_a_decode_step(tmp_path):
+    """A packed tiny model with the fused path on, a 3-token prompt run, and the inputs of the
+    decode step after it."""
+    path = make_tiny_model(tmp_path)
+    model = tpserve_model(path, backend="cpu")
+    prepack_model(model)
+    kv = PagedKV(model, 1, 32)
+    assert model.enable_fused_decode() is None
+    ids, pos, meta = kv.step([[5, 6, 7]])
+    model.forward(ids, pos, meta)
+    return (model, *kv.step([[8]]))
+
+
+def test_the_stack_follows_a_reallocated_kv_cache(tmp_path):
+    model, ids, pos, meta = _fused_model_at_a_decode_step(tmp_path)
+    want = model.compute_logits(model.forward(ids, pos, meta))
+    old = model.fused_decode.stack
+    for layer in model.model.layers:  # the same contents in new tensors; the old ones zeroed
+        a = layer.self_attn
+        k, v = a.k_cache.clone(), a.v_cache.clone()
+        a.k_cache.zero_()
+        a.v_cache.zero_()
+        a.k_cache, a.v_cache = k, v
+    got = model.compute_logits(model.forward(ids, pos, meta))
+    assert model.fused_decode.stack is not old
+    assert torch.equal(got, want)
 
 
 def test_models_the_fused_path_cannot_run(tmp_path):
@@ -65,15 +97,23 @@ def test_models_the_fused_path_cannot_run(tmp_path):
     assert torch_backend.fused_decode is None
 
 
-def test_a_bad_block_id_is_refused_before_any_layer(tmp_path):
-    path = make_tiny_model(tmp_path)
-    model = tpserve_model(path, backend="cpu")
-    prepack_model(model)
-    kv = PagedKV(model, 1, 32)
-    assert model.enable_fused_decode() is None
-    ids, pos, meta = kv.step([[5, 6, 7]])
-    model.forward(ids, pos, meta)
-    ids, pos, meta = kv.step([[8]])
+@pytest.mark.parametrize("stack", [True, False])
+def test_a_bad_block_id_is_refused_before_any_layer(tmp_path, stack):
+    model, ids, pos, meta = _fused_model_at_a_decode_step(tmp_path)
+    if not stack:
+        model.fused_decode.stack = None
     meta.block_tables[0, 0] = 10_000
     with pytest.raises(ValueError, match="block_tables: a block"):
         model.forward(ids, pos, meta)
+
+
+def test_a_decode_layer_with_no_rows_is_refused_not_divided_by(tmp_path):
+    model, ids, pos, meta = _fused_model_at_a_decode_step(tmp_path)
+    attn, attn_args, _ = model.fused_decode.layers[0]
+    empty = torch.empty(0, model.model.embed_tokens.embedding_dim)
+    none = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at least one row"):
+        torch.ops.tpserve_cpu.decode_attention(
+            torch.empty_like(empty), torch.empty_like(empty), empty, True, none.long(), attn.k_cache,
+            attn.v_cache, none.long(), torch.empty(0, meta.block_tables.shape[1], dtype=torch.int32),
+            none, *attn_args)
