@@ -117,3 +117,13 @@ def test_a_decode_layer_with_no_rows_is_refused_not_divided_by(tmp_path):
             torch.empty_like(empty), torch.empty_like(empty), empty, True, none.long(), attn.k_cache,
             attn.v_cache, none.long(), torch.empty(0, meta.block_tables.shape[1], dtype=torch.int32),
             none, *attn_args)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_a_token_id_outside_the_vocabulary_is_refused(tmp_path, stack):
+    model, ids, pos, meta = _fused_model_at_a_decode_step(tmp_path)
+    if not stack:
+        model.fused_decode.stack = None
+    ids = torch.full_like(ids, model.model.embed_tokens.num_embeddings)
+    with pytest.raises(IndexError):
+        model.forward(ids, pos, meta)

@@ -113,6 +113,22 @@ class _FloatWork(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_argmax_operator_says_whether_every_row_is_greedy(dtype):
+    assert cpu_extension.available()
+    x = torch.randn(5, 300).to(dtype)
+    ops = torch.ops.tpserve_cpu
+    for temps, want in (([0.0, 0.0, -1.0, 0.0, 0.0], True), ([0.0, 0.0, 0.0, 0.7, 0.0], False),
+                        ([1e-6] * 5, False)):
+        out = torch.full((5,), -7, dtype=torch.long)
+        assert ops.argmax_rows_greedy(out, x, torch.tensor(temps)) is want
+        assert torch.equal(out, x.float().argmax(-1))  # the argmax either way
+    with pytest.raises(ValueError, match="temperatures"):
+        ops.argmax_rows_greedy(out, x, torch.zeros(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="temperatures"):
+        ops.argmax_rows_greedy(out, x, torch.zeros(4))
+
+
 def test_all_greedy_batch_does_no_full_vocabulary_float_work():
     logits = torch.randn(4, 1000).to(torch.bfloat16)
     temps, ks, ps, seeds, steps = args(4, temp=0.0)

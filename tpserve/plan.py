@@ -160,6 +160,7 @@ class StepPlan:
     step_id: int = 0
     # Leading sequences that are decode rows (query length 1, always sampled), as the scheduler
     # knows it: B for a decode plan. -1: not stated (runners count them from cu_seqlens_q).
+    # num_decodes == T == S means every row is sampled, in order (logits_indices is arange(T)).
     num_decodes: int = -1
     # Free-form scalars for control commands (e.g. a profile output path).
     args: dict = field(default_factory=dict)

@@ -7,7 +7,7 @@ one call, ``decode_mlp`` the norm, gate/up, SiLU-and-mul and down projection in 
 (``tpserve/kernels/csrc/cpu_ops.cpp``). They call the very functions the module path calls, in
 the same order, so the logits are bit-identical to it (tests/test_fused_decode.py). With tensor
 parallelism the all-reduce of each half stays here, in Python, between the calls. Without it the
-whole stack, final norm included, is one call of a ``DecodeStack`` built once with every layer's
+whole stack, embedding and final norm included, is one call of a ``DecodeStack`` built once with every layer's
 weights and KV cache (16 op calls fewer per step at 8 layers: each costs 5-9 us of argument
 conversion, against a ~3 ms step of the 40M model; 4% of that step, measured in one process
 alternating the two).
@@ -98,6 +98,7 @@ class FusedDecode:
                             post_w, post_eps, inter, [gd, gs, gc, gb], [gk, dk], [dd, ds, dc, db])
         norm = self.model.model.norm
         stack.set_norm(norm.weight, norm.eps)
+        stack.set_embedding(self.model.model.embed_tokens.weight)
         self._stack_caches = [(a.k_cache, a.v_cache) for a, _, _ in self.layers]
         return stack
 
@@ -107,8 +108,7 @@ class FusedDecode:
         if self.stack is not None:
             if any(a.k_cache is not k for (a, _, _), (k, _) in zip(self.layers, self._stack_caches)):
                 self.stack = self._build_stack()  # the KV cache was reallocated
-            hidden = self.model.model.embed_tokens(input_ids)
-            return self.stack.run(hidden, positions, meta.slot_mapping, meta.block_tables,
+            return self.stack.run(input_ids, positions, meta.slot_mapping, meta.block_tables,
                                   meta.cu_seqlens_q, meta.context_lens)
         a0 = self.layers[0][0]
         ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

@@ -229,7 +229,10 @@ class ModelRunner:
             hidden = self.model(t["input_ids"], t["positions"], self.metadata(plan, t))
         prompt_lp = self._prompt_logprobs(hidden, t["logprob_rows"], sample) \
             if plan.logprob_rows.shape[0] else None
-        rows = hidden[t["logits_indices"].long()]
+        if plan.num_decodes == plan.num_tokens == plan.num_samples:
+            rows = hidden  # one sampled row per sequence, in order: logits_indices is arange
+        else:
+            rows = hidden[t["logits_indices"].long()]
         logits = self.model.compute_logits(rows)
         if not self.tp.is_first:
             return None

@@ -860,6 +860,18 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
   }
 }
 
+// argmax_rows, and whether every row is greedy (temperatures float32 [S], each <= 0): the
+// sampler's whole greedy step in one call (its Python and numpy around two ops cost more than
+// the argmax right after a decode step, whose weights have just gone through the caches).
+bool argmax_rows_greedy(at::Tensor out, const at::Tensor& x, const at::Tensor& temperatures) {
+  check_value(temperatures.dim() == 1 && temperatures.size(0) == x.size(0) &&
+                  temperatures.is_contiguous() && temperatures.scalar_type() == at::kFloat,
+              "temperatures: expected a contiguous float32 [S]");
+  argmax_rows(out, x);
+  const float* t = temperatures.data_ptr<float>();
+  return std::all_of(t, t + temperatures.size(0), [](float v) { return v <= 0.f; });
+}
+
 // In place on x [T, H, D] (head_dim contiguous), "neox" layout: halves (x1, x2) of each head
 // become (x1*c - x2*s, x2*c + x1*s) with c = cos[positions[t]], s = sin[positions[t]] rounded
 // to x's dtype first, and each product and sum rounded as the torch expression does.
@@ -1063,7 +1075,7 @@ struct LayerArgs {
 
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<LayerArgs> layers;
-  at::Tensor norm_weight;
+  at::Tensor norm_weight, embedding;
   double norm_eps = 0;
 
   void add_layer(at::Tensor k_cache, at::Tensor v_cache, at::Tensor ln_weight, double eps,
@@ -1090,14 +1102,39 @@ struct DecodeStack : torch::CustomClassHolder {
     norm_eps = eps;
   }
 
-  // hidden: the embedded input rows [M, H]; returns the final norm of the last layer's output.
-  at::Tensor run(at::Tensor hidden, const at::Tensor& positions, const at::Tensor& slot_mapping,
+  void set_embedding(at::Tensor weight) {
+    check_value(weight.dim() == 2 && weight.is_contiguous(), "embedding: expected a contiguous [V, H]");
+    embedding = weight;
+  }
+
+  // The rows of `embedding` for input_ids (int32 or int64 [M]), each id checked against V.
+  at::Tensor embed(const at::Tensor& input_ids) const {
+    check_value(input_ids.dim() == 1 && input_ids.is_contiguous() &&
+                    (input_ids.scalar_type() == at::kInt || input_ids.scalar_type() == at::kLong),
+                "input_ids: expected a contiguous int32/int64 [M]");
+    const int64_t M = input_ids.size(0), V = embedding.size(0), H = embedding.size(1);
+    at::Tensor hidden = at::empty({M, H}, embedding.options());
+    const int64_t row_bytes = H * embedding.element_size();
+    const char* src = static_cast<const char*>(embedding.data_ptr());
+    char* dst = static_cast<char*>(hidden.data_ptr());
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t id = input_ids.scalar_type() == at::kInt ? input_ids.data_ptr<int32_t>()[m]
+                                                             : input_ids.data_ptr<int64_t>()[m];
+      TORCH_CHECK_INDEX(id >= 0 && id < V, "input_ids: token id ", id, " is outside [0, ", V, ")");
+      std::memcpy(dst + m * row_bytes, src + id * row_bytes, row_bytes);
+    }
+    return hidden;
+  }
+
+  // input_ids [M], one per decode row; returns the final norm of the last layer's output.
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                  const at::Tensor& context_lens) {
-    check_value(!layers.empty() && norm_weight.defined(), "DecodeStack: no layers or no final norm");
+    check_value(!layers.empty() && norm_weight.defined() && embedding.defined(),
+                "DecodeStack: no layers, final norm or embedding");
     check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].k_cache.size(0),
                        layers[0].k_cache.size(1));
-    hidden = hidden.contiguous();
+    at::Tensor hidden = embed(input_ids);
     at::Tensor residual = at::empty_like(hidden), other = at::empty_like(hidden);
     for (size_t i = 0; i < layers.size(); ++i) {
       const LayerArgs& l = layers[i];
@@ -1140,10 +1177,12 @@ TORCH_LIBRARY(tpserve_cpu, m) {
         "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
         "Tensor? down_colsum, Tensor? down_bias) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows_greedy(Tensor(a!) out, Tensor x, Tensor temperatures) -> bool");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_norm", &DecodeStack::set_norm)
+      .def("set_embedding", &DecodeStack::set_embedding)
       .def("run", &DecodeStack::run);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
@@ -1157,5 +1196,6 @@ TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_mlp", &decode_mlp);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("argmax_rows_greedy", &argmax_rows_greedy);
   m.impl("rotary_embedding", &rotary_embedding);
 }
