@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.workers.sampler import Sampler, apply_top_k_top_p, argmax_rows, uniform
+from tpserve.workers.sampler import Sampler, TOP_CANDIDATES, _top_k_top_p_sorted, apply_top_k_top_p, argmax_rows, uniform
 
 
 def args(n, temp=1.0, k=-1, p=1.0, seeds=None, steps=None):
@@ -51,6 +51,28 @@ def test_sampling_follows_the_distribution():
     out = Sampler()(logits.expand(n, 8), *args(n))
     freq = torch.bincount(out, minlength=8).float() / n
     assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.015)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_top_p_through_candidates_keeps_what_the_full_sort_keeps(seed):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 20 * TOP_CANDIDATES  # room for both candidate counts (c and 8c) before the sort
+    # Peaked rows (the nucleus within the first candidates), a flatter one (within 8 times as
+    # many), flat ones (past those too: the full sort).
+    scale = torch.tensor([6.0, 6.0, 6.0, 0.3, 6.0, 0.3, 6.0, 6.0, 2.2])[:, None]
+    x = torch.randn(9, vocab, generator=gen) * scale
+    ks = torch.tensor([0, 40, 0, 0, 0, 0, 2 * TOP_CANDIDATES, 1, 0], dtype=torch.int32)
+    ps = torch.tensor([0.9, 1.0, 0.5, 0.9, 1.0, 1.0, 0.95, 0.3, 0.9])
+    got = apply_top_k_top_p(x, ks, ps)
+    k = torch.where(ks > 0, ks.long(), torch.full_like(ks, vocab).long())
+    want = _top_k_top_p_sorted(x, k, ps, True)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])
+    kept = torch.isfinite(got).sum(-1)
+    # top_p 1 filters nothing, also beside rows that need top-p; top-k alone is exact
+    assert kept[1] == 40 and kept[4] == vocab and kept[5] == vocab and kept[7] == 1
+    assert kept[3] > 8 * TOP_CANDIDATES  # the flat row went to the full sort
+    assert TOP_CANDIDATES < kept[8] <= 8 * TOP_CANDIDATES  # the second candidate count
 
 
 def test_top_k_and_top_p_restrict_the_support():
