@@ -73,12 +73,13 @@ def test_the_stack_follows_a_reallocated_kv_cache(tmp_path):
     model, ids, pos, meta = _fused_model_at_a_decode_step(tmp_path)
     want = model.compute_logits(model.forward(ids, pos, meta))
     old = model.fused_decode.stack
+    caches = []
     for layer in model.model.layers:  # the same contents in new tensors; the old ones zeroed
         a = layer.self_attn
-        k, v = a.k_cache.clone(), a.v_cache.clone()
+        caches.append((a.k_cache.clone(), a.v_cache.clone()))
         a.k_cache.zero_()
         a.v_cache.zero_()
-        a.k_cache, a.v_cache = k, v
+    model.set_kv_caches(caches)
     got = model.compute_logits(model.forward(ids, pos, meta))
     assert model.fused_decode.stack is not old
     assert torch.equal(got, want)

@@ -169,3 +169,5 @@ class CausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
+        if self.fused_decode is not None:
+            self.enable_fused_decode()  # its layer stack holds the caches it was built with

@@ -82,10 +82,9 @@ class FusedDecode:
             self.layers.append((a, attn_args, mlp_args))
         # Without tensor parallelism the whole stack is one C++ call (DecodeStack in cpu_ops.cpp):
         # nothing happens between the layer halves, and each op call costs microseconds of
-        # argument conversion. It holds the KV cache tensors; _stack_caches says which.
-        self.stack = None
-        if self.tp.size == 1:
-            self.stack = self._build_stack()
+        # argument conversion. It holds the KV cache tensors: CausalLM.set_kv_caches builds a
+        # new FusedDecode.
+        self.stack = self._build_stack() if self.tp.size == 1 else None
 
     def _build_stack(self):
         stack = torch.classes.tpserve_cpu.DecodeStack()
@@ -99,15 +98,12 @@ class FusedDecode:
         norm = self.model.model.norm
         stack.set_norm(norm.weight, norm.eps)
         stack.set_embedding(self.model.model.embed_tokens.weight)
-        self._stack_caches = [(a.k_cache, a.v_cache) for a, _, _ in self.layers]
         return stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         ops = torch.ops.tpserve_cpu
         if self.stack is not None:
-            if any(a.k_cache is not k for (a, _, _), (k, _) in zip(self.layers, self._stack_caches)):
-                self.stack = self._build_stack()  # the KV cache was reallocated
             return self.stack.run(input_ids, positions, meta.slot_mapping, meta.block_tables,
                                   meta.cu_seqlens_q, meta.context_lens)
         a0 = self.layers[0][0]

@@ -86,23 +86,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     if not (need_k or need_p):
         return logits
     c = min(vocab, max(TOP_CANDIDATES, int(k[limited].max()) if need_k else 0))
-    out, rows = None, None  # rows: which rows of logits the next attempt covers (None: all)
-    while 2 * c <= vocab:
-        x = logits if rows is None else logits[rows]
-        got, spill = _top_k_top_p_candidates(x, k if rows is None else k[rows],
-                                             top_ps if rows is None else top_ps[rows], c, need_p)
-        if out is None:
-            out = got
-        else:
-            out[rows] = got
-        if not bool(spill.any()):
-            return out
-        spilled = spill.nonzero().squeeze(1)
-        rows = spilled if rows is None else rows[spilled]
-        c *= 8
-    if out is None:
+    if 2 * c > vocab:
         return _top_k_top_p_sorted(logits, k, top_ps, need_p)
-    out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], top_ps[rows], need_p)
+    out, spill = _top_k_top_p_candidates(logits, k, top_ps, c, need_p)
+    rows = spill.nonzero().squeeze(1)  # rows whose nucleus reaches past their candidates
+    while rows.numel():
+        c *= 8
+        if 2 * c > vocab:
+            out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], top_ps[rows], need_p)
+            break
+        out[rows], spill = _top_k_top_p_candidates(logits[rows], k[rows], top_ps[rows], c, need_p)
+        rows = rows[spill]
     return out
 
 
@@ -151,13 +145,21 @@ def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, top_ps: torch.Ten
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _argmax_ops(x: torch.Tensor):
+    """``torch.ops.tpserve_cpu`` if its argmax operators can read ``x``, else None."""
+    ops = cpu_extension.ops_for(x)
+    if (ops is None or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1
+            or x.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    return ops
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, int64 [S], as ``x.argmax(dim=-1)``. On CPU the C++ operator
     reads fp32/bf16 rows as they are: torch widens a bf16 row first and reduces it one lane at a
     time (measured at 64 rows x 32k bf16: 0.14 ms against 0.99 ms; 0.63 against 17.5 ms at 152k)."""
-    ops = cpu_extension.ops_for(x)
-    if (ops is None or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1
-            or x.dtype not in (torch.float32, torch.bfloat16)):
+    ops = _argmax_ops(x)
+    if ops is None:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.long)
     ops.argmax_rows(out, x)
@@ -227,10 +229,8 @@ def _greedy_argmax(x: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.T
     """``(argmax_rows(x), _all_greedy(temperatures))``; on CPU one C++ call. Right after a
     decode step, whose weights have just gone through the caches, the Python and torch work of
     the two (measured on the 40M model at batch 1: ~100 us) cost more than the argmax."""
-    ops = cpu_extension.ops_for(x)
-    if (ops is not None and x.dim() == 2 and x.shape[1] and x.stride(1) == 1
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and temperatures.device.type == "cpu" and temperatures.dtype == torch.float32):
+    ops = _argmax_ops(x)
+    if ops is not None and temperatures.device.type == "cpu" and temperatures.dtype == torch.float32:
         out = torch.empty(x.shape[0], dtype=torch.long)
         return out, ops.argmax_rows_greedy(out, x, temperatures.contiguous())
     return argmax_rows(x), _all_greedy(temperatures)
