@@ -128,3 +128,23 @@ def test_a_token_id_outside_the_vocabulary_is_refused(tmp_path, stack):
     ids = torch.full_like(ids, model.model.embed_tokens.num_embeddings)
     with pytest.raises(IndexError):
         model.forward(ids, pos, meta)
+
+
+@pytest.mark.parametrize("stack", [True, False])
+@pytest.mark.parametrize("bad", ["position", "slot"])
+def test_a_bad_position_or_slot_is_refused_before_the_cache_is_written(tmp_path, stack, bad):
+    model, ids, pos, meta = _fused_model_at_a_decode_step(tmp_path)
+    if not stack:
+        model.fused_decode.stack = None
+    caches = [(layer.self_attn.k_cache.clone(), layer.self_attn.v_cache.clone()) for layer in model.model.layers]
+    if bad == "position":
+        pos = torch.full_like(pos, model.model.layers[0].self_attn.rotary.cos.shape[0])
+        match = "positions: outside"
+    else:
+        meta.slot_mapping[0] = model.model.layers[0].self_attn.k_cache.shape[0] * \
+            model.model.layers[0].self_attn.k_cache.shape[1]
+        match = "slot_mapping: slot past the end"
+    with pytest.raises(ValueError, match=match):
+        model.forward(ids, pos, meta)
+    for layer, (k, v) in zip(model.model.layers, caches):
+        assert torch.equal(layer.self_attn.k_cache, k) and torch.equal(layer.self_attn.v_cache, v)

@@ -282,7 +282,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t parts = B >= threads ? 1 : std::min(hkv, (threads + B - 1) / B);
   const int64_t chunk = (hkv + parts - 1) / parts, per_seq = (hkv + chunk - 1) / chunk;
   at::parallel_for(0, B * per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    thread_local std::vector<float> scratch;  // kept: no allocation per layer and step
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / per_seq, kv0 = item % per_seq * chunk;
       fn(b, qp, q.stride(0), q.stride(1), op, kp, vp, tables + b * width, block_size, hkv, group,
@@ -961,13 +961,148 @@ void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor
   if (has_residual) {
     rms_norm(normed, hidden, residual, residual, weight, eps);
   } else {
-    residual.copy_(hidden);
+    std::memcpy(residual.data_ptr(), hidden.data_ptr(), hidden.numel() * hidden.element_size());
     rms_norm(normed, hidden, c10::nullopt, c10::nullopt, weight, eps);
   }
 }
 
+// The intermediate tensors of a decode layer, kept between layers and steps by a DecodeStack
+// (a decode step at batch 1 made ~50 small allocations; each costs microseconds on caches the
+// weight stream has just emptied). get() hands back the tensor in slot i if it has these sizes
+// and dtype, else allocates it.
+struct DecodeScratch {
+  at::Tensor slots[8];
+  at::Tensor get(int i, at::IntArrayRef sizes, const at::TensorOptions& opt) {
+    at::Tensor& t = slots[i];
+    if (!t.defined() || t.sizes() != sizes || t.scalar_type() != opt.dtype().toScalarType()) {
+      t = at::empty(sizes, opt);
+    }
+    return t;
+  }
+};
+enum ScratchSlot { kNormed, kQkv, kQuery, kAttn, kGateUp, kAct, kResidual, kOther };
+
+// Reads entry m of a contiguous int32/int64 [M] tensor.
+inline int64_t index_at(const at::Tensor& t, int64_t m) {
+  return t.scalar_type() == at::kInt ? t.data_ptr<int32_t>()[m] : t.data_ptr<int64_t>()[m];
+}
+
+// The step from the fused QKV output to attention, for decode rows, in one pass per row: the
+// q/k norms (Qwen3; absent: copies), rotary, the query heads into q_out [M, Hq, D] and the key
+// and value heads straight into their cache slots. The same row functions as rms_norm,
+// rotary_embedding and store_kvcache, in the same order, so the same bits; three ops and their
+// tensors fewer per layer.
+template <typename T>
+void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos,
+                  const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+                  const c10::optional<at::Tensor>& k_norm, double eps, int64_t Hq, int64_t Hkv, int64_t D) {
+  const int64_t M = qkv_out.size(0), ld = qkv_out.stride(0), half = D / 2;
+  check_value(positions.dim() == 1 && positions.is_contiguous() &&
+                  (positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong),
+              "positions: expected contiguous int32/int64 [T]");
+  check_value(slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
+              "slot_mapping: expected contiguous int32/int64 [T]");
+  check_value(cos.dim() == 2 && cos.size(1) == half && cos.sizes() == sin.sizes() &&
+                  cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "cos/sin: expected contiguous float32 [max_position, head_dim / 2]");
+  check_value(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
+                  k_cache.scalar_type() == qkv_out.scalar_type() && v_cache.scalar_type() == qkv_out.scalar_type(),
+              "k_cache/v_cache: expected contiguous [num_blocks, block_size, Hkv, D] matching key");
+  check_value(q_norm.has_value() == k_norm.has_value(), "q_norm/k_norm: given together");
+  if (q_norm.has_value()) {
+    for (const at::Tensor* w : {&*q_norm, &*k_norm}) {
+      check_value(w->dim() == 1 && w->size(0) == D && w->is_contiguous() &&
+                      w->scalar_type() == qkv_out.scalar_type(),
+                  "weight: expected a contiguous [hidden] tensor of x's dtype");
+    }
+  }
+  const int64_t max_pos = cos.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t p = index_at(positions, m);
+    check_value(p >= 0 && p < max_pos, "positions: outside [0, max_position)");
+    check_value(index_at(slot_mapping, m) < num_slots, "slot_mapping: slot past the end of the cache");
+  }
+  const T* src = qkv_out.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const T* qw = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
+  const T* kw = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  T spare[kMaxHeadDim];  // a key head of a row without a slot (padding): computed, not stored
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = src + m * ld;
+    const float* cs = cp + index_at(positions, m) * half;
+    const float* sn = sp + index_at(positions, m) * half;
+    const int64_t slot = index_at(slot_mapping, m);
+    auto head = [&](const T* in, T* out, const T* w) {
+      if (w != nullptr) {
+        rms_norm_row16(in, static_cast<const T*>(nullptr), static_cast<T*>(nullptr), out, w, D, feps);
+      } else {
+        std::memcpy(out, in, D * sizeof(T));
+      }
+      rotate_rows<T>(out, 0, 0, 1, half, cs, sn, 0);
+    };
+    for (int64_t h = 0; h < Hq; ++h) head(row + h * D, qo + (m * Hq + h) * D, qw);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      head(row + (Hq + h) * D, slot >= 0 ? kc + (slot * Hkv + h) * D : spare, kw);
+      if (slot >= 0) std::memcpy(vc + (slot * Hkv + h) * D, row + (Hq + Hkv + h) * D, D * sizeof(T));
+    }
+  }
+}
+
+// A decoder layer's fixed arguments (weights, norms, sizes, its KV cache), as the per-layer ops
+// take them on every call and a DecodeStack keeps them.
+struct AttentionArgs {
+  at::Tensor k_cache, v_cache, ln_weight, cos, sin;
+  double eps, scale;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  int64_t num_heads, num_kv_heads, head_dim;
+  PackedLinear qkv, o;
+};
+
+struct MlpArgs {
+  at::Tensor ln_weight;
+  double eps;
+  int64_t intermediate;
+  PackedLinear gate_up, down;
+};
+
 // out [M, H] = o_proj(attention(rotary(qkv_proj(norm(hidden (+ residual)))))) for M decode
 // rows, one per sequence; residual [M, H] is updated in place (see norm_with_residual).
+void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hidden,
+                           bool has_residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const AttentionArgs& a, DecodeScratch& scratch) {
+  const int64_t M = hidden.size(0), q_size = a.num_heads * a.head_dim;
+  const at::TensorOptions opt = hidden.options();
+  at::Tensor normed = scratch.get(kNormed, hidden.sizes(), opt);
+  norm_with_residual(normed, hidden, residual, has_residual, a.ln_weight, a.eps);
+  at::Tensor qkv_out = scratch.get(kQkv, {M, a.qkv.n}, opt);
+  linear_into(qkv_out, normed, a.qkv);
+  at::Tensor q = scratch.get(kQuery, {M, a.num_heads, a.head_dim}, opt);
+  at::Tensor k_cache = a.k_cache, v_cache = a.v_cache;
+  at::Tensor attn = scratch.get(kAttn, {M, a.num_heads, a.head_dim}, opt);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const float scale = static_cast<float>(a.scale);
+  if (hidden.scalar_type() == at::kFloat) {
+    qkv_to_cache<float>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
+                        a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim);
+    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale);
+  } else {
+    qkv_to_cache<at::BFloat16>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
+                               a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim);
+    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale);
+  }
+  linear_into(out, attn.view({M, q_size}), a.o);
+}
+
 void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
                       bool has_residual, const at::Tensor& positions, const at::Tensor& k_cache_in,
                       const at::Tensor& v_cache_in, const at::Tensor& slot_mapping,
@@ -982,7 +1117,7 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
-                  out.sizes() == hidden.sizes(),
+                  residual.is_contiguous() && out.sizes() == hidden.sizes(),
               "hidden/residual/out: expected contiguous [M, hidden] tensors");
   check_value(M >= 1, "hidden: a decode step has at least one row");
   check_value(context_lens.size(0) == M && slot_mapping.size(0) == M && positions.size(0) == M,
@@ -991,64 +1126,51 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
                   context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == M,
               "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
-  check_value(head_dim % 16 == 0 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+  check_value(head_dim % 16 == 0 && head_dim <= kMaxHeadDim &&
+                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden: the fused decode takes fp32/bf16 and head_dim % 16 == 0");
-  const PackedLinear qkv = packed_linear(qkv_data, qkv_kind, q_size + 2 * kv_size, H, qkv_scales,
-                                         qkv_colsum, qkv_bias, "qkv_proj");
-  const PackedLinear o = packed_linear(o_data, o_kind, H, q_size, o_scales, o_colsum, o_bias, "o_proj");
-  at::Tensor normed = at::empty_like(hidden);
-  norm_with_residual(normed, hidden, residual, has_residual, ln_weight, eps);
-  at::Tensor qkv_out = at::empty({M, qkv.n}, hidden.options());
-  linear_into(qkv_out, normed, qkv);
-  at::Tensor q = qkv_out.narrow(1, 0, q_size).view({M, num_heads, head_dim});
-  at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
-  at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
-  if (q_norm.has_value()) {
-    at::Tensor qn = at::empty_like(q, at::MemoryFormat::Contiguous);
-    at::Tensor kn = at::empty_like(k, at::MemoryFormat::Contiguous);
-    rms_norm(qn, q, c10::nullopt, c10::nullopt, *q_norm, eps);
-    rms_norm(kn, k, c10::nullopt, c10::nullopt, *k_norm, eps);
-    q = qn;
-    k = kn;
-  }
-  rotary_embedding(positions, q, k, cos, sin);
-  at::Tensor k_cache = k_cache_in, v_cache = v_cache_in;
-  store_kvcache(k, v, k_cache, v_cache, slot_mapping);
-  at::Tensor attn = at::empty({M, num_heads, head_dim}, hidden.options());
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  if (hidden.scalar_type() == at::kFloat) {
-    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, static_cast<float>(scale));
-  } else {
-    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M,
-                               static_cast<float>(scale));
-  }
-  linear_into(out, attn.view({M, q_size}), o);
+  const AttentionArgs a{k_cache_in, v_cache_in, ln_weight, cos, sin, eps, scale, q_norm, k_norm,
+                        num_heads, num_kv_heads, head_dim,
+                        packed_linear(qkv_data, qkv_kind, q_size + 2 * kv_size, H, qkv_scales, qkv_colsum,
+                                      qkv_bias, "qkv_proj"),
+                        packed_linear(o_data, o_kind, H, q_size, o_scales, o_colsum, o_bias, "o_proj")};
+  DecodeScratch scratch;
+  decode_attention_into(out, residual, hidden, has_residual, positions, slot_mapping, block_tables,
+                        context_lens, a, scratch);
 }
 
 // out [M, H] = down_proj(silu_and_mul(gate_up_proj(norm(hidden + residual)))); residual is
 // updated in place.
+void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hidden, const MlpArgs& m,
+                     DecodeScratch& scratch) {
+  const int64_t M = hidden.size(0);
+  const at::TensorOptions opt = hidden.options();
+  at::Tensor normed = scratch.get(kNormed, hidden.sizes(), opt);
+  norm_with_residual(normed, hidden, residual, true, m.ln_weight, m.eps);
+  at::Tensor gate_up = scratch.get(kGateUp, {M, 2 * m.intermediate}, opt);
+  linear_into(gate_up, normed, m.gate_up);
+  at::Tensor act = scratch.get(kAct, {M, m.intermediate}, opt);
+  silu_and_mul(act, gate_up);
+  linear_into(out, act, m.down);
+}
+
 void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
                 const at::Tensor& ln_weight, double eps, int64_t intermediate,
                 const at::Tensor& gu_data, int64_t gu_kind, const c10::optional<at::Tensor>& gu_scales,
                 const c10::optional<at::Tensor>& gu_colsum, const c10::optional<at::Tensor>& gu_bias,
                 const at::Tensor& down_data, int64_t down_kind, const c10::optional<at::Tensor>& down_scales,
                 const c10::optional<at::Tensor>& down_colsum, const c10::optional<at::Tensor>& down_bias) {
-  const int64_t M = hidden.size(0), H = hidden.size(1);
+  const int64_t H = hidden.size(1);
   check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
                   out.sizes() == hidden.sizes(),
               "hidden/residual/out: expected contiguous [M, hidden] tensors");
-  const PackedLinear gu = packed_linear(gu_data, gu_kind, 2 * intermediate, H, gu_scales, gu_colsum,
-                                        gu_bias, "gate_up_proj");
-  const PackedLinear down = packed_linear(down_data, down_kind, H, intermediate, down_scales,
-                                          down_colsum, down_bias, "down_proj");
-  at::Tensor normed = at::empty_like(hidden);
-  norm_with_residual(normed, hidden, residual, true, ln_weight, eps);
-  at::Tensor gate_up = at::empty({M, 2 * intermediate}, hidden.options());
-  linear_into(gate_up, normed, gu);
-  at::Tensor act = at::empty({M, intermediate}, hidden.options());
-  silu_and_mul(act, gate_up);
-  linear_into(out, act, down);
+  const MlpArgs m{ln_weight, eps, intermediate,
+                  packed_linear(gu_data, gu_kind, 2 * intermediate, H, gu_scales, gu_colsum, gu_bias,
+                                "gate_up_proj"),
+                  packed_linear(down_data, down_kind, H, intermediate, down_scales, down_colsum, down_bias,
+                                "down_proj")};
+  DecodeScratch scratch;
+  decode_mlp_into(out, residual, hidden, m, scratch);
 }
 
 // ---- a whole decode step's layer stack in one call ------------------------------------------------
@@ -1058,25 +1180,13 @@ void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
 // fused_decode.py calls them (the same functions, so the same bits), then the final norm. Each
 // torch.ops call costs ~5-9 us of argument conversion for its ~30 arguments: 16 of them per step
 // at 8 layers, against a ~3 ms step of the 40M model at batch 1. The static arguments (weights,
-// norms, sizes, the KV cache) are given once, layer by layer, when the stack is built.
-struct PackedArgs {
-  at::Tensor data;
-  int64_t kind;
-  c10::optional<at::Tensor> scales, colsum, bias;
-};
-
-struct LayerArgs {
-  at::Tensor k_cache, v_cache, ln_weight, cos, sin, post_ln_weight;
-  double eps, post_eps, scale;
-  c10::optional<at::Tensor> q_norm, k_norm;
-  int64_t num_heads, num_kv_heads, head_dim, intermediate;
-  PackedArgs qkv, o, gate_up, down;
-};
-
+// norms, sizes, the KV cache) are given once, layer by layer, when the stack is built, and the
+// layers' intermediate tensors are kept from step to step (DecodeScratch).
 struct DecodeStack : torch::CustomClassHolder {
-  std::vector<LayerArgs> layers;
+  std::vector<std::pair<AttentionArgs, MlpArgs>> layers;
   at::Tensor norm_weight, embedding;
   double norm_eps = 0;
+  DecodeScratch scratch;  // the layers' intermediate tensors, reused by every step
 
   void add_layer(at::Tensor k_cache, at::Tensor v_cache, at::Tensor ln_weight, double eps,
                  c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
@@ -1086,15 +1196,24 @@ struct DecodeStack : torch::CustomClassHolder {
                  at::Tensor post_ln_weight, double post_eps, int64_t intermediate,
                  std::vector<c10::optional<at::Tensor>> gate_up, std::vector<int64_t> mlp_kinds,
                  std::vector<c10::optional<at::Tensor>> down) {
-    auto packed = [](const std::vector<c10::optional<at::Tensor>>& t, int64_t kind, const char* what) {
-      TORCH_CHECK_VALUE(t.size() == 4 && t[0].has_value(), what, ": expected [data, scales, colsum, bias]");
-      return PackedArgs{*t[0], kind, t[1], t[2], t[3]};
-    };
     check_value(qkv_o_kinds.size() == 2 && mlp_kinds.size() == 2, "kinds: expected two per half");
-    layers.push_back(LayerArgs{k_cache, v_cache, ln_weight, cos, sin, post_ln_weight, eps, post_eps,
-                               scale, q_norm, k_norm, num_heads, num_kv_heads, head_dim, intermediate,
-                               packed(qkv, qkv_o_kinds[0], "qkv"), packed(o, qkv_o_kinds[1], "o"),
-                               packed(gate_up, mlp_kinds[0], "gate_up"), packed(down, mlp_kinds[1], "down")});
+    check_value(ln_weight.dim() == 1, "ln_weight: expected [hidden]");
+    check_value(head_dim % 16 == 0 && head_dim <= kMaxHeadDim,
+                "head_dim: the fused decode takes a multiple of 16 up to 512");
+    const int64_t H = ln_weight.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    // Checked once here, as decode_attention / decode_mlp check theirs on every call.
+    auto packed = [](const std::vector<c10::optional<at::Tensor>>& t, int64_t kind, int64_t n, int64_t k,
+                     const char* what) {
+      TORCH_CHECK_VALUE(t.size() == 4 && t[0].has_value(), what, ": expected [data, scales, colsum, bias]");
+      return packed_linear(*t[0], kind, n, k, t[1], t[2], t[3], what);
+    };
+    layers.emplace_back(
+        AttentionArgs{k_cache, v_cache, ln_weight, cos, sin, eps, scale, q_norm, k_norm, num_heads, num_kv_heads,
+                      head_dim, packed(qkv, qkv_o_kinds[0], q_size + 2 * kv_size, H, "qkv_proj"),
+                      packed(o, qkv_o_kinds[1], H, q_size, "o_proj")},
+        MlpArgs{post_ln_weight, post_eps, intermediate,
+                packed(gate_up, mlp_kinds[0], 2 * intermediate, H, "gate_up_proj"),
+                packed(down, mlp_kinds[1], H, intermediate, "down_proj")});
   }
 
   void set_norm(at::Tensor weight, double eps) {
@@ -1118,8 +1237,7 @@ struct DecodeStack : torch::CustomClassHolder {
     const char* src = static_cast<const char*>(embedding.data_ptr());
     char* dst = static_cast<char*>(hidden.data_ptr());
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t id = input_ids.scalar_type() == at::kInt ? input_ids.data_ptr<int32_t>()[m]
-                                                             : input_ids.data_ptr<int64_t>()[m];
+      const int64_t id = index_at(input_ids, m);
       TORCH_CHECK_INDEX(id >= 0 && id < V, "input_ids: token id ", id, " is outside [0, ", V, ")");
       std::memcpy(dst + m * row_bytes, src + id * row_bytes, row_bytes);
     }
@@ -1132,20 +1250,21 @@ struct DecodeStack : torch::CustomClassHolder {
                  const at::Tensor& context_lens) {
     check_value(!layers.empty() && norm_weight.defined() && embedding.defined(),
                 "DecodeStack: no layers, final norm or embedding");
-    check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].k_cache.size(0),
-                       layers[0].k_cache.size(1));
+    check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].first.k_cache.size(0),
+                       layers[0].first.k_cache.size(1));
     at::Tensor hidden = embed(input_ids);
-    at::Tensor residual = at::empty_like(hidden), other = at::empty_like(hidden);
+    const int64_t M = hidden.size(0);
+    check_value(M >= 1, "hidden: a decode step has at least one row");
+    check_value(context_lens.size(0) == M && slot_mapping.size(0) == M && positions.size(0) == M,
+                "context_lens/slot_mapping/positions: one entry per decode row");
+    check_value(block_tables.dim() == 2 && block_tables.size(0) == M,
+                "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
+    at::Tensor residual = scratch.get(kResidual, hidden.sizes(), hidden.options());
+    at::Tensor other = scratch.get(kOther, hidden.sizes(), hidden.options());
     for (size_t i = 0; i < layers.size(); ++i) {
-      const LayerArgs& l = layers[i];
-      decode_attention(other, residual, hidden, i > 0, positions, l.k_cache, l.v_cache, slot_mapping,
-                       block_tables, context_lens, l.ln_weight, l.eps, l.q_norm, l.k_norm, l.num_heads,
-                       l.num_kv_heads, l.head_dim, l.cos, l.sin, l.scale, l.qkv.data, l.qkv.kind,
-                       l.qkv.scales, l.qkv.colsum, l.qkv.bias, l.o.data, l.o.kind, l.o.scales,
-                       l.o.colsum, l.o.bias);
-      decode_mlp(hidden, residual, other, l.post_ln_weight, l.post_eps, l.intermediate, l.gate_up.data,
-                 l.gate_up.kind, l.gate_up.scales, l.gate_up.colsum, l.gate_up.bias, l.down.data,
-                 l.down.kind, l.down.scales, l.down.colsum, l.down.bias);
+      decode_attention_into(other, residual, hidden, i > 0, positions, slot_mapping, block_tables, context_lens,
+                            layers[i].first, scratch);
+      decode_mlp_into(hidden, residual, other, layers[i].second, scratch);
     }
     at::Tensor out = at::empty_like(hidden);
     rms_norm(out, hidden, residual, residual, norm_weight, norm_eps);
