@@ -20,6 +20,10 @@ within 1% of bf16.
 
     python scripts/quality_int8.py [--skip-40m] [--llamacpp /work/peers/llamacpp]
 
+It also simulates int8 formats in fp32 (per-channel weights with and without int8 activations,
+and a Q8_0-like blocked format) against fp32 on the same positions: the agreement each format
+allows before any kernel is involved.
+
 With ``--llamacpp`` it also measures llama.cpp's Q8_0 against llama.cpp's bf16 on the 40M model
 (the same prompts and agreements): how far the field's int8 format moves this model.
 """
@@ -77,15 +81,20 @@ def generate(path: Path, quantization: str | None, prompts, dtype: str = "bfloat
         llm.shutdown()
 
 
+def generated_rows(seqs) -> torch.Tensor:
+    """Rows of the concatenated sequences' logits that predict a generated token: the last
+    prompt token onwards, less the end."""
+    return torch.tensor([start + PROMPT_LEN - 1 + i for start in np.cumsum([0] + [len(s) for s in seqs[:-1]])
+                         for i in range(OUT)])
+
+
 def agreement(path: Path, prompts, ref_out, ref_logits, other: dict) -> tuple[float, float, float]:
     """(free-running, same-prefix agreement, mean KL(ref || other)) of the engine ``other``
     (LLM/load keyword arguments) against the reference outputs and logits."""
     out = generate(path, prompts=prompts, **other)
     free = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref_out, out)]))
     seqs = [p + o for p, o in zip(prompts, ref_out)]
-    # Positions that predict a generated token: the last prompt token onwards, less the end.
-    rows = torch.tensor([start + PROMPT_LEN - 1 + i for start in np.cumsum([0] + [len(s) for s in seqs[:-1]])
-                         for i in range(OUT)])
+    rows = generated_rows(seqs)
     lp_ref = ref_logits[rows].log_softmax(-1)
     lp = logits_of(load(path, **other), seqs)[rows].log_softmax(-1)
     same = float((lp_ref.argmax(-1) == lp.argmax(-1)).float().mean())
@@ -93,14 +102,54 @@ def agreement(path: Path, prompts, ref_out, ref_logits, other: dict) -> tuple[fl
     return free, same, kl
 
 
+def _fake_int8(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x rounded to symmetric int8 with one absmax scale per row (group None) or per block of
+    ``group`` along the last dimension, and scaled back (fp32)."""
+    g = x.reshape(*x.shape[:-1], -1, group) if group else x
+    s = g.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+    return ((g / s).round().clamp(-127, 127) * s).reshape(x.shape)
+
+
+@torch.inference_mode()
+def format_ceilings(name: str, path: Path, seqs, rows: torch.Tensor) -> None:
+    """Same-prefix agreement of int8 schemes simulated in fp32 (Hugging Face's model, every
+    linear layer's weight rounded, and its input too where the scheme quantizes activations)
+    against the fp32 model: how close each format can come, apart from any kernel."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dense = [m.weight.data for m in linears]
+
+    def argmax_rows(weight_group, act_group, quantize_acts: bool) -> torch.Tensor:
+        hooks = []
+        for m, w in zip(linears, dense):
+            m.weight.data = w if weight_group == "none" else _fake_int8(w, weight_group)
+            if quantize_acts:
+                hooks.append(m.register_forward_pre_hook(lambda _m, a: (_fake_int8(a[0], act_group),)))
+        try:
+            return torch.cat([model(torch.tensor([s])).logits[0] for s in seqs])[rows].argmax(-1)
+        finally:
+            for h in hooks:
+                h.remove()
+    ref = argmax_rows("none", None, False)
+    for label, wg, ag, acts in (("int8 weights per channel, activations unquantized", None, None, False),
+                                ("int8 weights per channel, int8 activations per row (tpserve's int8)",
+                                 None, None, True),
+                                ("Q8_0-like: int8 weights and activations in blocks of 32", 32, 32, True)):
+        same = float((argmax_rows(wg, ag, acts) == ref).float().mean())
+        print(f"quality {name}, simulated in fp32 against fp32: {label}: same-prefix {same:.1%}", flush=True)
+
+
 def compare(name: str, path: Path, prompts, llamacpp: Path | None = None) -> None:
     bf16_out = generate(path, None, prompts)
-    ref = logits_of(load(path, None), [p + o for p, o in zip(prompts, bf16_out)])
+    seqs = [p + o for p, o in zip(prompts, bf16_out)]
+    ref = logits_of(load(path, None), seqs)
     for label, other in (("int8", dict(quantization="int8")), ("fp32", dict(quantization=None, dtype="float32"))):
         free, same, kl = agreement(path, prompts, bf16_out, ref, other)
         print(f"quality {name}, {label} against bf16: greedy agreement free-running {free:.1%}, "
               f"same-prefix {same:.1%}; mean KL(bf16||{label}) {kl:.4f} nats "
               f"({PROMPTS} prompts x {OUT} tokens)", flush=True)
+    format_ceilings(name, path, seqs, generated_rows(seqs))
     if llamacpp is not None:
         llamacpp_agreement(llamacpp, name, path, prompts, bf16_out)
 
