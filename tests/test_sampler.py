@@ -361,3 +361,51 @@ def test_bitmask_operator_masks_what_the_torch_reference_masks(vocab):
     ref[rows] = ref[rows].masked_fill(~allowed, float("-inf"))
     S.apply_token_bitmask(x, rows, torch.from_numpy(bitmask))
     assert torch.equal(x, ref)
+
+
+needs_ops = pytest.mark.skipif(not cpu_extension.available(), reason="needs the C++ operators")
+
+
+@needs_ops
+@pytest.mark.parametrize("vocab", [3000, 40000])
+def test_filtered_race_samples_what_the_masked_race_samples(vocab):
+    """The C++ filtered_race (histogram of each row's distance below its max, survivors sorted and
+    raced) draws the token race(apply_top_k_top_p(x / t)) draws, for peaked, flat and partly
+    masked rows, top-k, top-p, both and neither, over many seeds."""
+    from tpserve.workers.sampler import race
+    gen = torch.Generator().manual_seed(vocab)
+    rows = []
+    for scale in (8.0, 3.0, 0.3, 0.02):  # 0.02: the nucleus lies past the histogram's last bin
+        for k in (0, 1, 7, 300):
+            for p in (1.0, 0.95, 0.6, 0.2):
+                rows.append((scale, k, p))
+    S = len(rows)
+    x = torch.stack([torch.randn(vocab, generator=gen) * sc for sc, _, _ in rows])
+    x[::5, : vocab // 3] = float("-inf")  # masked tokens (bans, a grammar's bitmask)
+    ks = torch.tensor([k for _, k, _ in rows], dtype=torch.int32)
+    ps = torch.tensor([p for _, _, p in rows])
+    temps = torch.tensor([(0.5, 1.0, 1.3)[i % 3] for i in range(S)])
+    ops = torch.ops.tpserve_cpu
+    for step in range(6):
+        seeds, steps = torch.arange(S) * 7919 + 1, torch.full((S,), step, dtype=torch.long)
+        want = race(apply_top_k_top_p(x / temps[:, None], ks, ps), seeds, steps)
+        got = torch.empty(S, dtype=torch.long)
+        ops.filtered_race(got, x, temps, ks, ps, seeds, steps)
+        assert torch.equal(got, want), (got != want).nonzero().squeeze(1).tolist()
+
+
+@needs_ops
+def test_sampling_takes_the_filtered_race_and_refuses_what_it_cannot_sample(monkeypatch):
+    import tpserve.workers.sampler as sm
+    x = torch.randn(4, 500) * 4
+    calls = []
+    real = sm._filtered_race_ops
+    monkeypatch.setattr(sm, "_filtered_race_ops", lambda *a: calls.append(1) or real(*a))
+    temps = torch.tensor([0.0, 0.8, 1.0, 0.7])
+    tokens = Sampler(500)(x, temps, torch.tensor([0, 5, 0, 0], dtype=torch.int32),
+                          torch.tensor([1.0, 1.0, 0.9, 1.0]), torch.arange(4), torch.zeros(4, dtype=torch.long))
+    assert len(calls) == 1 and tokens[0] == x[0].argmax()
+    with pytest.raises(ValueError, match="temps: expected > 0"):
+        torch.ops.tpserve_cpu.filtered_race(torch.empty(1, dtype=torch.long), x[:1], torch.zeros(1),
+                                            torch.zeros(1, dtype=torch.int32), torch.ones(1),
+                                            torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))

@@ -21,6 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
+
+#include "vec.h"
 
 namespace {
 
@@ -57,6 +60,14 @@ inline float log_pos(float x) {
   return static_cast<float>(e) * 0.693147180559945f + s * p;
 }
 
+// -log(-log u) for the counter-based uniform u of token j under base (the row's seed and step).
+inline float race_noise(uint64_t base, uint64_t j) {
+  const uint64_t bits = mix64(base ^ (j * kGolden));
+  const float u = (static_cast<float>(bits >> (64 - kUniformBits)) + 0.5f) *
+                  (1.0f / static_cast<float>(1 << kUniformBits));
+  return log_pos(-log_pos(u));
+}
+
 int64_t race_row(const float* x, int64_t V, uint64_t base) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = -1;
@@ -67,12 +78,7 @@ int64_t race_row(const float* x, int64_t V, uint64_t base) {
     for (int64_t j = 0; j < n; ++j) top = std::max(top, x[c + j]);
     if (!(top + kMaxNoise > best)) continue;  // also skips an all -inf (or NaN) chunk
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      const uint64_t bits = mix64(base ^ (static_cast<uint64_t>(c + j) * kGolden));
-      const float u = (static_cast<float>(bits >> (64 - kUniformBits)) + 0.5f) *
-                      (1.0f / static_cast<float>(1 << kUniformBits));
-      score[j] = x[c + j] - log_pos(-log_pos(u));
-    }
+    for (int64_t j = 0; j < n; ++j) score[j] = x[c + j] - race_noise(base, static_cast<uint64_t>(c + j));
     for (int64_t j = 0; j < n; ++j) {
       if (score[j] > best) {
         best = score[j];
@@ -107,6 +113,165 @@ void race_argmax(at::Tensor out, const at::Tensor& x, const at::Tensor& seeds, c
     for (int64_t r = begin; r < end; ++r) {
       const uint64_t base = mix64(mix64(static_cast<uint64_t>(sp[r]) * kGolden + static_cast<uint64_t>(tp[r])) + 1);
       op[r] = V ? race_row(xp + r * xs, V, base) : 0;
+    }
+  });
+}
+
+// ---- sampling with top-k / top-p, without sorting or scanning candidates over the vocabulary ----
+//
+// One row: v = x / temperature, then the token race (race_row) over the tokens that survive
+// top-k and top-p, as sampler.apply_top_k_top_p defines them: the k largest (k <= 0: all),
+// then the shortest run of the largest whose mass (softmax over the survivors of top-k, or over
+// the whole row without it) reaches top_p; the largest always survives; top_p >= 1 keeps all.
+// Instead of sorting the row, one pass takes each finite v's distance below the row's max in
+// bins of kBinWidth (the last bin holds everything further down) with the count and mass of
+// each bin; the bins that must hold the survivors are read from those sums, and only their
+// tokens are collected and sorted (by value, then index; top-k ties go to the lower index). The
+// race over the survivors draws the same noise as over the whole row (a function of the token's
+// index), so it picks the token race_argmax picks on the row apply_top_k_top_p masks, except
+// where a token's mass before it is within rounding of top_p (sums in double here, float32
+// there): tests/test_sampler.py draws the same tokens both ways on 768 rows.
+constexpr int kBins = 256;
+constexpr float kBinWidth = 0.125f;  // logit units: kBins bins span 32 below the max
+
+struct Candidate {
+  float v;
+  int32_t i;
+};
+
+struct RowScratch {
+  std::vector<float> v, e;
+  std::vector<int32_t> bin;
+  std::vector<Candidate> cand;
+};
+
+int64_t filtered_race_row(const float* x, int64_t V, float temp, int64_t k, float top_p, uint64_t base,
+                          RowScratch& w) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  w.v.resize(static_cast<size_t>(V));
+  float* v = w.v.data();
+  for (int64_t j = 0; j < V; ++j) v[j] = x[j] / temp;
+  float lane_max[8];
+  std::fill(lane_max, lane_max + 8, kNegInf);
+  int64_t j0 = 0;
+  for (; j0 + 8 <= V; j0 += 8) {
+    for (int l = 0; l < 8; ++l) lane_max[l] = v[j0 + l] > lane_max[l] ? v[j0 + l] : lane_max[l];
+  }
+  float m = *std::max_element(lane_max, lane_max + 8);
+  for (; j0 < V; ++j0) m = v[j0] > m ? v[j0] : m;
+  if (!(m > kNegInf)) return 0;  // no finite logit (as race_row)
+  const bool limited = k < V, nucleus = top_p < 1.0f;
+  if (!limited && !nucleus) return race_row(v, V, base);
+  // Each token's bin (distance below the max in kBinWidth steps; -1: -inf) and exp(v - m).
+  w.e.resize(static_cast<size_t>(V));
+  w.bin.resize(static_cast<size_t>(V));
+  float* e = w.e.data();
+  int32_t* bin = w.bin.data();
+  const float inv_w = 1.0f / kBinWidth;
+  for (int64_t j = 0; j < V; ++j) {
+    const bool finite = v[j] > kNegInf;
+    const float d = std::min((m - v[j]) * inv_w, static_cast<float>(kBins - 1));
+    bin[j] = finite ? static_cast<int32_t>(d) : -1;
+    e[j] = finite ? tpserve::exp_nonpos(v[j] - m) : 0.f;
+  }
+  int64_t count[kBins] = {};
+  double mass[kBins] = {};
+  for (int64_t j = 0; j < V; ++j) {
+    const int32_t b = bin[j];
+    if (b < 0) continue;
+    ++count[b];
+    mass[b] += e[j];
+  }
+  double total = 0;
+  for (int b = 0; b < kBins; ++b) total += mass[b];
+  // The last bin the survivors can reach: top-k's k-th largest, or where the mass reaches top_p
+  // (one bin further, so that rounding in these sums never cuts the nucleus short).
+  int last = kBins - 1;
+  if (limited) {
+    int64_t c = 0;
+    for (int b = 0; b < kBins; ++b) {
+      c += count[b];
+      if (c >= k) { last = b; break; }
+    }
+  } else {
+    double acc = 0;
+    for (int b = 0; b < kBins; ++b) {
+      acc += mass[b];
+      if (acc >= static_cast<double>(top_p) * total) { last = std::min(kBins - 1, b + 1); break; }
+    }
+  }
+  std::vector<Candidate>& cand = w.cand;
+  cand.clear();
+  for (int64_t j = 0; j < V; ++j) {
+    if (bin[j] >= 0 && bin[j] <= last) cand.push_back({v[j], static_cast<int32_t>(j)});
+  }
+  std::sort(cand.begin(), cand.end(), [](const Candidate& a, const Candidate& b) {
+    return a.v > b.v || (a.v == b.v && a.i < b.i);
+  });
+  size_t keep = limited ? std::min<size_t>(cand.size(), static_cast<size_t>(k)) : cand.size();
+  if (nucleus) {
+    double denom = total;
+    if (limited) {
+      denom = 0;
+      for (size_t i = 0; i < keep; ++i) denom += tpserve::exp_nonpos(cand[i].v - m);
+    }
+    double before = 0;
+    size_t n = 0;
+    while (n < keep && (n == 0 || before < static_cast<double>(top_p) * denom)) {
+      before += tpserve::exp_nonpos(cand[n].v - m);
+      ++n;
+    }
+    keep = n;
+  }
+  float best = kNegInf;
+  int64_t best_i = -1;
+  for (size_t n = 0; n < keep; ++n) {
+    const int64_t j = cand[n].i;
+    const float score = cand[n].v - race_noise(base, static_cast<uint64_t>(j));
+    if (score > best || (score == best && j < best_i)) {
+      best = score;
+      best_i = j;
+    }
+  }
+  return best_i < 0 ? 0 : best_i;
+}
+
+// out [S] = the race over each row of x [S, V] (float32, processed logits, temperature not yet
+// applied) divided by temps [S] (> 0), among the tokens its top_ks [S] (int32; <= 0: none) and
+// top_ps [S] (float32; >= 1: none) keep.
+void filtered_race(at::Tensor out, const at::Tensor& x, const at::Tensor& temps, const at::Tensor& top_ks,
+                   const at::Tensor& top_ps, const at::Tensor& seeds, const at::Tensor& steps) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+                    "x: expected float32 [S, V] with contiguous rows");
+  const int64_t S = x.size(0), V = x.size(1), xs = x.stride(0);
+  TORCH_CHECK_VALUE(V < (int64_t{1} << 31), "x: at most 2^31 - 1 columns");
+  TORCH_CHECK_VALUE(out.dim() == 1 && out.size(0) == S && out.is_contiguous() && out.scalar_type() == at::kLong,
+                    "out: expected a contiguous int64 [S]");
+  auto check_row = [&](const at::Tensor& t, at::ScalarType dt, const char* what) {
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == S && t.is_contiguous() && t.scalar_type() == dt, what);
+  };
+  check_row(temps, at::kFloat, "temps: expected a contiguous float32 [S]");
+  check_row(top_ks, at::kInt, "top_ks: expected a contiguous int32 [S]");
+  check_row(top_ps, at::kFloat, "top_ps: expected a contiguous float32 [S]");
+  check_row(seeds, at::kLong, "seeds: expected a contiguous int64 [S]");
+  check_row(steps, at::kLong, "steps: expected a contiguous int64 [S]");
+  const float* xp = x.data_ptr<float>();
+  const float* tp = temps.data_ptr<float>();
+  const int32_t* kp = top_ks.data_ptr<int32_t>();
+  const float* pp = top_ps.data_ptr<float>();
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  const int64_t* st = steps.data_ptr<int64_t>();
+  for (int64_t r = 0; r < S; ++r) {
+    TORCH_CHECK_VALUE(tp[r] > 0.f, "temps: expected > 0 (greedy rows take the argmax)");
+  }
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1));
+  at::parallel_for(0, S, grain, [&](int64_t begin, int64_t end) {
+    thread_local RowScratch scratch;
+    for (int64_t r = begin; r < end; ++r) {
+      const uint64_t base = mix64(mix64(static_cast<uint64_t>(sp[r]) * kGolden + static_cast<uint64_t>(st[r])) + 1);
+      const int64_t k = kp[r] > 0 ? std::min<int64_t>(kp[r], V) : V;
+      op[r] = V ? filtered_race_row(xp + r * xs, V, tp[r], k, pp[r], base, scratch) : 0;
     }
   });
 }
@@ -303,6 +468,8 @@ void apply_token_bitmask(at::Tensor x, const at::Tensor& rows, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("race_argmax(Tensor(a!) out, Tensor x, Tensor seeds, Tensor steps) -> ()");
+  m.def("filtered_race(Tensor(a!) out, Tensor x, Tensor temps, Tensor top_ks, Tensor top_ps, Tensor seeds, "
+        "Tensor steps) -> ()");
   m.def("apply_penalties(Tensor(a!) x, Tensor rows, Tensor slots, Tensor counts, Tensor prompt, "
         "Tensor rep, Tensor freq, Tensor pres) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) x, Tensor rows, Tensor bitmask) -> ()");
@@ -314,6 +481,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("race_argmax", &race_argmax);
+  m.impl("filtered_race", &filtered_race);
   m.impl("apply_penalties", &apply_penalties);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("apply_penalties_seen", &apply_penalties_seen);
