@@ -23,8 +23,12 @@ tokenizer padded with filler tokens to the model's vocabulary, and the converter
 its pre-tokenizer is GPT-2's (it is: byte-level, GPT-2 regex). Only token ids are sent, so the
 tokenizer never touches the benchmark.
 
+With ``--http`` it also measures tpserve's daemon (``tpserve start --http-port``) asked over HTTP
+the way llama-server is (one non-streamed completion per stream): the server a user talks to,
+not only the engine.
+
     python scripts/bench_latency.py [--shape 40m|0.6b] [--llamacpp /work/peers/llamacpp] [--runs 3]
-                                    [--threads N] [--batches 8,64]
+                                    [--threads N] [--batches 8,64] [--http]
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -80,6 +85,49 @@ class Tpserve:
 
     def close(self):
         self.llm.shutdown()
+
+
+class TpserveHttp:
+    """The daemon (``tpserve start --http-port``), asked over HTTP as llama-server is: one
+    non-streamed /v1/completions request per stream, from client threads. The speed one user of
+    the server sees, the engine's plus the HTTP front's, the hop between them and the output path."""
+
+    def __init__(self, path: Path, quantization: str | None, max_seqs: int):
+        self.name = f"tpserve {'int8' if quantization else 'bf16'} http"
+        self.rd = tempfile.mkdtemp(prefix="tpbl-", dir="/tmp")
+        cmd = [sys.executable, "-m", "tpserve", "start", "--runtime-dir", self.rd, "--http-port", "0",
+               "--served-model-name", "bench", "--model", str(path), "--dtype", "bfloat16",
+               "--max-num-seqs", str(max_seqs), "--kv-cache-memory-gb", "1.0", "--max-model-len", "1024"]
+        if quantization:
+            cmd += ["--quantization", quantization]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            shutil.rmtree(self.rd, ignore_errors=True)
+            raise RuntimeError(f"tpserve start failed: {out.stderr.strip()[-2000:]}")
+        self.url = out.stdout.split()[1]
+        self.run([[5] * PROMPT], 4)  # warm
+
+    def _one(self, prompt, out: int, counts: list, i: int) -> None:
+        body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": out, "temperature": 0,
+                           "ignore_eos": True, "stream": False}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            counts[i] = json.loads(r.read())["usage"]["completion_tokens"]
+
+    def run(self, prompts, out: int) -> float:
+        counts = [0] * len(prompts)
+        threads = [threading.Thread(target=self._one, args=(p, out, counts, i)) for i, p in enumerate(prompts)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return sum(counts) / (time.perf_counter() - t)
+
+    def close(self):
+        subprocess.run([sys.executable, "-m", "tpserve", "stop", "--runtime-dir", self.rd], capture_output=True)
+        shutil.rmtree(self.rd, ignore_errors=True)
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------
@@ -225,6 +273,8 @@ def main() -> int:
                     help="comma-separated batch sizes besides the single stream (default: 8,64 for "
                          "40m, 8,16 for 0.6b; empty: the single stream only)")
     ap.add_argument("--skip-tpserve", action="store_true")
+    ap.add_argument("--http", action="store_true",
+                    help="also tpserve's daemon over HTTP (tpserve start --http-port), asked as llama-server is")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
@@ -238,6 +288,9 @@ def main() -> int:
     try:
         if not args.skip_tpserve:
             engines += [Tpserve(path, None, max(batches, default=1)), Tpserve(path, "int8", max(batches, default=1))]
+        if args.http:
+            engines += [TpserveHttp(path, None, max(batches, default=1)),
+                        TpserveHttp(path, "int8", max(batches, default=1))]
         if args.llamacpp:
             peer = Path(args.llamacpp)
             files = gguf_models(peer, path, vocab)
@@ -252,13 +305,14 @@ def main() -> int:
           f"single-stream out={SINGLE_OUT} (median of {args.runs}) batched out={BATCH_OUT} "
           f"load-average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     dtypes = {"tpserve bf16": "bf16", "tpserve int8": "int8 w/ int8 act", "llama-server bf16": "bf16",
-              "llama-server q8_0": "Q8_0"}
+              "llama-server q8_0": "Q8_0", "tpserve bf16 http": "bf16", "tpserve int8 http": "int8 w/ int8 act"}
     for e in engines:
         cells = "  ".join(f"batch {b:>2} {res[(e.name, b)]:8.1f}" for b in (1, *batches))
         print(f"{e.name:20s} dtype={dtypes[e.name]:16s} tok/s: {cells}")
     names = [e.name for e in engines]
     for a, b in (("tpserve bf16", "llama-server bf16"), ("tpserve int8", "llama-server q8_0"),
-                 ("tpserve int8", "tpserve bf16")):
+                 ("tpserve int8", "tpserve bf16"), ("tpserve bf16 http", "llama-server bf16"),
+                 ("tpserve int8 http", "llama-server q8_0")):
         if a in names and b in names:
             ratios = "  ".join(f"batch {n:>2} {res[(a, n)] / res[(b, n)]:5.2f}x" for n in (1, *batches))
             print(f"ratio {a} / {b}: {ratios}")
