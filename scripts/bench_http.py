@@ -53,7 +53,8 @@ async def http_round(url, ps, max_tokens):
                                                      stream_options={"include_usage": True})
             n = 0
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text and first is None:
+                # The first chunk with a choice (its text is empty for a model without a tokenizer).
+                if chunk.choices and first is None:
                     first = time.perf_counter() - start
                 if chunk.usage:
                     n = chunk.usage.completion_tokens
