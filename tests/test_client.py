@@ -203,6 +203,31 @@ def test_async_client_concurrent_requests(srv):
     asyncio.run(main())
 
 
+def test_a_cancelled_async_generate_aborts_its_request():
+    """Cancelling a non-streaming generate (an HTTP client that left) stops the request in the
+    daemon, as closing a stream does: nothing else would, since the connection stays open."""
+    srv = ServerThread(FakeEngine(step_delay=0.002))
+
+    async def main():
+        async with AsyncClient(srv.address, timeout=10) as c:
+            task = asyncio.ensure_future(c.generate("abc", max_tokens=10**6, request_id="whole"))
+            deadline = time.monotonic() + 10
+            while (await c.status())["requests_in_flight"] == 0:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            while (await c.status())["requests_in_flight"]:
+                assert time.monotonic() < deadline, "the cancelled request kept running"
+                await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        assert client_ids(srv.engine.aborted) == ["whole"]
+    finally:
+        assert srv.stop() == 0
+
+
 def test_async_abort():
     # Slow steps: a fast fake engine would queue so many deltas before the abort arrives that
     # draining them dominates the test on a loaded machine.

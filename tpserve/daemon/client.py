@@ -402,10 +402,14 @@ class AsyncClient(_ClientCore):
                        **sampling) -> GenerateResult:
         rid = await self._submit(prompt, _make_params(params, sampling), request_id, stream=False,
                                  priority=priority, request_timeout=request_timeout)
+        done = False
         try:
             msg = await self._get(rid, self._timeout(timeout))
+            done = True
         finally:
             self._queues.pop(rid, None)
+            if not done:  # cancelled (or timed out): the daemon stops the request
+                self._send_abort_nowait(rid)
         return _result(rid, msg)
 
     async def stream(self, prompt, params: SamplingParams | None = None, *, request_id=None,
