@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,10 +26,28 @@ BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
 BLOCKS, BLOCK_SIZE = 64, 16
 
 
+def first_completion(url: str, deadline_s: float = 60.0) -> None:
+    """One short completion through smg, repeated while smg answers 503: its channel to a gRPC
+    worker can still be connecting after the worker passed its health check (seen once as a
+    503 on the first request of a run); any other answer, or a 503 past the deadline, fails."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            post(url + "/v1/completions", {"model": "bench", "prompt": "warm", "max_tokens": 1, "temperature": 0})
+            return
+        except AssertionError as e:
+            if ": HTTP 503:" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # the status alone does not say which side refused
+        raise AssertionError(f"POST {url}: HTTP {e.code}: {e.read()[:2000]!r}") from None
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +157,7 @@ def test_smg_routes_to_grpc_fronts_and_follows_their_kv_events_to_the_replica_ho
             out = post(url + "/v1/completions", {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
                                                  "temperature": 0, "ignore_eos": True})
             assert out["usage"]["completion_tokens"] == max_tokens
+        first_completion(smg.url)
         # Through smg, the prefix lands on one replica: smg's text tree and its event index agree.
         before = [_counter(r, "tpserve:prompt_tokens_total") for r in grpc_replicas]
         complete(smg.url, prefix + "# 0")
