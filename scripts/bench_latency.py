@@ -87,6 +87,19 @@ class Tpserve:
         self.llm.shutdown()
 
 
+def concurrent_tok_s(one, prompts, out: int) -> float:
+    """Generated tokens per second of ``one(prompt, out, counts, i)`` (it stores its token count
+    in counts[i]) for every prompt at once, one client thread each."""
+    counts = [0] * len(prompts)
+    threads = [threading.Thread(target=one, args=(p, out, counts, i)) for i, p in enumerate(prompts)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return sum(counts) / (time.perf_counter() - t)
+
+
 class TpserveHttp:
     """The daemon (``tpserve start --http-port``), asked over HTTP as llama-server is: one
     non-streamed /v1/completions request per stream, from client threads. The speed one user of
@@ -116,14 +129,7 @@ class TpserveHttp:
             counts[i] = json.loads(r.read())["usage"]["completion_tokens"]
 
     def run(self, prompts, out: int) -> float:
-        counts = [0] * len(prompts)
-        threads = [threading.Thread(target=self._one, args=(p, out, counts, i)) for i, p in enumerate(prompts)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        return sum(counts) / (time.perf_counter() - t)
+        return concurrent_tok_s(self._one, prompts, out)
 
     def close(self):
         subprocess.run([sys.executable, "-m", "tpserve", "stop", "--runtime-dir", self.rd], capture_output=True)
@@ -224,19 +230,9 @@ class LlamaServer:
     def run(self, prompts, out: int) -> float:
         self.resume()
         try:
-            return self._run(prompts, out)
+            return concurrent_tok_s(self._one, prompts, out)
         finally:
             self.pause()
-
-    def _run(self, prompts, out: int) -> float:
-        counts = [0] * len(prompts)
-        threads = [threading.Thread(target=self._one, args=(p, out, counts, i)) for i, p in enumerate(prompts)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        return sum(counts) / (time.perf_counter() - t)
 
     def close(self):
         self.resume()

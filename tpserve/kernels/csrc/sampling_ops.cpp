@@ -60,7 +60,12 @@ inline float log_pos(float x) {
   return static_cast<float>(e) * 0.693147180559945f + s * p;
 }
 
-// -log(-log u) for the counter-based uniform u of token j under base (the row's seed and step).
+// The noise key of a row drawing under (seed, step): sampler.uniform's ``base``.
+inline uint64_t row_base(int64_t seed, int64_t step) {
+  return mix64(mix64(static_cast<uint64_t>(seed) * kGolden + static_cast<uint64_t>(step)) + 1);
+}
+
+// -log(-log u) for the counter-based uniform u of token j under base (row_base).
 inline float race_noise(uint64_t base, uint64_t j) {
   const uint64_t bits = mix64(base ^ (j * kGolden));
   const float u = (static_cast<float>(bits >> (64 - kUniformBits)) + 0.5f) *
@@ -111,8 +116,7 @@ void race_argmax(at::Tensor out, const at::Tensor& x, const at::Tensor& seeds, c
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1));
   at::parallel_for(0, S, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint64_t base = mix64(mix64(static_cast<uint64_t>(sp[r]) * kGolden + static_cast<uint64_t>(tp[r])) + 1);
-      op[r] = V ? race_row(xp + r * xs, V, base) : 0;
+      op[r] = V ? race_row(xp + r * xs, V, row_base(sp[r], tp[r])) : 0;
     }
   });
 }
@@ -269,9 +273,8 @@ void filtered_race(at::Tensor out, const at::Tensor& x, const at::Tensor& temps,
   at::parallel_for(0, S, grain, [&](int64_t begin, int64_t end) {
     thread_local RowScratch scratch;
     for (int64_t r = begin; r < end; ++r) {
-      const uint64_t base = mix64(mix64(static_cast<uint64_t>(sp[r]) * kGolden + static_cast<uint64_t>(st[r])) + 1);
       const int64_t k = kp[r] > 0 ? std::min<int64_t>(kp[r], V) : V;
-      op[r] = V ? filtered_race_row(xp + r * xs, V, tp[r], k, pp[r], base, scratch) : 0;
+      op[r] = V ? filtered_race_row(xp + r * xs, V, tp[r], k, pp[r], row_base(sp[r], st[r]), scratch) : 0;
     }
   });
 }
