@@ -51,7 +51,7 @@ def _few_descriptors():
 class GuardedDaemon:
     def __init__(self):
         self.rd = tempfile.mkdtemp(prefix="tpg-", dir="/tmp")
-        out = subprocess.run(TPSERVE + ["start", "--runtime-dir", self.rd, "--num-kv-blocks", "200",
+        out = subprocess.run(TPSERVE + ["start", "--runtime-dir", self.rd, "--num-kv-blocks", "600",
                                         "--block-size", "4", "--http-port", "0", "--http-upstream-timeout",
                                         str(UPSTREAM_TIMEOUT), "--http-request-timeout", str(REQUEST_TIMEOUT),
                                         "--startup-timeout", "200"],
@@ -103,11 +103,11 @@ def complete(daemon, body, headers=None):
                       headers={"Content-Type": "application/json", **(headers or {})})
 
 
-def wait_until(predicate, timeout: float, what: str):
+def wait_until(predicate, timeout: float, what: str, period: float = 0.1):
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
-        time.sleep(0.1)
+        time.sleep(period)
 
 
 class Requests:
@@ -282,11 +282,15 @@ def test_lone_surrogate_in_chat_content_is_400(daemon):
 def test_streams_end_when_the_daemon_stops_answering(daemon):
     """SIGSTOP the daemon mid-stream: the front's pings go unanswered, every stream ends with an
     error event then [DONE], a non-streamed request gets a 503; after SIGCONT nothing is left."""
-    body = {"prompt": [5, 6, 7], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
-    requests = Requests(daemon.url, body)
-    assert requests.first.wait(60)
-    wait_until(lambda: daemon.status()["requests_in_flight"] == 2, 60, "both requests running")
-    os.kill(daemon.pid, signal.SIGSTOP)
+    # Both requests must still be running when the daemon stops: as long as the model allows
+    # (~1 s here; 150 tokens took 0.1 s, which a status poll could miss), watched by one client
+    # polling every 10 ms.
+    body = {"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with Client(daemon.address, timeout=30) as client:
+        requests = Requests(daemon.url, body)
+        assert requests.first.wait(60)
+        wait_until(lambda: client.status()["requests_in_flight"] == 2, 60, "both requests running", period=0.01)
+        os.kill(daemon.pid, signal.SIGSTOP)
     try:
         assert requests.join(60), "a request still hangs"
     finally:
