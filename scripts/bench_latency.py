@@ -188,28 +188,48 @@ def _free_port() -> int:
 
 
 class LlamaServer:
+    """llama-server on ``gguf``. Its default CPU path repacks weights for the machine (AMX tiles
+    where present); where that build crashes at start (seen: Q8_0 on an AMX CPU, a segfault
+    right after the thread pool starts), it is started again with ``--no-repack``, and its
+    line in the table says so (``note``)."""
+
     def __init__(self, peer: Path, gguf: Path, kind: str, slots: int, threads: int):
-        self.name = f"llama-server {kind}"
+        self.name, self.note = f"llama-server {kind}", ""
+        self.log = open(gguf.parent / f"llama-server-{kind}.log", "w")
+        if not self._start(peer, gguf, slots, threads, []):
+            self.log.write("\n--- the server exited at start; again with --no-repack ---\n")
+            self.log.flush()
+            if not self._start(peer, gguf, slots, threads, ["--no-repack"]):
+                raise RuntimeError(f"llama-server did not start (see {self.log.name})")
+            self.note = " (--no-repack)"
+            print(f"{self.name}: the default (repacked weights) exited at start; see {self.log.name}",
+                  flush=True)
+        self.run([[5] * PROMPT], 4)  # warm; leaves the server stopped
+
+    def _start(self, peer: Path, gguf: Path, slots: int, threads: int, extra: list[str]) -> bool:
+        """Start the server; True once it answers /health, False if it exited first."""
         self.port = _free_port()
         ctx = slots * (PROMPT + SINGLE_OUT + 32)
-        self.log = open(gguf.parent / f"llama-server-{kind}.log", "w")
         self.proc = subprocess.Popen(
             [str(peer / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
              "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
-             "-np", str(slots), "-b", "2048", "--no-webui"],
+             "-np", str(slots), "-b", "2048", "--no-webui", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return True
             except OSError:
                 pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start (see {self.log.name})")
+            if self.proc.poll() is not None:
+                return False
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"llama-server did not answer within 300 s (see {self.log.name})")
             time.sleep(0.5)
-        self.run([[5] * PROMPT], 4)  # warm; leaves the server stopped
 
     # Between its runs a server is stopped (SIGSTOP): an idle llama-server's threads keep
     # polling for work, and while two of them polled, every other engine ran 2-4x slower.
@@ -304,7 +324,7 @@ def main() -> int:
               "llama-server q8_0": "Q8_0", "tpserve bf16 http": "bf16", "tpserve int8 http": "int8 w/ int8 act"}
     for e in engines:
         cells = "  ".join(f"batch {b:>2} {res[(e.name, b)]:8.1f}" for b in (1, *batches))
-        print(f"{e.name:20s} dtype={dtypes[e.name]:16s} tok/s: {cells}")
+        print(f"{e.name:20s} dtype={dtypes[e.name]:16s} tok/s: {cells}{getattr(e, 'note', '')}")
     names = [e.name for e in engines]
     for a, b in (("tpserve bf16", "llama-server bf16"), ("tpserve int8", "llama-server q8_0"),
                  ("tpserve int8", "tpserve bf16"), ("tpserve bf16 http", "llama-server bf16"),
