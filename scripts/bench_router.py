@@ -32,7 +32,12 @@ Policy ``cache_aware_events`` is smg's ``cache_aware`` in front of the replicas'
 fed by each replica's KV-cache events (``SubscribeKvEvents``), so it routes to the replica whose
 cache really holds the longest prefix, evictions included (``--kv-index``: positional by
 default). Text ``cache_aware`` guesses from the prompts it routed, and cannot see evictions.
-``least_load_grpc`` is smg's ``least_load`` over the gRPC fronts (load from ``GetLoads``).
+The index learns a prefix only when a replica has computed it; ``cache_aware_events_booked``
+adds smg's optimistic bookings (``--selection-accounting-ttl-ms 5000``: a routed request's
+prefix counts as placed on its replica until that replica's events report it, 5 s at most,
+above the prefill time of a queued 1,500-token prompt here) and a lower match threshold
+(``--cache-threshold 0.05``: a prefix of which eviction left only the head still pins its
+replica instead of falling back to the least loaded one). ``least_load_grpc`` is smg's ``least_load`` over the gRPC fronts (load from ``GetLoads``).
 
 Policy ``kv_aware`` is vllm-router's (``--vllm-router``; scripts/peer_vllm_router.sh): it
 subscribes to both replicas' KV-cache events (``--kv-events-endpoint``, with replay) and routes
@@ -62,11 +67,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import HOST, TPSERVE, OpenAIDriver, Record, free_port, machine, pct, summarize  # noqa: E402
 
-POLICIES = ("round_robin", "cache_aware", "cache_aware_events", "prefix_hash", "kv_aware", "least_load",
-            "least_load_grpc")
+POLICIES = ("round_robin", "cache_aware", "cache_aware_events", "cache_aware_events_booked", "prefix_hash",
+            "kv_aware", "least_load", "least_load_grpc")
 EVENT_POLICIES = ("kv_aware",)  # vllm-router's, fed by the replicas' KV events
 # smg's policies in front of the replicas' gRPC fronts: the event-driven index, and load from GetLoads.
-GRPC_POLICIES = {"cache_aware_events": "cache_aware", "least_load_grpc": "least_load"}
+# Each maps to (smg's policy, more `smg launch` arguments).
+BOOKED = ["--selection-accounting-ttl-ms", "5000", "--cache-threshold", "0.05"]
+GRPC_POLICIES = {"cache_aware_events": ("cache_aware", []), "cache_aware_events_booked": ("cache_aware", BOOKED),
+                 "least_load_grpc": ("least_load", [])}
 NUM_SYSTEM_PROMPTS = 8
 
 
@@ -326,9 +334,10 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
         if events:
             smg = VllmRouter(args.vllm_router, replicas, policy)
         elif grpc:
-            smg = Smg(args.smg, [r.grpc_url for r in replicas], GRPC_POLICIES[policy], extra=args.smg_args.split(),
+            smg_policy, smg_extra = GRPC_POLICIES[policy]
+            smg = Smg(args.smg, [r.grpc_url for r in replicas], smg_policy, extra=smg_extra + args.smg_args.split(),
                       log_level="info")  # its subscriptions are logged at info
-            if GRPC_POLICIES[policy] == "cache_aware":  # smg subscribes for cache_aware only
+            if smg_policy == "cache_aware":  # smg subscribes for cache_aware only
                 smg.wait_for_kv_events(len(replicas))
         else:
             smg = Smg(args.smg, [r.url for r in replicas], policy, extra=args.smg_args.split())
