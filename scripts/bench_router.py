@@ -37,7 +37,8 @@ adds smg's optimistic bookings (``--selection-accounting-ttl-ms 5000``: a routed
 prefix counts as placed on its replica until that replica's events report it, 5 s at most,
 above the prefill time of a queued 1,500-token prompt here) and a lower match threshold
 (``--cache-threshold 0.05``: a prefix of which eviction left only the head still pins its
-replica instead of falling back to the least loaded one). ``least_load_grpc`` is smg's ``least_load`` over the gRPC fronts (load from ``GetLoads``).
+replica instead of falling back to the least loaded one). ``least_load_grpc`` is smg's
+``least_load`` over the gRPC fronts (load from ``GetLoads``).
 
 Policy ``kv_aware`` is vllm-router's (``--vllm-router``; scripts/peer_vllm_router.sh): it
 subscribes to both replicas' KV-cache events (``--kv-events-endpoint``, with replay) and routes
