@@ -74,7 +74,8 @@ EVENT_POLICIES = ("kv_aware",)  # vllm-router's, fed by the replicas' KV events
 # smg's policies in front of the replicas' gRPC fronts: the event-driven index, and load from GetLoads.
 # Each maps to (smg's policy, more `smg launch` arguments).
 BOOKED = ["--selection-accounting-ttl-ms", "5000", "--cache-threshold", "0.05"]
-GRPC_POLICIES = {"cache_aware_events": ("cache_aware", []), "cache_aware_events_booked": ("cache_aware", BOOKED),
+GRPC_POLICIES = {"cache_aware_events": ("cache_aware", []),
+                 "cache_aware_events_booked": ("cache_aware", BOOKED),
                  "least_load_grpc": ("least_load", [])}
 NUM_SYSTEM_PROMPTS = 8
 
@@ -336,8 +337,8 @@ def run_one(scenario: str, policy: str, model: Path, args) -> str:
             smg = VllmRouter(args.vllm_router, replicas, policy)
         elif grpc:
             smg_policy, smg_extra = GRPC_POLICIES[policy]
-            smg = Smg(args.smg, [r.grpc_url for r in replicas], smg_policy, extra=smg_extra + args.smg_args.split(),
-                      log_level="info")  # its subscriptions are logged at info
+            smg = Smg(args.smg, [r.grpc_url for r in replicas], smg_policy,
+                      extra=smg_extra + args.smg_args.split(), log_level="info")  # its subscriptions are logged at info
             if smg_policy == "cache_aware":  # smg subscribes for cache_aware only
                 smg.wait_for_kv_events(len(replicas))
         else:

@@ -289,7 +289,8 @@ def test_streams_end_when_the_daemon_stops_answering(daemon):
     with Client(daemon.address, timeout=30) as client:
         requests = Requests(daemon.url, body)
         assert requests.first.wait(60)
-        wait_until(lambda: client.status()["requests_in_flight"] == 2, 60, "both requests running", period=0.01)
+        wait_until(lambda: client.status()["requests_in_flight"] == 2, 60, "both requests running",
+                   period=0.01)
         os.kill(daemon.pid, signal.SIGSTOP)
     try:
         assert requests.join(60), "a request still hangs"
