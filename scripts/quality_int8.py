@@ -20,9 +20,11 @@ within 1% of bf16.
 
     python scripts/quality_int8.py [--skip-40m] [--llamacpp /work/peers/llamacpp]
 
-It also simulates int8 formats in fp32 (per-channel weights with and without int8 activations,
-and a Q8_0-like blocked format) against fp32 on the same positions: the agreement each format
-allows before any kernel is involved.
+It also simulates int8 formats in fp32 against fp32 on the same positions: per-channel weights
+with activations unquantized, per row (tpserve's int8) and in blocks of 32, per-channel weights
+rounded by GPTQ (calibrated on other sequences than the measured ones), and a Q8_0-like blocked
+format. That is the agreement each format allows before any kernel is involved; the GPTQ line is
+the most that per-channel int8 weights give this model.
 
 With ``--llamacpp`` it also measures llama.cpp's Q8_0 against llama.cpp's bf16 on the 40M model
 (the same prompts and agreements): how far the field's int8 format moves this model.
@@ -44,6 +46,7 @@ from bench_throughput import cpu_isa  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
 PROMPTS, PROMPT_LEN, OUT = 20, 32, 64
+CALIBRATION_LEN = 128
 
 
 def load(path: Path, quantization: str | None, dtype: str = "bfloat16"):
@@ -110,20 +113,56 @@ def _fake_int8(x: torch.Tensor, group: int | None) -> torch.Tensor:
     return ((g / s).round().clamp(-127, 127) * s).reshape(x.shape)
 
 
+def _gptq_int8(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """w rounded to symmetric int8 with one absmax scale per row (output channel), column by
+    column, each column's rounding error spread over the columns not yet rounded as the input
+    second moments ``hessian`` (E[x x^T]) say (GPTQ's update): the least output error a
+    per-channel int8 weight can have for inputs like the calibration ones. fp32 result."""
+    w = w.double().clone()
+    k = w.shape[1]
+    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
+    h = hessian.double() + damp * hessian.diagonal().mean() * torch.eye(k, dtype=torch.float64)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    out = torch.empty_like(w)
+    for i in range(k):
+        q = (w[:, i:i + 1] / scale).round().clamp(-127, 127) * scale
+        out[:, i:i + 1] = q
+        w[:, i + 1:] -= ((w[:, i:i + 1] - q) / hinv[i, i]) @ hinv[i:i + 1, i + 1:]
+    return out.float()
+
+
 @torch.inference_mode()
-def format_ceilings(name: str, path: Path, seqs, rows: torch.Tensor) -> None:
+def format_ceilings(name: str, path: Path, seqs, rows: torch.Tensor, calibration) -> None:
     """Same-prefix agreement of int8 schemes simulated in fp32 (Hugging Face's model, every
     linear layer's weight rounded, and its input too where the scheme quantizes activations)
-    against the fp32 model: how close each format can come, apart from any kernel."""
+    against the fp32 model: how close each format can come, apart from any kernel. The GPTQ
+    line rounds the weights with the second moments of each layer's inputs on ``calibration``
+    (other sequences than the measured ones)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dense = [m.weight.data for m in linears]
 
-    def argmax_rows(weight_group, act_group, quantize_acts: bool) -> torch.Tensor:
+    moments = [torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for m in linears]
+    counts = [0] * len(linears)
+
+    def collect(i):
+        def hook(_m, a):
+            x = a[0].reshape(-1, a[0].shape[-1]).double()
+            moments[i].add_(x.T @ x)
+            counts[i] += x.shape[0]
+        return hook
+    hooks = [m.register_forward_pre_hook(collect(i)) for i, m in enumerate(linears)]
+    for s in calibration:
+        model(torch.tensor([s]))
+    for h in hooks:
+        h.remove()
+    gptq = [_gptq_int8(w, h / n) for w, h, n in zip(dense, moments, counts)]
+
+    def argmax_rows(weights, act_group, quantize_acts: bool) -> torch.Tensor:
         hooks = []
-        for m, w in zip(linears, dense):
-            m.weight.data = w if weight_group == "none" else _fake_int8(w, weight_group)
+        for m, w in zip(linears, weights):
+            m.weight.data = w
             if quantize_acts:
                 hooks.append(m.register_forward_pre_hook(lambda _m, a: (_fake_int8(a[0], act_group),)))
         try:
@@ -131,16 +170,21 @@ def format_ceilings(name: str, path: Path, seqs, rows: torch.Tensor) -> None:
         finally:
             for h in hooks:
                 h.remove()
-    ref = argmax_rows("none", None, False)
-    for label, wg, ag, acts in (("int8 weights per channel, activations unquantized", None, None, False),
-                                ("int8 weights per channel, int8 activations per row (tpserve's int8)",
-                                 None, None, True),
-                                ("Q8_0-like: int8 weights and activations in blocks of 32", 32, 32, True)):
-        same = float((argmax_rows(wg, ag, acts) == ref).float().mean())
+    ref = argmax_rows(dense, None, False)
+    per_channel = [_fake_int8(w, None) for w in dense]
+    for label, weights, ag, acts in (
+            ("int8 weights per channel, activations unquantized", per_channel, None, False),
+            (f"int8 weights per channel by GPTQ ({len(calibration)} calibration sequences), activations "
+             "unquantized", gptq, None, False),
+            ("int8 weights per channel, int8 activations per row (tpserve's int8)", per_channel, None, True),
+            ("int8 weights per channel, int8 activations in blocks of 32", per_channel, 32, True),
+            ("Q8_0-like: int8 weights and activations in blocks of 32", [_fake_int8(w, 32) for w in dense],
+             32, True)):
+        same = float((argmax_rows(weights, ag, acts) == ref).float().mean())
         print(f"quality {name}, simulated in fp32 against fp32: {label}: same-prefix {same:.1%}", flush=True)
 
 
-def compare(name: str, path: Path, prompts, llamacpp: Path | None = None) -> None:
+def compare(name: str, path: Path, prompts, calibration, llamacpp: Path | None = None) -> None:
     bf16_out = generate(path, None, prompts)
     seqs = [p + o for p, o in zip(prompts, bf16_out)]
     ref = logits_of(load(path, None), seqs)
@@ -149,7 +193,7 @@ def compare(name: str, path: Path, prompts, llamacpp: Path | None = None) -> Non
         print(f"quality {name}, {label} against bf16: greedy agreement free-running {free:.1%}, "
               f"same-prefix {same:.1%}; mean KL(bf16||{label}) {kl:.4f} nats "
               f"({PROMPTS} prompts x {OUT} tokens)", flush=True)
-    format_ceilings(name, path, seqs, generated_rows(seqs))
+    format_ceilings(name, path, seqs, generated_rows(seqs), calibration)
     if llamacpp is not None:
         llamacpp_agreement(llamacpp, name, path, prompts, bf16_out)
 
@@ -222,7 +266,11 @@ def main() -> int:
     ids, context = heldout(BUNDLED)
     starts = np.linspace(0, len(ids) - PROMPT_LEN - 1, PROMPTS).astype(int)
     bundled = [ids[s:s + PROMPT_LEN].tolist() for s in starts]
-    compare("bundled model", BUNDLED, bundled)
+    # calibration windows (for the GPTQ ceiling): two in each gap between prompts, apart from them
+    gap = starts[1] - starts[0]
+    calibration = [ids[s + f * gap // 3:s + f * gap // 3 + CALIBRATION_LEN].tolist()
+                   for s in starts[:-1] for f in (1, 2)]
+    compare("bundled model", BUNDLED, bundled, calibration)
     report = json.loads((BUNDLED / "training_report.json").read_text())
     loss_bf16 = heldout_loss(load(BUNDLED, None), ids, context)
     loss_int8 = heldout_loss(load(BUNDLED, "int8"), ids, context)
@@ -231,8 +279,9 @@ def main() -> int:
     if not args.skip_40m:
         path = build_bench_model("/tmp/tpserve-bench/qwen3-40m")
         rng = np.random.default_rng(0)
-        compare("40m random-weight model", path, [rng.integers(3, 32768, PROMPT_LEN).tolist()
-                                                  for _ in range(PROMPTS)], args.llamacpp)
+        prompts = [rng.integers(3, 32768, PROMPT_LEN).tolist() for _ in range(PROMPTS)]
+        calibration = [rng.integers(3, 32768, CALIBRATION_LEN).tolist() for _ in range(2 * (PROMPTS - 1))]
+        compare("40m random-weight model", path, prompts, calibration, args.llamacpp)
     return 0
 
 
