@@ -11,6 +11,10 @@ requests through smg's ``/v1/completions``, and prints one line:
 
     bench_router scenario=S router=smg policy=P done=N/N prefix_hit_rate=H ttft_ms p50=A p99=B req_s=R out_tok_s=T ...
 
+For the shared-prefix scenario a first line gives the hit rates its request order allows
+(``prefix_hit_ceilings``: without eviction, with each prompt pinned to one replica, and the
+offline optimum), the scale to read the policies' rates on.
+
 ``prefix_hit_rate`` is the replicas' own count from their ``/metrics`` (prompt tokens whose KV
 came from the prefix cache over all prompt tokens looked up, both replicas, the warm-up
 request excluded); TTFT is measured by the client at the first streamed token; throughput
@@ -295,6 +299,61 @@ def skewed_requests(args, vocab: int, rng: random.Random) -> list[tuple[float, l
     return out
 
 
+def prefix_hit_ceilings(reqs, system_tokens: int, block_size: int, pool_prompts: float) -> dict[str, float]:
+    """What the shared-prefix scenario's request order allows two replicas to hit, as a fraction
+    of all prompt tokens, in a model that serves the requests one at a time, caches whole system
+    prompts (their full blocks) and nothing else, and holds ``int(pool_prompts)`` of them per
+    replica:
+
+    * ``no_eviction``: every system prompt's turns after its first hit;
+    * ``split_lru``: each prompt pinned to one replica (all 4 + 4 splits of the 8, averaged),
+      least recently used evicted. A router that does not know the order in advance can expect
+      little more in this model: any placement caches at most 2 x pool distinct prompts, the
+      next request's prompt is about as likely to be any of the 8, and a prompt cached on both
+      replicas is a slot lost;
+    * ``offline_optimum``: the 2 x pool slots filled knowing the whole order in advance (Belady:
+      evict the prompt needed again last), any prompt on any replica: a bound no router reaches.
+    """
+    from itertools import combinations
+    ids: dict[tuple, int] = {}
+    order = [ids.setdefault(tuple(p[:system_tokens]), len(ids)) for _, p, _ in reqs]
+    cap = int(pool_prompts)
+    per_hit = system_tokens // block_size * block_size
+    total = sum(len(p) for _, p, _ in reqs)
+
+    def split_lru(home: list[int]) -> int:
+        caches: list[list[int]] = [[], []]
+        hits = 0
+        for q in order:
+            cache = caches[home[q]]
+            if q in cache:
+                hits += 1
+                cache.remove(q)
+            elif len(cache) >= cap:
+                cache.pop(0)
+            cache.append(q)
+        return hits
+
+    def belady(slots: int) -> int:
+        cache: set[int] = set()
+        hits = 0
+        for i, q in enumerate(order):
+            if q in cache:
+                hits += 1
+                continue
+            if len(cache) >= slots:
+                later = order[i + 1:]
+                cache.remove(max(cache, key=lambda c: later.index(c) if c in later else len(later)))
+            cache.add(q)
+        return hits
+
+    n = len(ids)
+    splits = [split_lru([int(q in half) for q in range(n)]) for half in combinations(range(n), n // 2)]
+    return {name: hits * per_hit / total for name, hits in (
+        ("no_eviction", len(order) - n), ("split_lru", sum(splits) / len(splits)),
+        ("offline_optimum", belady(2 * cap)))}
+
+
 async def run_requests(url_port: int, reqs, concurrency: int | None, text: bool = True
                        ) -> tuple[list[Record], float]:
     """Stream every request (text prompts, or token ids when ``text`` is False)."""
@@ -419,6 +478,13 @@ def main(argv=None) -> int:
           f"system_tokens={args.system_tokens} turns={args.turns} pool_prompts={args.pool_prompts:g} "
           f"(timings on a shared machine are noisy)", flush=True)
     for scenario in args.scenarios:
+        if scenario == "shared-prefix":
+            reqs = shared_prefix_requests(args, int(json.loads((model / "config.json").read_text())["vocab_size"]),
+                                          random.Random(args.seed))
+            ceilings = prefix_hit_ceilings(reqs, args.system_tokens, args.block_size, args.pool_prompts)
+            print(f"bench_router scenario=shared-prefix seed={args.seed} prefix_hit_ceilings "
+                  + " ".join(f"{k}={v:.3f}" for k, v in ceilings.items())
+                  + " (requests one at a time; prefix_hit_ceilings' doc)", flush=True)
         policies = args.policies if scenario == "shared-prefix" else \
             [p for p in args.policies if p in ("round_robin", "least_load", "least_load_grpc", "power_of_two")] \
             or args.policies
