@@ -376,15 +376,20 @@ async def run_requests(url_port: int, reqs, concurrency: int | None, text: bool 
     return records, time.perf_counter() - start
 
 
+def scenario_requests(scenario: str, model: Path, args) -> list[tuple[float, list[int], int]]:
+    """The scenario's requests for ``model``'s vocabulary, the same for every policy of a seed."""
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    make = shared_prefix_requests if scenario == "shared-prefix" else skewed_requests
+    return make(args, vocab, random.Random(args.seed))
+
+
 def run_one(scenario: str, policy: str, model: Path, args) -> str:
-    cfg = json.loads((model / "config.json").read_text())
-    vocab = int(cfg["vocab_size"])
-    rng = random.Random(args.seed)
+    reqs = scenario_requests(scenario, model, args)
     if scenario == "shared-prefix":
-        reqs, concurrency = shared_prefix_requests(args, vocab, rng), args.concurrency
+        concurrency = args.concurrency
         blocks = int(args.pool_prompts * args.system_tokens / args.block_size)
     else:
-        reqs, concurrency = skewed_requests(args, vocab, rng), None
+        concurrency = None
         blocks = int(4 * args.long_tokens / args.block_size)
     replicas: list[Replica] = []
     smg = None
@@ -479,9 +484,8 @@ def main(argv=None) -> int:
           f"(timings on a shared machine are noisy)", flush=True)
     for scenario in args.scenarios:
         if scenario == "shared-prefix":
-            reqs = shared_prefix_requests(args, int(json.loads((model / "config.json").read_text())["vocab_size"]),
-                                          random.Random(args.seed))
-            ceilings = prefix_hit_ceilings(reqs, args.system_tokens, args.block_size, args.pool_prompts)
+            ceilings = prefix_hit_ceilings(scenario_requests(scenario, model, args), args.system_tokens,
+                                           args.block_size, args.pool_prompts)
             print(f"bench_router scenario=shared-prefix seed={args.seed} prefix_hit_ceilings "
                   + " ".join(f"{k}={v:.3f}" for k, v in ceilings.items())
                   + " (requests one at a time; prefix_hit_ceilings' doc)", flush=True)

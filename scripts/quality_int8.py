@@ -24,7 +24,7 @@ It also simulates int8 formats in fp32 against fp32 on the same positions: per-c
 with activations unquantized, per row (tpserve's int8) and in blocks of 32, per-channel weights
 rounded by GPTQ (calibrated on other sequences than the measured ones), and a Q8_0-like blocked
 format. That is the agreement each format allows before any kernel is involved; the GPTQ line is
-the most that per-channel int8 weights give this model.
+the best-known rounding of per-channel int8 weights, with no activation error at all.
 
 With ``--llamacpp`` it also measures llama.cpp's Q8_0 against llama.cpp's bf16 on the 40M model
 (the same prompts and agreements): how far the field's int8 format moves this model.
@@ -116,8 +116,8 @@ def _fake_int8(x: torch.Tensor, group: int | None) -> torch.Tensor:
 def _gptq_int8(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """w rounded to symmetric int8 with one absmax scale per row (output channel), column by
     column, each column's rounding error spread over the columns not yet rounded as the input
-    second moments ``hessian`` (E[x x^T]) say (GPTQ's update): the least output error a
-    per-channel int8 weight can have for inputs like the calibration ones. fp32 result."""
+    second moments ``hessian`` (E[x x^T]) say (GPTQ's update): the best-known rounding of a
+    per-channel int8 weight for inputs like the calibration ones. fp32 result."""
     w = w.double().clone()
     k = w.shape[1]
     scale = w.abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
