@@ -38,7 +38,7 @@ TPSERVE = [sys.executable, "-m", "tpserve"]
 
 CLIENT = textwrap.dedent("""
     import json, sys, time
-    from tpserve.daemon.client import Client
+    from tpserve.client.client import Client
     spec = json.loads(sys.stdin.readline())
     with Client(spec["address"], timeout=600) as c:
         c.ping()
@@ -122,8 +122,8 @@ def run_offline(model, options, prompts, max_tokens, short_prompt, trials):
 
 
 def run_daemon(model, config, prompts, clients, max_tokens, short_prompt, trials):
-    from tpserve.daemon.client import Client
-    from tpserve.daemon.options import options_argv
+    from tpserve.client.client import Client
+    from tpserve.cli.options import options_argv
 
     rd = tempfile.mkdtemp(prefix="tpb-", dir="/tmp")
     try:

@@ -50,7 +50,7 @@ def _wait_idle(client, timeout: float) -> dict:
 
 
 def run(address: str, args) -> tuple[float, float, int, float]:
-    from tpserve.daemon.client import Client
+    from tpserve.client.client import Client
 
     ctx = zmq.Context()
     try:

@@ -31,7 +31,7 @@ def prompts(n: int, salt: int) -> list[list[int]]:
 
 
 async def zmq_round(address, ps, max_tokens):
-    from tpserve.daemon.client import AsyncClient
+    from tpserve.client.client import AsyncClient
     async with AsyncClient(address, timeout=600) as c:
         async def one(p):
             start, first, n = time.perf_counter(), None, 0

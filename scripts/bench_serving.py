@@ -153,7 +153,7 @@ class TpserveDriver:
         self.address = address
 
     async def __aenter__(self):
-        from tpserve.daemon.client import AsyncClient
+        from tpserve.client.client import AsyncClient
         self.client = AsyncClient(self.address, timeout=None)
         return self
 
@@ -161,7 +161,7 @@ class TpserveDriver:
         await self.client.close()
 
     async def stream(self, prompt: list[int], max_tokens: int, rec: Record) -> None:
-        from tpserve.daemon.client import RequestError
+        from tpserve.client.client import RequestError
         try:
             async for delta in self.client.stream(prompt, temperature=0.0, max_tokens=max_tokens,
                                                   ignore_eos=True):

@@ -28,7 +28,7 @@ from bench_daemon_run import isa, on_daemon
 
 
 def run(address: str, args) -> dict:
-    from tpserve.daemon.client import Client
+    from tpserve.client.client import Client
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

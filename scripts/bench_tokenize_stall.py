@@ -89,7 +89,7 @@ class Arrivals:
 
 
 def zmq_stream(address):
-    from tpserve.daemon.client import Client
+    from tpserve.client.client import Client
 
     def run():
         with Client(address, timeout=600) as c:
@@ -118,7 +118,7 @@ def http_stream(url):
 
 def zmq_huge(address):
     """A sender of the huge prompt over ZMQ, connected (and its modules imported) beforehand."""
-    from tpserve.daemon.client import Client, RequestError
+    from tpserve.client.client import Client, RequestError
     client = Client(address, timeout=600)
     client.ping()
 

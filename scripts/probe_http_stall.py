@@ -107,7 +107,7 @@ def main() -> int:
         for t in streams + wholes:
             t.join(max(0.0, deadline - time.monotonic()))
         dropped = "not reading" in log_path.read_text(errors="replace")
-        from tpserve.daemon.client import Client
+        from tpserve.client.client import Client
         with Client(runtime_dir=rd, timeout=30) as c:  # streams still open with nothing in flight hang
             in_flight = c.status()["requests_in_flight"]
         # Counted before the daemon stops: stopping it ends whatever still hangs.

@@ -168,7 +168,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 # A plain-text chat format the code model can continue: "# role:" headers, one per message; with
 # tools, the Hermes/Qwen convention: the signatures in <tools>, calls as <tool_call> JSON blocks,
-# results as <tool_response> (tpserve/daemon/tool_calls.py).
+# results as <tool_response> (tpserve/fronts/http/tool_calls.py).
 CHAT_TEMPLATE = (
     '{%- if tools %}{{ \'# system:\\n\' }}{% if messages[0][\'role\'] == \'system\' %}{{ messages[0][\'content\'] }}{{ \'\\n\\n\' }}{% endif %}{{ \'You may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>\' }}{% for tool in tools %}{{ \'\\n\' }}{{ tool | tojson }}{% endfor %}{{ \'\\n</tools>\\nFor each call, answer with a JSON object of the function name and arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\\n\' }}'
     '{%- endif %}'

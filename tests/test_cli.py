@@ -24,11 +24,13 @@ from click.testing import CliRunner
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from test_daemon import FakeEngine, ServerThread
-from tpserve.daemon.cli import main
-from tpserve.daemon.client import Client
-from tpserve.daemon.keys import load_keys
-from tpserve.daemon.options import config_from_options, engine_options, options_argv
-from tpserve.daemon.runtime import PidFile, descendants, pid_alive, read_ready, write_ready
+from tpserve.cli.main import main
+from tpserve.client.client import Client
+from tpserve.client.keys import load_keys
+from tpserve.cli.options import config_from_options, engine_options, options_argv
+from tpserve.client.addresses import read_ready
+from tpserve.server.runtime import PidFile, write_ready
+from tpserve.procs import descendants, pid_alive
 from tpserve.sampling import SamplingParams
 
 NUM_KV_BLOCKS = 64
@@ -228,7 +230,7 @@ def test_start_on_a_full_disk_says_so(tiny_models_root, tmp_path):  # noqa: F811
 
 
 def test_a_daemon_that_died_silently_on_a_full_disk_is_explained(tmp_path, monkeypatch):
-    from tpserve.daemon import cli
+    from tpserve.cli import main as cli
     log = tmp_path / "tpserve.log"
     log.write_bytes(b"old run\nstart's own line\n")
     offset = len(b"old run\n")
@@ -336,7 +338,7 @@ def test_start_status_generate(daemon, offline, tiny_model):
 
 CLIENT_SCRIPT = textwrap.dedent("""
     import json, sys
-    from tpserve.daemon.client import Client
+    from tpserve.client.client import Client
     spec = json.loads(sys.argv[1])
     out = {}
     with Client(spec["address"], timeout=180) as c:
@@ -394,7 +396,7 @@ def test_concurrent_clients_match_the_offline_api(daemon, offline):
 
 HOLDER_SCRIPT = textwrap.dedent("""
     import sys
-    from tpserve.daemon.client import Client
+    from tpserve.client.client import Client
     c = Client(sys.argv[1], timeout=60)
     s = c.stream("a client that vanishes", max_tokens=400, ignore_eos=True)
     next(s)
@@ -567,8 +569,8 @@ HUNG_DAEMON = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_daemon import FakeEngine
     from tpserve.config import EngineConfig
-    from tpserve.daemon.daemon import run_daemon
-    from tpserve.daemon.server import ServerOptions
+    from tpserve.server.daemon import run_daemon
+    from tpserve.server.server import ServerOptions
 
     class HungEngine(FakeEngine):
         def __init__(self):

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from test_daemon import FakeEngine, ServerThread, client_ids
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import AsyncClient, Client, ClientTimeout, GenerateResult, RequestError
-from tpserve.daemon.runtime import default_address
+from tpserve.client import protocol as P
+from tpserve.client.client import AsyncClient, Client, ClientTimeout, GenerateResult, RequestError
+from tpserve.client.addresses import default_address
 from tpserve.errors import InvalidFieldError
 from tpserve.sampling import SamplingParams
 

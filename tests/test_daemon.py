@@ -27,18 +27,18 @@ import pytest
 import zmq
 
 from model_factory import tiny_models_root  # noqa: F401
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import Client, ClientTimeout
-from tpserve.daemon.connections import Connections
-from tpserve.daemon.keys import generate_keypair, load_secret_keys
-from tpserve.daemon.outbox import Peers
-from tpserve.daemon.runtime import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
-                                    is_loopback_tcp, read_ready)
-from tpserve.daemon.server import Server, ServerOptions
+from tpserve.client import protocol as P
+from tpserve.client.client import Client, ClientTimeout
+from tpserve.server.connections import Connections
+from tpserve.client.keys import generate_keypair, load_secret_keys
+from tpserve.server.outbox import Peers
+from tpserve.client.addresses import (InsecureAddressError, RuntimeDirError, check_address, connect_address,
+                                      is_loopback_tcp, read_ready)
+from tpserve.server.server import Server, ServerOptions
 from tpserve.errors import AdmissionError, ConfigError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
 from tpserve.outputs import RequestOutput
 from tpserve.procs import pid_alive
-from tpserve.requests import check_request
+from tpserve.limits import check_request
 from tpserve.sampling import SamplingParams
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -805,7 +805,7 @@ def test_a_delta_at_the_head_of_the_outbox_takes_no_more():
 
 
 def test_a_merged_delta_stops_at_its_limits(monkeypatch):
-    import tpserve.daemon.outbox as outbox
+    import tpserve.server.outbox as outbox
     monkeypatch.setattr(outbox, "MAX_MERGED_TOKENS", 3)
     sock = RefusingSocket()
     peers = Peers(sock, lambda peer, why: None)
@@ -1021,7 +1021,7 @@ def test_requests_held_in_the_daemon_count_against_the_waiting_limit():
 
 
 def test_fair_queue_takes_connections_in_turn_and_skips_discarded_entries():
-    from tpserve.daemon.fair_queue import FairQueue
+    from tpserve.server.fair_queue import FairQueue
     q = FairQueue()
     for i in range(3):
         q.push("a", f"a{i}", f"A{i}")
@@ -1362,8 +1362,8 @@ DAEMON_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_daemon import FakeEngine
     from tpserve.config import EngineConfig
-    from tpserve.daemon.daemon import run_daemon
-    from tpserve.daemon.server import ServerOptions
+    from tpserve.server.daemon import run_daemon
+    from tpserve.server.server import ServerOptions
     logging.basicConfig(level="INFO")
     class Announcing(FakeEngine):
         def shutdown(self):
@@ -1820,7 +1820,7 @@ def test_explicit_ipc_socket_is_private_and_removed_on_close():
 def test_engine_and_fake_engine_satisfy_the_serving_interface():
     import inspect
 
-    from tpserve.daemon.engine_api import ServingEngine
+    from tpserve.server.engine_api import ServingEngine
     from tpserve.engine import Engine
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]

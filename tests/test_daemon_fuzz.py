@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from test_daemon import FakeEngine, Raw, ServerThread
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import Client
+from tpserve.client import protocol as P
+from tpserve.client.client import Client
 from tpserve.sampling import SamplingParams
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,

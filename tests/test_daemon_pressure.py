@@ -13,9 +13,9 @@ import signal
 import pytest
 
 from test_daemon import FakeEngine, Raw, ServerThread, _spawn_fake_daemon, gen, short_tmpdir, wait_for_state
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import Client, RequestError
-from tpserve.daemon.server import ServerOptions
+from tpserve.client import protocol as P
+from tpserve.client.client import Client, RequestError
+from tpserve.server.server import ServerOptions
 from tpserve.errors import OverloadedError
 from tpserve.outputs import RequestOutput
 

@@ -2,7 +2,7 @@
 import pytest
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
-from tpserve import requests as R
+from tpserve import limits as R
 from tpserve.config import EngineConfig
 from tpserve.engine import Engine
 from tpserve.errors import InvalidFieldError, InvalidRequestError, StepFailedError

@@ -26,12 +26,12 @@ from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from test_daemon import ServerThread
 from test_grpc_relay import ProtoView
 from test_kv_events import _free_tcp
-from tpserve.daemon.client import Client
-from tpserve.daemon.grpc_api import Refused, sampling_params
-from tpserve.daemon.grpc_front import serve
-from tpserve.daemon.kv_events import KVEventsOptions
-from tpserve.daemon.kv_relay import wire_hash
-from tpserve.daemon.server import ServerOptions
+from tpserve.client.client import Client
+from tpserve.fronts.grpc.api import Refused, sampling_params
+from tpserve.fronts.grpc.front import serve
+from tpserve.server.kv_events import KVEventsOptions
+from tpserve.fronts.grpc.kv_relay import wire_hash
+from tpserve.server.server import ServerOptions
 from tpserve.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,7 +375,7 @@ def _front_pids(rd: Path) -> list[int]:
                 cmd = (p / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"tpserve.daemon.grpc_front" in cmd and any(str(rd).encode() in a for a in cmd):
+            if b"tpserve.fronts.grpc.front" in cmd and any(str(rd).encode() in a for a in cmd):
                 pids.append(int(p.name))
     return pids
 

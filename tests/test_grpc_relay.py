@@ -1,4 +1,4 @@
-"""The gRPC front's KV-event relay (tpserve.daemon.kv_relay): the daemon's events, served as
+"""The gRPC front's KV-event relay (tpserve.fronts.grpc.kv_relay): the daemon's events, served as
 smg's KvEventBatch stream.
 
 The central property, as for the daemon's own stream (test_kv_events.py): a subscriber that
@@ -20,8 +20,8 @@ from test_kv_events import _free_tcp, op_st, run_op
 from test_scheduler_properties import Harness
 from tpserve.blockpool import BlockManager
 from tpserve.blockpool.kv_events import BlockRemoved, BlockStored, KVEventSink, resync_events
-from tpserve.daemon.kv_events import KVEventPublisher, encode_batch
-from tpserve.daemon.kv_relay import KvEventsFeed, KvRelay, decode_events, wire_hash
+from tpserve.server.kv_events import KVEventPublisher, encode_batch
+from tpserve.fronts.grpc.kv_relay import KvEventsFeed, KvRelay, decode_events, wire_hash
 
 
 class ProtoView:

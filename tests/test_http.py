@@ -26,9 +26,10 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from tpserve import LLM, SamplingParams
-from tpserve.daemon.cli import main
-from tpserve.daemon.client import Client
-from tpserve.daemon.runtime import descendants, pid_alive, read_ready
+from tpserve.cli.main import main
+from tpserve.client.client import Client
+from tpserve.client.addresses import read_ready
+from tpserve.procs import descendants, pid_alive
 
 TPSERVE = [sys.executable, "-m", "tpserve"]
 API_KEY = "test-key-123"
@@ -453,7 +454,7 @@ def test_front_dies_with_a_killed_daemon(tmp_path):
     """A daemon killed with SIGKILL cannot stop its front: the kernel does (PR_SET_PDEATHSIG)."""
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
+        from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
         front = HttpFrontProcess(HttpOptions(0), "ipc://{tmp_path}/none.sock", {str(BUNDLED)!r}, "m", 64)
         print(front.start(), front.proc.pid, flush=True)
         time.sleep(600)
@@ -472,7 +473,7 @@ def test_front_dies_with_a_killed_daemon(tmp_path):
 
 def _fake_front(code: str) -> "HttpFrontProcess":
     """An HttpFrontProcess whose child is ``code`` (it gets ``--ready-fd N`` as its arguments)."""
-    from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
+    from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
     front = HttpFrontProcess(HttpOptions(0), "ipc:///nonexistent", str(BUNDLED), "m", 64)
     front.argv = [sys.executable, "-c", code]
     return front
@@ -492,19 +493,20 @@ def test_front_that_dies_is_reported_in_the_log(caplog):
 
 
 def test_front_that_cannot_listen_fails_the_start():
-    from tpserve.daemon.http_front import HttpFrontError
+    from tpserve.fronts.process import FrontError
     front = _fake_front("import sys; sys.exit(3)")
-    with pytest.raises(HttpFrontError, match="status 3"):
+    with pytest.raises(FrontError, match="status 3"):
         front.start(timeout=30)
     front.stop()
 
 
 def test_busy_port_fails_the_start():
-    from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOptions
+    from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
+    from tpserve.fronts.process import FrontError
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         front = HttpFrontProcess(HttpOptions(busy.getsockname()[1]), "ipc:///nonexistent", str(BUNDLED), "m", 64)
-        with pytest.raises(HttpFrontError, match="before listening"):
+        with pytest.raises(FrontError, match="before listening"):
             front.start(timeout=60)
         front.stop()

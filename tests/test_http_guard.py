@@ -28,10 +28,10 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from tpserve.daemon import protocol as P
-from tpserve.daemon.cli import main
-from tpserve.daemon.client import Client
-from tpserve.daemon.runtime import descendants
+from tpserve.client import protocol as P
+from tpserve.cli.main import main
+from tpserve.client.client import Client
+from tpserve.procs import descendants
 
 TPSERVE = [sys.executable, "-m", "tpserve"]
 BUNDLED = Path(__file__).resolve().parent.parent / "tpserve" / "assets" / "default-model"
@@ -321,7 +321,7 @@ def test_killed_front_is_restarted_and_reported(daemon):
 
 
 def test_front_that_keeps_dying_is_given_up_and_reported():
-    from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
+    from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
     front = HttpFrontProcess(HttpOptions(0), "ipc:///nonexistent", str(BUNDLED), "m", 64)
     front.argv = [sys.executable, "-c", "import os, sys; os.write(int(sys.argv[-1]), b'4321\\n'); sys.exit(7)"]
     front.RESTART_DELAYS = (0.01,)
@@ -387,7 +387,7 @@ class FakeDaemon(threading.Thread):
 @pytest.fixture(scope="module")
 def fake_front(tmp_path_factory):
     """A real front process (upstream timeout 1 s) in front of a FakeDaemon."""
-    from tpserve.daemon.http_front import HttpFrontProcess, HttpOptions
+    from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
     fake = FakeDaemon(f"ipc://{tmp_path_factory.mktemp('fake')}/fake.sock")
     fake.start()
     front = HttpFrontProcess(HttpOptions(0, allowed_hosts=("api.example.com",), upstream_timeout=1.0),
@@ -437,7 +437,7 @@ def test_streams_of_a_stalled_front_end_with_an_error_then_done(fake_front):
 
 
 def test_allowed_hosts_option():
-    from tpserve.daemon.http_guard import HostPolicy, parse_allowed_hosts
+    from tpserve.fronts.http.guard import HostPolicy, parse_allowed_hosts
     policy = HostPolicy.for_bind(parse_allowed_hosts("api.example.com, *.corp.example"), loopback_bind=True)
     assert policy.allows("api.example.com") and policy.allows("x.corp.example") and policy.allows("::1")
     assert not policy.allows("corp.example.evil") and not policy.allows("example.com")
@@ -459,7 +459,7 @@ def test_allowed_hosts_option():
 
 # ---- 6. a non-ASCII API key ------------------------------------------------------------------------
 def test_non_ascii_api_key_matches_its_utf8_header():
-    from tpserve.daemon.http_app import Front, create_app
+    from tpserve.fronts.http.app import Front, create_app
     key = "clé-✓-ключ"
     app = create_app(Front("ipc:///nonexistent", str(BUNDLED), "m", 64, api_key=key, tokenizer=None))
 
@@ -480,7 +480,7 @@ class SmallServer:
 
     def __init__(self):
         import uvicorn
-        from tpserve.daemon.http_conn import guarded_protocol
+        from tpserve.fronts.http.conn import guarded_protocol
         self.release = threading.Event()
 
         async def app(scope, receive, send):
@@ -560,7 +560,7 @@ def test_full_front_with_every_request_in_progress_answers_503():
 
 def test_rate_limit_writes_one_line_per_condition_and_interval():
     import logging
-    from tpserve.daemon.quiet_log import RateLimit
+    from tpserve.fronts.http.quiet_log import RateLimit
     now = [0.0]
     limit = RateLimit(10.0, clock=lambda: now[0])
     logger = logging.getLogger("tpserve.test_rate_limit")

@@ -195,7 +195,7 @@ def test_auto_constrains_a_call_once_the_model_opens_it():
     import numpy as np
 
     from test_http import BUNDLED
-    from tpserve.daemon.tool_calls import parse_tools, split_calls
+    from tpserve.fronts.http.tool_calls import parse_tools, split_calls
     from tpserve.grammar import GrammarCompiler, RequestGrammar, fill_bitmask
     from tpserve.tokenizer import load_tokenizer
     tok = load_tokenizer(BUNDLED)
@@ -230,7 +230,7 @@ def test_auto_constrains_a_call_once_the_model_opens_it():
 def test_tool_call_stream_reassembles_any_chunking():
     import random
 
-    from tpserve.daemon.tool_calls import ToolCallStream, split_calls
+    from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
     text = ('Sure <tool_ here.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "U}TC"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\\"{b", "days": 2}}\n</tool_call>')
     want_content, want_calls = split_calls(text)

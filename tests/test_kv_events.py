@@ -21,9 +21,9 @@ from test_scheduler_properties import Harness, add_st
 from tpserve.blockpool import BlockManager
 from tpserve.blockpool.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink,
                                          resync_events)
-from tpserve.daemon.kv_events import END_OF_REPLAY, KVEventPublisher, KVEventsOptions, encode_batch
-from tpserve.daemon.runtime import InsecureAddressError
-from tpserve.daemon.server import ServerOptions
+from tpserve.server.kv_events import END_OF_REPLAY, KVEventPublisher, KVEventsOptions, encode_batch
+from tpserve.client.addresses import InsecureAddressError
+from tpserve.server.server import ServerOptions
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Sequence
 
@@ -381,7 +381,7 @@ def test_a_subscriber_of_a_serving_daemon_holds_exactly_the_cached_hashes(tiny_m
     from tpserve.config import EngineConfig
     import asyncio
 
-    from tpserve.daemon.client import AsyncClient
+    from tpserve.client.client import AsyncClient
     from tpserve.engine import Engine
 
     path = make_tiny_model(tiny_models_root)

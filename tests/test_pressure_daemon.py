@@ -23,9 +23,9 @@ import pytest
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from test_daemon import Raw
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import Client, RequestError
-from tpserve.daemon.runtime import read_ready
+from tpserve.client import protocol as P
+from tpserve.client.client import Client, RequestError
+from tpserve.client.addresses import read_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import soak  # noqa: E402

@@ -6,7 +6,7 @@ import array
 import msgpack
 import pytest
 
-from tpserve.daemon import protocol as P
+from tpserve.client import protocol as P
 from tpserve.sampling import SamplingParams
 
 
@@ -332,8 +332,8 @@ def test_error_codes_are_distinct_strings():
 
 
 def test_limits_have_one_home():
-    """The wire re-exports tpserve.requests' limits; the scheduler and kernels share their lists."""
-    from tpserve import requests as R
+    """The wire re-exports tpserve.limits' limits; the scheduler and kernels share their lists."""
+    from tpserve import limits as R
     from tpserve.config import ATTENTION_BACKENDS
     from tpserve.kernels.backend import BACKEND_NAMES
     from tpserve.scheduler import scheduler

@@ -10,11 +10,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_daemon import FakeEngine, ServerThread
-from tpserve.daemon.client import Client
-from tpserve.daemon.http_app import Front, create_app
-from tpserve.daemon.metrics import ServingMetrics
-from tpserve.daemon.router_api import load_snapshot
-from tpserve.daemon.server import ServerOptions
+from tpserve.client.client import Client
+from tpserve.fronts.http.app import Front, create_app
+from tpserve.server.metrics import ServingMetrics
+from tpserve.fronts.http.router_api import load_snapshot
+from tpserve.server.server import ServerOptions
 from tpserve.sampling import SamplingParams
 
 

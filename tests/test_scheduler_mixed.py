@@ -219,7 +219,7 @@ def test_policy_is_validated_and_selectable_everywhere(monkeypatch):
 
     from tpserve import LLM
     from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, SERVING_MAX_NUM_BATCHED_TOKENS
-    from tpserve.daemon.options import config_from_options, engine_options, options_argv
+    from tpserve.cli.options import config_from_options, engine_options, options_argv
     from tpserve.errors import ConfigError
 
     assert EngineConfig().scheduling_policy == "mixed"

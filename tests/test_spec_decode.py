@@ -317,7 +317,7 @@ def test_speculative_config_option_cli_env_and_child_argv(monkeypatch):
     import click
     from click.testing import CliRunner
 
-    from tpserve.daemon.options import config_from_options, engine_options, options_argv
+    from tpserve.cli.options import config_from_options, engine_options, options_argv
 
     seen = {}
 
@@ -345,7 +345,7 @@ def test_speculative_config_option_cli_env_and_child_argv(monkeypatch):
 def test_spec_decode_metrics_use_vllm_names():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tpserve.daemon.metrics import ServingMetrics
+    from tpserve.server.metrics import ServingMetrics
 
     stats = {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
              "spec_decode_num_accepted_tokens": 25, "spec_decode_num_accepted_tokens_per_pos": [9, 7, 5, 4]}

@@ -14,8 +14,8 @@ import pytest
 
 from test_daemon import ServerThread
 from tpserve import LLM, SamplingParams
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import Client, RequestError
+from tpserve.client import protocol as P
+from tpserve.client.client import Client, RequestError
 from tpserve.errors import InvalidFieldError
 from tpserve.grammar import compiler as grammar_compiler
 from tpserve.sampling import StructuredOutputsParams as SO

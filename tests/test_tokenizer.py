@@ -65,8 +65,8 @@ def test_the_http_front_imports_no_torch():
     """The front's process loads its app and tokenizer, tokenizes and templates, without torch."""
     code = textwrap.dedent(f"""
         import asyncio, sys
-        import tpserve.daemon.http_front
-        from tpserve.daemon.http_app import Front, create_app
+        import tpserve.fronts.http.front
+        from tpserve.fronts.http.app import Front, create_app
         front = Front("ipc:///nonexistent/s.sock", {DEFAULT_MODEL!r}, "m", 1024)
         create_app(front)
         ids = asyncio.run(front.chat_prompt([{{"role": "user", "content": "hi"}}]))
@@ -98,7 +98,7 @@ def test_the_http_front_has_the_daemon_tokenize_long_texts():
     meanwhile), with the ids the front's own tokenizer gives; a short one in the front."""
     import asyncio
 
-    from tpserve.daemon.http_app import LONG_PROMPT_CHARS, Front
+    from tpserve.fronts.http.app import LONG_PROMPT_CHARS, Front
     engine = _OnDisk()
     with ServerThread(engine) as s:
         front = Front(s.address, DEFAULT_MODEL, "m", 1024)
@@ -130,7 +130,7 @@ async def _long_text_held(front, engine):
     """The front's encode of a long text (a task), once the daemon's tokenizer holds it."""
     import asyncio
 
-    from tpserve.daemon.http_app import LONG_PROMPT_CHARS
+    from tpserve.fronts.http.app import LONG_PROMPT_CHARS
     wait = asyncio.ensure_future(front.encode("x " * LONG_PROMPT_CHARS + engine.hold_marker))
     while not engine.tokenize_started.is_set():
         await asyncio.sleep(0.01)
@@ -140,9 +140,9 @@ async def _long_text_held(front, engine):
 def test_the_http_front_ends_a_long_texts_wait_when_its_upstream_is_lost():
     import asyncio
 
-    from tpserve.daemon import openai_api as O
-    from tpserve.daemon.http_app import Front
-    from tpserve.daemon.http_upstream import UpstreamLost
+    from tpserve.fronts.http import openai_api as O
+    from tpserve.fronts.http.app import Front
+    from tpserve.fronts.upstream import UpstreamLost
     engine = FakeEngine()
     with ServerThread(engine) as s:
         front = Front(s.address, DEFAULT_MODEL, "m", 1024)
@@ -302,8 +302,8 @@ def test_the_daemon_holds_its_tokenizer_to_a_share_of_a_core_while_others_run():
     its core; once the long prompt is tokenized it has a whole core again."""
     import time
 
-    from tpserve.daemon import protocol as P
-    from tpserve.daemon.tokenizing import CONTENDED_CPU_SHARE
+    from tpserve.client import protocol as P
+    from tpserve.server.tokenizing import CONTENDED_CPU_SHARE
     from tpserve.tokenizer import TokenizerProcess
     from test_daemon import Raw, gen
 
@@ -379,7 +379,7 @@ def test_a_short_prompt_is_not_queued_behind_a_long_one_in_the_http_front():
     request's short prompt."""
     import asyncio
 
-    from tpserve.daemon.http_app import LONG_PROMPT_CHARS, Front
+    from tpserve.fronts.http.app import LONG_PROMPT_CHARS, Front
     engine = FakeEngine()
     with ServerThread(engine) as s:
         front = Front(s.address, DEFAULT_MODEL, "m", 1024)

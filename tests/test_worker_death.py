@@ -19,7 +19,7 @@ from pathlib import Path
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from test_cli import NUM_KV_BLOCKS, TPSERVE, shm_segments_of, short_tmpdir
 from test_daemon import Raw
-from tpserve.daemon import protocol as P
+from tpserve.client import protocol as P
 from tpserve.procs import descendants, pid_alive
 
 

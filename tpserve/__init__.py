@@ -15,6 +15,6 @@ def __getattr__(name):
         from tpserve.llm import LLM
         return LLM
     if name in ("Client", "AsyncClient"):
-        from tpserve.daemon import client
+        from tpserve.client import client
         return getattr(client, name)
     raise AttributeError(f"module 'tpserve' has no attribute {name!r}")

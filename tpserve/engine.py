@@ -32,7 +32,7 @@ from tpserve.errors import InvalidFieldError, InvalidRequestError, OverloadedErr
 from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.outputs import RequestOutput, TokenLogprobs
 from tpserve.plan import Command
-from tpserve.requests import MAX_SEED, check_priority, check_prompt_shape, check_request, check_timeout
+from tpserve.limits import MAX_SEED, check_priority, check_prompt_shape, check_request, check_timeout
 from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
@@ -141,7 +141,7 @@ class Engine:
 
         Raises AdmissionError if it can never fit, OverloadedError if the waiting queue is
         full (EngineConfig.max_waiting_*; try again later), InvalidFieldError if a field is
-        out of its bounds (tpserve.requests; token ids must be below the vocabulary size; a
+        out of its bounds (tpserve.limits; token ids must be below the vocabulary size; a
         priority other than 0 under the fcfs order) and InvalidRequestError if it cannot be
         served otherwise (empty after tokenizing, an id in use). Nothing is queued when it raises.
 

@@ -35,7 +35,7 @@ class InvalidRequestError(TpserveError, ValueError):
 class InvalidFieldError(InvalidRequestError):
     """One field of a request has the wrong type or is out of its documented bounds.
 
-    Raised by ``SamplingParams`` and ``tpserve.requests`` before anything is queued; the daemon
+    Raised by ``SamplingParams`` and ``tpserve.limits`` before anything is queued; the daemon
     answers it with the wire error ``invalid_field`` naming ``field``.
     """
 

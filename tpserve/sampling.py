@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpserve.requests import MAX_LOGPROBS, MAX_SEED, check_sampling, check_structured  # noqa: F401  (re-exported)
+from tpserve.limits import MAX_LOGPROBS, MAX_SEED, check_sampling, check_structured  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -87,7 +87,7 @@ class SamplingParams:
     output to a JSON schema, regex, choice or grammar: its token mask is applied with the
     allowed/banned tokens, before penalties and temperature.
 
-    Every field is checked at construction against the bounds of ``tpserve.requests``; a bad
+    Every field is checked at construction against the bounds of ``tpserve.limits``; a bad
     value raises ``InvalidFieldError`` naming the field (``stop_token_ids[2]``, ...).
     """
 

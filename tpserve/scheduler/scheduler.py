@@ -80,7 +80,7 @@ import numpy as np
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
 from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, OverloadedError
-from tpserve import requests as R
+from tpserve import limits as R
 from tpserve.plan import StepPlan
 from tpserve.sample_plan import SamplePlan
 from tpserve.scheduler import ordering

@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tpserve.daemon import protocol as P
+from tpserve.client import protocol as P
 
 log = logging.getLogger("tpserve.daemon")
 

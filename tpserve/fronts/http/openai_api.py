@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from tpserve import requests as R
+from tpserve import limits as R
 from tpserve.errors import ConfigError, InvalidRequestError
 from tpserve.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -198,7 +198,7 @@ def _common(body: dict, served_name: str) -> dict:
     """Checks shared by both endpoints; returns SamplingParams keyword arguments and options.
 
     OpenAI's names map to SamplingParams' (vLLM's); vLLM's extra fields keep their names. The
-    bounds are SamplingParams' own (tpserve/requests.py); a bad value is a 400 naming the field.
+    bounds are SamplingParams' own (tpserve/limits.py); a bad value is a 400 naming the field.
     """
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")

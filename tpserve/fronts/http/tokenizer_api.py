@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from tpserve import requests as R
+from tpserve import limits as R
 from tpserve.errors import InvalidFieldError
-from tpserve.daemon import openai_api as O
-from tpserve.daemon.tool_calls import parse_tools
+from tpserve.fronts.http import openai_api as O
+from tpserve.fronts.http.tool_calls import parse_tools
 
 
 def make_tokenizer_router(front, authorize, read_json) -> APIRouter:

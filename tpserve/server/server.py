@@ -23,7 +23,7 @@ may use the same id; one client may reuse an id once its ``done``/``error`` was 
 sees ``"<connection tag>:<id>"``.
 
 The engine is reached only through ``ServingEngine`` (engine_api.py); request validation is
-the engine's and ``tpserve.requests``', whose typed errors map to wire error codes here.
+the engine's and ``tpserve.limits``', whose typed errors map to wire error codes here.
 
 Invariants:
 * every request in ``_requests`` is unfinished in the engine, and vice versa for requests the
@@ -69,15 +69,15 @@ from typing import Callable
 
 import zmq
 
-from tpserve.daemon import protocol as P
-from tpserve.daemon.engine_api import ServingEngine
-from tpserve.daemon.fair_queue import FairQueue
-from tpserve.daemon.kv_events import KVEventsOptions
-from tpserve.daemon.listener import Listener
-from tpserve.daemon.metrics import ServingMetrics
-from tpserve.daemon.outbox import Peer, Peers
-from tpserve.daemon.profiling import ProfileRecorder
-from tpserve.daemon.tokenizing import CONTENDED_CPU_SHARE, PromptTokenizer
+from tpserve.client import protocol as P
+from tpserve.server.engine_api import ServingEngine
+from tpserve.server.fair_queue import FairQueue
+from tpserve.server.kv_events import KVEventsOptions
+from tpserve.server.listener import Listener
+from tpserve.server.metrics import ServingMetrics
+from tpserve.server.outbox import Peer, Peers
+from tpserve.server.profiling import ProfileRecorder
+from tpserve.server.tokenizing import CONTENDED_CPU_SHARE, PromptTokenizer
 from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError
 from tpserve.sampling import SamplingParams
 from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields, replace
 
-from tpserve.daemon import tool_calls
-from tpserve.daemon.openai_api import bad
+from tpserve.fronts.http import tool_calls
+from tpserve.fronts.http.openai_api import bad
 from tpserve.errors import InvalidFieldError
 from tpserve.sampling import StructuredOutputsParams
 

@@ -19,24 +19,24 @@ from pathlib import Path
 
 import click
 
-from tpserve.daemon import protocol as P
-from tpserve.daemon.client import Client, ClientTimeout, RequestError
-from tpserve.daemon.daemon import run_daemon, torchrun_rank
-from tpserve.daemon.grpc_front import GrpcOptions, check_grpc_available, check_grpc_host
-from tpserve.daemon.http_front import (DEFAULT_REQUEST_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, HttpFrontError, HttpOptions,
-                                       check_http_host)
-from tpserve.daemon.http_guard import parse_allowed_hosts
-from tpserve.daemon.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
-from tpserve.daemon.kv_events import KVEventsOptions
-from tpserve.daemon.options import config_from_options, engine_options, options_argv
-from tpserve.daemon.runtime import (LOG_NAME, PID_NAME, InsecureAddressError, RuntimeDirError, check_address,
-                                    cleanup_stale, client_address, connect_address, descendants,
-                                    ensure_runtime_dir, kill_tree,
-                                    live_daemon_pid, pid_alive, read_pid, read_ready, resolve_address,
-                                    resolve_runtime_dir, wait_gone)
-from tpserve.daemon.server import ServerOptions
+from tpserve.client import protocol as P
+from tpserve.client.client import Client, ClientTimeout, RequestError
+from tpserve.server.daemon import run_daemon, torchrun_rank
+from tpserve.fronts.grpc.front import GrpcOptions, check_grpc_available, check_grpc_host
+from tpserve.fronts.http.front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
+from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontError
+from tpserve.fronts.http.guard import parse_allowed_hosts
+from tpserve.client.keys import KeyFileError, generate_keypair, load_public_key, load_secret_keys, public_keys_in
+from tpserve.server.kv_events import KVEventsOptions
+from tpserve.cli.options import config_from_options, engine_options, options_argv
+from tpserve.client.addresses import (InsecureAddressError, RuntimeDirError, check_address, client_address,
+                                      connect_address, read_ready, resolve_address, resolve_runtime_dir)
+from tpserve.server.runtime import (LOG_NAME, PID_NAME, cleanup_stale, ensure_runtime_dir,
+                                    live_daemon_pid, read_pid)
+from tpserve.procs import descendants, kill_tree, pid_alive, wait_gone
+from tpserve.server.server import ServerOptions
 from tpserve.errors import InvalidFieldError, TpserveError
-from tpserve.requests import check_timeout
+from tpserve.limits import check_timeout
 from tpserve.sampling import SamplingParams
 
 CONTEXT = dict(help_option_names=["-h", "--help"], max_content_width=100)
@@ -252,7 +252,7 @@ def _grpc_options(kw: dict, opts: ServerOptions) -> GrpcOptions | None:
         check_grpc_available()
     except InsecureAddressError as e:
         raise click.BadParameter(str(e), param_hint="'--grpc-host'") from None
-    except HttpFrontError as e:
+    except FrontError as e:
         raise click.BadParameter(str(e), param_hint="'--grpc-port'") from None
     if not kw["http_upstream_timeout"] > 0:
         raise click.BadParameter(f"must be > 0, got {kw['http_upstream_timeout']}", param_hint="'--http-upstream-timeout'")

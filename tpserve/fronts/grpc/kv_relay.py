@@ -43,7 +43,7 @@ import zmq
 import zmq.asyncio
 from smg_grpc_proto.generated import common_pb2 as C
 
-from tpserve.daemon.kv_events import EVENT_FIELDS
+from tpserve.server.kv_events import EVENT_FIELDS
 
 log = logging.getLogger("tpserve.grpc")
 

@@ -46,9 +46,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as V
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as VG
 
 import tpserve
-from tpserve.daemon.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
-from tpserve.daemon.kv_relay import KvRelay
-from tpserve.daemon.router_api import load_snapshot, model_json
+from tpserve.client.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
+from tpserve.fronts.grpc.kv_relay import KvRelay
+from tpserve.fronts.http.router_api import load_snapshot, model_json
 from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.sampling import SamplingParams, StructuredOutputsParams
 

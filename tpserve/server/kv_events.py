@@ -47,7 +47,7 @@ import msgpack
 import zmq
 
 from tpserve.blockpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from tpserve.daemon.runtime import InsecureAddressError, is_loopback_tcp
+from tpserve.client.addresses import InsecureAddressError, is_loopback_tcp
 
 log = logging.getLogger("tpserve.kv_events")
 

@@ -23,9 +23,9 @@ from typing import AsyncIterator, Iterator
 import zmq
 import zmq.asyncio
 
-from tpserve.daemon import protocol as P
-from tpserve.daemon.keys import load_public_key, load_secret_keys
-from tpserve.daemon.runtime import client_address
+from tpserve.client import protocol as P
+from tpserve.client.keys import load_public_key, load_secret_keys
+from tpserve.client.addresses import client_address
 from tpserve.errors import TpserveError
 from tpserve.sampling import SamplingParams
 

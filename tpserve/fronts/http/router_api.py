@@ -39,8 +39,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 import tpserve
-from tpserve.daemon import openai_api as O
-from tpserve.daemon.client import ClientTimeout, RequestError
+from tpserve.fronts.http import openai_api as O
+from tpserve.client.client import ClientTimeout, RequestError
 
 log = logging.getLogger("tpserve.http")
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 import zmq
 
-from tpserve.daemon import protocol as P
+from tpserve.client import protocol as P
 
 log = logging.getLogger("tpserve.daemon")
 

@@ -33,7 +33,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tpserve.daemon.openai_api import bad
+from tpserve.fronts.http.openai_api import bad
 
 TRIGGER = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -29,12 +29,13 @@ import signal
 import threading
 
 from tpserve.config import EngineConfig
-from tpserve.daemon.runtime import (READY_NAME, SOCKET_NAME, PidFile, check_address, connect_address,
-                                    ensure_runtime_dir, resolve_address, write_ready)
+from tpserve.client.addresses import READY_NAME, check_address, connect_address, resolve_address
+from tpserve.server.runtime import PidFile, ensure_runtime_dir, write_ready
 from tpserve.procs import freeze_heap, kill_tree
-from tpserve.daemon.grpc_front import GrpcFrontProcess, GrpcOptions, kv_events_for_grpc
-from tpserve.daemon.http_front import HttpFrontError, HttpFrontProcess, HttpOptions
-from tpserve.daemon.server import Server, ServerOptions, served_model_name
+from tpserve.fronts.grpc.front import GrpcFrontProcess, GrpcOptions, kv_events_for_grpc
+from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
+from tpserve.fronts.process import FrontError
+from tpserve.server.server import Server, ServerOptions, served_model_name
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -57,7 +58,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
     address = resolve_address(address, rd)
     check_address(address, options.curve_secret_key is not None)
     if (http is not None or grpc is not None) and options.curve_client_keys_dir:
-        raise HttpFrontError("the HTTP and gRPC fronts cannot be combined with a CurveZMQ client allow-list "
+        raise FrontError("the HTTP and gRPC fronts cannot be combined with a CurveZMQ client allow-list "
                              "(--curve-client-keys): they connect with a key of their own")
     if grpc is not None:
         options = dataclasses.replace(options, kv_events=kv_events_for_grpc(options.kv_events, rd))

@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar
 
 import msgpack
 
-from tpserve import requests as R
+from tpserve import limits as R
 from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -35,7 +35,7 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_MESSAGE_CHARS = 4096  # error messages
 MAX_STATUS_ENTRIES = 64
 MAX_CODE_CHARS = 64
-# Request limits are tpserve.requests' (the offline API enforces the same); re-exported here
+# Request limits are tpserve.limits' (the offline API enforces the same); re-exported here
 # because they are part of the wire contract.
 MAX_ID_CHARS = R.MAX_ID_CHARS
 MAX_PROMPT_CHARS = R.MAX_PROMPT_CHARS
@@ -182,7 +182,7 @@ def _packed(ids: array.array) -> bytes:
 
 
 def _wire(check, *args):
-    """Run a tpserve.requests check; its InvalidFieldError becomes the wire's invalid_field."""
+    """Run a tpserve.limits check; its InvalidFieldError becomes the wire's invalid_field."""
     try:
         return check(*args)
     except InvalidFieldError as e:
@@ -190,12 +190,12 @@ def _wire(check, *args):
 
 
 def priority(name, v):
-    """A request's priority (tpserve.requests bounds); lower is served first."""
+    """A request's priority (tpserve.limits bounds); lower is served first."""
     return _wire(R.check_priority, v, name)
 
 
 def timeout(name, v):
-    """A request's timeout in seconds (tpserve.requests bounds)."""
+    """A request's timeout in seconds (tpserve.limits bounds)."""
     return _wire(R.check_timeout, v, name)
 
 
@@ -272,11 +272,11 @@ SAMPLING_FIELDS = tuple(f.name for f in dc_fields(SamplingParams))
 def sampling_params(name, v):
     """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults).
 
-    The bounds are SamplingParams' own (tpserve.requests); this only adds the wire's field names.
+    The bounds are SamplingParams' own (tpserve.limits); this only adds the wire's field names.
     ``structured_outputs`` is a map of StructuredOutputsParams fields.
     """
     if isinstance(v, SamplingParams):
-        return v  # validated when it was constructed (tpserve.requests): not rebuilt here
+        return v  # validated when it was constructed (tpserve.limits): not rebuilt here
     if not isinstance(v, dict):
         raise _bad(name, f"must be a map of sampling parameters, got {type(v).__name__}")
     for key in v:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tpserve.daemon.client import ClientTimeout, RequestError
+from tpserve.client.client import ClientTimeout, RequestError
 from tpserve.errors import TpserveError
 
 log = logging.getLogger("tpserve.http")

@@ -28,15 +28,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from tpserve.daemon import openai_api as O
-from tpserve.daemon import protocol as P
-from tpserve.daemon import structured_api
-from tpserve.daemon.client import AsyncClient, ClientTimeout, Delta, GenerateResult, RequestError
-from tpserve.daemon.router_api import make_router
-from tpserve.daemon.tokenizer_api import make_tokenizer_router
-from tpserve.daemon.http_guard import HostPolicy, RequestGuard
-from tpserve.daemon.http_upstream import UpstreamLost
-from tpserve.daemon.tool_calls import ToolCallStream, split_calls
+from tpserve.fronts.http import openai_api as O
+from tpserve.client import protocol as P
+from tpserve.fronts.http import structured_api
+from tpserve.client.client import AsyncClient, ClientTimeout, Delta, GenerateResult, RequestError
+from tpserve.fronts.http.router_api import make_router
+from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
+from tpserve.fronts.http.guard import HostPolicy, RequestGuard
+from tpserve.fronts.upstream import UpstreamLost
+from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
 from tpserve.sampling import MAX_SEED
 from tpserve.tokenizer import load_tokenizer
 
@@ -61,7 +61,7 @@ class Front:
         self.api_key = api_key
         self.server_public_key = server_public_key
         # Long texts are tokenized by the daemon (its tokenizer process, while the engine lends
-        # it a core: daemon/tokenizing.py): in a thread here they would hold the GIL from the
+        # it a core: server/tokenizing.py): in a thread here they would hold the GIL from the
         # event loop, and in any process of its own they would take a core from the engine.
         self._long_texts_upstream = False
         if tokenizer is None:

@@ -19,8 +19,8 @@ import socket
 
 import zmq
 
-from tpserve.daemon import protocol as P
-from tpserve.daemon.connections import Connections
+from tpserve.client import protocol as P
+from tpserve.server.connections import Connections
 
 _CLOSE_LINGER_MS = 2000  # at close, at most this long for ZMQ to hand queued frames to the kernel
 

@@ -30,10 +30,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpserve.daemon.http_front import (DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, HttpFrontError,
-                                       front_arguments, is_loopback_host)
-from tpserve.daemon.kv_events import KVEventsOptions
-from tpserve.daemon.runtime import InsecureAddressError
+from tpserve.fronts.http.front import is_loopback_host
+
+from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, FrontError, front_arguments
+from tpserve.server.kv_events import KVEventsOptions
+from tpserve.client.addresses import InsecureAddressError
 from tpserve.procs import die_with_parent, freeze_heap
 
 log = logging.getLogger("tpserve.grpc")
@@ -69,7 +70,7 @@ def check_grpc_available() -> None:
         import grpc  # noqa: F401
         import smg_grpc_proto  # noqa: F401
     except ImportError as e:
-        raise HttpFrontError(f"--grpc-port needs the grpc extra (pip install 'tpserve[grpc]'): {e}") from None
+        raise FrontError(f"--grpc-port needs the grpc extra (pip install 'tpserve[grpc]'): {e}") from None
 
 
 def kv_events_for_grpc(options: KVEventsOptions | None, runtime_dir: str | os.PathLike) -> KVEventsOptions:
@@ -100,7 +101,7 @@ class GrpcFrontProcess(FrontProcess):
             extra += ["--kv-events-endpoint", kv_events.endpoint, "--kv-events-topic", kv_events.topic]
             if kv_events.replay_endpoint:
                 extra += ["--kv-events-replay-endpoint", kv_events.replay_endpoint]
-        super().__init__(options, "tpserve.daemon.grpc_front", daemon_address, model_path, model_name,
+        super().__init__(options, "tpserve.fronts.grpc.front", daemon_address, model_path, model_name,
                          max_model_len, server_public_key, extra)
 
 
@@ -130,10 +131,10 @@ async def serve(args, api_key: str | None, stop: asyncio.Event | None = None, on
     import grpc
     from smg_grpc_proto.generated import vllm_engine_pb2_grpc as VG
 
-    from tpserve.daemon.client import AsyncClient
-    from tpserve.daemon.grpc_api import GrpcFront, VllmEngineService
-    from tpserve.daemon.http_upstream import UpstreamWatch
-    from tpserve.daemon.kv_relay import KvEventsFeed, KvRelay
+    from tpserve.client.client import AsyncClient
+    from tpserve.fronts.grpc.api import GrpcFront, VllmEngineService
+    from tpserve.fronts.upstream import UpstreamWatch
+    from tpserve.fronts.grpc.kv_relay import KvEventsFeed, KvRelay
 
     relay = feed_task = None
     if args.kv_events_endpoint:
@@ -189,7 +190,7 @@ async def serve(args, api_key: str | None, stop: asyncio.Event | None = None, on
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = front_arguments("python -m tpserve.daemon.grpc_front", "tpserve's gRPC front (started by the daemon)")
+    ap = front_arguments("python -m tpserve.fronts.grpc.front", "tpserve's gRPC front (started by the daemon)")
     ap.add_argument("--kv-events-endpoint", default=None)
     ap.add_argument("--kv-events-replay-endpoint", default=None)
     ap.add_argument("--kv-events-topic", default="")

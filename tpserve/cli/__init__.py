@@ -1,0 +1,1 @@
+"""The `tpserve` command line (main.py) and its engine options (options.py)."""

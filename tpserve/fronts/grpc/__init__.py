@@ -1,0 +1,1 @@
+"""The gRPC front: vLLM's gRPC engine service for smg, with its KV-cache event stream."""
