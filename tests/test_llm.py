@@ -1,7 +1,7 @@
 """End-to-end: tpserve's greedy output equals transformers' for every engine setting.
 
 Greedy output must not depend on block size, preemption, chunked prefill, prefix-cache hits,
-the attention backend or batch composition (DESIGN.md's last invariant), in fp32.
+the attention backend or batch composition (docs/design.md's last scheduler invariant), in fp32.
 """
 import pytest
 import torch

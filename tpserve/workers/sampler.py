@@ -258,7 +258,7 @@ def _greedy_argmax(x: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.T
 class Sampler:
     """The sampling rank's logits pipeline: one token per sample row.
 
-    Order (DESIGN.md): logit bias, allowed tokens and bans, the grammar bitmask, penalties
+    Order (docs/design.md): logit bias, allowed tokens and bans, the grammar bitmask, penalties
     (counts in ``penalties``), then temperature, min-p, top-k, top-p and the race (or greedy
     argmax, which sees everything before temperature). Rows with temperature 0 are greedy. A
     step with no ``SamplePlan`` controls takes the plain path (nothing over the vocabulary
