@@ -57,7 +57,7 @@ def test_help_of_every_command():
     runner = CliRunner()
     result = runner.invoke(main, ["--help"])
     assert result.exit_code == 0
-    for cmd in ("start", "serve", "stop", "status", "generate", "keys"):
+    for cmd in ("start", "serve", "stop", "status", "generate", "profile", "keys"):
         assert cmd in result.output
         sub = runner.invoke(main, [cmd, "--help"])
         assert sub.exit_code == 0, sub.output
@@ -68,6 +68,22 @@ def test_help_of_every_command():
                 "--dtype", "--attention-backend", "--enforce-eager", "--no-prefix-caching", "--seed",
                 "--address", "--runtime-dir", "--curve-secret-key", "--startup-timeout", "TPSERVE_NUM_KV_BLOCKS"):
         assert opt in start_help, opt
+
+
+def test_the_command_list_matches_the_commands():
+    """`tpserve --help` lists the commands from a table, without importing them: each summary
+    there must be its command's own."""
+    from tpserve.cli.main import COMMANDS
+    ctx = click.Context(main)
+    assert sorted(main.list_commands(ctx)) == sorted(COMMANDS) and len(COMMANDS) == 7
+    for name, ref in COMMANDS.items():
+        cmd = main.get_command(ctx, name)
+        assert cmd is not None and cmd.name == name and cmd.callback.__module__ == ref.module
+        summary = click.Command(name, help=ref.summary).get_short_help_str(1000)
+        assert summary == cmd.get_short_help_str(1000), name
+    assert main.get_command(ctx, "nonsense") is None
+    result = CliRunner().invoke(main, ["nonsense"])
+    assert result.exit_code == 2 and "No such command 'nonsense'" in result.output
 
 
 def test_python_dash_m_runs_the_cli():
@@ -230,7 +246,7 @@ def test_start_on_a_full_disk_says_so(tiny_models_root, tmp_path):  # noqa: F811
 
 
 def test_a_daemon_that_died_silently_on_a_full_disk_is_explained(tmp_path, monkeypatch):
-    from tpserve.cli import main as cli
+    from tpserve.cli import daemon_cmds as cli
     log = tmp_path / "tpserve.log"
     log.write_bytes(b"old run\nstart's own line\n")
     offset = len(b"old run\n")
