@@ -1,8 +1,10 @@
-"""tpserve: a multi-process tensor-parallel serving daemon for large language models."""
-from tpserve.config import EngineConfig
+"""tpserve: a multi-process tensor-parallel serving daemon for large language models.
+
+Importing the package loads the typed errors only; every other name here is imported on first
+use, so that the command line and the client library stay light (tests/test_cli_light.py).
+"""
 from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, TpserveError,
                             WorkerDiedError)
-from tpserve.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "Client", "AsyncClient", "AdmissionError",
@@ -10,7 +12,13 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "Client", "AsyncClient", "Ad
 
 
 def __getattr__(name):
-    # Heavy imports (torch, zmq) only when used: `import tpserve` stays cheap for the CLI.
+    # Heavy imports (torch, zmq, numpy) only when used: `import tpserve` stays cheap for the CLI.
+    if name == "EngineConfig":
+        from tpserve.config import EngineConfig
+        return EngineConfig
+    if name == "SamplingParams":
+        from tpserve.sampling import SamplingParams
+        return SamplingParams
     if name == "LLM":
         from tpserve.llm import LLM
         return LLM

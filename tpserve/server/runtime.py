@@ -10,6 +10,9 @@ Layout of a runtime dir (created mode 0700, so the ipc socket inside is private 
 
 Liveness is decided by the flock, not by the pid alone: a pid file whose lock nobody holds is
 stale (the daemon died without cleaning up), even if its pid was reused by another process.
+A daemon killed with SIGKILL leaves its pid, ready and socket files behind: ``live_daemon_pid``
+(which every command that looks for the daemon calls: status, generate, stop, start, serve) and
+``cleanup_stale`` remove them.
 """
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ from tpserve.client.addresses import READY_NAME, SOCKET_NAME, RuntimeDirError, r
 
 PID_NAME = "tpserve.pid"
 LOG_NAME = "tpserve.log"
-# sun_path is 108 bytes on Linux, including the terminating NUL.
+# s a starting daemon retries a pid-file lock held for a moment (a `tpserve status` checking it).
+_LOCK_PATIENCE = 0.5
+
+
 def ensure_runtime_dir(runtime_dir: str | os.PathLike | None) -> Path:
     """Create the runtime dir (mode 0700) if needed and check nobody else can enter it."""
     path = resolve_runtime_dir(runtime_dir)
@@ -50,15 +56,25 @@ class PidFile:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        deadline = time.monotonic() + _LOCK_PATIENCE
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    # A command checking liveness holds the lock for a moment; a daemon, for good.
+                    time.sleep(0.02)
+                    continue
+                pid = read_pid(self.path.parent)
+                raise RuntimeDirError(
+                    f"a tpserve daemon (pid {pid}) is already running with runtime dir "
+                    f"{self.path.parent}; stop it with `tpserve stop` or use another --runtime-dir") from None
+            if _same_file(fd, self.path):
+                break
+            # cleanup_stale removed the file between our open and our lock: lock the new one.
             os.close(fd)
-            pid = read_pid(self.path.parent)
-            raise RuntimeDirError(
-                f"a tpserve daemon (pid {pid}) is already running with runtime dir "
-                f"{self.path.parent}; stop it with `tpserve stop` or use another --runtime-dir") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -73,6 +89,15 @@ class PidFile:
             self._fd = None
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
 def read_pid(runtime_dir: Path) -> int | None:
     try:
         return int((runtime_dir / PID_NAME).read_text().strip())
@@ -81,11 +106,15 @@ def read_pid(runtime_dir: Path) -> int | None:
 
 
 def live_daemon_pid(runtime_dir: Path) -> int | None:
-    """The pid of the daemon owning ``runtime_dir``, or None. Removes a stale pid file."""
+    """The pid of the daemon owning ``runtime_dir``, or None. Removes what a dead daemon left:
+    its pid file (one whose lock nobody holds), ready file and socket."""
     path = runtime_dir / PID_NAME
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
+        # A daemon locks its pid file before it binds its socket or writes its ready file, and
+        # removes it last: without one, a socket or ready file here is left over.
+        cleanup_stale(runtime_dir)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
