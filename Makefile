@@ -1,15 +1,19 @@
 # tpserve: the two commands a newcomer needs.
 #   make run   - set everything up, start the daemon on the bundled model, stream a completion, stop
-#   make test  - set everything up and run the test suite
+#   make test  - set everything up and run the test suite (without the peer-driven tests: below)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
-# The router peers (smg, vllm-router) in their own virtualenvs; tests/test_router_*.py run them.
-SMG_VENV ?= $(or $(TPSERVE_SMG_VENV),/work/peers/smg)
-VLLM_ROUTER_VENV ?= $(or $(TPSERVE_VLLM_ROUTER_VENV),/work/peers/vllm-router)
+# Peers (other projects' programs that tests and benchmarks run against) live in their own
+# virtualenvs under the checkout's .peers/ (ignored by git, removed by `make clean`); the
+# TPSERVE_*_VENV variables point elsewhere. tests/test_router_*.py run the router peers.
+PEERS  ?= $(CURDIR)/.peers
+SMG_VENV ?= $(or $(TPSERVE_SMG_VENV),$(PEERS)/smg)
+VLLM_ROUTER_VENV ?= $(or $(TPSERVE_VLLM_ROUTER_VENV),$(PEERS)/vllm-router)
+PYTEST  = TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) $(PY) -m pytest -q
 
-.PHONY: run test install bench clean peers
+.PHONY: run test test-peers test-all install bench clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +32,24 @@ peers:
 	bash scripts/peer_smg.sh $(SMG_VENV)
 	bash scripts/peer_vllm_router.sh $(VLLM_ROUTER_VENV)
 
-test: $(STAMP) peers
-	TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) $(PY) -m pytest -q
+# The suite without the tests marked `peers` (slow, each drives a peer program: setup.cfg).
+test: $(STAMP)
+	$(PYTEST) -m "not peers"
+
+# Only the peer-driven tests, after installing their peers.
+test-peers: $(STAMP) peers
+	$(PYTEST) -m peers
+
+# Everything in one run: what CI runs (.ci/run).
+test-all: $(STAMP) peers
+	$(PYTEST)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_scheduler.py
 	$(PY) scripts/bench_channel.py
 	$(PY) scripts/bench_throughput.py
 
+# What make created: the virtualenv, the peers, build outputs. The C++ operators' build cache
+# (~/.cache/tpserve, shared by every checkout on the machine) stays.
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) build dist *.egg-info .pytest_cache .hypothesis

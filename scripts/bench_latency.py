@@ -27,7 +27,7 @@ With ``--http`` it also measures tpserve's daemon (``tpserve start --http-port``
 the way llama-server is (one non-streamed completion per stream): the server a user talks to,
 not only the engine.
 
-    python scripts/bench_latency.py [--shape 40m|0.6b] [--llamacpp /work/peers/llamacpp] [--runs 3]
+    python scripts/bench_latency.py [--shape 40m|0.6b] [--llamacpp .peers/llamacpp] [--runs 3]
                                     [--threads N] [--batches 8,64] [--http]
 """
 from __future__ import annotations

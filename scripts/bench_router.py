@@ -70,6 +70,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+PEERS = Path(__file__).resolve().parent.parent / ".peers"  # where scripts/peer_*.sh install
 from bench_serving import HOST, TPSERVE, OpenAIDriver, Record, free_port, machine, pct, summarize  # noqa: E402
 
 POLICIES = ("round_robin", "cache_aware", "cache_aware_events", "cache_aware_events_booked", "prefix_hash",
@@ -449,11 +450,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory [default: the 40M benchmark model]")
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "tpserve-bench-models"))
-    ap.add_argument("--smg", default=os.path.join(os.environ.get("TPSERVE_SMG_VENV", "/work/peers/smg"), "bin", "smg"),
+    smg_venv = os.environ.get("TPSERVE_SMG_VENV") or PEERS / "smg"
+    ap.add_argument("--smg", default=os.path.join(smg_venv, "bin", "smg"),
                     help="the smg launcher (scripts/peer_smg.sh installs it)")
     ap.add_argument("--smg-args", default="", help="more `smg launch` arguments, one string")
-    ap.add_argument("--vllm-router", default=os.path.join(os.environ.get("TPSERVE_VLLM_ROUTER_VENV",
-                                                                         "/work/peers/vllm-router"), "bin", "vllm-router"),
+    router_venv = os.environ.get("TPSERVE_VLLM_ROUTER_VENV") or PEERS / "vllm-router"
+    ap.add_argument("--vllm-router", default=os.path.join(router_venv, "bin", "vllm-router"),
                     help="vllm-router, for the KV-event policy kv_aware (scripts/peer_vllm_router.sh)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--scenarios", nargs="+", choices=("shared-prefix", "skewed"),

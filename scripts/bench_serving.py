@@ -64,7 +64,7 @@ A short end-to-end check on the bundled 1.3M model (seconds, not a measurement):
 
     python scripts/bench_serving.py --model tpserve/assets/default-model --requests 4 \\
         --rates 2 --prompt-scale 0.02 --output-scale 0.1 --scenario-prompt 200 \\
-        [--peer-transformers /work/peers/transformers/bin/python [--only transformers-serve]]
+        [--peer-transformers .peers/transformers/bin/python [--only transformers-serve]]
 """
 from __future__ import annotations
 

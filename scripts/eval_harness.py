@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """lm-evaluation-harness against tpserve, unchanged, and against lm-eval's own hf backend.
 
-    python scripts/eval_harness.py [--lm-eval /work/peers/lm-eval/bin/lm_eval] [--model DIR]
+    python scripts/eval_harness.py [--lm-eval .peers/lm-eval/bin/lm_eval] [--model DIR]
 
 Starts a daemon (float32, HTTP front) on the model (default: the bundled one), then runs the
 local tasks of scripts/eval_tasks/ (YAML + local JSON lines: no dataset downloads):
@@ -75,7 +75,8 @@ def metrics(res: dict, task: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lm-eval", default=os.environ.get("TPSERVE_LM_EVAL", "/work/peers/lm-eval/bin/lm_eval"))
+    ap.add_argument("--lm-eval", default=os.environ.get("TPSERVE_LM_EVAL",
+                                                       str(ROOT / ".peers" / "lm-eval" / "bin" / "lm_eval")))
     ap.add_argument("--model", default=str(BUNDLED))
     args = ap.parse_args()
     name = "tpserve-eval"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` and `llama-quantize`, the single-stream benchmark peer, and the
-# virtualenv of its checkpoint converter, outside the repository.
+# virtualenv of its checkpoint converter, in the checkout's ignored .peers/ folder.
 #
-#   scripts/peer_llamacpp.sh [PEER_DIR]     (default: /work/peers/llamacpp, or $TPSERVE_LLAMACPP_DIR)
+#   scripts/peer_llamacpp.sh [PEER_DIR]     (default: .peers/llamacpp, or $TPSERVE_LLAMACPP_DIR)
 #
 # The source is the llama.cpp tree that the `llama-cpp-python` sdist vendors (PyPI is the one
 # source reachable here): `pip download --no-binary :all:` fetches the sdist, cmake builds the two
@@ -16,7 +16,8 @@
 # models (bf16, then Q8_0 with llama-quantize) and runs llama-server beside tpserve.
 set -euo pipefail
 
-PEER_DIR="${1:-${TPSERVE_LLAMACPP_DIR:-/work/peers/llamacpp}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # the checkout: peers live in its .peers/
+PEER_DIR="${1:-${TPSERVE_LLAMACPP_DIR:-$ROOT/.peers/llamacpp}}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-2}"
 mkdir -p "$PEER_DIR/bin" "$PEER_DIR/dl"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create the virtualenv of the router peer, smg (SGLang's model gateway, from PyPI).
 #
-#   scripts/peer_smg.sh [VENV_DIR]      (default: /work/peers/smg, or $TPSERVE_SMG_VENV)
+#   scripts/peer_smg.sh [VENV_DIR]      (default: .peers/smg, or $TPSERVE_SMG_VENV)
 #
-# smg lives in its own virtualenv, outside the repository and never in tpserve's .venv: it is
+# smg lives in its own virtualenv, in the ignored .peers/ folder and never in tpserve's .venv: it is
 # a Rust binary with Python launch scripts, started as VENV_DIR/bin/smg in front of tpserve
 # daemons (docs/scaling.md). The version is pinned so the tests and benchmarks that run it
 # see the same router; a virtualenv that already has it is left alone (a second run costs
@@ -11,7 +11,8 @@
 set -euo pipefail
 
 SMG_VERSION="1.13.0"
-VENV_DIR="${1:-${TPSERVE_SMG_VENV:-/work/peers/smg}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # the checkout: peers live in its .peers/
+VENV_DIR="${1:-${TPSERVE_SMG_VENV:-$ROOT/.peers/smg}}"
 PYTHON="${PYTHON:-python3}"
 
 if [ -x "$VENV_DIR/bin/smg" ] && \

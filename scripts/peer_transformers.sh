@@ -2,16 +2,17 @@
 # Create the virtualenv that holds the benchmark peer `transformers serve`, transformers'
 # OpenAI-compatible server.
 #
-#   scripts/peer_transformers.sh [VENV_DIR]   (default: /work/peers/transformers, or $TPSERVE_PEER_VENV)
+#   scripts/peer_transformers.sh [VENV_DIR]   (default: .peers/transformers, or $TPSERVE_PEER_VENV)
 #
-# The peer lives in its own virtualenv, outside the repository and never in tpserve's .venv:
+# The peer lives in its own virtualenv, in the ignored .peers/ folder and never in tpserve's .venv:
 # the `serving` extra brings a web stack (fastapi, uvicorn, openai) tpserve does not need.
 # torch is installed first and pinned to the CPU build tpserve uses: an unpinned torch, pulled
 # in by transformers' dependencies, would be a multi-GB CUDA build.
 # Then `scripts/bench_serving.py --peer-transformers VENV_DIR/bin/python` measures it.
 set -euo pipefail
 
-VENV_DIR="${1:-${TPSERVE_PEER_VENV:-/work/peers/transformers}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # the checkout: peers live in its .peers/
+VENV_DIR="${1:-${TPSERVE_PEER_VENV:-$ROOT/.peers/transformers}}"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV_DIR/bin/python" ]; then

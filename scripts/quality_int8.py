@@ -18,7 +18,7 @@ text and windows ``scripts/train_default_model.py`` evaluates (its training repo
 figure of the fp32 reference with bf16-rounded weights). Targets: agreement >= 90%, loss
 within 1% of bf16.
 
-    python scripts/quality_int8.py [--skip-40m] [--llamacpp /work/peers/llamacpp]
+    python scripts/quality_int8.py [--skip-40m] [--llamacpp .peers/llamacpp]
 
 It also simulates int8 formats in fp32 against fp32 on the same positions: per-channel weights
 with activations unquantized, per row (tpserve's int8) and in blocks of 32, per-channel weights

@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_router  # noqa: E402
 
-SMG = Path(os.environ.get("TPSERVE_SMG_VENV", "/work/peers/smg")) / "bin" / "smg"
+SMG = Path(os.environ.get("TPSERVE_SMG_VENV") or ROOT / ".peers" / "smg") / "bin" / "smg"
 BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
+# Drives smg: in the marked set that `make test-peers` and CI run (setup.cfg).
+pytestmark = pytest.mark.peers
 BLOCKS, BLOCK_SIZE = 64, 16
 
 
