@@ -613,8 +613,8 @@ def check_spec(report: Report, model_dir, max_tokens: int = 32, max_model_len: i
         if j is None:
             report.check(f"spec: prompt {i} greedy equals the plain run", True, f"{len(a.token_ids)} tokens")
         else:
-            top = a.logprobs[j].top
-            gap = top[0][1] - top[1][1]
+            top = sorted(a.logprobs[j].values(), key=lambda e: e.rank)  # vLLM's dict: ranks 1, 2, ...
+            gap = top[0].logprob - top[1].logprob
             report.check(f"spec: prompt {i} greedy equals the plain run", gap < HF_TIE,
                          f"token {j}: {a.token_ids[j]} vs {b.token_ids[j]} (plain top-2 gap {gap:.1e})")
     report.check("spec: drafts accepted", stats["spec_decode_num_accepted_tokens"] > 0,

@@ -83,8 +83,11 @@ def run_tpserve(model: Path, prompts, jobs) -> dict:
             out[name] = [o.token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
         lp = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                   logprobs=5, prompt_logprobs=5), use_tqdm=False)
-        out["_logprobs"] = [[e.logprob for e in o.outputs[0].logprobs] for o in lp]
-        out["_prompt_logprobs"] = [[None if e is None else e.logprob for e in o.prompt_logprobs] for o in lp]
+        # vLLM's shapes: per position a dict keyed by token id (the same reading as vllm_peer's).
+        out["_logprobs"] = [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                            for o in lp]
+        out["_prompt_logprobs"] = [[None if d is None else d[t].logprob
+                                    for t, d in zip(o.prompt_token_ids, o.prompt_logprobs)] for o in lp]
     return out
 
 

@@ -36,7 +36,7 @@ from tpserve.client.addresses import (InsecureAddressError, RuntimeDirError, che
                                       is_loopback_tcp, read_ready)
 from tpserve.server.server import Server, ServerOptions
 from tpserve.errors import AdmissionError, ConfigError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
-from tpserve.outputs import RequestOutput
+from tpserve.outputs import EngineOutput
 from tpserve.procs import pid_alive
 from tpserve.limits import check_request
 from tpserve.sampling import SamplingParams
@@ -182,8 +182,8 @@ class FakeEngine:
             if reason:
                 del self.requests[rid]
                 self.finished.append(rid)
-            outputs.append(RequestOutput(rid, [tok], f"{tok} ", reason is not None, reason,
-                                         len(r["ids"]), len(r["out"])))
+            outputs.append(EngineOutput(rid, [tok], f"{tok} ", reason is not None, reason,
+                                        len(r["ids"]), len(r["out"])))
         return outputs
 
     def stats(self):
@@ -585,8 +585,8 @@ class BigTextEngine(FakeEngine):
     """Every token comes with 2 KB of text, so that socket buffers hold few deltas."""
 
     def step(self):
-        return [RequestOutput(o.request_id, o.new_token_ids, o.new_text + "." * 2048, o.finished,
-                              o.finish_reason, o.num_prompt_tokens, o.num_completion_tokens)
+        return [EngineOutput(o.request_id, o.new_token_ids, o.new_text + "." * 2048, o.finished,
+                             o.finish_reason, o.num_prompt_tokens, o.num_completion_tokens)
                 for o in super().step()]
 
 

@@ -17,7 +17,7 @@ from tpserve.client import protocol as P
 from tpserve.client.client import Client, RequestError
 from tpserve.server.server import ServerOptions
 from tpserve.errors import OverloadedError
-from tpserve.outputs import RequestOutput
+from tpserve.outputs import EngineOutput
 
 STEP_S = 0.01  # PressureEngine's virtual seconds per step
 
@@ -49,7 +49,7 @@ class PressureEngine(FakeEngine):
             r = self.requests.pop(rid)
             del self.deadlines[rid]
         if expired:
-            return [RequestOutput(rid, [], "", True, "timeout", 2, len(r["out"])) for rid in expired]
+            return [EngineOutput(rid, [], "", True, "timeout", 2, len(r["out"])) for rid in expired]
         return super().step()
 
 

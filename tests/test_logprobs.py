@@ -13,15 +13,20 @@ def test_compute_logprobs_matches_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g)
     tokens = torch.tensor([4, 0, 49])
-    lp, top_ids, top_lp = compute_logprobs(logits, tokens, 5)
+    lp, top_ids, top_lp, ranks = compute_logprobs(logits, tokens, 5)
     ref = torch.log_softmax(logits, dim=-1)
     assert torch.allclose(lp, ref[torch.arange(3), tokens])
     assert top_ids.shape == (3, 5) and top_lp.shape == (3, 5)
     assert torch.equal(top_ids[:, 0], ref.argmax(-1))
     assert torch.allclose(top_lp, ref.gather(1, top_ids))
     assert bool((top_lp[:, :-1] >= top_lp[:, 1:]).all())
-    lp0, ids0, lps0 = compute_logprobs(logits, tokens, 0)
+    # 1-based rank in the distribution: 1 + the tokens more likely than the sampled one.
+    order = ref.argsort(dim=-1, descending=True)
+    want = [int((order[i] == tokens[i]).nonzero()) + 1 for i in range(3)]
+    assert ranks.tolist() == want
+    lp0, ids0, lps0, ranks0 = compute_logprobs(logits, tokens, 0)
     assert torch.equal(lp0, lp) and ids0.shape == (3, 0) and lps0.shape == (3, 0)
+    assert torch.equal(ranks0, ranks)
 
 
 def test_logprobs_ignore_temperature():
@@ -30,7 +35,7 @@ def test_logprobs_ignore_temperature():
     sampler = Sampler()
     tok = sampler(logits, torch.tensor([5.0]), torch.tensor([-1]), torch.tensor([1.0]),
                   torch.tensor([3]), torch.tensor([0]))
-    lp, _, _ = compute_logprobs(logits, tok, 1)
+    lp, _, _, _ = compute_logprobs(logits, tok, 1)
     assert math.isclose(float(lp[0]), float(torch.log_softmax(logits, -1)[0, tok[0]]), rel_tol=1e-6)
 
 
@@ -54,11 +59,11 @@ def test_engine_reports_one_entry_per_token(tiny_models_root):  # noqa: F811
         for tok, lp in zip(ids, lps):
             assert len(lp.top) == 3
             assert lp.top[0][0] == tok and math.isclose(lp.top[0][1], lp.logprob)  # greedy = best
-            assert lp.logprob <= 0.0
+            assert lp.logprob <= 0.0 and lp.rank == 1
         sampled = _run(engine, "s", list(range(10, 23)),
                        SamplingParams(temperature=1.0, seed=7, max_tokens=5, ignore_eos=True, logprobs=0))
         assert [len(o.logprobs) for o in sampled] == [len(o.new_token_ids) for o in sampled]
-        assert all(lp.top == [] and lp.logprob <= 0.0 for o in sampled for lp in o.logprobs)
+        assert all(lp.top == [] and lp.logprob <= 0.0 and lp.rank >= 1 for o in sampled for lp in o.logprobs)
         plain = _run(engine, "p", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
         assert all(o.logprobs is None for o in plain)
         assert all(o.queue_time is not None and o.queue_time >= 0 for o in plain)
@@ -78,6 +83,8 @@ def test_offline_generate_returns_logprobs(tiny_models_root):  # noqa: F811
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1),
                            use_tqdm=False)[0].outputs[0]
         assert len(out.logprobs) == len(out.token_ids) == 4
-        assert [lp.top[0][0] for lp in out.logprobs] == out.token_ids
+        # vLLM's shape: {token id: Logprob}; greedy, so the sampled token is the rank-1 one.
+        assert [[t for t, e in d.items() if e.rank == 1] for d in out.logprobs] == [[t] for t in out.token_ids]
+        assert all(d[t].logprob <= 0.0 for t, d in zip(out.token_ids, out.logprobs))
         plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
         assert plain.outputs[0].logprobs is None

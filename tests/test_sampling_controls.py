@@ -174,12 +174,13 @@ def test_prompt_logprobs_equal_transformers_and_survive_chunking_and_cache(setup
     with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8) as small:
         chunked = small.generate([prompt], sp, use_tqdm=False)[0]
     for out in (first, again, chunked):
-        lps = out.prompt_logprobs
+        lps = out.prompt_logprobs  # vLLM's: None, then per prompt token {token id: Logprob}
         assert lps[0] is None and len(lps) == len(prompt)
-        np.testing.assert_allclose([e.logprob for e in lps[1:]], want, atol=2e-4)
-        for e, (vals, ids) in zip(lps[1:], want_top):
-            assert [t for t, _ in e.top] == ids.tolist()
-            np.testing.assert_allclose([v for _, v in e.top], vals.tolist(), atol=2e-4)
+        np.testing.assert_allclose([d[t].logprob for t, d in zip(prompt[1:], lps[1:])], want, atol=2e-4)
+        for d, (vals, ids) in zip(lps[1:], want_top):
+            top = sorted((e.rank, t, e.logprob) for t, e in d.items() if e.rank <= 3)
+            assert [t for _, t, _ in top] == ids.tolist()
+            np.testing.assert_allclose([v for _, _, v in top], vals.tolist(), atol=2e-4)
 
 
 def test_include_stop_str_truncate_and_bounds(setup):

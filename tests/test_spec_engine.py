@@ -151,8 +151,9 @@ def test_seeded_and_controlled_output_is_the_output_without_drafts(qwen3, contro
     if "logprobs" in controls:
         for a, b in zip((o.outputs[0] for o in spec), (o.outputs[0] for o in plain)):
             assert len(a.logprobs) == len(a.token_ids)
-            assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-4)
-            assert [[t for t, _ in x.top] for x in a.logprobs] == [[t for t, _ in x.top] for x in b.logprobs]
+            assert [x[t].logprob for t, x in zip(a.token_ids, a.logprobs)] == \
+                pytest.approx([x[t].logprob for t, x in zip(b.token_ids, b.logprobs)], abs=1e-4)
+            assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
     assert_verified(stats, min_run=2)
 
 

@@ -8,7 +8,8 @@ from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, Inva
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "Client", "AsyncClient", "AdmissionError",
-           "ConfigError", "InvalidRequestError", "InvalidFieldError", "TpserveError", "WorkerDiedError"]
+           "ConfigError", "InvalidRequestError", "InvalidFieldError", "TpserveError", "WorkerDiedError",
+           "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name):
@@ -25,4 +26,7 @@ def __getattr__(name):
     if name in ("Client", "AsyncClient"):
         from tpserve.client import client
         return getattr(client, name)
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):  # vLLM's offline output classes
+        from tpserve import outputs
+        return getattr(outputs, name)
     raise AttributeError(f"module 'tpserve' has no attribute {name!r}")

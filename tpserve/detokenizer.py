@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         # Text that may still turn into a stop string is not released yet.
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0
+        self.matched_stop: str | None = None  # the stop string find_stop found
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -66,7 +67,7 @@ class IncrementalDetokenizer:
 
     def find_stop(self) -> bool:
         """If a stop string occurs in the text, cut the text before it (after it, with
-        ``include_stop``) and return True."""
+        ``include_stop``), keep it in ``matched_stop`` and return True."""
         if not self.stop:
             return False
         start = max(0, self.emitted - self._hold)
@@ -75,7 +76,7 @@ class IncrementalDetokenizer:
             i = self.text.find(s, max(start, self.stop_from - len(s) + 1))
             end = i + len(s) if self.include_stop else i
             if i != -1 and (cut == -1 or end < cut):
-                cut = end
+                cut, self.matched_stop = end, s
         if cut == -1:
             return False
         self.text = self.text[:cut]

@@ -1,14 +1,22 @@
-"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, named as in vLLM."""
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, named as in vLLM.
+
+``generate`` returns vLLM's shapes (``tpserve.outputs``: RequestOutput, CompletionOutput,
+Logprob). The engine reports compact ``EngineOutput``/``TokenLogprobs`` records step by step,
+the same ones the daemon's server loop reads; this module collects them per completion and
+converts them once, when a call returns, into vLLM's per-token dicts with ranks and decoded
+tokens. The daemon never pays for that conversion (see ``tpserve/outputs.py``).
+"""
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tpserve.engine import Engine
 from tpserve.errors import ConfigError
-from tpserve.outputs import CompletionOutput, GenerateOutput
+from tpserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs, to_logprob_dict
 from tpserve.sampling import SamplingParams
 
 
@@ -38,12 +46,13 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None,
-                 timeout: float | Seq[float | None] | None = None) -> list[GenerateOutput]:
-        """Generate for every prompt; returns outputs in input order.
+                 timeout: float | Seq[float | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one vLLM ``RequestOutput`` per prompt, in input order.
 
         ``prompts`` is a string, a list of token ids, or a list of either. ``sampling_params``
         is one SamplingParams for all, or one per prompt. Each output holds ``n`` completions
-        (``outputs``), and ``prompt_logprobs`` when asked for.
+        (``outputs``, vLLM's CompletionOutput with ``index``), and ``prompt_logprobs`` when
+        asked for; log-probabilities come as vLLM's ``list[dict[int, Logprob]]``.
 
         A structured output whose grammar the engine rejects (``structured_outputs``: a bad
         regex, an unsupported JSON-schema keyword, ...) raises InvalidFieldError naming the
@@ -73,15 +82,13 @@ class LLM:
 
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        results: dict[str, GenerateOutput] = {}
+        results: dict[str, _Collected] = {}
         try:
             now = time.monotonic()
             for rid, prompt, sp, prio, limit in zip(ids, prompts, params, priorities, timeouts):
                 engine.add_request(rid, prompt, sp, detokenize=False, priority=prio, timeout=limit, arrival=now)
                 token_ids = engine.families[rid].prompt_ids
-                results[rid] = GenerateOutput(rid, prompt if isinstance(prompt, str) else None,
-                                              list(token_ids),
-                                              [CompletionOutput("", [], None) for _ in range(sp.n)])
+                results[rid] = _Collected(prompt if isinstance(prompt, str) else None, list(token_ids), sp)
         except BaseException:
             for rid in results:
                 engine.abort_request(rid)
@@ -99,21 +106,10 @@ class LLM:
                     if out.error is not None:  # a grammar the engine rejects: aborted below
                         raise out.error
                     res = results[out.request_id]
-                    comp = res.outputs[out.index]
-                    if out.prompt_logprobs is not None:
-                        res.prompt_logprobs = out.prompt_logprobs
-                    if out.index == 0 and out.num_cached_tokens:
-                        res.num_cached_tokens = out.num_cached_tokens
-                    comp.token_ids.extend(out.new_token_ids)
-                    comp.text += out.new_text
-                    if out.logprobs is not None:
-                        if comp.logprobs is None:
-                            comp.logprobs = []
-                        comp.logprobs.extend(out.logprobs)
+                    res.take(out)
                     if out.finished:
-                        comp.finish_reason = out.finish_reason
                         remaining -= 1
-                        if bar is not None and all(c.finish_reason for c in res.outputs):
+                        if bar is not None and all(c.finish_reason for c in res.completions):
                             bar.update(1)
                 if bar is not None:
                     st = engine.scheduler.stats()
@@ -131,13 +127,15 @@ class LLM:
                 bar.close()
         if not engine.has_unfinished():
             engine.check_integrity()
+        tok = self.tokenizer
         for rid, sp in zip(ids, params):
-            if sp.stop or self.tokenizer is None:
+            if sp.stop or tok is None:
                 continue
             kw = {} if sp.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
-            for comp in results[rid].outputs:
-                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens, **kw)
-        return [results[r] for r in ids]
+            for comp in results[rid].completions:
+                comp.text = tok.decode(comp.token_ids, skip_special_tokens=sp.skip_special_tokens, **kw)
+        decode = _token_decoder(tok)
+        return [results[rid].request_output(rid, decode) for rid in ids]
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -159,6 +157,82 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+@dataclass
+class _Completion:
+    """One completion while it runs: what its EngineOutputs brought so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Collected:
+    """One prompt's completions while they run, then its vLLM RequestOutput."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    def __post_init__(self):
+        self.completions = [_Completion() for _ in range(self.params.n)]
+
+    def take(self, out) -> None:
+        comp = self.completions[out.index]
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.index == 0 and out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
+        comp.token_ids.extend(out.new_token_ids)
+        comp.text += out.new_text
+        if out.logprobs is not None:
+            if comp.logprobs is None:
+                comp.logprobs = []
+            comp.logprobs.extend(out.logprobs)
+        if out.finished:
+            comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+
+    def request_output(self, request_id: str, decode) -> RequestOutput:
+        """vLLM's RequestOutput: per-token dicts of Logprob (rank, decoded token) built here."""
+        sp = self.params
+        outputs = []
+        for i, c in enumerate(self.completions):
+            logprobs = cumulative = None
+            if sp.logprobs is not None:
+                entries = c.logprobs or []
+                logprobs = [to_logprob_dict(t, e, decode) for t, e in zip(c.token_ids, entries)]
+                cumulative = float(sum(e.logprob for e in entries))
+            outputs.append(CompletionOutput(i, c.text, c.token_ids, cumulative, logprobs,
+                                            c.finish_reason, c.stop_reason))
+        prompt_lps = None
+        if sp.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            prompt_lps = [None if e is None else to_logprob_dict(t, e, decode)
+                          for t, e in zip(self.prompt_token_ids, self.prompt_logprobs)]
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, prompt_lps, outputs,
+                             finished=all(c.finish_reason is not None for c in self.completions),
+                             num_cached_tokens=self.num_cached_tokens)
+
+
+def _token_decoder(tokenizer):
+    """Each token's text decoded alone, as vLLM's Logprob.decoded_token (``decode([id])``, the
+    tokenizer's default special-token handling), cached per call; None without a tokenizer."""
+    if tokenizer is None:
+        return lambda token_id: None
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = tokenizer.decode([token_id])
+        return text
+    return decode
 
 
 def _progress(total: int):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from tpserve.outputs import RequestOutput
+from tpserve.outputs import EngineOutput
 from tpserve.sampling import SamplingParams
 
 
@@ -56,7 +56,7 @@ class ServingEngine(Protocol):
         ``held`` requests the Server holds back, would take the engine's waiting queue past
         its request limit; the Server then refuses it at once instead of holding it."""
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One engine step. Raises StepFailedError when only that step's requests are lost
         (they are aborted already); any other exception means the engine is unusable."""
 

@@ -240,8 +240,8 @@ class ModelRunner:
                                                t["seeds"], t["sample_steps"], sample)
         out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp, accepted=accepted)
         if sample.num_logprobs >= 0:
-            lp, top_ids, top_lp = compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs)
-            out.logprobs = (lp.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy())
+            out.logprobs = tuple(a.cpu().numpy() for a in
+                                 compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs))
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, sample: SamplePlan):
@@ -254,13 +254,15 @@ class ModelRunner:
             targets = torch.from_numpy(sample.prompt_targets).to(self.device).long()
             lp = np.zeros(n, np.float32)
             ids, tops = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
+            ranks = np.zeros(n, np.int64)
         for a in range(0, n, PROMPT_LOGPROBS_CHUNK):
             b = min(a + PROMPT_LOGPROBS_CHUNK, n)
             logits = self.model.compute_logits(hidden[rows[a:b].long()])
             if first:
-                got, top_ids, top_lp = compute_logprobs(logits, targets[a:b], k)
+                got, top_ids, top_lp, rank = compute_logprobs(logits, targets[a:b], k)
                 lp[a:b], ids[a:b], tops[a:b] = got.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy()
-        return (lp, ids, tops) if first else None
+                ranks[a:b] = rank.cpu().numpy()
+        return (lp, ids, tops, ranks) if first else None
 
     # ---- control commands ----------------------------------------------------------------
     def lend_cores(self, cores: int) -> None:
@@ -299,5 +301,6 @@ def _empty_output(sample: SamplePlan) -> StepOutput:
     k = max(sample.num_logprobs, 0)
     out = StepOutput(np.zeros(0, dtype=np.int64))
     if sample.num_logprobs >= 0:
-        out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+        out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
+                        np.zeros(0, np.int64))
     return out
