@@ -143,9 +143,11 @@ class StepOutput:
                       sequence's rows it keeps (accepted drafts + 1): its tokens are the first
                       ``accepted[i]`` of its rows (``kept_rows``); None: one row each
     logprobs          with SamplePlan.num_logprobs k >= 0: (float32 [S] the sampled tokens'
-                      log-probabilities, int64 [S, k] the k best token ids, float32 [S, k] theirs)
+                      log-probabilities, int64 [S, k] the k best token ids, float32 [S, k] theirs,
+                      int64 [S] the sampled tokens' 1-based ranks in the distribution)
     prompt_logprobs   with StepPlan.logprob_rows: (float32 [L] the targets' log-probabilities,
-                      int64 [L, k], float32 [L, k]) with k = SamplePlan.num_prompt_logprobs
+                      int64 [L, k], float32 [L, k], int64 [L] the targets' ranks) with
+                      k = SamplePlan.num_prompt_logprobs
     """
 
     tokens: np.ndarray
