@@ -43,7 +43,8 @@ BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
 def test_unset_proto_fields_mean_vllms_defaults():
     p = sampling_params(V.GenerateRequest(sampling_params=V.SamplingParams()))
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.n) == (1.0, 1.0, -1, 1.0, 1)
-    assert p.max_tokens == SamplingParams().max_tokens and p.seed is None and p.logprobs is None
+    # max_tokens unset: the rest of the context, as vLLM's servicer (None, resolved by the engine)
+    assert p.max_tokens is None and p.seed is None and p.logprobs is None
     assert p.structured_outputs is None and p.logit_bias is None
     p = sampling_params(V.GenerateRequest(sampling_params=V.SamplingParams(
         temperature=0.0, top_p=0.5, top_k=3, max_tokens=7, n=2, seed=11, logprobs=2, prompt_logprobs=1,
@@ -228,6 +229,18 @@ def test_streamed_and_whole_generations_carry_the_daemons_tokens(served):
     for i in (0, 1):
         assert [t for r in streamed_two if r.WhichOneof("response") == "chunk" and r.chunk.index == i
                 for t in r.chunk.token_ids] == want[:3]
+
+
+def test_unset_max_tokens_is_the_rest_of_the_context_and_n_the_engines(served):
+    """As vLLM's gRPC service: max_tokens unset generates up to max_model_len (256 here);
+    n completions come from the engine, each with its index (docs/protocol.md)."""
+    ids = list(range(10, 40))
+    (done,) = served.stub.Generate(gen(ids, False, "rest", temperature=0.0, ignore_eos=True))
+    assert done.complete.finish_reason == "length"
+    assert done.complete.completion_tokens == len(done.complete.output_ids) == 256 - len(ids)
+    three = list(served.stub.Generate(gen(ids, False, "n3", temperature=0.0, max_tokens=2, ignore_eos=True, n=3)))
+    assert sorted(r.complete.index for r in three) == [0, 1, 2]
+    assert all(list(r.complete.output_ids) == list(done.complete.output_ids[:2]) for r in three)
 
 
 def test_the_daemons_refusals_become_status_codes_and_it_keeps_serving(served):

@@ -185,6 +185,40 @@ def test_n_siblings_share_the_prompt_blocks(daemon, client):
     assert hits >= 2 * full_blocks * 4, (hits, prompt_len)
 
 
+def test_unset_max_tokens_is_16_for_completions_and_the_rest_of_the_context_for_chat(client):
+    """docs/protocol.md: each API's default for an unset max_tokens (tpserve/request.py)."""
+    done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 16 and done.choices[0].finish_reason == "length"
+    context = client.models.retrieve(MODEL).model_extra["max_model_len"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def f():"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == context
+
+
+def test_n_is_the_engines_for_several_prompts_streamed_and_whole(daemon, client):
+    """Each prompt is one request of n completions to the daemon; choice i * n + j is
+    completion j of prompt i, streamed in the order the engine produces them."""
+    prompts = ["x = 1\n", "def g(a):\n"]
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=3, temperature=0, n=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert whole.choices[0].text == whole.choices[1].text and whole.choices[2].text == whole.choices[3].text
+    assert whole.usage.completion_tokens == 12
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, finished = {}, []
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason is not None:
+            assert choice.index not in finished
+            finished.append(choice.index)
+    assert sorted(finished) == [0, 1, 2, 3] and texts == {c.index: c.text for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    with daemon.zmq() as c:
+        assert c.status()["requests_in_flight"] == 0
+
+
 def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client):
     # A first line no other test sends: nothing of the prompt is cached before the first request.
     prompt = ("# zq usage probe\ndef fibonacci(n):\n    if n < 2:\n        return n\n"

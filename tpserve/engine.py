@@ -32,6 +32,7 @@ from tpserve.errors import InvalidFieldError, InvalidRequestError, OverloadedErr
 from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.outputs import EngineOutput, TokenLogprobs
 from tpserve.plan import Command
+from tpserve.request import rest_of_context
 from tpserve.limits import MAX_SEED, check_priority, check_prompt_shape, check_request, check_timeout
 from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
@@ -149,6 +150,7 @@ class Engine:
         after ``arrival`` (a time.monotonic() value; default now) by which every completion
         ends, with finish_reason "timeout" if it has not finished by then.
 
+        ``params.max_tokens`` None generates up to the rest of the context (max_model_len).
         ``params.n`` > 1 generates n completions, reported with ``EngineOutput.index``.
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
@@ -169,6 +171,8 @@ class Engine:
             raise InvalidRequestError("prompt", "is empty after tokenization")
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
+        if params.max_tokens is None:  # the rest of the context (tpserve/request.py: each API's default)
+            params = replace(params, max_tokens=rest_of_context(self.config.max_model_len, len(ids)))
         bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         fam = _Family(request_id, ids, params, seed, bad, [], detokenize, priority=priority, arrival=arrival,

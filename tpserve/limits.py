@@ -22,7 +22,6 @@ import array
 import json
 import math
 import numbers
-from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import numpy as np
@@ -325,25 +324,12 @@ def check_structured(so, name: str = "structured_outputs") -> None:
         so.whitespace_pattern = _grammar_text(f"{name}.whitespace_pattern", so.whitespace_pattern)
 
 
-def _structured(value: Any):
-    """structured_outputs: a StructuredOutputsParams, or a map of its fields (the wire's form)."""
-    from tpserve.sampling import StructuredOutputsParams  # sampling imports this module
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    if not isinstance(value, dict):
-        raise InvalidFieldError("structured_outputs", f"must be a map of constraints, got {type(value).__name__}")
-    known = [f.name for f in dataclass_fields(StructuredOutputsParams)]
-    for key in value:
-        if key not in known:
-            raise InvalidFieldError(f"structured_outputs.{str(key)[:64]}",
-                                    f"is not supported; allowed: {', '.join(known)}")
-    return StructuredOutputsParams(**value)
-
-
 def check_sampling(p) -> None:
     """Validate and normalise every field of the SamplingParams ``p`` in place (bounds above).
 
     Raises InvalidFieldError naming the first bad field (``stop[1]``, ``logit_bias[7]``, ...).
+    ``structured_outputs`` is already a StructuredOutputsParams here (sampling.py builds it from
+    a map and validates it with ``check_structured``): this module imports nothing of sampling.py.
     """
     p.temperature = _number("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
     p.top_p = _number("top_p", p.top_p, 0.0, 1.0, lo_open=True)
@@ -352,9 +338,10 @@ def check_sampling(p) -> None:
     if p.seed is not None:
         p.seed = _integer("seed", p.seed, 0, MAX_SEED)
     p.n = _integer("n", p.n, 1, MAX_N)
-    p.max_tokens = _integer("max_tokens", p.max_tokens, 0, MAX_MAX_TOKENS, " (0: score the prompt only)")
+    if p.max_tokens is not None:  # None: the rest of the context, resolved once the prompt is tokenized
+        p.max_tokens = _integer("max_tokens", p.max_tokens, 0, MAX_MAX_TOKENS, " (0: score the prompt only)")
     p.min_tokens = _integer("min_tokens", p.min_tokens, 0, MAX_MAX_TOKENS)
-    if p.min_tokens > p.max_tokens:
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise InvalidFieldError("min_tokens", f"must be at most max_tokens ({p.max_tokens}), got {p.min_tokens}")
     p.presence_penalty = _number("presence_penalty", p.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
     p.frequency_penalty = _number("frequency_penalty", p.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
@@ -382,4 +369,6 @@ def check_sampling(p) -> None:
     if p.allowed_token_ids is not None:
         p.allowed_token_ids = check_token_ids("allowed_token_ids", p.allowed_token_ids,
                                               MAX_ALLOWED_TOKEN_IDS, min_len=1)
-    p.structured_outputs = _structured(p.structured_outputs)
+    if p.structured_outputs is not None and not hasattr(p.structured_outputs, "kind"):
+        raise InvalidFieldError("structured_outputs", "must be a StructuredOutputsParams or a map of its fields, "
+                                                      f"got {type(p.structured_outputs).__name__}")

@@ -1,8 +1,10 @@
 """SamplingParams: per-request decoding options, named and meant as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
+from typing import Any
 
+from tpserve.errors import InvalidFieldError
 from tpserve.limits import MAX_LOGPROBS, MAX_SEED, check_sampling, check_structured  # noqa: F401  (re-exported)
 
 
@@ -74,7 +76,9 @@ class SamplingParams:
 
     ``n`` completions are generated per prompt; they share the prompt's KV blocks and, when
     ``seed`` is set, completion i uses ``seed + i``.
-    ``max_tokens`` 0 computes the prompt and generates nothing (with ``prompt_logprobs`` that
+    ``max_tokens`` None generates up to the rest of the context (``max_model_len`` minus the
+    prompt's tokens, resolved once the prompt is tokenized, as vLLM does); 0 computes the
+    prompt and generates nothing (with ``prompt_logprobs`` that
     scores a text). ``logprobs`` None reports no log-probabilities; k >= 0 reports each sampled
     token's log-probability and the k most likely tokens with theirs; ``prompt_logprobs`` k
     does the same for every prompt token after the first. Both are taken from the model's own
@@ -95,7 +99,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -123,6 +127,7 @@ class SamplingParams:
             self.stop = []
         if self.bad_words is None:
             self.bad_words = []
+        self.structured_outputs = structured_outputs_of(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -143,3 +148,20 @@ class SamplingParams:
         """True when some tokens may be biased, allowed only or banned at a step."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
                     or self.min_tokens)
+
+
+STRUCTURED_FIELDS = tuple(f.name for f in dataclass_fields(StructuredOutputsParams))
+
+
+def structured_outputs_of(value: Any) -> StructuredOutputsParams | None:
+    """``structured_outputs`` as given to SamplingParams: a StructuredOutputsParams, or a map of
+    its fields (the wire's and the HTTP body's form), or None."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidFieldError("structured_outputs", f"must be a map of constraints, got {type(value).__name__}")
+    for key in value:
+        if key not in STRUCTURED_FIELDS:
+            raise InvalidFieldError(f"structured_outputs.{str(key)[:64]}",
+                                    f"is not supported; allowed: {', '.join(STRUCTURED_FIELDS)}")
+    return StructuredOutputsParams(**value)

@@ -25,6 +25,8 @@ import msgpack
 
 from tpserve import limits as R
 from tpserve.errors import InvalidFieldError, TpserveError
+from tpserve.request import ZMQ_PARAMS_PREFIX, Api, Request
+from tpserve.request import sampling_params as request_sampling_params
 from tpserve.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 PROTOCOL_VERSION = 1
@@ -267,13 +269,17 @@ def prompt(name, v):
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dc_fields(SamplingParams))
+#: How the wire spells a request (tpserve/request.py): sampling fields nested under ``params``;
+#: ``max_tokens`` left out of the map is 16, nil is the rest of the context.
+ZMQ = Api("zmq", SamplingParams.max_tokens, params_prefix=ZMQ_PARAMS_PREFIX)
 
 
 def sampling_params(name, v):
     """A map of SamplingParams fields (any subset; the rest take SamplingParams' defaults).
 
-    The bounds are SamplingParams' own (tpserve.limits); this only adds the wire's field names.
-    ``structured_outputs`` is a map of StructuredOutputsParams fields.
+    The checks are the request model's (tpserve/request.py, the bounds of tpserve.limits);
+    this only adds the wire's error codes. ``structured_outputs`` is a map of
+    StructuredOutputsParams fields.
     """
     if isinstance(v, SamplingParams):
         return v  # validated when it was constructed (tpserve.limits): not rebuilt here
@@ -284,16 +290,17 @@ def sampling_params(name, v):
             raise ProtocolError(UNKNOWN_FIELD, f"{name}.{_field_name(key)}",
                                 f"unknown sampling parameter; allowed: {', '.join(SAMPLING_FIELDS)}")
     try:
-        return SamplingParams(**v)
+        return request_sampling_params(ZMQ, v)
     except InvalidFieldError as e:
-        raise _bad(f"{name}.{e.field}", e.reason) from None
+        raise _bad(e.field, e.reason) from None
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    """SamplingParams as its wire map: fields left at None are left out, and ``logit_bias``
-    keys travel as decimal strings (wire maps have string keys, as in JSON)."""
+    """SamplingParams as its wire map: fields left at None are left out (but ``max_tokens``,
+    whose nil asks for the rest of the context), and ``logit_bias`` keys travel as decimal
+    strings (wire maps have string keys, as in JSON)."""
     d = {f: getattr(params, f) for f in SAMPLING_FIELDS}
-    d = {k: v for k, v in d.items() if v is not None}
+    d = {k: v for k, v in d.items() if v is not None or k == "max_tokens"}
     if "logit_bias" in d:
         d["logit_bias"] = {str(t): b for t, b in d["logit_bias"].items()}
     if "structured_outputs" in d:
@@ -352,6 +359,11 @@ class GenerateRequest(Message):
     stream: bool = True
     priority: int | None = None   # None: 0
     timeout: float | None = None  # None: the daemon's --request-timeout
+
+    def to_request(self) -> Request:
+        """The request model of this message (its fields were validated when it was decoded)."""
+        return Request(self.params, self.prompt, request_id=self.id, priority=self.priority or 0,
+                       timeout=self.timeout, stream=self.stream, api=ZMQ)
 
 
 @dataclass

@@ -11,7 +11,8 @@ AsyncClient to the daemon (grpc_front.py):
 * ``Generate``: ``tokenized.input_ids`` (or ``text``, tokenized by the daemon) and
   ``SamplingParams`` become a ``generate``. Unset proto3 scalars mean vLLM's defaults, as
   vLLM's own servicer reads them (``top_p`` 0 → 1, ``repetition_penalty`` 0 → 1, ``n`` 0 → 1,
-  ``max_tokens`` unset → up to the context). The constraint oneof becomes
+  ``max_tokens`` unset → the rest of the context, as vLLM resolves its None). The request is
+  validated by tpserve's request model (tpserve/request.py), errors naming ``sampling_params.*``. The constraint oneof becomes
   ``structured_outputs``; tpserve constrains from the first token (it has no engine-side
   reasoning parser to wait for), which is what ``grammar_from_first_token`` asks, set or not.
   ``tokenized.original_text`` is for reference only, as the proto says. Streamed: one ``chunk`` per delta (its token ids, ``completion_tokens``
@@ -49,8 +50,10 @@ import tpserve
 from tpserve.client.client import AsyncClient, ClientTimeout, GenerateResult, RequestError
 from tpserve.fronts.grpc.kv_relay import KvRelay
 from tpserve.fronts.http.router_api import load_snapshot, model_json
-from tpserve.errors import InvalidFieldError, TpserveError
-from tpserve.sampling import SamplingParams, StructuredOutputsParams
+from tpserve.errors import InvalidFieldError
+from tpserve.request import REST_OF_CONTEXT, Api
+from tpserve.request import sampling_params as request_sampling_params
+from tpserve.sampling import SamplingParams
 
 log = logging.getLogger("tpserve.grpc")
 
@@ -59,6 +62,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "chat_template.json", "chat_template.jinja")
 _STATUS_TIMEOUT = 5.0
+
+#: How vLLM's gRPC service spells a request (tpserve/request.py): sampling fields under
+#: ``sampling_params``; max_tokens unset is the rest of the context, as vLLM's servicer leaves
+#: it None and vLLM resolves None.
+GRPC = Api("grpc", REST_OF_CONTEXT, params_prefix="sampling_params.")
 
 # The daemon's error codes as gRPC status codes.
 _CODES = {"invalid_field": grpc.StatusCode.INVALID_ARGUMENT, "invalid_request": grpc.StatusCode.INVALID_ARGUMENT,
@@ -95,47 +103,44 @@ def sampling_params(req: V.GenerateRequest) -> SamplingParams:
     kind = p.WhichOneof("constraint")
     if kind == "structural_tag":
         raise _bad("sampling_params.structural_tag", "not supported; use json_schema, regex, grammar or choice")
+    if kind == "json_schema":
+        structured = {"json": p.json_schema}
+    elif kind in ("regex", "grammar"):
+        structured = {kind: getattr(p, kind)}
+    elif kind == "json_object":
+        structured = {"json_object": p.json_object} if p.json_object else None
+    elif kind == "choice":
+        structured = {"choice": list(p.choice.choices)}
+    # Unset proto3 scalars mean vLLM's defaults, as vLLM's servicer reads them; max_tokens
+    # unset is left out: GRPC's default (the rest of the context) applies.
+    sampling = dict(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.top_p != 0.0 else 1.0,
+        top_k=p.top_k if p.top_k > 0 else -1,
+        min_p=p.min_p,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0.0 else 1.0,
+        min_tokens=p.min_tokens,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        skip_special_tokens=p.skip_special_tokens,
+        spaces_between_special_tokens=p.spaces_between_special_tokens,
+        ignore_eos=p.ignore_eos,
+        n=p.n if p.n > 0 else 1,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        seed=p.seed if p.HasField("seed") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        logit_bias={int(k): float(v) for k, v in p.logit_bias.items()} or None,
+        truncate_prompt_tokens=p.truncate_prompt_tokens if p.HasField("truncate_prompt_tokens") else None,
+        structured_outputs=structured)
+    if p.HasField("max_tokens"):
+        sampling["max_tokens"] = p.max_tokens
     try:
-        if kind == "json_schema":
-            structured = StructuredOutputsParams(json=p.json_schema)
-        elif kind == "regex":
-            structured = StructuredOutputsParams(regex=p.regex)
-        elif kind == "grammar":
-            structured = StructuredOutputsParams(grammar=p.grammar)
-        elif kind == "json_object":
-            structured = StructuredOutputsParams(json_object=p.json_object) if p.json_object else None
-        elif kind == "choice":
-            structured = StructuredOutputsParams(choice=list(p.choice.choices))
-        kw = {}
-        if p.HasField("max_tokens"):
-            kw["max_tokens"] = p.max_tokens
-        return SamplingParams(
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_p=p.top_p if p.top_p != 0.0 else 1.0,
-            top_k=p.top_k if p.top_k > 0 else -1,
-            min_p=p.min_p,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0.0 else 1.0,
-            min_tokens=p.min_tokens,
-            stop=list(p.stop),
-            stop_token_ids=list(p.stop_token_ids),
-            skip_special_tokens=p.skip_special_tokens,
-            spaces_between_special_tokens=p.spaces_between_special_tokens,
-            ignore_eos=p.ignore_eos,
-            n=p.n if p.n > 0 else 1,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-            prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-            seed=p.seed if p.HasField("seed") else None,
-            include_stop_str_in_output=p.include_stop_str_in_output,
-            logit_bias={int(k): float(v) for k, v in p.logit_bias.items()} or None,
-            truncate_prompt_tokens=p.truncate_prompt_tokens if p.HasField("truncate_prompt_tokens") else None,
-            structured_outputs=structured,
-            **kw)
+        return request_sampling_params(GRPC, sampling)
     except InvalidFieldError as e:
-        raise _bad(f"sampling_params.{e.field}" if e.field else "sampling_params", e.reason) from None
-    except (TpserveError, ValueError, TypeError) as e:
-        raise _bad("sampling_params", str(e)) from None
+        raise _bad(e.field, e.reason) from None
 
 
 def prompt_of(req: V.GenerateRequest) -> list[int] | str:

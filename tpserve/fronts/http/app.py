@@ -37,7 +37,6 @@ from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
 from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
-from tpserve.sampling import MAX_SEED
 from tpserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("tpserve.http")
@@ -46,7 +45,7 @@ MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES
 # Texts longer than this are tokenized by the daemon, off its serving loop (its threshold too).
 LONG_PROMPT_CHARS = 8192
 # What a tokenize request's errors name as the request (daemon_error).
-_TOKENIZE_JOB = SimpleNamespace(chat=False, structured_param=None)
+_TOKENIZE_JOB = SimpleNamespace(chat=False, request=None)
 
 
 class Front:
@@ -181,65 +180,47 @@ class Front:
             q.put_nowait((None, exc))
         return len(ended)
 
-    async def choices(self, prompts: list[list[int]], params, n: int, priority: int = 0,
-                      timeout: float | None = None, whole: bool = False):
+    async def choices(self, prompts: list[list[int]], request: O.Request, whole: bool = False):
         """Async generator of (choice index, Delta | GenerateResult) for every prompt x n;
         each choice ends with its GenerateResult. Closing it aborts what still runs.
-        ``fail_requests`` can end it with an exception. ``timeout`` counts from now for every
-        choice (a sibling submitted later gets what is left).
+        ``fail_requests`` can end it with an exception.
 
-        ``whole`` (n = 1, a response sent once complete): each choice is one non-streaming
-        generate, its output one Delta (if it has any) then its GenerateResult. The daemon then
-        sends one message per choice instead of one per step; at batch 1 on 2 cores the front's
-        work on each step's delta took ~13% of a core from the engine's threads."""
-        assert not whole or n == 1, "whole choices: n = 1 (siblings start when the first does)"
+        Each prompt is one request to the daemon, ``n`` included: the engine runs its n
+        completions (sharing the prompt's KV blocks) and reports each with its index; choice
+        ``i * n + j`` is completion j of prompt i. ``whole`` (a response sent once complete):
+        one non-streaming generate per prompt, each choice's output one Delta (if it has any)
+        then its GenerateResult. The daemon then sends one message per request instead of one
+        per step; at batch 1 on 2 cores the front's work on each step's delta took ~13% of a
+        core from the engine's threads."""
+        n, params = request.n, request.params
         queue: asyncio.Queue = asyncio.Queue()
-        tasks: list[asyncio.Task] = []
-        loop = asyncio.get_running_loop()
-        self._in_flight[queue] = began = loop.time()
+        self._in_flight[queue] = asyncio.get_running_loop().time()
+        kw = dict(priority=request.priority or None, request_timeout=request.timeout)
 
-        def left():
-            # The wire's timeout must be > 0: a sibling submitted past the deadline times out at once.
-            return None if timeout is None else max(timeout - (loop.time() - began), 1e-3)
+        def finished(base: int, result: GenerateResult) -> None:
+            for c in _completions(result, n):
+                queue.put_nowait((base + c.index, c))
 
-        async def one(index, prompt, p, started: asyncio.Event | None):
-            ok = False
+        async def one(i: int, prompt) -> None:
             try:
                 if whole:
-                    result = await self.client.generate(prompt, p, priority=priority or None,
-                                                        request_timeout=left())
-                    ok = True
-                    if result.token_ids or result.text:  # as a stream: a delta only with output
-                        queue.put_nowait((index, Delta(result.request_id, result.text, result.token_ids,
-                                                       result.logprobs, index, result.prompt_logprobs)))
-                    queue.put_nowait((index, replace(result, text="", token_ids=[], logprobs=None)))
-                    return ok
-                async with aclosing(self.client.stream(prompt, p, final=True, priority=priority or None,
-                                                       request_timeout=left())) as stream:
+                    result = await self.client.generate(prompt, params, **kw)
+                    for c in _completions(result, n):  # as a stream: a delta only with output
+                        if c.token_ids or c.text:
+                            queue.put_nowait((i * n + c.index, Delta(result.request_id, c.text, c.token_ids,
+                                                                     c.logprobs, c.index, c.prompt_logprobs)))
+                    finished(i * n, result)
+                    return
+                async with aclosing(self.client.stream(prompt, params, final=True, **kw)) as stream:
                     async for item in stream:
-                        ok = True
-                        if started is not None:
-                            started.set()
-                        queue.put_nowait((index, item))
+                        if isinstance(item, GenerateResult):
+                            finished(i * n, item)
+                        else:
+                            queue.put_nowait((i * n + item.index, item))
             except Exception as e:
-                queue.put_nowait((index, e))
-            finally:
-                if started is not None and not ok:
-                    started.set()
-            return ok
+                queue.put_nowait((i * n, e))
 
-        async def family(i, prompt):
-            first_started = asyncio.Event()
-            first = asyncio.ensure_future(one(i * n, prompt, params, first_started))
-            tasks.append(first)
-            if n > 1:
-                await first_started.wait()
-                if first.done() and not first.result():
-                    return  # the first failed: its error ends the request
-                for j in range(1, n):
-                    tasks.append(asyncio.ensure_future(one(i * n + j, prompt, _sibling(params, j), None)))
-
-        tasks += [asyncio.ensure_future(family(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
         remaining = len(prompts) * n
         try:
             while remaining:
@@ -256,11 +237,20 @@ class Front:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _sibling(params, j: int):
-    """Sibling j of an ``n`` > 1 request: a distinct seed, so seeded siblings still differ."""
-    if params.seed is None:
-        return params
-    return replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
+def _completions(result: GenerateResult, n: int) -> list[GenerateResult]:
+    """The n completions of a request's GenerateResult, by index, each with its own output and
+    finish reason; completion 0 carries the request's prompt figures (prompt log-probabilities,
+    cached tokens). A request that ended before its completions were reported (aborted) ends
+    each of them with its finish reason."""
+    if n == 1 or not result.completions:
+        return [result] + [replace(result, text="", token_ids=[], logprobs=None, prompt_logprobs=None,
+                                  completion_tokens=0, cached_tokens=0, index=j) for j in range(1, n)]
+    out = []
+    for c in sorted(result.completions, key=lambda c: c.index):
+        out.append(replace(c, prompt_tokens=result.prompt_tokens, abort_reason=result.abort_reason,
+                           prompt_logprobs=result.prompt_logprobs if c.index == 0 else None,
+                           cached_tokens=result.cached_tokens if c.index == 0 else 0))
+    return out
 
 
 # What a daemon round trip can raise: the daemon's error reply, a timeout, the client's own
@@ -293,11 +283,10 @@ def daemon_error(e, job) -> O.OpenAIError:
         code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
         return O.OpenAIError(400, f"{e.message} (limit: {getattr(e, 'limit', None)})", param, code=code)
     if e.code in (P.INVALID_FIELD, P.INVALID_REQUEST, P.UNKNOWN_FIELD, P.MISSING_FIELD):
-        param = structured_api.daemon_field((e.field or "").removeprefix("params."), job.structured_param)
-        param = (param or "").split("[")[0] or None
-        if param in ("prompt",) and job.chat:
-            param = "messages"
-        return O.bad(param, e.message)
+        # The daemon names the field as the wire does; the request's Api spells it for the body
+        # (the field itself, not an item of it: the body's arrays are the caller's).
+        param = job.request.spell_wire(e.field) if job.request is not None else e.field
+        return O.bad((param or "").split("[")[0] or None, e.message)
     if e.code == P.TOO_MANY_REQUESTS:
         return O.OpenAIError(429, e.message, type_="server_error", code="too_many_requests")
     if e.code == P.SHUTTING_DOWN:
@@ -347,7 +336,7 @@ class Response:
         self.text = [[] for _ in range(self.n_choices)]
         self.token_ids = [[] for _ in range(self.n_choices)]
         self.logprobs = [[] for _ in range(self.n_choices)]
-        self.prompt_lps: list = [None] * self.n_choices
+        self.prompt_lps: list = [None] * len(prompts)  # per prompt (its completion 0 reports them)
         self.offset = [0] * self.n_choices
         self.results: dict[int, object] = {}
         self.role_sent = [False] * self.n_choices
@@ -364,8 +353,8 @@ class Response:
 
     def _take_prompt_logprobs(self, index: int, item) -> None:
         lps = getattr(item, "prompt_logprobs", None)
-        if lps is not None and self.prompt_lps[index] is None:
-            self.prompt_lps[index] = lps
+        if lps is not None and self.prompt_lps[index // self.job.n] is None:
+            self.prompt_lps[index // self.job.n] = lps
 
     def _echo(self, index: int) -> tuple[str, list]:
         """The prompt's text and logprobs entries a choice starts with (once)."""
@@ -377,7 +366,7 @@ class Response:
         ids = self.prompts[index // self.job.n]
         entries = []
         if self.job.params.logprobs is not None:
-            lps = self.prompt_lps[index] or [None] * len(ids)
+            lps = self.prompt_lps[index // self.job.n] or [None] * len(ids)
             entries = [(t, None, None) if e is None else (t, e[0], e[1]) for t, e in zip(ids, lps)]
         return self.prompt_texts[index // self.job.n], entries
 
@@ -395,7 +384,8 @@ class Response:
         out = {}
         if self.job.params.prompt_logprobs is not None and not self.job.chat:
             out["prompt_logprobs"] = O.prompt_logprobs_obj(self.prompts[index // self.job.n],
-                                                           self.prompt_lps[index] or [], self.token_text)
+                                                           self.prompt_lps[index // self.job.n] or [],
+                                                           self.token_text)
         if self.job.return_token_ids:
             out["prompt_token_ids"] = self.prompts[index // self.job.n]
             out["token_ids"] = self.token_ids[index]
@@ -565,8 +555,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     async def run(request: Request, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
         too_long(job, prompts, front.max_model_len)
         response = Response(front, job, prompts, prompt_texts)
-        events = front.choices(prompts, job.params, job.n, job.priority, job.timeout,
-                               whole=not job.stream and job.n == 1)
+        events = front.choices(prompts, job.request, whole=not job.stream)
         try:
             first = await anext(events)
         except _DAEMON_ERRORS as e:
@@ -618,6 +607,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
         body = await read_json(request)
         job = O.parse_completion(body, front.model_name)
         structured_api.apply(job, body)
+        O.build_request(job)
         prompts = [await front.encode(p, job.add_special_tokens) if isinstance(p, str) else p for p in job.prompts]
         texts = None
         if job.echo:  # the prompt as sent, or its decoded token ids
@@ -629,10 +619,9 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
         body = await read_json(request)
         job = O.parse_chat(body, front.model_name)
         structured_api.apply(job, body)
+        O.build_request(job)
         ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens,
                                       tools=job.tools.tools if job.tools is not None else None)
-        if not job.max_tokens_given:
-            job.params = replace(job.params, max_tokens=max(1, front.max_model_len - len(ids)))
         last = job.messages[-1]
         texts = [last["content"] if job.echo and last["role"] == "assistant" else ""]
         return await run(request, job, [ids], texts)

@@ -1,8 +1,11 @@
 """The OpenAI request and response shapes of the HTTP front: validation in, JSON maps out.
 
-``parse_completion`` / ``parse_chat`` turn a decoded JSON body into a ``Job`` (prompts, one
-SamplingParams, ``n``, streaming options) or raise ``OpenAIError`` carrying the HTTP status and
-OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``. Every field OpenAI's or
+``parse_completion`` / ``parse_chat`` translate a decoded JSON body into a ``Job`` (prompts,
+the SamplingParams fields in their canonical names, streaming options), and ``build_request``
+makes its one Request (tpserve/request.py: validated there, once, errors spelled with the
+endpoint's ``Api``), or they raise ``OpenAIError`` carrying the HTTP status and OpenAI's error
+body ``{"error": {"message", "type", "param", "code"}}``. An unset ``max_tokens`` is 16 for
+completions and the rest of the context for chat (the Apis below declare it). Every field OpenAI's or
 vLLM's request schema defines is honoured (with vLLM's meaning where OpenAI names the same thing
 differently) or refused with a 400 naming it (``_UNSUPPORTED``); fields nobody defined are
 ignored, as OpenAI does. ``user`` and other caller labels are checked to be strings.
@@ -13,13 +16,13 @@ The builders below produce the response maps for ``/v1/completions`` and
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 
 from tpserve import limits as R
-from tpserve.errors import ConfigError, InvalidRequestError
-from tpserve.sampling import MAX_LOGPROBS, SamplingParams
+from tpserve.errors import InvalidFieldError
+from tpserve.request import REST_OF_CONTEXT, Api, Request, make_request
+from tpserve.sampling import SamplingParams
 
 MAX_N = R.MAX_N          # completions per prompt
 MAX_PROMPTS = 64        # prompts in one /v1/completions request
@@ -46,27 +49,64 @@ def bad(param: str | None, message: str, code: str | None = "invalid_value") -> 
     return OpenAIError(400, f"{param}: {message}" if param else message, param, code=code)
 
 
+#: How the OpenAI endpoints spell a request (tpserve/request.py): the sampling fields keep
+#: SamplingParams' (vLLM's) names at the top of the body; chat's prompt is its messages.
+COMPLETIONS = Api("openai.completions", DEFAULT_MAX_TOKENS, min_max_tokens=1,
+                  min_max_tokens_why="0 generates nothing: it is only allowed with echo (to score the prompt)")
+CHAT = Api("openai.chat", REST_OF_CONTEXT, min_max_tokens=1, names={"prompt": "messages"})
+
+
 @dataclass
 class Job:
-    """What one HTTP request asks of the daemon."""
+    """What one HTTP request asks of the daemon: its Request (``request``, made by
+    ``build_request`` from ``sampling``, ``fields`` and ``names``) and the HTTP-only options."""
 
     prompts: list            # str (to tokenize) or list[int], per prompt
-    params: SamplingParams
-    n: int = 1
+    sampling: dict = field(default_factory=dict)  # SamplingParams fields as the body gave them
+    fields: dict = field(default_factory=dict)    # make_request's other arguments (priority, timeout)
+    names: dict = field(default_factory=dict)     # this request's own field spellings
+    score_prompt: bool = False     # completions with echo: max_tokens 0 scores the prompt
+    request: Request | None = None
     stream: bool = False
     include_usage: bool = False
     chat: bool = False
     messages: list = field(default_factory=list)
-    max_tokens_given: bool = True  # False: chat's default, the rest of the context
     echo: bool = False             # completions: prompt text (and logprobs) before the output
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" strings
     return_token_ids: bool = False   # vLLM's: token ids in each choice (and the prompt's)
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (BOS)
     chat_options: dict = field(default_factory=dict)  # apply_chat_template's options
     tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
-    structured_param: str | None = None  # the body field params.structured_outputs came from
-    priority: int = 0                # vLLM's extra field: lower first (--scheduling-order priority)
-    timeout: float | None = None     # seconds from arrival; then finish_reason "timeout" (or a 504)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def timeout(self) -> float | None:
+        return self.request.timeout
+
+
+def build_request(job: Job) -> Request:
+    """Validate the job once (tpserve/request.py), errors naming the body's fields; sets and
+    returns ``job.request``."""
+    try:
+        job.request = make_request(CHAT if job.chat else COMPLETIONS, job.sampling, names=job.names,
+                                   stream=job.stream, tools=job.tools, score_prompt=job.score_prompt,
+                                   messages=job.messages if job.chat else None, **job.fields)
+    except InvalidFieldError as e:
+        raise bad(e.field, e.reason) from None
+    if len(job.prompts) * job.n > MAX_CHOICES:
+        raise bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(job.prompts) * job.n}")
+    return job.request
 
 
 # ---- the body -------------------------------------------------------------------------------
@@ -132,15 +172,6 @@ def _int(body: dict, name: str, lo: int, hi: int, default=None):
     return v
 
 
-def _number(body: dict, name: str, default):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(name, f"must be a finite number, got {v!r}"[:200])
-    return float(v)
-
-
 def _bool(body: dict, name: str, default: bool) -> bool:
     v = body.get(name)
     if v is None:
@@ -194,11 +225,12 @@ def _refused(body: dict) -> None:
         raise bad("metadata", "is only meaningful with store, which is not supported", code="unsupported_parameter")
 
 
-def _common(body: dict, served_name: str) -> dict:
-    """Checks shared by both endpoints; returns SamplingParams keyword arguments and options.
+def _common(body: dict, served_name: str, job: Job) -> None:
+    """Checks shared by both endpoints; fills ``job.sampling`` (SamplingParams' names, values
+    as given: their checks are the request model's) and ``job.fields``.
 
-    OpenAI's names map to SamplingParams' (vLLM's); vLLM's extra fields keep their names. The
-    bounds are SamplingParams' own (tpserve/limits.py); a bad value is a 400 naming the field.
+    OpenAI's names map to SamplingParams' (vLLM's); vLLM's extra fields keep their names. A body
+    field that is null counts as unset.
     """
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
@@ -216,51 +248,35 @@ def _common(body: dict, served_name: str) -> dict:
     if _int(body, "best_of", 1, 1, 1) != 1:
         raise bad("best_of", "only 1 is supported")
     stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = [s for s in stop if s]  # OpenAI clients may send empty stop strings: they stop nothing
+    elif stop is not None and not isinstance(stop, str):
         raise bad("stop", "must be a string or an array of strings")
-    max_tokens = _int(body, "max_completion_tokens", 0, 2**31 - 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 0, 2**31 - 1)
-    stream = _bool(body, "stream", False)
+    job.stream = _bool(body, "stream", False)
     options = body.get("stream_options")
-    include_usage = False
     if options is not None:
         if not isinstance(options, dict):
             raise bad("stream_options", "must be an object")
-        if not stream:
+        if not job.stream:
             raise bad("stream_options", "is only allowed when stream is true")
-        include_usage = _bool(options, "include_usage", False)
-    top_k = body.get("top_k")
-    kw = dict(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-              top_k=-1 if top_k is None else top_k, seed=body.get("seed"),
-              stop=[s for s in stop if s], ignore_eos=_bool(body, "ignore_eos", False))
-    # Passed through as given: SamplingParams checks types and bounds and names the field.
-    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens",
-                 "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids",
-                 "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                 "truncate_prompt_tokens", "prompt_logprobs"):
+        job.include_usage = _bool(options, "include_usage", False)
+    sampling = {"stop": stop} if stop else {}
+    if body.get("max_completion_tokens") is not None:
+        sampling["max_tokens"] = body["max_completion_tokens"]
+        job.names["max_tokens"] = "max_completion_tokens"
+    elif body.get("max_tokens") is not None:
+        sampling["max_tokens"] = body["max_tokens"]
+    for name in ("temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "frequency_penalty",
+                 "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+                 "allowed_token_ids", "bad_words", "stop_token_ids", "include_stop_str_in_output",
+                 "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+                 "prompt_logprobs"):
         if body.get(name) is not None:
-            kw[name] = body[name]
-    try:
-        priority = R.check_priority(0 if body.get("priority") is None else body["priority"])
-        timeout = R.check_timeout(body.get("timeout"))
-    except InvalidRequestError as e:
-        raise bad(e.field, e.reason) from None
-    return dict(kw=kw, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                priority=priority, timeout=timeout, n=_int(body, "n", 1, MAX_N, 1),
-                token_ids_as_text=_bool(body, "return_tokens_as_token_ids", False),
-                return_token_ids=_bool(body, "return_token_ids", False))
-
-
-def _params(kw: dict) -> SamplingParams:
-    try:
-        return SamplingParams(**kw)
-    except (ConfigError, InvalidRequestError) as e:
-        raise bad(e.field, e.reason) from None
+            sampling[name] = body[name]
+    job.sampling = sampling
+    job.fields = dict(priority=body.get("priority"), timeout=body.get("timeout"))
+    job.token_ids_as_text = _bool(body, "return_tokens_as_token_ids", False)
+    job.return_token_ids = _bool(body, "return_token_ids", False)
 
 
 def _token_ids(v) -> bool:
@@ -268,8 +284,11 @@ def _token_ids(v) -> bool:
 
 
 def parse_completion(body, served_name: str) -> Job:
-    c = _common(body, served_name)
-    echo = _bool(body, "echo", False)
+    """The Job of a /v1/completions body (``build_request`` validates it, once its structured
+    output is known: structured_api.apply)."""
+    job = Job([])
+    _common(body, served_name, job)
+    job.echo = _bool(body, "echo", False)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -286,20 +305,15 @@ def parse_completion(body, served_name: str) -> Job:
         raise bad("prompt", "must not be empty")
     if len(prompts) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
-    if len(prompts) * c["n"] > MAX_CHOICES:
-        raise bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts) * c['n']}")
-    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
-    c["kw"]["logprobs"] = logprobs
-    max_tokens = c["max_tokens"]
-    if max_tokens == 0 and not echo:
-        raise bad("max_tokens", "0 generates nothing: it is only allowed with echo (to score the prompt)")
-    c["kw"]["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if echo and logprobs is not None:  # the prompt's tokens are reported with the same alternatives
-        given = c["kw"].get("prompt_logprobs")
-        c["kw"]["prompt_logprobs"] = logprobs if given is None else max(given, logprobs)
-    job = Job(prompts, _params(c["kw"]), c["n"], c["stream"], c["include_usage"],
-              priority=c["priority"], timeout=c["timeout"])
-    job.echo, job.token_ids_as_text, job.return_token_ids = echo, c["token_ids_as_text"], c["return_token_ids"]
+    job.prompts = prompts
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        job.sampling["logprobs"] = logprobs
+    job.score_prompt = job.echo
+    given = job.sampling.get("prompt_logprobs")
+    if job.echo and R.is_int(logprobs) and (given is None or R.is_int(given)):
+        # the prompt's tokens are reported with the same alternatives
+        job.sampling["prompt_logprobs"] = logprobs if given is None else max(given, logprobs)
     job.add_special_tokens = _bool(body, "add_special_tokens", True)
     return job
 
@@ -308,7 +322,9 @@ _CHAT_OPTIONS = ("chat_template_kwargs", "add_generation_prompt", "continue_fina
 
 
 def parse_chat(body, served_name: str) -> Job:
-    c = _common(body, served_name)
+    """The Job of a /v1/chat/completions body (``build_request`` validates it)."""
+    job = Job([], chat=True)
+    _common(body, served_name, job)
     messages = body.get("messages")
     if messages is None:
         raise bad("messages", "is required", code="missing_required_parameter")
@@ -334,19 +350,14 @@ def parse_chat(body, served_name: str) -> Job:
         elif not isinstance(content, str):
             raise bad(f"{where}.content", "must be a string or an array of text parts")
         clean.append({"role": m["role"], "content": content})
+    job.messages = clean
     want = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    top = body.get("top_logprobs")
     if top is not None and not want:
         raise bad("top_logprobs", "needs logprobs set to true")
-    c["kw"]["logprobs"] = (top or 0) if want else None
-    if c["max_tokens"] == 0:
-        raise bad("max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens",
-                  "must be at least 1")
-    c["kw"]["max_tokens"] = c["max_tokens"] or 1  # replaced by the rest of the context once tokenized
-    job = Job([], _params(c["kw"]), c["n"], c["stream"], c["include_usage"], chat=True,
-              messages=clean, max_tokens_given=c["max_tokens"] is not None, priority=c["priority"],
-              timeout=c["timeout"])
-    job.token_ids_as_text, job.return_token_ids = c["token_ids_as_text"], c["return_token_ids"]
+    if want:
+        job.sampling["logprobs"] = 0 if top is None else top
+        job.names["logprobs"] = "top_logprobs"
     job.echo = _bool(body, "echo", False)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
