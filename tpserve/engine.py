@@ -47,7 +47,9 @@ _GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
-class _Request:
+class _Completion:
+    """The state of one completion in flight: completion ``index`` of its family's ``n``."""
+
     seq: Sequence
     detok: IncrementalDetokenizer | None
     family: "_Family"
@@ -105,7 +107,7 @@ class Engine:
         self.executor = make_executor(self.config)
         self.config.num_kv_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(self.config)
-        self.requests: dict[str, _Request] = {}   # by internal id (completion i > 0: id + _SEP + i)
+        self.requests: dict[str, _Completion] = {}   # by internal id (completion i > 0: id + _SEP + i)
         self.families: dict[str, _Family] = {}
         self._rng = random.Random(self.config.seed)
         self._start = time.monotonic()
@@ -204,9 +206,9 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, fam.prompt_ids, params.stop,
                                            params.include_stop_str_in_output, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
-        self.requests[rid] = _Request(seq, detok, fam, index, arrival=fam.arrival,
-                                      logprobs=[] if params.logprobs is not None else None,
-                                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.requests[rid] = _Completion(seq, detok, fam, index, arrival=fam.arrival,
+                                         logprobs=[] if params.logprobs is not None else None,
+                                         prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         fam.members.append(rid)
         fam.unfinished += 1
 
@@ -424,7 +426,7 @@ class Engine:
         return None if not sp.ignore_eos and last in self.scheduler.eos_token_ids else last
 
     @staticmethod
-    def _find_stop_string(req: _Request, new_ids: list[int], finished: bool) -> int | None:
+    def _find_stop_string(req: _Completion, new_ids: list[int], finished: bool) -> int | None:
         """Feed ``new_ids`` to the detokenizer one by one; the number of them up to and
         including the one that completes a stop string, or None. Stop strings do not count
         before min_tokens, nor in the text of a token that already finished the request."""

@@ -120,7 +120,7 @@ class ServerOptions:
 class _Queued:
     """A request held in the fair queue until the engine has room for it."""
 
-    req: "_Request"
+    req: "ClientRequest"
     prompt: Callable[[], str | list[int]]
     params: SamplingParams
 
@@ -135,7 +135,11 @@ class _Ended:
 
 
 @dataclass
-class _Request:
+class ClientRequest:
+    """A client's ``generate`` in flight on one connection: its ids, its prompt figures, and
+    the output the reply gathers (the done maps of its ``n`` completions, or a non-streamed
+    request's text). Not the engine's state of a completion (engine.py's _Completion)."""
+
     peer: Peer
     client_id: str
     engine_id: str
@@ -187,7 +191,7 @@ class Server:
         self.listener = Listener(address, options.send_hwm, context, options.curve_public_key,
                                  options.curve_secret_key, options.curve_client_keys_dir)
         self.peers = Peers(self.listener.sock, self._on_peer_gone, options.max_queued_replies)
-        self._requests: dict[str, _Request] = {}  # by engine id
+        self._requests: dict[str, ClientRequest] = {}  # by engine id
         self._queue = FairQueue()  # received, not yet in the engine: _Queued by engine id
         # (deadline, engine id) of queued requests with a timeout: they end at it, held or not
         self._held_deadlines: list[tuple[float, str]] = []
@@ -493,7 +497,7 @@ class Server:
         if self._refused_over_cap(identity, peer, msg.id):
             return
         peer = self.peers.peer(identity)
-        req = _Request(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
+        req = ClientRequest(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
                        arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None,
                        priority=msg.priority or 0,
                        timeout=msg.timeout if msg.timeout is not None else self.options.request_timeout)
@@ -568,7 +572,7 @@ class Server:
             del job.req.peer.requests[job.req.client_id]
             self._queue_or_admit(job.req, job.result, job.params)
 
-    def _queue_or_admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
+    def _queue_or_admit(self, req: ClientRequest, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
         """Add ``req`` to the engine now if it has room and nobody is queued before it, else
         queue it (fair_queue.py): one connection's backlog must not delay the others."""
         if not self._queue and self.engine.has_room():
@@ -611,7 +615,7 @@ class Server:
             del queued.req.peer.requests[queued.req.client_id]
             self._admit(queued.req, queued.prompt, queued.params)
 
-    def _admit(self, req: _Request, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
+    def _admit(self, req: ClientRequest, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
         """Add ``req`` to the engine, or answer the error that refused it."""
         peer = req.peer
 
@@ -647,7 +651,7 @@ class Server:
             self._requests[req.engine_id] = req
         self.peers.forget_if_idle(peer)
 
-    def _refuse_overloaded(self, req: _Request, e: OverloadedError) -> None:
+    def _refuse_overloaded(self, req: ClientRequest, e: OverloadedError) -> None:
         self.metrics.on_refused(e.limit)
         self.peers.send(req.peer, P.ErrorReply(P.OVERLOADED, str(e)[:P.MAX_MESSAGE_CHARS], id=req.client_id,
                                                limit=e.limit, requested=int(e.requested),
@@ -713,7 +717,7 @@ class Server:
             if out.finished:
                 self._finish_completion(req, out, now)
 
-    def _finish_completion(self, req: _Request, out, now: float) -> None:
+    def _finish_completion(self, req: ClientRequest, out, now: float) -> None:
         """One completion of ``req`` ended; the request's ``done`` goes out with its last."""
         item = {"index": out.index, "finish_reason": out.finish_reason or "stop",
                 "completion_tokens": out.num_completion_tokens}
@@ -737,7 +741,7 @@ class Server:
         self.peers.send(req.peer, done)
         self.peers.forget_if_idle(req.peer)
 
-    def _abort(self, req: _Request, reason: str) -> None:
+    def _abort(self, req: ClientRequest, reason: str) -> None:
         """Abort ``req`` in the engine and tell its client (``done`` with finish_reason abort)."""
         self._close(req)
         self.engine.abort_request(req.engine_id)
@@ -749,7 +753,7 @@ class Server:
         self.peers.send(req.peer, done)
         self.peers.forget_if_idle(req.peer)
 
-    def _close(self, req: _Request) -> None:
+    def _close(self, req: ClientRequest) -> None:
         """Forget ``req`` (admitted, or still being tokenized: its tokens are then dropped)."""
         if self._requests.pop(req.engine_id, None) is None:
             known = self._tokenizer.discard(req.engine_id) or self._queue.discard(req.engine_id)
