@@ -140,6 +140,8 @@ _STATUS_LINES = [
     ("ready", "ready", "{}"),
     ("drain left", "drain_left_s", "{:.1f} s"),  # only while draining
     ("failure", "failure", "{}"),  # only once the engine failed
+    ("CPU operators", "cpu_ops", "{}"),  # loaded, unavailable, disabled; unused on an accelerator
+    ("WARNING", "cpu_ops_reason", "C++ CPU operators not loaded ({}): the slower plain-torch path runs"),
     ("HTTP front", ("http_front", "http_front_restarts"), "{} (restarts: {})"),  # with --http-port
     ("HTTP front exit", "http_front_last_exit", "{}"),  # once it has died
     # with --grpc-port

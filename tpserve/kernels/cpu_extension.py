@@ -13,8 +13,12 @@ to ``cpu_ops/build.log``. ``make install`` runs ``python -m tpserve.kernels.cpu_
 that a fresh machine builds them during setup rather than during its first request.
 
 The operators are registered as ``torch.ops.tpserve_cpu.*``. A machine that cannot build them
-(no compiler, a failed build) runs the plain-torch code instead, after one logged warning;
-``TPSERVE_CPU_OPS=0`` forces that fallback (the reference path, and a way to compare the two).
+(no compiler, a failed build, a package installed without its headers) runs the plain-torch code
+instead, several times slower; ``TPSERVE_CPU_OPS=0`` forces that fallback (the reference path, and
+a way to compare the two). ``status()`` says which, and why, without building: the engine puts
+it in its stats, so the daemon's status map (``cpu_ops``, ``cpu_ops_reason``), ``/metrics``
+(``tpserve:cpu_ops_loaded``, ``tpserve:cpu_ops_info``) and its start log (a WARNING block) show
+a daemon running without them.
 ``TPSERVE_CPU_ARCH`` replaces ``native`` in ``-march`` (e.g. ``haswell`` for an AVX2-only build,
 to measure or ship for a smaller instruction set than the build machine's).
 """
@@ -54,7 +58,10 @@ def cflags() -> list[str]:
 
 
 _lock = threading.Lock()
+# "ok": whether the operators are usable (absent until the first available()); "error": the whole
+# failure; "reason": one line of it (or why they are off).
 _state: dict[str, object] = {}
+MAX_REASON_CHARS = 300
 
 
 def cache_dir() -> Path:
@@ -132,6 +139,17 @@ def _compile(name: str, tmp: Path) -> Path:
     return lib
 
 
+def failure_reason(e: BaseException) -> str:
+    """One line that says why a build failed: the compiler's first error line (``fatal error:
+    vec.h: No such file or directory``) when its output is in the message, else the message's
+    last line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    line = errors[0] if errors else (lines[-1] if lines else "")
+    reason = f"{type(e).__name__}: {line}" if line else type(e).__name__
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS - 3] + "..."
+
+
 def _build() -> Path:
     """Load the library, building and publishing it first if this key has no build yet."""
     name = build_name()
@@ -161,7 +179,7 @@ def available() -> bool:
     with _lock:
         if "ok" not in _state:
             if os.environ.get("TPSERVE_CPU_OPS", "1") == "0":
-                _state["ok"] = False
+                _state.update(ok=False, reason="disabled by TPSERVE_CPU_OPS=0")
             else:
                 try:
                     _build()
@@ -169,11 +187,25 @@ def available() -> bool:
                 except Exception as e:  # no compiler, no ninja, a compile error: fall back
                     _state["ok"] = False
                     _state["error"] = f"{type(e).__name__}: {e}"
-                    last_line = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+                    _state["reason"] = failure_reason(e)
                     log.warning("tpserve's C++ CPU operators are unavailable (%s); using the "
                                 "slower plain-torch CPU path (`python -m "
-                                "tpserve.kernels.cpu_extension` shows the build log)", last_line)
+                                "tpserve.kernels.cpu_extension` shows the build log)", _state["reason"])
     return bool(_state["ok"])
+
+
+def status() -> dict[str, str]:
+    """The operators' state, for the status map and the metrics; never builds or loads them.
+
+    ``cpu_ops`` is ``loaded``; ``unavailable`` (a build or load failed: the plain-torch path
+    runs, and ``cpu_ops_reason`` says why); ``disabled`` (``TPSERVE_CPU_OPS=0``; a reason too);
+    or ``unused`` (nothing asked for them in this process: its model runs on an accelerator)."""
+    if "ok" not in _state:
+        return {"cpu_ops": "unused"}
+    if _state["ok"]:
+        return {"cpu_ops": "loaded"}
+    state = "unavailable" if "error" in _state else "disabled"
+    return {"cpu_ops": state, "cpu_ops_reason": str(_state.get("reason", ""))}
 
 
 def ops():
@@ -198,7 +230,7 @@ def main() -> int:
     if available():
         print(f"tpserve CPU operators ready ({library_dir() / build_name()}.so)")
     else:
-        print(f"tpserve CPU operators not built ({_state.get('error', 'disabled')}); "
+        print(f"tpserve CPU operators not built ({_state.get('error') or _state.get('reason')}); "
               "the plain-torch CPU path will be used")
     return 0
 

@@ -124,6 +124,7 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
         old_wakeup = signal.set_wakeup_fd(server.wake_fd, warn_on_full_buffer=False)
         write_ready(rd, address, url, shutdown_grace=options.shutdown_grace, grpc=grpc_url)
         stats = engine.stats()
+        _warn_without_cpu_ops(stats)
         log.info("tpserve ready on %s (pid %d, model %s, tensor parallel %s)", address, os.getpid(),
                  stats.get("model"), stats.get("tensor_parallel_size"))
         serving.set()
@@ -157,6 +158,28 @@ def run_daemon(config: EngineConfig, address: str | None, runtime_dir: str | os.
             signal.signal(s, h)
     log.info("tpserve stopped (exit status %d)", code)
     return code
+
+
+def _warn_without_cpu_ops(stats: dict) -> None:
+    """A WARNING block in the start log when a CPU engine runs without tpserve's C++ operators
+    (engine stats ``cpu_ops``: unavailable or disabled), with the reason and what to do."""
+    state = stats.get("cpu_ops")
+    if state not in ("unavailable", "disabled"):
+        return
+    if state == "unavailable":
+        fix = ("`python -m tpserve.kernels.cpu_extension` shows the build's error; the build needs a C++ "
+               "compiler, ninja and the package's tpserve/kernels/csrc/*.h headers")
+    else:
+        fix = "unset TPSERVE_CPU_OPS (or set it to 1) to use them"
+    rule = "!" * 72
+    reason = stats.get("cpu_ops_reason") or "no reason given"
+    for line in (rule,
+                 f"tpserve's C++ CPU operators are {state.upper()}: {reason}",
+                 "this daemon runs the plain-torch CPU path instead, several times slower",
+                 fix,
+                 "`tpserve status` (CPU operators) and /metrics (tpserve:cpu_ops_loaded 0) say so too",
+                 rule):
+        log.warning("%s", line)
 
 
 def _usable_context(config) -> int:

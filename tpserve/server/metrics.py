@@ -20,6 +20,12 @@ full; shutting_down: the daemon was draining; admission: the request could never
 ``tpserve:requests_timed_out``, ``tpserve:num_priority_preemptions`` (preemptions that admitted a
 better priority), and the gauges ``tpserve:draining`` / ``tpserve:ready`` (0 or 1).
 
+Whether the engine runs tpserve's C++ CPU operators (tpserve/kernels/cpu_extension.py):
+``tpserve:cpu_ops_loaded`` (1, or 0 when a CPU engine fell back to the several times slower
+plain-torch path; absent when the model runs on an accelerator) and ``tpserve:cpu_ops_info``
+(labels ``state``: loaded, unavailable, disabled or unused, and ``reason``: why they are not
+loaded, e.g. the compiler's error).
+
 Exposed at ``/metrics`` of the HTTP front and through the ZMQ ``metrics`` request
 (``tpserve status --metrics``), both in the Prometheus text format.
 
@@ -94,7 +100,22 @@ class _EngineCollector:
                     s.get("num_waiting_tokens", 0))
         if "spec_decode_num_drafts" in s:
             yield from self._spec_decode(s, counter)
+        if "cpu_ops" in s:
+            yield from self._cpu_ops(s, gauge)
         yield from self._gie(s, gauge, total)
+
+    def _cpu_ops(self, s: dict, gauge):
+        """Whether the C++ CPU operators run, and why not (stats ``cpu_ops``, ``cpu_ops_reason``)."""
+        state = str(s["cpu_ops"])
+        if state != "unused":  # a CPU engine: alert on 0
+            yield gauge("cpu_ops_loaded", "1 if tpserve's C++ CPU operators are loaded; 0 if the engine "
+                        "runs the slower plain-torch path (tpserve:cpu_ops_info says why).",
+                        1 if state == "loaded" else 0)
+        info = GaugeMetricFamily(PREFIX + "cpu_ops_info", "The C++ CPU operators' state (loaded, "
+                                 "unavailable, disabled, unused) and why they are not loaded (labels).",
+                                 labels=["model_name", "state", "reason"])
+        info.add_metric([self.model_name, state, str(s.get("cpu_ops_reason") or "")], 1.0)
+        yield info
 
     def _spec_decode(self, s: dict, counter):
         """Speculative decoding's counters (only when it is configured), vLLM's names."""
