@@ -2,7 +2,7 @@
 
     add_request ─▶ Scheduler.add            (admission control, raises AdmissionError)
     step():  Scheduler.schedule ─▶ build_plan ─▶ executor.execute (all ranks) ─▶ tokens
-             ─▶ Scheduler.postprocess ─▶ detokenize, stop strings ─▶ RequestOutputs
+             ─▶ Scheduler.postprocess ─▶ detokenize, stop strings ─▶ EngineOutputs
 
 One step is one forward over one plan. Under the default "mixed" scheduling policy a step may
 hold decode rows (one token each, every running stream) and prefill chunks together, so
@@ -31,8 +31,9 @@ from tpserve.detokenizer import IncrementalDetokenizer
 from tpserve.errors import InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
 from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
 from tpserve.kernels import cpu_extension
-from tpserve.outputs import RequestOutput, TokenLogprobs
+from tpserve.outputs import EngineOutput, TokenLogprobs
 from tpserve.plan import Command
+from tpserve.request import rest_of_context
 from tpserve.limits import MAX_SEED, check_priority, check_prompt_shape, check_request, check_timeout
 from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
@@ -47,7 +48,9 @@ _GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass
-class _Request:
+class _Completion:
+    """The state of one completion in flight: completion ``index`` of its family's ``n``."""
+
     seq: Sequence
     detok: IncrementalDetokenizer | None
     family: "_Family"
@@ -105,7 +108,7 @@ class Engine:
         self.executor = make_executor(self.config)
         self.config.num_kv_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(self.config)
-        self.requests: dict[str, _Request] = {}   # by internal id (completion i > 0: id + _SEP + i)
+        self.requests: dict[str, _Completion] = {}   # by internal id (completion i > 0: id + _SEP + i)
         self.families: dict[str, _Family] = {}
         self._rng = random.Random(self.config.seed)
         self._start = time.monotonic()
@@ -150,7 +153,8 @@ class Engine:
         after ``arrival`` (a time.monotonic() value; default now) by which every completion
         ends, with finish_reason "timeout" if it has not finished by then.
 
-        ``params.n`` > 1 generates n completions, reported with ``RequestOutput.index``.
+        ``params.max_tokens`` None generates up to the rest of the context (max_model_len).
+        ``params.n`` > 1 generates n completions, reported with ``EngineOutput.index``.
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
         """
@@ -170,6 +174,8 @@ class Engine:
             raise InvalidRequestError("prompt", "is empty after tokenization")
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
+        if params.max_tokens is None:  # the rest of the context (tpserve/request.py: each API's default)
+            params = replace(params, max_tokens=rest_of_context(self.config.max_model_len, len(ids)))
         bad = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         fam = _Family(request_id, ids, params, seed, bad, [], detokenize, priority=priority, arrival=arrival,
@@ -201,9 +207,9 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, fam.prompt_ids, params.stop,
                                            params.include_stop_str_in_output, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
-        self.requests[rid] = _Request(seq, detok, fam, index, arrival=fam.arrival,
-                                      logprobs=[] if params.logprobs is not None else None,
-                                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.requests[rid] = _Completion(seq, detok, fam, index, arrival=fam.arrival,
+                                         logprobs=[] if params.logprobs is not None else None,
+                                         prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         fam.members.append(rid)
         fam.unfinished += 1
 
@@ -255,7 +261,7 @@ class Engine:
             raise OverloadedError(request_id, "max_waiting_requests", queued + 1, cap, self._retry_after())
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Run one step; returns an output per request completion that advanced.
 
         Completions past their deadline end first: when there are any, this call only ends
@@ -342,7 +348,7 @@ class Engine:
         return StepFailedError(ids, cause)
 
     def _keep_logprobs(self, sampled: list[Sequence], logprobs, row_seq=None) -> None:
-        sampled_lp, top_ids, top_lp = logprobs
+        sampled_lp, top_ids, top_lp, ranks = logprobs
         rows = enumerate(sampled) if row_seq is None else ((r, sampled[i]) for r, i in enumerate(row_seq.tolist()))
         for row, seq in rows:
             k = seq.sampling_params.logprobs
@@ -350,10 +356,10 @@ class Engine:
             if k is None or req is None:
                 continue
             top = list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))
-            req.logprobs.append(TokenLogprobs(float(sampled_lp[row]), top))
+            req.logprobs.append(TokenLogprobs(float(sampled_lp[row]), top, int(ranks[row])))
 
     def _keep_prompt_logprobs(self, spans, arrays) -> None:
-        lp, top_ids, top_lp = arrays
+        lp, top_ids, top_lp, ranks = arrays
         row = 0
         for seq, first, count in spans:
             req = self.requests.get(seq.request_id)
@@ -361,24 +367,24 @@ class Engine:
                 k = seq.sampling_params.prompt_logprobs
                 for r in range(row, row + count):
                     top = list(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist()))
-                    req.prompt_logprobs.append(TokenLogprobs(float(lp[r]), top))
+                    req.prompt_logprobs.append(TokenLogprobs(float(lp[r]), top, int(ranks[r])))
                 seq.num_prompt_logprobs_done = first + count
             row += count
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> EngineOutput:
         req = self.requests[seq.request_id]
         fam = req.family
         completion = seq.completion_token_ids
         new_ids = completion[req.sent_tokens:]
         finished, reason = seq.is_finished, seq.finish_reason
         error = seq.grammar.error if finished and seq.grammar is not None else None
-        text = ""
+        text, stop_string = "", None
         if req.detok is not None:
             if req.detok.stop:
                 cut = self._find_stop_string(req, new_ids, finished)
                 if cut is not None:
                     self.scheduler.finish(seq, "stop")
-                    finished, reason = True, "stop"
+                    finished, reason, stop_string = True, "stop", req.detok.matched_stop
                     if cut < len(new_ids):  # tokens after it came in the same step (drafts)
                         if req.logprobs is not None:
                             del req.logprobs[len(req.logprobs) - (len(new_ids) - cut):]
@@ -402,14 +408,26 @@ class Engine:
             fam.unfinished -= 1
             if not fam.unfinished and (len(fam.members) == fam.params.n or error is not None):
                 del self.families[fam.request_id]
-        return RequestOutput(fam.request_id, list(new_ids), text, finished,
-                             reason if finished else None, seq.num_prompt_tokens, len(completion),
-                             logprobs=logprobs, queue_time=req.queue_time, index=req.index,
-                             prompt_logprobs=prompt_logprobs, error=error,
-                             num_cached_tokens=seq.num_cached_prompt_tokens or 0)
+        stop_reason = None
+        if finished and reason == "stop":
+            stop_reason = stop_string if stop_string is not None else self._stop_token(seq, completion)
+        return EngineOutput(fam.request_id, list(new_ids), text, finished,
+                            reason if finished else None, seq.num_prompt_tokens, len(completion),
+                            logprobs=logprobs, queue_time=req.queue_time, index=req.index,
+                            prompt_logprobs=prompt_logprobs, error=error,
+                            num_cached_tokens=seq.num_cached_prompt_tokens or 0, stop_reason=stop_reason)
+
+    def _stop_token(self, seq: Sequence, completion: list[int]) -> int | None:
+        """The stop token id (SamplingParams.stop_token_ids) that ended ``seq``, None if EOS or
+        anything else did (vLLM's stop_reason: an EOS that is also a stop token counts as EOS)."""
+        sp = seq.sampling_params
+        last = completion[-1] if completion else None
+        if last is None or last not in sp.stop_token_ids:
+            return None
+        return None if not sp.ignore_eos and last in self.scheduler.eos_token_ids else last
 
     @staticmethod
-    def _find_stop_string(req: _Request, new_ids: list[int], finished: bool) -> int | None:
+    def _find_stop_string(req: _Completion, new_ids: list[int], finished: bool) -> int | None:
         """Feed ``new_ids`` to the detokenizer one by one; the number of them up to and
         including the one that completes a stop string, or None. Stop strings do not count
         before min_tokens, nor in the text of a token that already finished the request."""
