@@ -89,8 +89,8 @@ def test_docs_links_resolve():
 # ---- import rules (docs/design.md, "Module map and import rules") -------------------------
 
 CONTRACTS = ("tpserve.config", "tpserve.spec_config", "tpserve.quantization", "tpserve.errors",
-             "tpserve.limits", "tpserve.sampling", "tpserve.plan", "tpserve.sample_plan", "tpserve.outputs",
-             "tpserve.procs")
+             "tpserve.limits", "tpserve.sampling", "tpserve.request", "tpserve.plan", "tpserve.sample_plan",
+             "tpserve.outputs", "tpserve.procs", "tpserve.tokenizer")
 SCHEDULER_SIDE = ("tpserve.blockpool", "tpserve.grammar", "tpserve.scheduler")
 ENGINE = ("tpserve.engine", "tpserve.llm", "tpserve.launch")
 ABOVE_ENGINE = ("tpserve.server", "tpserve.fronts", "tpserve.client", "tpserve.cli")
@@ -105,13 +105,12 @@ FORBIDDEN = {
     "tpserve.models": SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE + ("tpserve.workers",),
     "tpserve.workers": SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE,
     "tpserve.client": DEVICE + SCHEDULER_SIDE + ENGINE + ("tpserve.server", "tpserve.fronts", "tpserve.cli",
-                                                         "tpserve.tokenizer", "tpserve.detokenizer"),
+                                                         "tpserve.detokenizer"),
     "tpserve.fronts": DEVICE + SCHEDULER_SIDE + ENGINE + ("tpserve.cli",),
     "tpserve.server": ("tpserve.cli", "tpserve.llm", "tpserve.launch"),
 }
 for _m in CONTRACTS:
-    FORBIDDEN[_m] = DEVICE + SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE + ("tpserve.tokenizer",
-                                                                       "tpserve.detokenizer")
+    FORBIDDEN[_m] = DEVICE + SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE + ("tpserve.detokenizer",)
 # The gRPC front relays the daemon's KV events and reads their wire format from the server.
 ALLOWED = {"tpserve.fronts": ("tpserve.server.kv_events",)}
 
