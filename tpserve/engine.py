@@ -115,6 +115,9 @@ class Engine:
         self._recent: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, sampled, computed)
         self.num_steps = 0
         self._grammars = None  # GrammarCompiler, made at the first structured request
+        # TokenLogprobs.rank wanted (the offline API's vLLM Logprob.rank): one more pass over the
+        # vocabulary per logprobs row, which the daemon, reporting no ranks, does not pay.
+        self.logprob_ranks = False
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -288,6 +291,7 @@ class Engine:
             plan = self.scheduler.build_plan(batch)
             plan.step_id = self.num_steps
             sample = self.scheduler.build_sample_plan(batch, plan)
+            sample.logprob_ranks = self.logprob_ranks
         except Exception as e:  # bad data of this batch's requests: nothing was published yet
             raise self._fail_step(batch, e) from e
         if batch.is_prefill:  # a request is first scheduled in a step with prefill rows
@@ -356,7 +360,8 @@ class Engine:
             if k is None or req is None:
                 continue
             top = list(zip(top_ids[row, :k].tolist(), top_lp[row, :k].tolist()))
-            req.logprobs.append(TokenLogprobs(float(sampled_lp[row]), top, int(ranks[row])))
+            rank = None if ranks is None else int(ranks[row])
+            req.logprobs.append(TokenLogprobs(float(sampled_lp[row]), top, rank))
 
     def _keep_prompt_logprobs(self, spans, arrays) -> None:
         lp, top_ids, top_lp, ranks = arrays
@@ -367,7 +372,8 @@ class Engine:
                 k = seq.sampling_params.prompt_logprobs
                 for r in range(row, row + count):
                     top = list(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist()))
-                    req.prompt_logprobs.append(TokenLogprobs(float(lp[r]), top, int(ranks[r])))
+                    rank = None if ranks is None else int(ranks[r])
+                    req.prompt_logprobs.append(TokenLogprobs(float(lp[r]), top, rank))
                 seq.num_prompt_logprobs_done = first + count
             row += count
 

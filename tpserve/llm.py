@@ -37,6 +37,7 @@ class LLM:
                               + ", ".join(EngineConfig.option_names()))
         options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = Engine(EngineConfig(model=None if model is None else str(model), **options))
+        self.engine.logprob_ranks = True  # vLLM's Logprob.rank
         self._ids = itertools.count()
 
     @property

@@ -7,6 +7,8 @@ ids are below the vocabulary. Every part is optional: a step whose requests use 
 gets ``SamplePlan()`` and the sampler runs its plain path.
 
     num_logprobs        the most logprobs alternatives any sample row asks for (-1: none)
+    logprob_ranks       with logprobs or prompt logprobs: also each token's vocab rank (one more
+                        pass over the vocabulary; the offline API asks, the daemon does not)
     bias_rows/tokens/values   int32/int32/float32 [N]: logits[row, token] += value
     allow_rows          int32 [A] rows that keep only an allowed set of tokens;
     allow_index/tokens  int32 [M]: (index into allow_rows, token) pairs of those sets
@@ -58,6 +60,7 @@ def _f32(n: int = 0) -> np.ndarray:
 @dataclass
 class SamplePlan:
     num_logprobs: int = -1
+    logprob_ranks: bool = False
     bias_rows: np.ndarray | None = None
     bias_tokens: np.ndarray | None = None
     bias_values: np.ndarray | None = None
@@ -144,9 +147,10 @@ class StepOutput:
                       ``accepted[i]`` of its rows (``kept_rows``); None: one row each
     logprobs          with SamplePlan.num_logprobs k >= 0: (float32 [S] the sampled tokens'
                       log-probabilities, int64 [S, k] the k best token ids, float32 [S, k] theirs,
-                      int64 [S] the sampled tokens' 1-based ranks in the distribution)
+                      int32 [S] the sampled tokens' 1-based ranks, or None without
+                      SamplePlan.logprob_ranks)
     prompt_logprobs   with StepPlan.logprob_rows: (float32 [L] the targets' log-probabilities,
-                      int64 [L, k], float32 [L, k], int64 [L] the targets' ranks) with
+                      int64 [L, k], float32 [L, k], int32 [L] the targets' ranks or None) with
                       k = SamplePlan.num_prompt_logprobs
     """
 
