@@ -6,6 +6,7 @@
     build_bench_model(path, **QWEN3_0_6B)  the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 heads,
                                         8 KV heads, head_dim 128, intermediate 3072, vocab
                                         151936, tied embeddings), where GEMMs dominate a step.
+    build_bench_model(path, **TINY)     2 layers of width 64 (vocab 32768): scripts' smoke runs.
 No tokenizer is needed: benchmarks send token ids.
 
     id_text(ids) -> str                 the text form of token ids, for servers that take text
@@ -26,6 +27,16 @@ BENCH_CONFIG = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
                   tie_word_embeddings=True)
+
+
+# Overrides of BENCH_CONFIG giving a model of a few layers and widths, the vocabulary kept (the
+# benchmarks draw token ids up to 32768): the smallest size of a script's smoke run (seconds on a CPU).
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            intermediate_size=128)
+
+# A benchmark shape's name -> its BENCH_CONFIG overrides and its default directory under /tmp/tpserve-bench.
+SHAPE_OVERRIDES = {"40m": {}, "0.6b": QWEN3_0_6B, "tiny": TINY}
+SHAPE_DIRS = {"40m": "qwen3-40m", "0.6b": "qwen3-0.6b-shape", "tiny": "qwen3-tiny"}
 
 
 def build_bench_model(path: str | Path, seed: int = 0, dtype: str = "bfloat16", **overrides) -> Path:

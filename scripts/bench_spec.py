@@ -31,7 +31,7 @@ Targets: batch 1 with a mean acceptance length >= 2 at least 1.6x; workload (b) 
 batch size), which is how ``disable_by_batch_size`` (spec_config.DEFAULT_DISABLE_BY_BATCH_SIZE)
 was chosen.
 
-    python scripts/bench_spec.py [--shape 40m|0.6b] [--k 4] [--repeats 3] [--sweep] [--quick]
+    python scripts/bench_spec.py [--shape 40m|0.6b|tiny] [--k 4] [--repeats 3] [--sweep] [--quick]
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import QWEN3_0_6B, build_bench_model  # noqa: E402
+from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import SHAPES, cpu_isa, workload  # noqa: E402
 
 from tpserve import LLM, SamplingParams  # noqa: E402
@@ -164,9 +164,7 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     if args.quick:
         args.repeats, args.max_tokens = 1, 32
-    overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
-    path = build_bench_model(f"/tmp/tpserve-bench/{'qwen3-0.6b-shape' if args.shape == '0.6b' else 'qwen3-40m'}",
-                             **overrides)
+    path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}", **SHAPE_OVERRIDES[args.shape])
     from tpserve.workers.model_runner import cpu_has_fast_bf16
     dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     lo, hi = args.lookup

@@ -3,7 +3,8 @@
 Shapes (random weights, built locally by scripts/bench_models.py; token-id prompts, greedy,
 ignore_eos, fixed seed):
   * 40m  (default): the ~40M-parameter Qwen3 model, 64 requests of 32-256 in / 32-256 out;
-  * 0.6b: Qwen3-0.6B's shape, 16 requests of 64-128 in / 64-128 out (GEMMs dominate).
+  * 0.6b: Qwen3-0.6B's shape, 16 requests of 64-128 in / 64-128 out (GEMMs dominate);
+  * tiny: 2 layers of width 64, 8 requests of 16-48 in / out (a smoke run: tests/test_scripts.py).
 Peers:
   * ``--peer-vllm PYTHON``: vLLM's CPU backend (default settings, torch.compile on), run by the
     interpreter of its own virtualenv (scripts/peer_vllm_cpu.sh makes one) between two tpserve
@@ -16,7 +17,7 @@ Precision: the checkpoints are bf16. On a CPU without native bf16 (no AVX512-BF1
 matmuls are emulated and ~30x slower than fp32, so there every engine runs the model in fp32
 (tpserve's dtype "auto" does this by itself) and the roofline uses the fp32 peak.
 
-    python scripts/bench_throughput.py [--shape 40m|0.6b] [--peer-vllm PYTHON] [--skip-hf] [--quick]
+    python scripts/bench_throughput.py [--shape 40m|0.6b|tiny] [--peer-vllm PYTHON] [--skip-hf] [--quick]
 """
 from __future__ import annotations
 
@@ -196,7 +197,7 @@ def run_hf_padded(path, prompts, outs, dtype, batch=16):
     return sum(outs) / dt
 
 
-SHAPES = {"40m": (64, 32, 256), "0.6b": (16, 64, 128)}  # requests, lengths lo..hi
+SHAPES = {"40m": (64, 32, 256), "0.6b": (16, 64, 128), "tiny": (8, 16, 48)}  # requests, lengths lo..hi
 
 
 def main() -> int:
@@ -220,10 +221,9 @@ def main() -> int:
                     help="skip the second tpserve run with penalties and logit bias on every request")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    from bench_models import QWEN3_0_6B
-    overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
-    default_dir = "qwen3-0.6b-shape" if args.shape == "0.6b" else "qwen3-40m"
-    path = build_bench_model(args.model_dir or f"/tmp/tpserve-bench/{default_dir}", **overrides)
+    from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES
+    path = build_bench_model(args.model_dir or f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}",
+                             **SHAPE_OVERRIDES[args.shape])
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     n, lo, hi = SHAPES[args.shape]
     if args.quick:

@@ -8,7 +8,7 @@ It also prints where a step's wall time goes outside the model: scheduling, plan
 the forward, the LM head and sampling, and postprocessing (per step, over the timed steps).
 ``TPSERVE_FUSED_DECODE=0`` runs the decode steps layer by layer, for comparison.
 
-    python scripts/profile_step.py [--shape 40m|0.6b] [--batch 64] [--steps 5] [--threads 2]
+    python scripts/profile_step.py [--shape 40m|0.6b|tiny] [--batch 64] [--steps 5] [--threads 2]
                                    [--quantization int8]
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import QWEN3_0_6B, build_bench_model  # noqa: E402
+from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=["40m", "0.6b"], default="40m")
+    ap.add_argument("--shape", choices=["40m", "0.6b", "tiny"], default="40m")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
@@ -38,9 +38,7 @@ def main() -> int:
     ap.add_argument("--quantization", choices=["int8"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
-    name = "qwen3-0.6b-shape" if args.shape == "0.6b" else "qwen3-40m"
-    path = build_bench_model(f"/tmp/tpserve-bench/{name}", **overrides)
+    path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}", **SHAPE_OVERRIDES[args.shape])
 
     from tpserve import LLM, SamplingParams
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.batch, kv_cache_memory_gb=2.0,

@@ -1,12 +1,13 @@
 """The newcomer's first run: start the daemon on the bundled model, stream a completion, stop.
 
-    make run        (or: .venv/bin/python scripts/quickstart.py)
+    make run        (or: .venv/bin/python scripts/quickstart.py [--max-tokens 96])
 
 Uses the `tpserve` command exactly as a user would: `tpserve start`, `tpserve generate`
 (streams to the terminal), `tpserve status`, `tpserve stop`, on a private runtime directory.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -29,6 +30,9 @@ def tpserve(*args: str, env: dict) -> int:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens of the streamed completion")
+    args = ap.parse_args()
     runtime = tempfile.mkdtemp(prefix="tpserve-quickstart-")
     env = dict(os.environ, TPSERVE_RUNTIME_DIR=runtime)
     try:
@@ -38,8 +42,8 @@ def main() -> int:
                 print(log.read_text()[-4000:], file=sys.stderr)
             return 1
         # A 1.3M-parameter model loops under greedy decoding; light seeded sampling reads better.
-        rc = tpserve("generate", PROMPT, "--max-tokens", "96", "--temperature", "0.7", "--top-k", "40",
-                     "--seed", "1", env=env)
+        rc = tpserve("generate", PROMPT, "--max-tokens", str(args.max_tokens), "--temperature", "0.7",
+                     "--top-k", "40", "--seed", "1", env=env)
         rc |= tpserve("status", env=env)
         return rc
     finally:

@@ -1,0 +1,183 @@
+"""Every script under scripts/ runs: a stale script is broken code.
+
+Each script has an entry in SCRIPTS (a script without one fails test_every_script_has_an_entry):
+
+* Smoke: run in a subprocess at its smallest size (the benchmark models' ``tiny`` shape, a few
+  steps or messages), exit status 0 and its result line checked;
+* Parse: a script that needs a peer that is not installed, or minutes of daemons and traffic:
+  its module is imported and its real argument parser reads a small argument list (the parser is
+  stopped right after parsing, before any work), and ``--help`` prints its usage;
+* Library: a module other scripts import, imported.
+
+Every script, smoke-run or not, goes through the import-and-parse pass, all in one interpreter.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SCRIPTS_DIR = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@dataclass(frozen=True)
+class Smoke:
+    args: tuple
+    expect: str  # a regular expression the output must match
+    exit_codes: tuple = (0,)  # the statuses that are results, not failures
+
+
+@dataclass(frozen=True)
+class Parse:
+    args: tuple
+    why: str  # why the script is not smoke-run here
+
+
+LIBRARY = "library"
+
+NOT_INSTALLED = "/nonexistent/peer/bin/python"
+
+SCRIPTS = {
+    "bench_channel.py": Smoke(("--messages", "50", "--warmup", "5", "--readers", "1"),
+                              r"channel readers=1 shm median=\S+us"),
+    "bench_scheduler.py": Smoke(("--seqs", "64", "--steps", "20", "--rounds", "1", "--block-sizes", "16"),
+                                r"bench_scheduler mixed\(\+256-token chunk\) block_size=16 seqs=64 steps=20: "
+                                r"tpserve"),
+    "bench_sampler.py": Smoke(("--rows", "4", "--vocab", "1000", "--repeat", "1"),
+                              r"bench_sampler device=cpu .* rows=4 vocab=1000 race_ms"),
+    "determinism.py": Smoke(("--smoke",), r"alone again\s+max\|dlogit\| 0, steps differing 0/4"),
+    "bench_throughput.py": Smoke(("--shape", "tiny", "--skip-hf", "--skip-controls"),
+                                 r"tpserve LLM.generate\s+[\d.]+ output tok/s"),
+    "bench_spec.py": Smoke(("--shape", "tiny", "--quick", "--skip-throughput", "--repeats", "1"),
+                           r"spec shape=tiny .* batch=1: plain=[\d.]+ spec=[\d.]+ decode tok/s"),
+    "profile_step.py": Smoke(("--shape", "tiny", "--batch", "2", "--steps", "1", "--prompt-len", "16",
+                              "--top", "3"), r"Self CPU time total"),
+    "quickstart.py": Smoke(("--max-tokens", "16"), r"stopped tpserve daemon \(pid \d+\)"),
+    # Status 1 is its verdict on the package (cycles found; tests/test_import_cycles.py holds it to 0).
+    "import_cycles.py": Smoke(("--package", "tpserve"),
+                              r"import_cycles package=tpserve modules=\d+ edges=\d+",
+                              exit_codes=(0, 1)),
+    "bench_models.py": LIBRARY,
+    "bench_daemon_run.py": LIBRARY,
+    "bench_daemon.py": Parse(("--clients", "1", "--requests-per-client", "1", "--max-tokens", "2",
+                              "--latency-trials", "1"), "a daemon and an offline engine on the 40M model"),
+    "bench_fairness.py": Parse(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
+                               "a daemon flooded with requests"),
+    "bench_http.py": Parse(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
+                           "a daemon and its HTTP front"),
+    "bench_latency.py": Parse(("--shape", "40m", "--runs", "1", "--llamacpp", "/nonexistent/llama.cpp"),
+                              "llama.cpp's llama-server (scripts/peer_llamacpp.sh)"),
+    "bench_router.py": Parse(("--policies", "round_robin", "--scenarios", "skewed", "--smg", NOT_INSTALLED),
+                             "smg or vllm-router (scripts/peer_smg.sh, peer_vllm_router.sh)"),
+    "bench_serving.py": Parse(("--mode", "trace", "--requests", "2", "--rates", "4"),
+                              "daemons under a minutes-long arrival trace, and peer servers"),
+    "bench_slow_reader.py": Parse(("--requests", "2", "--tokens", "2", "--interval", "0.1",
+                                   "--slow-for", "0.2"),
+                                  "a daemon and a client reading slowly for the daemon's 30 s limit"),
+    "bench_structured.py": Parse(("--quick",), "the 40M model with a tokenizer, 16 compiled JSON schemas"),
+    "bench_tokenize_stall.py": Parse(("--chars", "10000", "--rounds", "1"), "a daemon and its HTTP front"),
+    "bench_tp.py": Parse(("--requests", "2", "--tp", "2"), "two tensor-parallel ranks on the 40M model"),
+    "eval_harness.py": Parse(("--lm-eval", NOT_INSTALLED), "lm-evaluation-harness (scripts/peer_lm_eval.sh)"),
+    "gpu_check.py": Parse(("--sections", "env", "--dry-run"),
+                          "a GPU (its --dry-run: tests/test_gpu_check.py)"),
+    "parity_vllm.py": Parse(("--peer-vllm", NOT_INSTALLED, "--prompts", "2"),
+                            "vLLM (scripts/peer_vllm_cpu.sh)"),
+    "probe_http_idle.py": Parse(("--conns", "5", "--hold", "0.1"), "a daemon and its HTTP front"),
+    "probe_http_stall.py": Parse(("--streams", "1", "--whole", "1", "--stop-s", "1"),
+                                 "a daemon whose HTTP front is stopped for many seconds"),
+    "quality_int8.py": Parse(("--skip-40m",),
+                             "bf16, fp32 and int8 engines over the bundled model's held-out files"),
+    "soak.py": Parse(("--clients", "1", "--requests", "2"), "minutes of daemons, clients and killed workers"),
+    "tp_cycles.py": Parse(("--cycles", "1",), "tensor-parallel daemons started and stopped"),
+    "train_default_model.py": Parse(("--quick", "--out", "/nonexistent/out"), "training a model (minutes)"),
+}
+
+# Runs in a fresh interpreter: imports each script as a module, asks its parser for --help, then
+# has it parse the entry's arguments, stopping it right after parse_args (before any work).
+PARSE_PASS = textwrap.dedent("""
+    import argparse, contextlib, importlib.util, io, json, sys, traceback
+
+    class Parsed(Exception):
+        pass
+
+    real_parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise Parsed(vars(real_parse_args(self, args, namespace)))
+
+    argparse.ArgumentParser.parse_args = parse_then_stop
+    results = {}
+    for path, args, library in json.loads(sys.argv[1]):
+        result = results[path] = {}
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                spec = importlib.util.spec_from_file_location("script_" + path.rsplit("/", 1)[-1][:-3], path)
+                module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            result["imported"] = True
+            if library:
+                continue
+            for argv, key in ((["--help"], "help"), (args, "parsed")):
+                sys.argv = [path, *argv]
+                out = io.StringIO()
+                try:
+                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                        module.main()
+                    result[key] = "main() returned without parsing its arguments"
+                except Parsed as p:
+                    result[key] = sorted(p.args[0])
+                except SystemExit as e:
+                    result[key] = {"exit": e.code, "output": out.getvalue()[:3000]}
+        except BaseException:
+            result["error"] = traceback.format_exc()[-3000:]
+    print(json.dumps(results))
+""")
+
+
+def test_every_script_has_an_entry():
+    found = sorted(p.name for p in SCRIPTS_DIR.glob("*.py"))
+    assert found == sorted(SCRIPTS), (set(found) ^ set(SCRIPTS))
+
+
+def test_every_script_imports_and_parses_its_arguments():
+    todo = [(str(SCRIPTS_DIR / name), list(entry.args) if entry != LIBRARY else [], entry == LIBRARY)
+            for name, entry in sorted(SCRIPTS.items())]
+    proc = subprocess.run([sys.executable, "-c", PARSE_PASS, json.dumps(todo)], capture_output=True,
+                          text=True, timeout=240, cwd=SCRIPTS_DIR.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, entry in sorted(SCRIPTS.items()):
+        result = results[str(SCRIPTS_DIR / name)]
+        assert "error" not in result, f"{name}:\n{result['error']}"
+        assert result.get("imported"), name
+        if entry == LIBRARY:
+            continue
+        help_ = result["help"]
+        assert isinstance(help_, dict) and help_["exit"] == 0 and "usage:" in help_["output"], (name, help_)
+        parsed = result["parsed"]
+        assert isinstance(parsed, list) and parsed, (name, parsed)
+        for option in (a for a in entry.args if a.startswith("--")):
+            assert option[2:].replace("-", "_") in parsed, (name, option, parsed)
+
+
+SMOKE = sorted(name for name, entry in SCRIPTS.items() if isinstance(entry, Smoke))
+
+
+@pytest.mark.parametrize("name", SMOKE)
+def test_script_runs_at_its_smallest_size(name):
+    entry = SCRIPTS[name]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env.pop("TPSERVE_ADDRESS", None)
+    env.pop("TPSERVE_RUNTIME_DIR", None)
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / name), *entry.args], capture_output=True,
+                          text=True, timeout=240, cwd=SCRIPTS_DIR.parent, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode in entry.exit_codes, output[-4000:]
+    assert re.search(entry.expect, output), output[-4000:]
