@@ -59,7 +59,8 @@ class StandIn:
     def __init__(self, mode: str, grace: float = 0.5):
         self.rd = Path(tempfile.mkdtemp(prefix="tps-", dir="/tmp"))
         self.proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(self.rd), mode, str(grace)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         deadline = time.monotonic() + 60
         while not (self.rd / "tpserve.ready").exists():
             assert self.proc.poll() is None, self.proc.stderr.read().decode()
@@ -96,8 +97,8 @@ def stand_ins():
 
 
 def stop(rd, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "tpserve", "stop", "--runtime-dir", str(rd), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+    argv = [sys.executable, "-m", "tpserve", "stop", "--runtime-dir", str(rd), *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_tree_gone(tree, within=10.0):
