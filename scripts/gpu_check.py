@@ -189,7 +189,7 @@ def _max_err(out, want) -> float:
 
 
 def _can_run(name, device, block_size, dtype) -> bool:
-    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.backend_factory import get_backend
     try:
         get_backend(name, device, block_size, dtype=dtype)
         return True
@@ -203,7 +203,7 @@ def check_kernels(report: Report, device, dtypes=("bfloat16", "float16", "float3
     block size; decode also with split-K forced off and forced on."""
     import torch
 
-    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.backend_factory import get_backend
     from tpserve.kernels.paged_decode import paged_decode_attention
     from tpserve.kernels.reference import random_paged_batch, reference_attention
     from tpserve.kernels.store_kvcache import store_kvcache
@@ -251,7 +251,7 @@ def check_big_cache(report: Report, device, dtype_name: str = "bfloat16", block_
     last blocks (offsets past 2^31): store, decode and prefill-with-context vs the reference."""
     import torch
 
-    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.backend_factory import get_backend
     from tpserve.kernels.metadata import AttentionMetadata
     from tpserve.kernels.reference import reference_attention
 
@@ -312,7 +312,7 @@ def time_decode(report: Report, device, batches=(1, 8, 64), context: int = 8192,
     per (sequence, KV head), at block 16, and flash-attn at block 256 where it can run."""
     import torch
 
-    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.backend_factory import get_backend
     from tpserve.kernels.metadata import AttentionMetadata
     from tpserve.kernels.paged_decode import paged_decode_attention
     from tpserve.kernels.tiles import decode_splits, max_tile
@@ -637,7 +637,7 @@ def environment(report: Report, dry_run: bool = False) -> int:
     import torch
     import triton
 
-    from tpserve.kernels.backend import flash_attn_available
+    from tpserve.kernels.backend_factory import flash_attn_available
     report.figure("torch", f"{torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
                   f"flash-attn {'installed' if flash_attn_available() else 'absent'}")
     if dry_run:

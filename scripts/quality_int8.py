@@ -50,7 +50,7 @@ CALIBRATION_LEN = 128
 
 
 def load(path: Path, quantization: str | None, dtype: str = "bfloat16"):
-    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.backend_factory import get_backend
     from tpserve.models.loader import load_model
     from tpserve.models.packed_gemm import prepack_model
     model = load_model(path, dtype=dtype, quantization=quantization,

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.kernels import backend as backend_mod
-from tpserve.kernels.backend import get_backend
+from tpserve.kernels import backend_factory as backend_mod
+from tpserve.kernels.backend_factory import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.reference import backend_vs_reference, random_paged_batch, reference_attention
 from tpserve.kernels.torch_attention import TorchAttention

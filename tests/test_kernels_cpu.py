@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.kernels import backend as backend_mod
+from tpserve.kernels import backend_factory as backend_mod
 from tpserve.kernels import cpu_extension
-from tpserve.kernels.backend import get_backend
+from tpserve.kernels.backend_factory import get_backend
 from tpserve.kernels.reference import backend_vs_reference, random_paged_batch
 
 # The install builds the C++ operators (make install); a machine where that build failed
@@ -279,7 +279,7 @@ AVX2_CHECK = r"""
 import sys
 import torch
 from tpserve.kernels import cpu_extension
-from tpserve.kernels.backend import get_backend
+from tpserve.kernels.backend_factory import get_backend
 from tpserve.kernels.reference import backend_vs_reference
 from tpserve.workers.sampler import argmax_rows
 assert cpu_extension.available(), cpu_extension._state.get("error")

@@ -45,7 +45,7 @@ def test_split_decode_bf16_and_mha():
 
 def test_backend_decode_splits_on_its_own_when_shares_are_long_enough(monkeypatch):
     from tpserve.kernels import tiles
-    from tpserve.kernels.backend import get_backend
+    from tpserve.kernels.backend_factory import get_backend
     monkeypatch.setattr(tiles, "DECODE_MIN_SHARE_KEYS", 32)
     batch = random_paged_batch(CONTEXTS, [1] * len(CONTEXTS), num_heads=4, num_kv_heads=2,
                                head_dim=16, block_size=16, is_prefill=False, seed=4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.kernels.backend import get_backend
+from tpserve.kernels.backend_factory import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.reference import random_paged_batch, reference_attention
 

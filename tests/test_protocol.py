@@ -335,7 +335,7 @@ def test_limits_have_one_home():
     """The wire re-exports tpserve.limits' limits; the scheduler and kernels share their lists."""
     from tpserve import limits as R
     from tpserve.config import ATTENTION_BACKENDS
-    from tpserve.kernels.backend import BACKEND_NAMES
+    from tpserve.kernels.backend_factory import BACKEND_NAMES
     from tpserve.scheduler import scheduler
     for name in ("MAX_ID_CHARS", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID", "MAX_STOP_STRINGS",
                  "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "FINISH_REASONS"):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.kernels.backend import AttentionBackend
+from tpserve.kernels.attention_backend import AttentionBackend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.torch_attention import TorchAttention, split_decode_rows, varlen_causal_attention
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tpserve.kernels.backend import FLASH_DTYPES, AttentionBackend
+from tpserve.kernels.attention_backend import FLASH_DTYPES, AttentionBackend
 from tpserve.kernels.metadata import AttentionMetadata
 
 

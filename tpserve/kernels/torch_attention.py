@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tpserve.kernels.backend import AttentionBackend
+from tpserve.kernels.attention_backend import AttentionBackend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.torch_store import store_kvcache_torch
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpserve.kernels.backend import AttentionBackend
+from tpserve.kernels.attention_backend import AttentionBackend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.paged_decode import paged_decode_attention
 from tpserve.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention

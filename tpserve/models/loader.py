@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from tpserve.kernels.backend import get_backend
+from tpserve.kernels.backend_factory import get_backend
 from tpserve.models.decoder import CausalLM
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
 from tpserve.models.parallel import TPContext

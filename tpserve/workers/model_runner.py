@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
-from tpserve.kernels.backend import get_backend
+from tpserve.kernels.backend_factory import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.loader import load_config, load_model, resolve_dtype

@@ -1,7 +1,6 @@
-"""AttentionBackend: the attention interface the model layers call, and ``get_backend``.
+"""``get_backend``: which attention backend runs, for a device, a block size and a dtype.
 
-One backend object serves every layer. ``forward`` stores the new tokens' K/V into that
-layer's paged cache, then attends. Backends:
+The interface every backend implements is ``attention_backend.AttentionBackend``. Backends:
 
     cpu     CPU, any block size: C++ kernels reading the paged cache in place
             (``cpu_attention.py``); needs tpserve's C++ CPU operators, built on first use
@@ -25,77 +24,24 @@ a 64-key tile's table entries as one vector, and decode splits long contexts acr
 (split-K, see ``paged_decode.py``). ``scripts/gpu_check.sh`` measures both backends where flash-attn is
 installed, so this choice can be revisited with figures.
 
-Backend modules are imported only when selected, so that importing ``tpserve.kernels`` never
-decorates Triton kernels (the interpreter is chosen at decoration time) nor imports flash-attn.
+Backend modules are imported only when selected (the imports inside ``get_backend``), so that
+importing ``tpserve.kernels`` never decorates Triton kernels (the interpreter is chosen at
+decoration time) nor imports flash-attn. Those imports are one way: a backend module imports
+``attention_backend``, never this module.
 """
 from __future__ import annotations
 
-import abc
 import importlib.util
 import os
 
 import torch
 
 from tpserve.config import ATTENTION_BACKENDS
-from tpserve.kernels.checks import check_attention_args, has_cache
-from tpserve.kernels.metadata import AttentionMetadata
+from tpserve.kernels.attention_backend import (FLASH_DTYPES, FLASH_PAGE_MULTIPLE, TRITON_BLOCK_MULTIPLE,
+                                               AttentionBackend)
 
 # The names are the engine option's (--attention-backend); one list, in the config.
 BACKEND_NAMES = ATTENTION_BACKENDS
-FLASH_PAGE_MULTIPLE = 256
-TRITON_BLOCK_MULTIPLE = 16
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class AttentionBackend(abc.ABC):
-    """Base class: argument checks, the KV store, then the backend's attention.
-
-    Subclasses implement ``store`` and ``attend``; ``forward`` is the contract callers use.
-    """
-
-    name: str = "base"
-    # Whether a decode forward can be captured in a CUDA graph: no host synchronisation and no
-    # per-step index tensors cached on the metadata (a graph replays with new metadata values).
-    supports_cuda_graphs: bool = False
-
-    def __init__(self, block_size: int = 16):
-        self.block_size = block_size
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens (already rotary-embedded).
-
-        Stores k/v into the cache at meta.slot_mapping, then returns attention output
-        [T, Hq, D] (a new tensor, q's dtype). Hq % Hkv == 0 (GQA: query head h reads KV head
-        h // (Hq // Hkv)). If k_cache is None/empty (profiling/warm-up run without a cache),
-        attends over the new k/v only (plain causal varlen attention on cu_seqlens_q).
-        Raises ValueError naming an argument whose shape, dtype or device is wrong.
-        """
-        check_attention_args(q, k, v, k_cache, v_cache, meta, scale)
-        # Metadata built directly (not via from_arrays) is validated once per step, not per layer.
-        meta.derived("validated", lambda: meta.validate() or True)
-        if not has_cache(k_cache, v_cache):
-            return self.attend(q, k, v, None, None, meta, float(scale))
-        if k_cache.shape[1] != self.block_size:
-            raise ValueError(f"k_cache: block_size {k_cache.shape[1]} differs from the "
-                             f"{self.name} backend's block_size {self.block_size}")
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, float(scale))
-
-    __call__ = forward
-
-    @abc.abstractmethod
-    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        """Write the new tokens' K/V rows to their slots (slot -1: skip)."""
-
-    @abc.abstractmethod
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """Attention after the store; k_cache/v_cache are None when running without a cache."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(block_size={self.block_size})"
 
 
 def flash_attn_available() -> bool:

@@ -1,0 +1,72 @@
+"""AttentionBackend: the attention interface the model layers call, and what each backend needs.
+
+One backend object serves every layer. ``forward`` stores the new tokens' K/V into that
+layer's paged cache, then attends. The backends (``cpu_attention.py``, ``torch_attention.py``,
+``triton_attention.py``, ``flash_attention.py``) subclass it; ``backend_factory.get_backend``
+picks one. This module imports no backend and no factory, so a backend module and the factory
+both import it without either importing the other back.
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from tpserve.kernels.checks import check_attention_args, has_cache
+from tpserve.kernels.metadata import AttentionMetadata
+
+# What the backends require (checked by backend_factory before one is chosen).
+FLASH_PAGE_MULTIPLE = 256  # flash-attn's paged KV cache: pages of a multiple of 256 tokens
+TRITON_BLOCK_MULTIPLE = 16
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AttentionBackend(abc.ABC):
+    """Base class: argument checks, the KV store, then the backend's attention.
+
+    Subclasses implement ``store`` and ``attend``; ``forward`` is the contract callers use.
+    """
+
+    name: str = "base"
+    # Whether a decode forward can be captured in a CUDA graph: no host synchronisation and no
+    # per-step index tensors cached on the metadata (a graph replays with new metadata values).
+    supports_cuda_graphs: bool = False
+
+    def __init__(self, block_size: int = 16):
+        self.block_size = block_size
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens (already rotary-embedded).
+
+        Stores k/v into the cache at meta.slot_mapping, then returns attention output
+        [T, Hq, D] (a new tensor, q's dtype). Hq % Hkv == 0 (GQA: query head h reads KV head
+        h // (Hq // Hkv)). If k_cache is None/empty (profiling/warm-up run without a cache),
+        attends over the new k/v only (plain causal varlen attention on cu_seqlens_q).
+        Raises ValueError naming an argument whose shape, dtype or device is wrong.
+        """
+        check_attention_args(q, k, v, k_cache, v_cache, meta, scale)
+        # Metadata built directly (not via from_arrays) is validated once per step, not per layer.
+        meta.derived("validated", lambda: meta.validate() or True)
+        if not has_cache(k_cache, v_cache):
+            return self.attend(q, k, v, None, None, meta, float(scale))
+        if k_cache.shape[1] != self.block_size:
+            raise ValueError(f"k_cache: block_size {k_cache.shape[1]} differs from the "
+                             f"{self.name} backend's block_size {self.block_size}")
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, float(scale))
+
+    __call__ = forward
+
+    @abc.abstractmethod
+    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        """Write the new tokens' K/V rows to their slots (slot -1: skip)."""
+
+    @abc.abstractmethod
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Attention after the store; k_cache/v_cache are None when running without a cache."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
