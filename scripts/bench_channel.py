@@ -53,10 +53,7 @@ def decode_plan() -> StepPlan:
         slot_mapping=rng.integers(0, 1 << 20, b).astype(np.int32),
         cu_seqlens_q=np.arange(b + 1, dtype=np.int32), cu_seqlens_k=cu_k, context_lens=ctx,
         block_tables=rng.integers(0, 1 << 16, (b, WIDTH)).astype(np.int32),
-        logits_indices=np.arange(b, dtype=np.int32),
-        temperatures=np.full(b, 0.7, np.float32), top_ks=np.full(b, 50, np.int32),
-        top_ps=np.full(b, 0.9, np.float32), seeds=np.arange(b, dtype=np.int64),
-        sample_steps=rng.integers(0, 512, b).astype(np.int32))
+        logits_indices=np.arange(b, dtype=np.int32))
     plan.validate()
     return plan
 

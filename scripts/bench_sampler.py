@@ -53,27 +53,30 @@ def main() -> int:
             steps = torch.zeros(s, dtype=torch.long, device=dev)
             ref = median_ms(lambda: race_reference(x, seeds, steps), args.repeat)
             fused = median_ms(lambda: race(x, seeds, steps), args.repeat)
-            temps = torch.full((s,), 0.8, device=dev)
-            top_ks = torch.full((s,), -1, dtype=torch.int32, device=dev)
-            top_ps = torch.full((s,), 0.9, device=dev)
             sampler = Sampler(device=dev)
-            plain = median_ms(lambda: sampler(x, temps, top_ks, top_ps, seeds, steps), args.repeat)
+
+            def plan(temperature: float, top_p: float, **controls) -> SamplePlan:
+                return SamplePlan.rows(np.full(s, temperature, np.float32), top_ks=-1, top_ps=top_p,
+                                       seeds=np.arange(s), steps=0, **controls)
+
+            plain_plan = plan(0.8, 0.9)
+            plain = median_ms(lambda: sampler(x, plain_plan), args.repeat)
             rows = np.arange(s, dtype=np.int32)
-            init = SamplePlan(penalty_rows=rows, penalty_slots=rows, repetition=np.full(s, 1.1, np.float32),
-                              frequency=np.full(s, 0.2, np.float32), presence=np.full(s, 0.1, np.float32),
-                              init_slots=rows, init_cu=np.arange(0, 65 * s + 1, 65, dtype=np.int32)[:s + 1],
-                              init_prompt_lens=np.full(s, 64, np.int32),
-                              init_tokens=np.random.default_rng(0).integers(0, v, 65 * s).astype(np.int32))
-            sampler(x, temps, top_ks, top_ps, seeds, steps, init)  # counts in place
-            controls = SamplePlan(penalty_rows=rows, penalty_slots=rows, repetition=init.repetition,
-                                  frequency=init.frequency, presence=init.presence,
-                                  bias_rows=np.repeat(rows, 4), bias_tokens=np.tile(np.arange(4, dtype=np.int32), s),
-                                  bias_values=np.full(4 * s, -5.0, np.float32))
-            ctl = median_ms(lambda: sampler(x, temps, top_ks, top_ps, seeds, steps, controls), args.repeat)
+            penalties = dict(penalty_rows=rows, penalty_slots=rows, repetition=np.full(s, 1.1, np.float32),
+                             frequency=np.full(s, 0.2, np.float32), presence=np.full(s, 0.1, np.float32))
+            init = plan(0.8, 0.9, **penalties, init_slots=rows,
+                        init_cu=np.arange(0, 65 * s + 1, 65, dtype=np.int32)[:s + 1],
+                        init_prompt_lens=np.full(s, 64, np.int32),
+                        init_tokens=np.random.default_rng(0).integers(0, v, 65 * s).astype(np.int32))
+            sampler(x, init)  # counts in place
+            bias = dict(bias_rows=np.repeat(rows, 4), bias_tokens=np.tile(np.arange(4, dtype=np.int32), s),
+                        bias_values=np.full(4 * s, -5.0, np.float32))
+            controls = plan(0.8, 0.9, **penalties, **bias)
+            ctl = median_ms(lambda: sampler(x, controls), args.repeat)
             xb = x.to(torch.bfloat16)
-            zeros, ones = torch.zeros_like(temps), torch.ones_like(top_ps)
-            g_plain = median_ms(lambda: sampler(xb, zeros, top_ks, ones, seeds, steps), args.repeat)
-            g_ctl = median_ms(lambda: sampler(xb, zeros, top_ks, ones, seeds, steps, controls), args.repeat)
+            greedy, greedy_controls = plan(0.0, 1.0), plan(0.0, 1.0, **penalties, **bias)
+            g_plain = median_ms(lambda: sampler(xb, greedy), args.repeat)
+            g_ctl = median_ms(lambda: sampler(xb, greedy_controls), args.repeat)
             print(f"bench_sampler device={dev} isa={isa} rows={s} vocab={v} race_ms torch={ref:.2f} "
                   f"fused={fused:.2f} ({ref / fused:.1f}x) step_ms plain={plain:.2f} "
                   f"penalties+bias={ctl:.2f} (+{(ctl - plain) / plain * 100:.0f}%) "

@@ -381,10 +381,7 @@ def _plan(lens, new, slots_per_seq, tables, vocab, rng, is_prefill):
                     input_ids=rng.integers(0, vocab, int(q_lens.sum()), dtype=np.int32),
                     positions=positions, slot_mapping=slots.astype(np.int32), cu_seqlens_q=cu_q,
                     cu_seqlens_k=cu_k, context_lens=k_lens, block_tables=tables,
-                    logits_indices=(cu_q[1:] - 1).astype(np.int32),
-                    temperatures=np.zeros(b, np.float32), top_ks=np.full(b, -1, np.int32),
-                    top_ps=np.ones(b, np.float32), seeds=np.zeros(b, np.int64),
-                    sample_steps=np.zeros(b, np.int32))
+                    logits_indices=(cu_q[1:] - 1).astype(np.int32))  # greedy: no SamplePlan
 
 
 def check_graphs(report: Report, model_dir, device, batch_sizes=GRAPH_BATCHES, max_len: int = 160,

@@ -54,11 +54,7 @@ def random_plan(rng: np.random.Generator, num_seqs: int, max_q: int = 4, width: 
         args={"tag": int(rng.integers(1 << 30))},
         input_ids=i32(t), positions=i32(t), slot_mapping=i32(t), cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k, context_lens=k, block_tables=i32(num_seqs, width),
-        logits_indices=cu_q[1:] - 1,
-        temperatures=rng.random(num_seqs, dtype=np.float32),
-        top_ks=i32(num_seqs), top_ps=rng.random(num_seqs, dtype=np.float32),
-        seeds=rng.integers(-2**63, 2**63 - 1, num_seqs, dtype=np.int64),
-        sample_steps=i32(num_seqs))
+        logits_indices=cu_q[1:] - 1)
     plan.validate()
     return plan
 

@@ -30,10 +30,10 @@ class LogitSpy:
         self.rows: dict[tuple[int, int], torch.Tensor] = {}
         runner.sampler = self
 
-    def sample(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
+    def sample(self, logits, plan):
         for i in range(logits.shape[0]):
-            self.rows[(int(seeds[i]), int(steps[i]))] = logits[i].float().clone()
-        return self.sampler.sample(logits, temperatures, top_ks, top_ps, seeds, steps, extra)
+            self.rows[(int(plan.seeds[i]), int(plan.steps[i]))] = logits[i].float().clone()
+        return self.sampler.sample(logits, plan)
 
     def of(self, seed: int) -> list[torch.Tensor]:
         return [v for (s, _), v in sorted(self.rows.items()) if s == seed]

@@ -107,9 +107,9 @@ def test_warmup_samples_max_num_seqs_rows_with_top_k_and_top_p(tiny, monkeypatch
     calls = []
 
     class Recording(runner_mod.Sampler):
-        def sample(self, logits, temperatures, top_ks, top_ps, seeds, steps, extra=None):
-            calls.append((logits.shape, top_ks.clone(), top_ps.clone(), temperatures.clone()))
-            return super().sample(logits, temperatures, top_ks, top_ps, seeds, steps, extra)
+        def sample(self, logits, plan):
+            calls.append((logits.shape, plan.top_ks.copy(), plan.top_ps.copy(), plan.temperatures.copy()))
+            return super().sample(logits, plan)
 
     monkeypatch.setattr(runner_mod, "Sampler", Recording)
     cfg = _config(tiny, max_num_seqs=6, max_num_batched_tokens=40, enforce_eager=True)
@@ -390,10 +390,7 @@ def _sample_plan() -> "StepPlan":
                     cu_seqlens_q=np.array([0, 3, 5], np.int32), cu_seqlens_k=np.array([0, 3, 5], np.int32),
                     context_lens=np.array([3, 2], np.int32),
                     block_tables=np.array([[4, 1, 7], [2, 0, 0]], np.int32),
-                    logits_indices=np.array([2, 4], np.int32),
-                    temperatures=np.array([0.5, 1.25], np.float32), top_ks=np.array([-1, 7], np.int32),
-                    top_ps=np.array([1.0, 0.75], np.float32),
-                    seeds=np.array([(1 << 40) + 3, -5], np.int64), sample_steps=np.array([0, 9], np.int32))
+                    logits_indices=np.array([2, 4], np.int32), logprob_rows=np.array([1], np.int32))
 
 
 def test_staged_arrays_equal_the_plan_with_their_dtypes():
@@ -420,7 +417,7 @@ def test_views_made_for_one_set_of_shapes_serve_the_next_plan_of_those_shapes_on
     second = _sample_plan()  # the same shapes, other values
     second.input_ids = second.input_ids[::-1].copy()
     second.block_tables = np.array([[9, 8, 7], [6, 5, 4]], np.int32)
-    second.seeds = np.array([11, 12], np.int64)
+    second.logits_indices = np.array([1, 3], np.int32)
     t = stager.stage(second)
     for name in ARRAY_FIELDS:
         assert np.array_equal(t[name].numpy(), getattr(second, name)), name
@@ -456,7 +453,7 @@ def test_device_staging_makes_one_copy_and_waits_before_reusing_the_host_buffer(
     stager = PlanStager(accel)
     t = stager.stage(_sample_plan())
     assert all(v.device.type == "meta" for v in t.values())
-    assert t["seeds"].dtype == torch.int64 and t["top_ps"].dtype == torch.float32
+    assert t["logits_indices"].dtype == torch.int32 and t["logprob_rows"].shape == (1,)
     assert t["block_tables"].shape == (2, 3)
     storages = {v.untyped_storage()._cdata for v in t.values()}
     assert storages == {stager._device.untyped_storage()._cdata}  # views of one device buffer

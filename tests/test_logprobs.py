@@ -6,6 +6,7 @@ import torch
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from tpserve import LLM, InvalidFieldError, SamplingParams
+from tpserve.sample_plan import SamplePlan
 from tpserve.workers.sampler import Sampler, compute_logprobs
 
 
@@ -13,7 +14,7 @@ def test_compute_logprobs_matches_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g)
     tokens = torch.tensor([4, 0, 49])
-    lp, top_ids, top_lp, ranks = compute_logprobs(logits, tokens, 5, ranks=True)
+    lp, top_ids, top_lp, ranks = compute_logprobs(logits, tokens, 5)
     ref = torch.log_softmax(logits, dim=-1)
     assert torch.allclose(lp, ref[torch.arange(3), tokens])
     assert top_ids.shape == (3, 5) and top_lp.shape == (3, 5)
@@ -26,15 +27,14 @@ def test_compute_logprobs_matches_log_softmax():
     assert ranks.tolist() == want
     lp0, ids0, lps0, ranks0 = compute_logprobs(logits, tokens, 0)
     assert torch.equal(lp0, lp) and ids0.shape == (3, 0) and lps0.shape == (3, 0)
-    assert ranks0 is None  # not asked: the daemon reports no ranks and skips that pass
+    assert torch.equal(ranks0, ranks)
 
 
 def test_logprobs_ignore_temperature():
     """Reported logprobs are the model's, whatever temperature the token was sampled with."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     sampler = Sampler()
-    tok = sampler(logits, torch.tensor([5.0]), torch.tensor([-1]), torch.tensor([1.0]),
-                  torch.tensor([3]), torch.tensor([0]))
+    tok = sampler(logits, SamplePlan.rows([5.0], seeds=3))
     lp, _, _, _ = compute_logprobs(logits, tok, 1)
     assert math.isclose(float(lp[0]), float(torch.log_softmax(logits, -1)[0, tok[0]]), rel_tol=1e-6)
 
@@ -66,12 +66,6 @@ def test_engine_reports_one_entry_per_token(tiny_models_root):  # noqa: F811
         assert all(lp.top == [] and lp.logprob <= 0.0 and lp.rank >= 1 for o in sampled for lp in o.logprobs)
         plain = _run(engine, "p", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
         assert all(o.logprobs is None for o in plain)
-        engine.logprob_ranks = False  # as the daemon runs it: no rank pass, rank None
-        unranked = _run(engine, "u", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2, logprobs=1,
-                                                                prompt_logprobs=1))
-        assert [lp.rank for o in unranked for lp in o.logprobs] == [None, None]
-        assert [e.rank for e in unranked[0].prompt_logprobs[1:]] == [None, None]
-        engine.logprob_ranks = True
         assert all(o.queue_time is not None and o.queue_time >= 0 for o in plain)
         assert engine.scheduler._num_logprob_seqs == 0
 

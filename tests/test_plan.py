@@ -12,9 +12,7 @@ def random_plan(rng, b=5, t=23, s=4, w=7) -> StepPlan:
     return StepPlan(is_prefill=True, has_context=True, max_seqlen_q=9, max_seqlen_k=40, step_id=77, num_decodes=2,
                     input_ids=ints(t), positions=ints(t), slot_mapping=ints(t), cu_seqlens_q=cu,
                     cu_seqlens_k=cu * 2, context_lens=ints(b), block_tables=ints(b, w),
-                    logits_indices=ints(s), temperatures=rng.random(s).astype(np.float32),
-                    top_ks=ints(s), top_ps=rng.random(s).astype(np.float32),
-                    seeds=rng.integers(0, 2**62, size=s), sample_steps=ints(s))
+                    logits_indices=ints(s), logprob_rows=ints(3))
 
 
 def assert_same(a: StepPlan, b: StepPlan):
@@ -72,6 +70,6 @@ def test_validate_names_the_field():
     with pytest.raises(ValueError, match="positions"):
         plan.validate()
     plan = random_plan(np.random.default_rng(3))
-    plan.seeds = plan.seeds.astype(np.int32)
-    with pytest.raises(ValueError, match="seeds"):
+    plan.logits_indices = plan.logits_indices.astype(np.int64)
+    with pytest.raises(ValueError, match="logits_indices"):
         plan.validate()

@@ -26,8 +26,12 @@ def make_sched(bs=4, blocks=16, max_num_seqs=8, max_batched=64, max_model_len=25
                                   scheduling_policy=policy, max_stall_tokens=1))  # fixed budget
 
 
-def plan_lists(plan: StepPlan) -> dict:
+def plan_lists(plan: StepPlan, batch=None) -> dict:
+    """The plan's arrays and scalars as lists; with ``batch``, also the per-row sampling arrays
+    build_plan recorded on it (``batch.sample_rows``)."""
     d = {name: getattr(plan, name).tolist() for name in ARRAY_FIELDS}
+    if batch is not None:
+        d.update({name: a.tolist() for name, a in batch.sample_rows.items()})
     d.update(is_prefill=plan.is_prefill, has_context=plan.has_context,
              max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
              num_decodes=plan.num_decodes)
@@ -66,7 +70,7 @@ def reference_plan(batch, bs) -> dict:
     return dict(input_ids=ids, positions=pos, slot_mapping=slots, cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k, context_lens=ctx, block_tables=tables, logits_indices=logits,
                 temperatures=f32(temps), top_ks=top_ks, top_ps=f32(top_ps), seeds=seeds,
-                sample_steps=steps, logprob_rows=[], is_prefill=batch.is_prefill,
+                steps=steps, logprob_rows=[], is_prefill=batch.is_prefill,
                 has_context=batch.is_prefill and any(q.num_cached_tokens > 0 for q in seqs),
                 max_seqlen_q=max(q.num_scheduled_tokens for q in seqs) if batch.is_prefill else 1,
                 max_seqlen_k=max(ctx), num_decodes=_leading_decodes(seqs))
@@ -112,11 +116,12 @@ def test_prefill_with_cached_prefix_and_chunk_then_decode():
     assert plan.context_lens.tolist() == [14, 2]
     assert plan.block_tables.tolist() == [[0, 1, 2, 3], [4, 5, -1, -1]]
     assert plan.logits_indices.tolist() == [5]
-    assert plan.temperatures.tolist() == [pytest.approx(0.7)]
-    assert plan.top_ks.tolist() == [5] and plan.top_ps.tolist() == [pytest.approx(0.9)]
-    assert plan.seeds.tolist() == [11] and plan.sample_steps.tolist() == [0]
+    assert batch.sample_rows["temperatures"].tolist() == [pytest.approx(0.7)]
+    assert batch.sample_rows["top_ks"].tolist() == [5]
+    assert batch.sample_rows["top_ps"].tolist() == [pytest.approx(0.9)]
+    assert batch.sample_rows["seeds"].tolist() == [11] and batch.sample_rows["steps"].tolist() == [0]
     assert (plan.max_seqlen_q, plan.max_seqlen_k) == (6, 14)
-    assert plan_lists(plan) == reference_plan(batch, 4)
+    assert plan_lists(plan, batch) == reference_plan(batch, 4)
     s.postprocess(batch, np.array([600]))
 
     batch = s.schedule()                                  # c's second (last) chunk
@@ -125,8 +130,8 @@ def test_prefill_with_cached_prefix_and_chunk_then_decode():
     assert plan.positions.tolist() == [2, 3, 4, 5, 6]
     assert plan.slot_mapping.tolist() == [18, 19, 20, 21, 22]
     assert plan.has_context and plan.context_lens.tolist() == [7]
-    assert plan.logits_indices.tolist() == [4] and plan.seeds.tolist() == [12]
-    assert plan_lists(plan) == reference_plan(batch, 4)
+    assert plan.logits_indices.tolist() == [4] and batch.sample_rows["seeds"].tolist() == [12]
+    assert plan_lists(plan, batch) == reference_plan(batch, 4)
     s.postprocess(batch, np.array([700]))
     s.check_integrity()
 
@@ -144,10 +149,11 @@ def test_prefill_with_cached_prefix_and_chunk_then_decode():
     assert plan.context_lens.tolist() == [9, 15, 8]
     assert plan.block_tables.tolist() == [[0, 1, 6, -1], [0, 1, 2, 3], [4, 5, -1, -1]]
     assert plan.logits_indices.tolist() == [0, 1, 2]
-    assert plan.seeds.tolist() == [1, 11, 12] and plan.sample_steps.tolist() == [1, 1, 1]
-    assert plan.temperatures.tolist() == pytest.approx([0.0, 0.7, 1.0])
+    assert batch.sample_rows["seeds"].tolist() == [1, 11, 12]
+    assert batch.sample_rows["steps"].tolist() == [1, 1, 1]
+    assert batch.sample_rows["temperatures"].tolist() == pytest.approx([0.0, 0.7, 1.0])
     assert (plan.max_seqlen_q, plan.max_seqlen_k) == (1, 15)
-    assert plan_lists(plan) == reference_plan(batch, 4)
+    assert plan_lists(plan, batch) == reference_plan(batch, 4)
 
 
 def test_mixed_plan_decode_rows_first_then_a_chunk():
@@ -170,10 +176,10 @@ def test_mixed_plan_decode_rows_first_then_a_chunk():
     assert plan.cu_seqlens_k.tolist() == [0, 6, 13]
     assert plan.context_lens.tolist() == [6, 7]
     assert plan.block_tables.tolist() == [[0, 1, -1], [2, 3, 4]]
-    assert plan.logits_indices.tolist() == [0] and plan.seeds.tolist() == [1]
-    assert plan.sample_steps.tolist() == [1] and plan.temperatures.tolist() == [0.5]
+    assert plan.logits_indices.tolist() == [0] and batch.sample_rows["seeds"].tolist() == [1]
+    assert batch.sample_rows["steps"].tolist() == [1] and batch.sample_rows["temperatures"].tolist() == [0.5]
     assert (plan.max_seqlen_q, plan.max_seqlen_k) == (7, 7)
-    assert plan_lists(plan) == reference_plan(batch, 4)
+    assert plan_lists(plan, batch) == reference_plan(batch, 4)
     assert [q.request_id for q in s.postprocess(batch, np.array([501]))] == ["a"]
     s.check_integrity()
 
@@ -182,9 +188,9 @@ def test_mixed_plan_decode_rows_first_then_a_chunk():
     assert batch.num_decodes == 1 and batch.sampled == [True]
     assert plan.positions.tolist() == [6, 7, 8, 9]
     assert plan.slot_mapping.tolist() == [1 * 4 + 2, 3 * 4 + 3, 4 * 4, 4 * 4 + 1]
-    assert plan.logits_indices.tolist() == [0, 3] and plan.seeds.tolist() == [1, 2]
-    assert plan.top_ks.tolist() == [-1, 3] and plan.sample_steps.tolist() == [2, 0]
-    assert plan_lists(plan) == reference_plan(batch, 4)
+    assert plan.logits_indices.tolist() == [0, 3] and batch.sample_rows["seeds"].tolist() == [1, 2]
+    assert batch.sample_rows["top_ks"].tolist() == [-1, 3] and batch.sample_rows["steps"].tolist() == [2, 0]
+    assert plan_lists(plan, batch) == reference_plan(batch, 4)
     out = s.postprocess(batch, np.array([502, 600]))
     assert [q.request_id for q in out] == ["a", "b"]
     assert a.completion_token_ids == [500, 501, 502] and b.completion_token_ids == [600]
@@ -192,7 +198,7 @@ def test_mixed_plan_decode_rows_first_then_a_chunk():
 
     batch = s.schedule()                                  # both decode: a pure decode plan
     assert not batch.is_prefill and batch.num_decodes == 2
-    assert plan_lists(s.build_plan(batch)) == reference_plan(batch, 4)
+    assert plan_lists(s.build_plan(batch), batch) == reference_plan(batch, 4)
 
 
 def test_empty_batch_gives_empty_plan():
@@ -284,7 +290,7 @@ def test_decode_fast_path_equals_seed_loop(bs, policy):
         assert bf.is_prefill == bsl.is_prefill
         assert snapshot(fast) == snapshot(slow)
         if bf:
-            assert plan_lists(fast.build_plan(bf)) == plan_lists(slow.build_plan(bsl))
+            assert plan_lists(fast.build_plan(bf), bf) == plan_lists(slow.build_plan(bsl), bsl)
         if bf.num_decodes:
             counts["decode"] += 1
             counts["fallback"] += bool(fell_back)
@@ -314,7 +320,7 @@ def test_vectorized_plans_equal_per_sequence_reference(bs, policy):
         batch = probe.schedule()
         if not batch:
             return
-        assert plan_lists(probe.build_plan(batch)) == reference_plan(batch, bs)
+        assert plan_lists(probe.build_plan(batch), batch) == reference_plan(batch, bs)
         seen["prefill" if batch.is_prefill else "decode"] += 1
         seen["mixed"] += 0 < batch.num_decodes < len(batch)
         if batch.is_prefill:

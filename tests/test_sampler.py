@@ -1,14 +1,18 @@
+import numpy as np
 import pytest
 import torch
 
 from tpserve.kernels import cpu_extension
+from tpserve.sample_plan import SamplePlan
 from tpserve.workers.sampler import Sampler, TOP_CANDIDATES, _top_k_top_p_sorted, apply_top_k_top_p, argmax_rows, uniform
 
 
-def args(n, temp=1.0, k=-1, p=1.0, seeds=None, steps=None):
-    return (torch.full((n,), temp), torch.full((n,), k, dtype=torch.int32), torch.full((n,), p),
-            torch.arange(n) if seeds is None else seeds,
-            torch.zeros(n, dtype=torch.int32) if steps is None else steps)
+def args(n, temp=1.0, k=-1, p=1.0, seeds=None, steps=None, **controls):
+    """A SamplePlan of ``n`` rows: each per-row value a scalar or ``n`` values; ``controls``:
+    its other fields."""
+    return SamplePlan.rows(np.broadcast_to(np.asarray(temp, np.float32), (n,)), top_ks=k, top_ps=p,
+                           seeds=np.arange(n) if seeds is None else np.asarray(seeds),
+                           steps=0 if steps is None else np.asarray(steps), **controls)
 
 
 def test_uniform_is_in_range_and_depends_on_seed_and_step():
@@ -22,7 +26,7 @@ def test_uniform_is_in_range_and_depends_on_seed_and_step():
 
 def test_greedy_rows_take_argmax():
     logits = torch.randn(6, 50)
-    out = Sampler()(logits, *args(6, temp=0.0))
+    out = Sampler()(logits, args(6, temp=0.0))
     assert torch.equal(out, logits.argmax(-1))
 
 
@@ -48,7 +52,7 @@ def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     logits = torch.randn(1, 8)
     n = 20000
-    out = Sampler()(logits.expand(n, 8), *args(n))
+    out = Sampler()(logits.expand(n, 8), args(n))
     freq = torch.bincount(out, minlength=8).float() / n
     assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.015)
 
@@ -78,10 +82,10 @@ def test_top_k_top_p_through_candidates_keeps_what_the_full_sort_keeps(seed):
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     n = 4000
-    out = Sampler()(logits.expand(n, 5), *args(n, k=2))
+    out = Sampler()(logits.expand(n, 5), args(n, k=2))
     assert set(out.tolist()) == {0, 1}
     probs = logits.softmax(-1)[0]  # ~[.64, .24, .09, .03, .01]
-    out = Sampler()(logits.expand(n, 5), *args(n, p=0.8))
+    out = Sampler()(logits.expand(n, 5), args(n, p=0.8))
     assert set(out.tolist()) == {0, 1}
     masked = apply_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([0.5]))
     assert torch.isinf(masked[0, 1:]).all() and masked[0, 0] == 4.0
@@ -93,19 +97,19 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
     logits = torch.randn(5, 100)
     seeds = torch.tensor([11, 22, 33, 44, 55])
     steps = torch.tensor([0, 3, 1, 7, 2], dtype=torch.int32)
-    full = Sampler()(logits, *args(5, temp=0.9, seeds=seeds, steps=steps))
+    full = Sampler()(logits, args(5, temp=0.9, seeds=seeds, steps=steps))
     for i in range(5):
-        one = Sampler()(logits[i:i + 1], *args(1, temp=0.9, seeds=seeds[i:i + 1], steps=steps[i:i + 1]))
+        one = Sampler()(logits[i:i + 1], args(1, temp=0.9, seeds=seeds[i:i + 1], steps=steps[i:i + 1]))
         assert one.item() == full[i].item()
     shuffled = torch.tensor([3, 0, 4, 1, 2])
-    out = Sampler()(logits[shuffled], *args(5, temp=0.9, seeds=seeds[shuffled], steps=steps[shuffled]))
+    out = Sampler()(logits[shuffled], args(5, temp=0.9, seeds=seeds[shuffled], steps=steps[shuffled]))
     assert torch.equal(out, full[shuffled])
 
 
 def test_mixed_greedy_and_sampled_rows():
     logits = torch.randn(4, 30)
     temps = torch.tensor([0.0, 1.0, 0.0, 1.0])
-    out = Sampler()(logits, temps, *args(4)[1:])
+    out = Sampler()(logits, args(4, temp=temps))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -153,29 +157,26 @@ def test_the_greedy_argmax_operator_says_whether_every_row_is_greedy(dtype):
 
 def test_all_greedy_batch_does_no_full_vocabulary_float_work():
     logits = torch.randn(4, 1000).to(torch.bfloat16)
-    temps, ks, ps, seeds, steps = args(4, temp=0.0)
     with _FloatWork() as rec:
-        out = Sampler()(logits, temps, ks, ps, seeds, steps)
+        out = Sampler()(logits, args(4, temp=0.0))
     assert torch.equal(out, logits.float().argmax(-1))
     assert max(rec.sizes, default=0) < 1000
     with _FloatWork() as rec:
-        Sampler()(logits, torch.tensor([0.0, 1.0, 0.0, 0.0]), ks, ps, seeds, steps)
+        Sampler()(logits, args(4, temp=[0.0, 1.0, 0.0, 0.0]))
     assert max(rec.sizes) >= 4000  # a sampled row does go through float32 (the recorder works)
 
 
 def test_seeded_draws_are_a_pure_function_of_seed_and_step():
     logits = torch.randn(3, 500)
     seeds, steps = torch.tensor([5, 5, 6]), torch.tensor([2, 2, 2], dtype=torch.int32)
-    a = Sampler()(logits[[0, 0, 0]], *args(3, temp=1.0, seeds=seeds, steps=steps))
+    a = Sampler()(logits[[0, 0, 0]], args(3, temp=1.0, seeds=seeds, steps=steps))
     assert a[0] == a[1]
-    b = Sampler()(logits[[0, 0, 0]], *args(3, temp=1.0, seeds=seeds, steps=steps))
+    b = Sampler()(logits[[0, 0, 0]], args(3, temp=1.0, seeds=seeds, steps=steps))
     assert torch.equal(a, b)
 
 
 # ---- the logits pipeline ------------------------------------------------------------------------
-import numpy as np  # noqa: E402
 
-from tpserve.sample_plan import SamplePlan  # noqa: E402
 from tpserve.workers.penalties import PenaltyState  # noqa: E402
 from tpserve.workers.sampler import race, race_reference, unpack_bitmask  # noqa: E402
 
@@ -257,13 +258,13 @@ def test_bias_allowed_bans_and_bitmask_apply_before_greedy_and_dead_rows_get_min
     bitmask = np.zeros((1, words), dtype=np.int32)
     bitmask[0, 40 // 32] |= 1 << (40 % 32)
     bitmask[0, 41 // 32] |= 1 << (41 % 32)
-    plan = SamplePlan(bias_rows=i32(0), bias_tokens=i32(3), bias_values=f32(7.5),
-                      allow_rows=i32(1, 4), allow_index=i32(0, 0, 1), allow_tokens=i32(20, 21, 10),
-                      ban_rows=i32(2, 4), ban_tokens=i32(10, 10),
-                      mask_rows=i32(3), bitmask=bitmask)
+    plan = args(5, temp=0.0, bias_rows=i32(0), bias_tokens=i32(3), bias_values=f32(7.5),
+                allow_rows=i32(1, 4), allow_index=i32(0, 0, 1), allow_tokens=i32(20, 21, 10),
+                ban_rows=i32(2, 4), ban_tokens=i32(10, 10),
+                mask_rows=i32(3), bitmask=bitmask)
     x[1, 21] = 1.0
     x[3, 41] = 2.0
-    out = Sampler()(x, *args(5, temp=0.0), plan)
+    out = Sampler()(x, plan)
     # row 0: bias makes 3 the best; row 1: only 20/21 allowed; row 2: 10 banned, first of the
     # zeros; row 3: only the bitmask's 40/41; row 4: its one allowed token banned -> -1.
     assert out.tolist() == [3, 21, 0, 41, -1]
@@ -278,18 +279,18 @@ def test_unpack_bitmask_reads_bit_t_of_word_t_over_32():
 def test_min_p_keeps_tokens_within_the_ratio_of_the_best():
     x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     n = 4000
-    plan = SamplePlan(min_p_rows=i32(*range(n)), min_ps=np.full(n, 0.35, np.float32))
-    out = Sampler()(x.expand(n, -1).contiguous(), *args(n, seeds=torch.arange(n)), plan)
+    plan = args(n, min_p_rows=i32(*range(n)), min_ps=np.full(n, 0.35, np.float32))
+    out = Sampler()(x.expand(n, -1).contiguous(), plan)
     # p >= 0.35 * 0.5 keeps tokens 0 and 1 only, in the ratio 5:3
     assert set(out.tolist()) == {0, 1}
     assert abs((out == 0).float().mean().item() - 0.625) < 0.03
 
 
-def test_plain_path_is_unchanged_without_controls():
+def test_plain_path_is_unchanged_by_controls_that_leave_the_logits_alone():
     torch.manual_seed(3)
     x = torch.randn(8, 500)
-    a = Sampler()(x, *args(8, temp=0.9, k=50, p=0.8))
-    b = Sampler()(x, *args(8, temp=0.9, k=50, p=0.8), SamplePlan())
+    a = Sampler()(x, args(8, temp=0.9, k=50, p=0.8))
+    b = Sampler()(x, args(8, temp=0.9, k=50, p=0.8, num_logprobs=3, prompt_targets=i32(1)))
     assert torch.equal(a, b)
 
 
@@ -398,11 +399,55 @@ def test_sampling_takes_the_filtered_race_and_refuses_what_it_cannot_sample(monk
     calls = []
     real = sm._filtered_race_ops
     monkeypatch.setattr(sm, "_filtered_race_ops", lambda *a: calls.append(1) or real(*a))
-    temps = torch.tensor([0.0, 0.8, 1.0, 0.7])
-    tokens = Sampler(500)(x, temps, torch.tensor([0, 5, 0, 0], dtype=torch.int32),
-                          torch.tensor([1.0, 1.0, 0.9, 1.0]), torch.arange(4), torch.zeros(4, dtype=torch.long))
+    tokens = Sampler(500)(x, args(4, temp=[0.0, 0.8, 1.0, 0.7], k=[0, 5, 0, 0], p=[1.0, 1.0, 0.9, 1.0]))
     assert len(calls) == 1 and tokens[0] == x[0].argmax()
     with pytest.raises(ValueError, match="temps: expected > 0"):
         torch.ops.tpserve_cpu.filtered_race(torch.empty(1, dtype=torch.long), x[:1], torch.zeros(1),
                                             torch.zeros(1, dtype=torch.int32), torch.ones(1),
                                             torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+
+
+# ---- the one plan ----------------------------------------------------------------------------
+def test_sample_plan_rows_broadcast_scalars_and_fix_the_dtypes():
+    plan = SamplePlan.rows([0.5, 0.0, 1.0], top_ks=[3, -1, 0], top_ps=0.9, seeds=7, steps=[0, 1, 2],
+                           num_logprobs=2)
+    assert plan.num_samples == 3 and plan.num_logprobs == 2
+    assert [plan.temperatures.dtype, plan.top_ks.dtype, plan.top_ps.dtype, plan.seeds.dtype,
+            plan.steps.dtype] == [np.float32, np.int32, np.float32, np.int64, np.int32]
+    assert plan.seeds.tolist() == [7, 7, 7] and plan.top_ks.tolist() == [3, -1, 0]
+    plan.check(3, 10)
+    with pytest.raises(AssertionError, match="temperatures"):
+        plan.check(4, 10)  # per-row arrays of another length
+    greedy = SamplePlan.greedy(2)
+    assert greedy.temperatures.tolist() == [0.0, 0.0] and not greedy.processes_logits
+
+
+def test_packed_rows_for_a_device_copy_unpack_to_the_plan():
+    """The device path stages the per-row arrays in one buffer; run here on CPU tensors."""
+    from tpserve.workers.sampler import pack_rows, unpack_rows
+    plan = SamplePlan.rows([0.25, 0.0, 2.0], top_ks=[1, 0, 9], top_ps=[1.0, 0.5, 0.75],
+                           seeds=[(1 << 40) + 3, -5, 0], steps=[4, 0, 9])
+    buf = pack_rows(plan)
+    assert buf.dtype == np.uint8 and buf.size == 3 * 24
+    rows = unpack_rows(torch.from_numpy(buf), 3)
+    for name in ("temperatures", "top_ks", "top_ps", "seeds", "steps"):
+        assert rows[name].numpy().dtype == getattr(plan, name).dtype, name
+        assert np.array_equal(rows[name].numpy(), getattr(plan, name)), name
+    assert all(v.numel() == 0 for v in unpack_rows(torch.from_numpy(pack_rows(SamplePlan())), 0).values())
+
+
+def test_read_only_row_arrays_are_read_in_place_without_a_warning():
+    """A decode step over an unchanged running set passes the same read-only arrays again."""
+    import warnings
+    plan = args(4, temp=[0.0, 0.7, 0.0, 1.0], k=[0, 3, 0, 0])
+    for name in ("temperatures", "top_ks", "top_ps", "seeds", "steps"):
+        getattr(plan, name).flags.writeable = False
+    x = torch.randn(4, 300)
+    sampler = Sampler()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = sampler(x, plan)
+        again = sampler(x, args(4, temp=[0.0, 0.7, 0.0, 1.0], k=[0, 3, 0, 0]))
+        assert torch.equal(sampler(x, plan), first)
+    assert torch.equal(first, again)
+    assert sampler._rows["seeds"][0] is plan.seeds  # its tensor kept for the next step

@@ -80,7 +80,7 @@ def prefill_rows(batch, plan) -> dict:
                 context_lens=plan.context_lens[nd:].tolist(),
                 block_tables=plan.block_tables[nd:].tolist(),
                 logits_indices=(plan.logits_indices[nd:] - t0).tolist(),
-                sample_steps=plan.sample_steps[nd:].tolist())
+                sample_steps=batch.sample_rows["steps"][nd:].tolist())
 
 
 # ---- the seed's section 5 ------------------------------------------------------------------
@@ -337,7 +337,7 @@ def test_preempted_sequence_readmitted_with_prefix_hit():
     assert x.block_table[:3] == hashed                     # full blocks recovered
     assert plan.positions.tolist() == [12, 13]
     assert plan.input_ids.tolist() == [102, 103]
-    assert plan.sample_steps.tolist() == [4]
+    assert batch.sample_rows["steps"].tolist() == [4]
     assert x.completion_token_ids == [100, 101, 102, 103, 104]
     step(s, [105], expect_prefill=False)
     assert x.num_cached_tokens == 15

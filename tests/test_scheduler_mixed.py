@@ -198,15 +198,18 @@ def test_running_views_follow_every_change_of_running():
     run(s, b1)
     b2 = s.schedule()
     assert s.running.version == v and b1.slots_key == b2.slots_key
-    # Decode plans over an unchanged running set share their constant arrays.
-    assert s.build_plan(b2).temperatures is s.build_plan(b1).temperatures
+    # Decode plans over an unchanged running set share their constant arrays (and their
+    # sample rows' controls).
+    assert s.build_plan(b2).logits_indices is s.build_plan(b1).logits_indices
+    assert b2.sample_rows["temperatures"] is b1.sample_rows["temperatures"]
     run(s, b2)
     s.abort("b")
     assert s.running.version != v
     assert s.running.slots().tolist() == [q.slot for q in s.running]
     b3 = s.schedule()
     assert b3.slots_key != b2.slots_key and ids(b3.seqs) == ["a", "c", "d"]
-    assert s.build_plan(b3).seeds.tolist() == [q.seed for q in b3.seqs]
+    s.build_plan(b3)
+    assert b3.sample_rows["seeds"].tolist() == [q.seed for q in b3.seqs]
     run(s, b3)
 
 

@@ -175,7 +175,7 @@ def test_draft_rows_in_the_plan_and_reserved_slots():
     assert plan.positions.tolist() == [5, 7, 8, 9, 10]
     assert plan.context_lens.tolist() == [6, 11]
     assert plan.logits_indices.tolist() == [0, 1, 2, 3, 4]
-    assert plan.sample_steps.tolist() == [1, 1, 2, 3, 4]
+    assert batch.sample_rows["steps"].tolist() == [1, 1, 2, 3, 4]
     # A's positions 7 .. 10 lie in its block 1 (4..7) and a new block 2 (8..11).
     bt = A.block_table
     assert plan.slot_mapping[1:].tolist() == [bt[1] * 4 + 3, bt[2] * 4, bt[2] * 4 + 1, bt[2] * 4 + 2]

@@ -179,8 +179,7 @@ def bigram_decode(controls: dict, spec: dict | None, table: np.ndarray, bad_word
         sample = s.build_sample_plan(batch, plan)
         sample.check(plan.num_samples, table.shape[1])
         logits = t(table[plan.input_ids[plan.logits_indices]])
-        tokens, accepted = sampler.sample(logits, t(plan.temperatures), t(plan.top_ks), t(plan.top_ps),
-                                          t(plan.seeds), t(plan.sample_steps), sample)
+        tokens, accepted = sampler.sample(logits, sample)
         tokens = tokens.numpy()
         if accepted is not None:
             tokens = tokens[kept_rows(sample.draft_counts, accepted)]
@@ -332,12 +331,10 @@ def test_acceptance_rule_against_two_wrong_ones():
     rows = torch.randn(2, v, generator=g) * 1.5
     d = int(rows[0].argsort()[-2])                 # the second most likely token: drafts fail often
     logits = rows.repeat(n, 1)                     # [2n, v]: sequence i has rows 2i, 2i+1
-    seeds = torch.arange(n).repeat_interleave(2)
-    steps = torch.tensor([5, 6]).repeat(n)
-    extra = SamplePlan(draft_counts=np.ones(n, np.int32), draft_tokens=np.full(n, d, np.int32))
-    ones = torch.ones(2 * n)
-    tokens, accepted = Sampler().sample(logits, ones, torch.zeros(2 * n, dtype=torch.int32), ones, seeds,
-                                        steps, extra)
+    plan = SamplePlan.rows(np.ones(2 * n), top_ks=0, top_ps=1.0, seeds=np.arange(n).repeat(2),
+                           steps=np.tile([5, 6], n), draft_counts=np.ones(n, np.int32),
+                           draft_tokens=np.full(n, d, np.int32))
+    tokens, accepted = Sampler().sample(logits, plan)
     tokens = tokens.numpy().reshape(n, 2)
     p0, p1 = rows.softmax(-1).numpy()
     first = tokens[:, 0]

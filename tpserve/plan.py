@@ -24,12 +24,8 @@ Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this st
     cu_seqlens_k  int32 [B+1]   prefix sums of key lengths (cached context + new tokens)
     context_lens  int32 [B]     key length per sequence (== diff of cu_seqlens_k)
     block_tables  int32 [B, W]  physical block ids per sequence, padded with -1
-    logits_indices int32 [S]    rows of the hidden states whose logits are sampled
-    temperatures  float32 [S]   0 = greedy
-    top_ks        int32 [S]     <= 0 = disabled
-    top_ps        float32 [S]   1.0 = disabled
-    seeds         int64 [S]     per-request seed of the counter-based sampler
-    sample_steps  int32 [S]     index of the token being sampled within its request's output
+    logits_indices int32 [S]    rows of the hidden states whose logits are sampled (how each row
+                                is sampled is rank 0's alone: SamplePlan, never published)
     logprob_rows  int32 [L]     rows of the hidden states whose full logits every rank computes
                                 (prompt log-probabilities; rank 0 reads them, see SamplePlan)
 
@@ -82,11 +78,6 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "context_lens": np.dtype(np.int32),
     "block_tables": np.dtype(np.int32),
     "logits_indices": np.dtype(np.int32),
-    "temperatures": np.dtype(np.float32),
-    "top_ks": np.dtype(np.int32),
-    "top_ps": np.dtype(np.float32),
-    "seeds": np.dtype(np.int64),
-    "sample_steps": np.dtype(np.int32),
     "logprob_rows": np.dtype(np.int32),
 }
 
@@ -97,7 +88,7 @@ _NOT_INT32 = frozenset(n for n, d in ARRAY_FIELDS.items() if d != np.int32)
 def _shapes(t: int, b: int, s: int, w: int, l: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of the arrays, in ARRAY_FIELDS order, from (tokens, seqs, samples, table width,
     logprob rows)."""
-    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (s,), (s,), (s,), (s,), (s,), (l,))
+    return ((t,), (t,), (t,), (b + 1,), (b + 1,), (b,), (b, w), (s,), (l,))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,11 +163,6 @@ class StepPlan:
     context_lens: np.ndarray = field(default_factory=lambda: _empty("context_lens"))
     block_tables: np.ndarray = field(default_factory=lambda: _empty("block_tables", (0, 0)))
     logits_indices: np.ndarray = field(default_factory=lambda: _empty("logits_indices"))
-    temperatures: np.ndarray = field(default_factory=lambda: _empty("temperatures"))
-    top_ks: np.ndarray = field(default_factory=lambda: _empty("top_ks"))
-    top_ps: np.ndarray = field(default_factory=lambda: _empty("top_ps"))
-    seeds: np.ndarray = field(default_factory=lambda: _empty("seeds"))
-    sample_steps: np.ndarray = field(default_factory=lambda: _empty("sample_steps"))
     logprob_rows: np.ndarray = field(default_factory=lambda: _empty("logprob_rows"))
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -203,10 +189,9 @@ class StepPlan:
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
                 raise ValueError(f"plan field {name}: expected numpy {dtype}, got "
                                  f"{getattr(arr, 'dtype', type(arr).__name__)}")
-        b, t, s = self.num_seqs, self.num_tokens, self.num_samples
+        b, t = self.num_seqs, self.num_tokens
         expect = {"positions": (t,), "slot_mapping": (t,), "cu_seqlens_q": (b + 1,),
-                  "cu_seqlens_k": (b + 1,), "temperatures": (s,), "top_ks": (s,),
-                  "top_ps": (s,), "seeds": (s,), "sample_steps": (s,)}
+                  "cu_seqlens_k": (b + 1,)}
         for name, shape in expect.items():
             if getattr(self, name).shape != shape:
                 raise ValueError(f"plan field {name}: expected shape {shape}, got "

@@ -1,14 +1,24 @@
-"""SamplePlan: what the sampling rank does to one step's logits beyond temperature/top-k/top-p.
+"""SamplePlan: every control of one step's sample rows, for the sampling rank; StepOutput.
 
-The scheduler side builds it with numpy next to the StepPlan (``scheduler/sample_inputs.py``);
-only rank 0, which gathers the logits and samples, reads it, so it is never published to the
-other ranks. Row indices refer to the step's sample rows (``StepPlan.logits_indices``); token
-ids are below the vocabulary. Every part is optional: a step whose requests use no control
-gets ``SamplePlan()`` and the sampler runs its plain path.
+The scheduler side builds it with numpy (``scheduler/plan_builder.py`` the per-row basics,
+``scheduler/sample_inputs.py`` the rest); only rank 0, which gathers the logits and samples,
+reads it, through one call: ``Sampler.sample(logits, plan)``. It is never published to the
+other ranks, whose forward needs only ``StepPlan.logits_indices``. Row i is the step's sample
+row i (``StepPlan.logits_indices[i]``); token ids are below the vocabulary.
+
+Every row has (S = sample rows):
+
+    temperatures        float32 [S] 0 = greedy
+    top_ks              int32 [S]   <= 0 = disabled
+    top_ps              float32 [S] 1.0 = disabled
+    seeds               int64 [S]   the request's seed of the counter-based race
+    steps               int32 [S]   index of the token being sampled within its request's output
+                        (the race's counter; min_tokens counts it)
+
+Every other part is optional: a step whose requests use no other control leaves them None and
+the sampler runs its plain path.
 
     num_logprobs        the most logprobs alternatives any sample row asks for (-1: none)
-    logprob_ranks       with logprobs or prompt logprobs: also each token's vocab rank (one more
-                        pass over the vocabulary; the offline API asks, the daemon does not)
     bias_rows/tokens/values   int32/int32/float32 [N]: logits[row, token] += value
     allow_rows          int32 [A] rows that keep only an allowed set of tokens;
     allow_index/tokens  int32 [M]: (index into allow_rows, token) pairs of those sets
@@ -38,13 +48,16 @@ gets ``SamplePlan()`` and the sampler runs its plain path.
                         per row, as if those drafts were accepted)
     draft_tokens        int32 [sum k] the drafts, sequence after sequence
 
+The per-row arrays of a decode step over an unchanged running set may be the same read-only
+arrays step after step (``SlotTable.row_controls``): read them, never write.
+
 Speculative decoding and a token bitmask (structured output): each draft position would need
 its own row of ``bitmask``, computed by advancing the grammar over the drafts before it; rows
 are per sample row, so the layout holds it, but no builder produces it yet.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -57,10 +70,24 @@ def _f32(n: int = 0) -> np.ndarray:
     return np.zeros(n, dtype=np.float32)
 
 
+# The per-row arrays every sample row has, and their dtypes.
+ROW_FIELDS: dict[str, np.dtype] = {
+    "temperatures": np.dtype(np.float32),
+    "top_ks": np.dtype(np.int32),
+    "top_ps": np.dtype(np.float32),
+    "seeds": np.dtype(np.int64),
+    "steps": np.dtype(np.int32),
+}
+
+
 @dataclass
 class SamplePlan:
+    temperatures: np.ndarray = field(default_factory=_f32)
+    top_ks: np.ndarray = field(default_factory=_i32)
+    top_ps: np.ndarray = field(default_factory=_f32)
+    seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    steps: np.ndarray = field(default_factory=_i32)
     num_logprobs: int = -1
-    logprob_ranks: bool = False
     bias_rows: np.ndarray | None = None
     bias_tokens: np.ndarray | None = None
     bias_values: np.ndarray | None = None
@@ -90,6 +117,28 @@ class SamplePlan:
     draft_tokens: np.ndarray | None = None
     bitmask_pending: object = None  # a concurrent.futures.Future filling ``bitmask``, or None
 
+    @classmethod
+    def rows(cls, temperatures, top_ks=-1, top_ps=1.0, seeds=0, steps=0, **controls) -> "SamplePlan":
+        """A plan for ``len(temperatures)`` rows; the other per-row values may be scalars
+        (the same for every row) or sequences; ``controls``: any other field."""
+        temps = np.asarray(temperatures, dtype=np.float32).reshape(-1)
+        n = len(temps)
+
+        def col(v, name):
+            return np.broadcast_to(np.asarray(v, dtype=ROW_FIELDS[name]), (n,)).copy()
+
+        return cls(temperatures=temps, top_ks=col(top_ks, "top_ks"), top_ps=col(top_ps, "top_ps"),
+                   seeds=col(seeds, "seeds"), steps=col(steps, "steps"), **controls)
+
+    @classmethod
+    def greedy(cls, n: int) -> "SamplePlan":
+        """``n`` greedy rows, no other control."""
+        return cls.rows(np.zeros(n, np.float32))
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.temperatures.shape[0])
+
     def wait_bitmask(self) -> None:
         """Block until ``bitmask`` is written (re-raising what its filling raised)."""
         if self.bitmask_pending is not None:
@@ -110,9 +159,12 @@ class SamplePlan:
 
     def check(self, num_samples: int, vocab_size: int) -> None:
         """Internal consistency (shapes, rows and tokens in range); raises AssertionError."""
+        for name, dtype in ROW_FIELDS.items():
+            v = getattr(self, name)
+            assert v.dtype == dtype and v.shape == (num_samples,), f"{name}: {v.dtype} {v.shape}"
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, np.ndarray):
+            if isinstance(v, np.ndarray) and f.name not in ROW_FIELDS:
                 assert v.dtype in (np.int32, np.float32), f"{f.name}: dtype {v.dtype}"
         pairs = [("bias_rows", "bias_tokens"), ("ban_rows", "ban_tokens")]
         for rows, toks in pairs:
@@ -147,10 +199,9 @@ class StepOutput:
                       ``accepted[i]`` of its rows (``kept_rows``); None: one row each
     logprobs          with SamplePlan.num_logprobs k >= 0: (float32 [S] the sampled tokens'
                       log-probabilities, int64 [S, k] the k best token ids, float32 [S, k] theirs,
-                      int32 [S] the sampled tokens' 1-based ranks, or None without
-                      SamplePlan.logprob_ranks)
+                      int64 [S] the sampled tokens' 1-based ranks in the distribution)
     prompt_logprobs   with StepPlan.logprob_rows: (float32 [L] the targets' log-probabilities,
-                      int64 [L, k], float32 [L, k], int32 [L] the targets' ranks or None) with
+                      int64 [L, k], float32 [L, k], int64 [L] the targets' ranks) with
                       k = SamplePlan.num_prompt_logprobs
     """
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpserve.plan import StepPlan
+from tpserve.sample_plan import ROW_FIELDS
 from tpserve.scheduler.sample_inputs import SlotControls
 
 
@@ -120,24 +121,30 @@ class SlotTable:
             hit |= rows[k][slots] == tokens
         return hit
 
-    def constant_arrays(self, slots: np.ndarray, key=None) -> dict:
-        """Plan arrays of a decode batch that depend only on which slots it holds (read-only;
-        shared by consecutive plans over the same running set).
+    def constant_arrays(self, slots: np.ndarray, key=None) -> tuple[dict, dict]:
+        """Arrays of a decode batch that depend only on which slots it holds (read-only;
+        shared by consecutive steps over the same running set): (StepPlan arrays, the
+        per-row sampling controls of ``row_controls``).
 
         ``key`` names the slot set: equal keys promise equal ``slots``. None: not cacheable."""
         cache = self._constant_cache
         if key is not None and cache is not None and cache[0] == key:
             return cache[1]
         n = len(slots)
-        arrays = dict(cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
-                      logits_indices=np.arange(n, dtype=np.int32),
-                      temperatures=self.temperatures[slots], top_ks=self.top_ks[slots],
-                      top_ps=self.top_ps[slots], seeds=self.seeds[slots])
-        for arr in arrays.values():
-            arr.flags.writeable = False
+        arrays = (dict(cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
+                       logits_indices=np.arange(n, dtype=np.int32)),
+                  self.row_controls(slots))
+        for part in arrays:
+            for arr in part.values():
+                arr.flags.writeable = False
         if key is not None:
             self._constant_cache = (key, arrays)
         return arrays
+
+    def row_controls(self, slots: np.ndarray) -> dict:
+        """temperatures, top_ks, top_ps and seeds of sample rows on ``slots`` (SamplePlan)."""
+        return dict(temperatures=self.temperatures[slots], top_ks=self.top_ks[slots],
+                    top_ps=self.top_ps[slots], seeds=self.seeds[slots])
 
     def start_decoding(self, seq) -> None:
         """The prefill of ``seq`` completed and its first (or next) token was sampled."""
@@ -147,10 +154,16 @@ class SlotTable:
 
 
 def build_plan(batch, block_size: int | None = None) -> StepPlan:
-    """The StepPlan for ``batch`` (a ``ScheduledBatch``); an empty plan for an empty batch."""
+    """The StepPlan for ``batch`` (a ``ScheduledBatch``); an empty plan for an empty batch.
+
+    Also records on ``batch.sample_rows`` the per-row sampling controls of its sample rows
+    (temperatures, top_ks, top_ps, seeds, steps: SamplePlan's per-row arrays), which
+    ``sample_inputs.build_sample_plan`` turns into the step's SamplePlan: the StepPlan, which
+    every rank reads, carries none of them."""
     bs = block_size if block_size is not None else batch.table.block_size
     assert bs == batch.table.block_size, "block_size differs from the scheduler's"
     if not batch.seqs:
+        batch.sample_rows = empty_sample_rows()
         return StepPlan(step_id=batch.step_id)
     if batch.is_prefill or batch.drafts:
         return _build_mixed(batch, bs)
@@ -168,6 +181,8 @@ def _build_decode(batch, bs: int) -> StepPlan:
     width = int(t.num_blocks[idx].max())
     cu_k = np.zeros(n + 1, dtype=np.int32)
     np.add.accumulate(lens, out=cu_k[1:])
+    const, rows = t.constant_arrays(idx, batch.slots_key)
+    batch.sample_rows = dict(rows, steps=lens - t.prompt_lens[idx])
     return StepPlan(
         is_prefill=False, has_context=False, max_seqlen_q=1, max_seqlen_k=int(lens.max()),
         step_id=batch.step_id, num_decodes=n,
@@ -177,8 +192,7 @@ def _build_decode(batch, bs: int) -> StepPlan:
         cu_seqlens_k=cu_k,
         context_lens=lens,
         block_tables=t.block_tables[idx, :width],
-        sample_steps=lens - t.prompt_lens[idx],
-        **t.constant_arrays(idx, batch.slots_key),
+        **const,
     )
 
 
@@ -234,6 +248,10 @@ def _build_mixed(batch, bs: int) -> StepPlan:
     lp_rows = _prompt_logprob_rows(batch, pseqs, starts.tolist(), qlens.tolist(), (pcu[:-1] + first).tolist())
     sidx = np.concatenate((didx, v["sample_slots"], pidx[psampled]))
     width = int(t.num_blocks[idx].max())
+    batch.sample_rows = dict(
+        t.row_controls(sidx),
+        steps=np.concatenate((dlens - t.prompt_lens[didx], v["steps"],
+                              plens[psampled] - t.prompt_lens[pidx[psampled]])).astype(np.int32, copy=False))
     return StepPlan(
         is_prefill=True, has_context=bool(nd) or bool((starts > 0).any()),
         max_seqlen_q=int(all_q.max()), max_seqlen_k=int(ends.max()),
@@ -248,14 +266,13 @@ def _build_mixed(batch, bs: int) -> StepPlan:
         block_tables=t.block_tables[idx, :width],
         logits_indices=np.concatenate((np.arange(first, dtype=np.int32),
                                        cu_q[nd + 1:][psampled] - 1)).astype(np.int32, copy=False),
-        temperatures=t.temperatures[sidx],
-        top_ks=t.top_ks[sidx],
-        top_ps=t.top_ps[sidx],
-        seeds=t.seeds[sidx],
-        sample_steps=np.concatenate((dlens - t.prompt_lens[didx], v["steps"],
-                                     plens[psampled] - t.prompt_lens[pidx[psampled]])).astype(np.int32, copy=False),
         logprob_rows=lp_rows,
     )
+
+
+def empty_sample_rows() -> dict:
+    """``batch.sample_rows`` of a step that samples nothing."""
+    return {name: np.zeros(0, dtype) for name, dtype in ROW_FIELDS.items()}
 
 
 def _draft_rows(t: SlotTable, slots: np.ndarray, drafts: list[list[int]], bs: int) -> dict:

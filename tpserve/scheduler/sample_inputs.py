@@ -1,11 +1,15 @@
-"""Building a step's SamplePlan (the logits controls of its sample rows) on the scheduler side.
+"""Building a step's SamplePlan (every control of its sample rows) on the scheduler side.
+
+The per-row basics (temperature, top-k, top-p, seed, output step) come from the plan builder
+(``batch.sample_rows``, gathered from the SlotTable with the StepPlan); this module adds the
+rest.
 
 ``SlotControls`` keeps, per slot of the ``SlotTable``, the numeric controls of the request that
 holds it (min-p, penalties, min_tokens), its logit bias as arrays, and flags saying which sparse
 controls it uses (allowed tokens, bad words, whose data stays on the request's SamplingParams
 and Sequence). A step's plan is then a gather over the sample rows' slots, plus one short loop
 over the rows with allowed tokens or bad words. When no running request uses any control,
-building the plan is O(1): ``SamplePlan()``.
+building the plan is O(1): the per-row arrays and nothing else.
 
 Rules that belong to the request rather than to the sampler are applied here:
 
@@ -94,18 +98,21 @@ def _ids(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int32).reshape(-1)
 
 
-def build_sample_plan(seqs: list, slots: np.ndarray, steps: np.ndarray, table, num_logprobs: int,
+def build_sample_plan(seqs: list, slots: np.ndarray, row_arrays: dict, table, num_logprobs: int,
                       vocab_size: int = 0, drafts: list[list[int]] | None = None) -> SamplePlan:
-    """The SamplePlan of one step's sample rows: ``seqs[i]`` holds slot ``slots[i]``; ``steps``
-    (the plan's ``sample_steps``) gives each sample row's completion tokens so far.
-    ``vocab_size`` (the logits' width) sizes the grammar bitmask rows.
+    """The SamplePlan of one step's sample rows: ``seqs[i]`` holds slot ``slots[i]``;
+    ``row_arrays`` (``batch.sample_rows`` of ``plan_builder.build_plan``) are SamplePlan's
+    per-row arrays (temperatures, top_ks, top_ps, seeds, steps), ``steps`` giving each sample
+    row's completion tokens so far. ``vocab_size`` (the logits' width) sizes the grammar
+    bitmask rows.
 
     ``drafts[i]`` (speculative decoding; None: none) are the draft tokens of ``seqs[i]``,
     which then has ``len(drafts[i]) + 1`` consecutive sample rows (module docstring). A
     sequence with a grammar never has drafts (the scheduler proposes none for it), so its
     mask row is its one sample row."""
     c: SlotControls = table.controls
-    plan = SamplePlan(num_logprobs=num_logprobs)
+    plan = SamplePlan(**row_arrays, num_logprobs=num_logprobs)
+    steps = plan.steps
     rows_of = _Rows(seqs, drafts)
     if rows_of.spec:
         plan.draft_counts = rows_of.counts

@@ -129,6 +129,9 @@ class ScheduledBatch:
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprob_targets: np.ndarray | None = None
     drafts: list[list[int]] | None = None
+    # The per-row arrays of the step's SamplePlan (temperatures, top_ks, top_ps, seeds,
+    # steps), in sample-row order (set by build_plan).
+    sample_rows: dict | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -753,7 +756,7 @@ class Scheduler:
         seqs = batch.sampled_seqs()
         ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
             if self._num_logprob_seqs else ()
-        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
+        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], batch.sample_rows,
                                    self.table, max(ks, default=-1), self.vocab_size,
                                    batch.sample_drafts())
         if batch.prompt_logprobs:

@@ -57,7 +57,7 @@ from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
-from tpserve.workers.warmup import kernel_warmup_plans, warmup_plan
+from tpserve.workers.warmup import kernel_warmup_plans, warmup_plan, warmup_sample
 
 log = logging.getLogger("tpserve.runner")
 
@@ -118,7 +118,7 @@ class ModelRunner:
         if self.accel.is_accelerator:
             # Triton compiles a kernel variant on its first launch: here, not in a serving step.
             for plan in kernel_warmup_plans(config):
-                self.execute(plan)
+                self.execute(plan, warmup_sample(plan.num_samples))
         if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
             graphs = DecodeGraphs(self.model, self.accel, config, max_batch=config.max_num_seqs)
             graphs.capture()
@@ -183,7 +183,8 @@ class ModelRunner:
     def _warmup(self) -> None:
         """One step at the scheduler's largest batch, without a KV cache, to find peak memory."""
         self.model.set_kv_caches([(None, None)] * self.model.num_layers)
-        self.execute(warmup_plan(self.config))
+        plan = warmup_plan(self.config)
+        self.execute(plan, warmup_sample(plan.num_samples))
 
     def _allocate_kv_cache(self) -> None:
         m = self.model
@@ -215,11 +216,16 @@ class ModelRunner:
         """Run one step; rank 0 returns a StepOutput, other ranks None.
 
         ``sample`` (rank 0 only: sampling never leaves rank 0, so the plan does not carry it)
-        holds the logits controls and logprobs requests of the step's sample rows.
+        holds every control of the step's sample rows (temperature, top-k, top-p, seed, the
+        logits controls, logprobs requests, drafts); None samples every row greedily.
         """
         if self.model is None:
             raise RuntimeError("ModelRunner.execute: the runner is closed")
-        sample = sample if sample is not None else _NO_CONTROLS
+        if sample is None:
+            sample = SamplePlan.greedy(plan.num_samples) if self.tp.is_first else _NOT_SAMPLED
+        elif self.tp.is_first and sample.num_samples != plan.num_samples:
+            raise ValueError(f"sample: a SamplePlan of {sample.num_samples} rows for a plan that samples "
+                             f"{plan.num_samples}")
         if plan.num_tokens == 0:
             return _empty_output(sample) if self.tp.is_first else None
         t = self.stager.stage(plan)
@@ -236,13 +242,11 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         if not self.tp.is_first:
             return None
-        tokens, accepted = self.sampler.sample(logits, t["temperatures"], t["top_ks"], t["top_ps"],
-                                               t["seeds"], t["sample_steps"], sample)
+        tokens, accepted = self.sampler.sample(logits, sample)
         out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp, accepted=accepted)
         if sample.num_logprobs >= 0:
-            out.logprobs = tuple(None if a is None else a.cpu().numpy() for a in
-                                 compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs,
-                                                  sample.logprob_ranks))
+            out.logprobs = tuple(a.cpu().numpy() for a in
+                                 compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs))
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, sample: SamplePlan):
@@ -255,15 +259,14 @@ class ModelRunner:
             targets = torch.from_numpy(sample.prompt_targets).to(self.device).long()
             lp = np.zeros(n, np.float32)
             ids, tops = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
-            ranks = np.zeros(n, np.int32) if sample.logprob_ranks else None
+            ranks = np.zeros(n, np.int64)
         for a in range(0, n, PROMPT_LOGPROBS_CHUNK):
             b = min(a + PROMPT_LOGPROBS_CHUNK, n)
             logits = self.model.compute_logits(hidden[rows[a:b].long()])
             if first:
-                got, top_ids, top_lp, rank = compute_logprobs(logits, targets[a:b], k, sample.logprob_ranks)
+                got, top_ids, top_lp, rank = compute_logprobs(logits, targets[a:b], k)
                 lp[a:b], ids[a:b], tops[a:b] = got.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy()
-                if rank is not None:
-                    ranks[a:b] = rank.cpu().numpy()
+                ranks[a:b] = rank.cpu().numpy()
         return (lp, ids, tops, ranks) if first else None
 
     # ---- control commands ----------------------------------------------------------------
@@ -296,7 +299,8 @@ class ModelRunner:
 
 # Rows of prompt logits computed at once: 512 x 152k fp32 is 311 MB.
 PROMPT_LOGPROBS_CHUNK = 512
-_NO_CONTROLS = SamplePlan()
+# The SamplePlan of ranks > 0, which run the forward but never sample.
+_NOT_SAMPLED = SamplePlan()
 
 
 def _empty_output(sample: SamplePlan) -> StepOutput:
@@ -304,5 +308,5 @@ def _empty_output(sample: SamplePlan) -> StepOutput:
     out = StepOutput(np.zeros(0, dtype=np.int64))
     if sample.num_logprobs >= 0:
         out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
-                        np.zeros(0, np.int32) if sample.logprob_ranks else None)
+                        np.zeros(0, np.int64))
     return out

@@ -17,12 +17,13 @@ The runner's warm-up samples ``max_num_seqs`` rows so that the KV sizing sees th
 """
 from __future__ import annotations
 
-import torch
+import warnings
 
 import numpy as np
+import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.sample_plan import SamplePlan, kept_rows
+from tpserve.sample_plan import ROW_FIELDS, SamplePlan, kept_rows
 from tpserve.workers.penalties import PenaltyState
 from tpserve.workers.rejection import accept
 
@@ -255,17 +256,55 @@ def _greedy_argmax(x: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.T
     return argmax_rows(x), _all_greedy(temperatures)
 
 
-class Sampler:
-    """The sampling rank's logits pipeline: one token per sample row.
+# SamplePlan's per-row arrays packed for one host-to-device copy: (name, dtype, torch dtype), the
+# 8-byte seeds first so that every array starts aligned to its own size.
+_PACKED_ROWS = (("seeds", np.int64, torch.int64), ("temperatures", np.float32, torch.float32),
+                ("top_ps", np.float32, torch.float32), ("top_ks", np.int32, torch.int32),
+                ("steps", np.int32, torch.int32))
+_PACKED_ROW_BYTES = sum(np.dtype(d).itemsize for _, d, _ in _PACKED_ROWS)
 
-    Order (docs/design.md): logit bias, allowed tokens and bans, the grammar bitmask, penalties
-    (counts in ``penalties``), then temperature, min-p, top-k, top-p and the race (or greedy
-    argmax, which sees everything before temperature). Rows with temperature 0 are greedy. A
-    step with no ``SamplePlan`` controls takes the plain path (nothing over the vocabulary
-    beyond what temperature/top-k/top-p need; an all-greedy batch is one argmax over the logits
-    as the LM head wrote them). A row left with no allowed token gets token -1.
-    With draft tokens (``SamplePlan.draft_counts``), speculative acceptance comes last
-    (rejection.py), and only the rows a sequence keeps count towards its penalties.
+
+def pack_rows(plan: SamplePlan) -> np.ndarray:
+    """uint8 [S * 24]: the per-row arrays of ``plan`` one after the other (``_PACKED_ROWS``)."""
+    n = plan.num_samples
+    buf = np.empty(n * _PACKED_ROW_BYTES, dtype=np.uint8)
+    pos = 0
+    for name, dtype, _ in _PACKED_ROWS:
+        size = n * np.dtype(dtype).itemsize
+        buf[pos:pos + size].view(dtype)[...] = getattr(plan, name)
+        pos += size
+    return buf
+
+
+def unpack_rows(buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """Typed views of ``pack_rows``'s buffer of ``n`` rows (uint8, on any device)."""
+    out, pos = {}, 0
+    for name, dtype, tdtype in _PACKED_ROWS:
+        size = n * np.dtype(dtype).itemsize
+        # torch refuses to reinterpret an empty byte tensor (its stride is 0)
+        out[name] = buf[pos:pos + size].view(tdtype) if n else buf.new_empty(0, dtype=tdtype)
+        pos += size
+    return out
+
+
+class Sampler:
+    """The sampling rank's logits pipeline: one token per sample row, from one SamplePlan.
+
+    ``sample(logits, plan)`` is the one call; ``plan`` (tpserve/sample_plan.py, built with numpy
+    on the scheduler side) carries every control of every row. The pipeline, in this order:
+
+    1. logit bias, then allowed tokens and bans (bad words, min_tokens' stop ids);
+    2. the grammar bitmask (structured output);
+    3. repetition, frequency and presence penalties (counts in ``penalties``);
+    4. temperature: a row at temperature 0 is greedy, the argmax of the logits after 1-3;
+    5. min-p, then top-k and top-p;
+    6. the counter-based race of (seed, step) for every other row;
+    7. with draft tokens (``SamplePlan.draft_counts``), speculative acceptance (rejection.py).
+
+    A row left with no allowed token gets token -1; only the rows a sequence keeps count towards
+    its penalties. A plan without controls beyond the per-row arrays takes the plain path
+    (nothing over the vocabulary beyond what temperature/top-k/top-p need; an all-greedy batch
+    is one argmax over the logits as the LM head wrote them).
     """
 
     def __init__(self, vocab_size: int | None = None, device: torch.device | str = "cpu"):
@@ -273,71 +312,98 @@ class Sampler:
         self.device = torch.device(device)
         self._penalties: PenaltyState | None = None
         self._buf: torch.Tensor | None = None  # float32 scratch for processed logits
+        # name -> (array, its tensor): the per-row arrays seen last (see _row_tensors)
+        self._rows: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
 
     def penalties(self, vocab: int) -> PenaltyState:
         if self._penalties is None or self._penalties.vocab_size != vocab:
             self._penalties = PenaltyState(vocab, self.device)
         return self._penalties
 
-    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                 top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                 extra: SamplePlan | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, plan: SamplePlan) -> torch.Tensor:
         """One token per row (a plan without drafts)."""
-        assert extra is None or extra.draft_counts is None, "drafts need sample()"
-        return self.sample(logits, temperatures, top_ks, top_ps, seeds, steps, extra)[0]
+        assert plan.draft_counts is None, "drafts need sample()"
+        return self.sample(logits, plan)[0]
 
-    def sample(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-               top_ps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-               extra: SamplePlan | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
-        """The token of every row, and with drafts how many rows each sequence keeps
-        (StepOutput.accepted; None without drafts)."""
-        processed = extra is not None and extra.processes_logits
+    def sample(self, logits: torch.Tensor, plan: SamplePlan) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The token of every row of ``logits`` [S, V] under ``plan`` (S rows), and with drafts
+        how many rows each sequence keeps (StepOutput.accepted; None without drafts)."""
+        processed = plan.processes_logits
+        rows = self._row_tensors(plan)
+        temperatures = rows["temperatures"]
         if not processed:
             # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
             greedy_tokens, all_greedy = _greedy_argmax(logits, temperatures)
             if all_greedy:
-                return greedy_tokens, self._accept(greedy_tokens, extra)
+                return greedy_tokens, self._accept(greedy_tokens, plan)
             x = logits.float()
         else:
             all_greedy = _all_greedy(temperatures)
             x = self._scratch(logits)
-            self._process(x, extra)
+            self._process(x, plan)
             greedy_tokens = argmax_rows(x)
         greedy = temperatures <= 0
         if all_greedy:
             tokens = greedy_tokens
         else:
+            top_ks, top_ps, seeds, steps = rows["top_ks"], rows["top_ps"], rows["seeds"], rows["steps"]
             temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
             ops = _filtered_race_ops(x, temps, top_ks, top_ps)
-            if ops is not None and not (processed and extra.min_p_rows is not None):
+            if ops is not None and plan.min_p_rows is None:
                 sampled = torch.empty(x.shape[0], dtype=torch.long)
                 ops.filtered_race(sampled, x, temps, top_ks.contiguous(), top_ps.contiguous(),
                                   seeds.long().contiguous(), steps.long().contiguous())
             else:
                 x = x.div_(temps[:, None]) if processed else x / temps[:, None]
-                if processed and extra.min_p_rows is not None:
-                    apply_min_p(x, self._t(extra.min_p_rows), self._t(extra.min_ps))
+                if plan.min_p_rows is not None:
+                    apply_min_p(x, self._t(plan.min_p_rows), self._t(plan.min_ps))
                 sampled = race(apply_top_k_top_p(x, top_ks, top_ps), seeds, steps)
             tokens = torch.where(greedy, greedy_tokens, sampled)
-        if processed and extra.can_leave_no_token:
+        if processed and plan.can_leave_no_token:
             dead = torch.isneginf(x.amax(dim=-1)) if x.shape[1] else torch.ones_like(greedy)
             if bool(dead.any()):
                 tokens = torch.where(dead, torch.full_like(tokens, -1), tokens)
-        accepted = self._accept(tokens, extra)
-        if processed and extra.penalty_rows is not None:
-            rows = self._t(extra.penalty_rows).long()
-            live = tokens[rows] >= 0
+        accepted = self._accept(tokens, plan)
+        if plan.penalty_rows is not None:
+            prow = self._t(plan.penalty_rows).long()
+            live = tokens[prow] >= 0
             if accepted is not None:  # rows past a rejected draft generate nothing
-                keep = kept_rows(extra.draft_counts, accepted)[extra.penalty_rows]
+                keep = kept_rows(plan.draft_counts, accepted)[plan.penalty_rows]
                 live &= torch.from_numpy(keep).to(live.device)
-            self._penalties.count(self._t(extra.penalty_slots)[live], tokens[rows][live])
+            self._penalties.count(self._t(plan.penalty_slots)[live], tokens[prow][live])
         return tokens, accepted
 
     @staticmethod
-    def _accept(tokens: torch.Tensor, extra: SamplePlan | None) -> np.ndarray | None:
-        if extra is None or extra.draft_counts is None:
+    def _accept(tokens: torch.Tensor, plan: SamplePlan) -> np.ndarray | None:
+        if plan.draft_counts is None:
             return None
-        return accept(tokens.cpu().numpy(), extra.draft_counts, extra.draft_tokens)
+        return accept(tokens.cpu().numpy(), plan.draft_counts, plan.draft_tokens)
+
+    def _row_tensors(self, plan: SamplePlan) -> dict[str, torch.Tensor]:
+        """The plan's per-row arrays (ROW_FIELDS) as tensors on the sampler's device.
+
+        On the CPU they are the arrays' own memory (``torch.from_numpy``, no copy). A decode
+        step over an unchanged running set passes the same read-only arrays again
+        (``SlotTable.constant_arrays``): their tensors are kept, and torch's one-time warning
+        about read-only arrays (the sampler never writes them) is not raised. On a device the
+        five arrays go in one host buffer and one copy (``pack_rows``)."""
+        if self.device.type != "cpu":
+            return unpack_rows(torch.from_numpy(pack_rows(plan)).to(self.device, non_blocking=True),
+                               plan.num_samples)
+        out, cache = {}, self._rows
+        for name in ROW_FIELDS:
+            a = getattr(plan, name)
+            hit = cache.get(name)
+            if hit is not None and hit[0] is a:
+                out[name] = hit[1]
+            elif a.flags.writeable:
+                out[name] = torch.from_numpy(a)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = out[name] = torch.from_numpy(a)
+                cache[name] = (a, t)
+        return out
 
     def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``logits`` in a buffer kept between steps: a fresh [S, V] tensor
@@ -397,22 +463,21 @@ class Sampler:
         apply(view, drafted, np.arange(int(drafted.sum()), dtype=np.int32))
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ranks: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of the sampled tokens and of each row's ``num_top`` best tokens.
 
     They are taken from the model's own distribution (log_softmax of the raw logits, before
     temperature, top-k and top-p), as the OpenAI API and vLLM report them, so a logprob does
     not change with the sampling settings. Returns float32 [S] (sampled token), int64
-    [S, num_top] (best token ids, most likely first), float32 [S, num_top] and, with
-    ``ranks``, int32 [S] the sampled token's 1-based rank (the number of tokens at least as
-    likely, itself included, as vLLM counts it), else None. The ranks cost a pass over the
-    vocabulary that rivals the log_softmax on a CPU: only the offline API asks for them.
+    [S, num_top] (best token ids, most likely first), float32 [S, num_top] and int64 [S] the
+    sampled token's 1-based rank (the number of tokens at least as likely, itself included,
+    as vLLM counts it).
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     sampled = logp.gather(1, tokens.long()[:, None])[:, 0]
-    rank = (logp >= sampled[:, None]).view(torch.uint8).sum(dim=-1, dtype=torch.int32) if ranks else None
+    ranks = (logp >= sampled[:, None]).sum(dim=-1)
     top_lp, top_ids = logp.topk(min(num_top, logp.shape[1]), dim=-1) if num_top > 0 else \
         (logp.new_empty((logp.shape[0], 0)), torch.empty((logp.shape[0], 0), dtype=torch.long,
                                                          device=logp.device))
-    return sampled, top_ids, top_lp, rank
+    return sampled, top_ids, top_lp, ranks

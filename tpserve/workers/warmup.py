@@ -1,6 +1,7 @@
 """The synthetic steps a runner runs at start, before any request.
 
 ``warmup_plan``          the memory-peak step the KV sizing measures on a device.
+``warmup_sample``        how their rows are sampled (the sampling rank's SamplePlan).
 ``kernel_warmup_plans``  one small step per attention kernel variant a serving step can
                          launch, so that Triton compiles them at start, not inside the first
                          mixed step that needs them (a 1-3 s stall on a GPU).
@@ -14,20 +15,21 @@ import numpy as np
 
 from tpserve.config import EngineConfig
 from tpserve.plan import StepPlan
+from tpserve.sample_plan import SamplePlan
 
 
-def _sampling(samples: int) -> dict:
-    """Sampling arrays for ``samples`` rows with temperature, top-k and top-p all on."""
-    return dict(temperatures=np.ones(samples, np.float32), top_ks=np.full(samples, 50, np.int32),
-                top_ps=np.full(samples, 0.9, np.float32), seeds=np.arange(samples, dtype=np.int64),
-                sample_steps=np.zeros(samples, np.int32))
+def warmup_sample(samples: int) -> SamplePlan:
+    """``samples`` rows with temperature, top-k and top-p all on (the sampler's costliest
+    plain path: it sorts the vocabulary)."""
+    return SamplePlan.rows(np.ones(samples, np.float32), top_ks=50, top_ps=0.9,
+                           seeds=np.arange(samples, dtype=np.int64))
 
 
 def warmup_plan(config: EngineConfig) -> StepPlan:
     """The memory-peak step: a prefill of ``max_step_tokens`` tokens (capped by what
     ``max_num_seqs`` sequences can hold) that samples ``max_num_seqs`` rows (capped by the
-    token count) with temperature, top-k and top-p all on, so the sampler sorts the vocabulary
-    as its most expensive real step does."""
+    token count); sampled with ``warmup_sample`` (temperature, top-k and top-p all on), the
+    sampler sorts the vocabulary as its most expensive real step does."""
     cfg = config
     num_tokens = min(cfg.max_step_tokens, cfg.max_num_seqs * cfg.max_model_len)
     num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // max(cfg.max_model_len, 1)))
@@ -42,8 +44,7 @@ def warmup_plan(config: EngineConfig) -> StepPlan:
                     positions=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
                     slot_mapping=np.full(num_tokens, -1, np.int32), cu_seqlens_q=cu,
                     cu_seqlens_k=cu.copy(), context_lens=lens,
-                    block_tables=np.zeros((num_seqs, 0), np.int32), logits_indices=rows,
-                    **_sampling(samples))
+                    block_tables=np.zeros((num_seqs, 0), np.int32), logits_indices=rows)
 
 
 def synthetic_step(context_lens, new_lens, block_size: int, is_prefill: bool,
@@ -67,8 +68,7 @@ def synthetic_step(context_lens, new_lens, block_size: int, is_prefill: bool,
                                               for c, n in zip(ctx, new)]),
                     slot_mapping=np.full(int(new.sum()), -1, np.int32), cu_seqlens_q=cu_q,
                     cu_seqlens_k=cu_k, context_lens=keys,
-                    block_tables=np.zeros((b, width), np.int32), logits_indices=cu_q[1:] - 1,
-                    **_sampling(b))
+                    block_tables=np.zeros((b, width), np.int32), logits_indices=cu_q[1:] - 1)
 
 
 # Query chunks on either side of the prefill kernel's BLOCK_M switch at 16 rows
