@@ -3,7 +3,8 @@
 Each script has an entry in SCRIPTS (a script without one fails test_every_script_has_an_entry):
 
 * Smoke: run in a subprocess at its smallest size (the benchmark models' ``tiny`` shape, a few
-  steps or messages), exit status 0 and its result line checked;
+  steps or messages; quickstart and bench_fairness start a daemon on the bundled model), exit
+  status 0 and its result line checked;
 * Parse: a script that needs a peer that is not installed, or minutes of daemons and traffic:
   its module is imported and its real argument parser reads a small argument list (the parser is
   stopped right after parsing, before any work), and ``--help`` prints its usage;
@@ -68,8 +69,9 @@ SCRIPTS = {
     "bench_daemon_run.py": LIBRARY,
     "bench_daemon.py": Parse(("--clients", "1", "--requests-per-client", "1", "--max-tokens", "2",
                               "--latency-trials", "1"), "a daemon and an offline engine on the 40M model"),
-    "bench_fairness.py": Parse(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
-                               "a daemon flooded with requests"),
+    "bench_fairness.py": Smoke(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
+                               r"bench_fairness model=default-model .* flood=20 other_client_wait_s=[\d.]+ "
+                               r"vanished=2x8"),
     "bench_http.py": Parse(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
                            "a daemon and its HTTP front"),
     "bench_latency.py": Parse(("--shape", "40m", "--runs", "1", "--llamacpp", "/nonexistent/llama.cpp"),
