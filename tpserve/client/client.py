@@ -129,6 +129,9 @@ class _ClientCore:
         self._sock = context.socket(zmq.DEALER)
         _configure(self._sock, server_public_key, client_keys)
         self._sock.connect(self.address)
+        # Requests sent that have had no reply yet (id -> whether it is a generate): the ones an
+        # ``error`` without an id may answer (``_unattributed``).
+        self._unacked: dict[str, bool] = {}
 
     def _timeout(self, timeout):
         return self.timeout if timeout is _DEFAULT else timeout
@@ -152,6 +155,24 @@ class _ClientCore:
             self._sock.send(P.encode(P.AbortRequest(rid)), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    def _unattributed(self, msg: P.ErrorReply) -> list[P.ErrorReply]:
+        """An ``error`` without an id: the daemon could not read which request it refuses (it
+        salvages the id of any frame whose map it can read, so this is rare: a frame this client
+        sent that the daemon could not read at all). Every request sent on this connection that
+        has had no reply yet may be the one, so each of them ends with this error (one copy
+        per request, carrying its id) rather than wait for an answer that will never come; the
+        generates among them are aborted, in case the daemon did accept them."""
+        ended = []
+        for rid, is_generate in self._unacked.items():
+            ended.append(P.ErrorReply(msg.code, f"{msg.message} (the daemon's error named no request: every "
+                                      "request of this connection still waiting for its first reply ends with it)",
+                                      id=rid, field=msg.field, limit=msg.limit, requested=msg.requested,
+                                      allowed=msg.allowed, retry_after=msg.retry_after))
+            if is_generate:
+                self._send_abort_nowait(rid)
+        self._unacked.clear()
+        return ended
 
 
 def _checked(reply: P.Message) -> P.Message:
@@ -216,6 +237,7 @@ class Client(_ClientCore):
             raise
         finally:
             self._open.pop(rid, None)
+            self._unacked.pop(rid, None)
         return _result(rid, msg)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -284,16 +306,19 @@ class Client(_ClientCore):
         rid, frame = self._generate_frame(prompt, params, request_id, stream, self._open, priority,
                                           request_timeout)
         self._open[rid] = deque()
+        self._unacked[rid] = True
         self._sock.send(frame)
         return rid
 
     def _call(self, msg, timeout):
         self._open[msg.id] = deque()
         try:
+            self._unacked[msg.id] = False
             self._sock.send(P.encode(msg))
             reply = self._next(msg.id, self._timeout(timeout))
         finally:
             self._open.pop(msg.id, None)
+            self._unacked.pop(msg.id, None)
         return _checked(reply)
 
     def _next(self, rid: str, timeout: float | None, peek: bool = False) -> P.Message:
@@ -313,7 +338,14 @@ class Client(_ClientCore):
             if not self._sock.poll(None if wait is None else int(wait * 1000) + 1, zmq.POLLIN):
                 continue
             msg = P.decode(self._sock.recv(), "reply")
-            target = self._open.get(msg.id) if msg.id is not None else queue
+            if msg.id is None:
+                if isinstance(msg, P.ErrorReply):
+                    for error in self._unattributed(msg):
+                        if error.id in self._open:
+                            self._open[error.id].append(error)
+                continue
+            self._unacked.pop(msg.id, None)
+            target = self._open.get(msg.id)
             if target is not None:  # replies to ids nobody waits for any more are dropped
                 target.append(msg)
 
@@ -361,6 +393,7 @@ class Stream:
     def _finish(self) -> None:
         self._closed = True
         self.client._open.pop(self.request_id, None)
+        self.client._unacked.pop(self.request_id, None)
 
     def close(self) -> None:
         """Stop listening; aborts the request on the daemon if it is still running."""
@@ -408,6 +441,7 @@ class AsyncClient(_ClientCore):
             done = True
         finally:
             self._queues.pop(rid, None)
+            self._unacked.pop(rid, None)
             if not done:  # cancelled (or timed out): the daemon stops the request
                 self._send_abort_nowait(rid)
         return _result(rid, msg)
@@ -436,6 +470,7 @@ class AsyncClient(_ClientCore):
                 return
         finally:
             self._queues.pop(rid, None)
+            self._unacked.pop(rid, None)
             if not done:
                 self._send_abort_nowait(rid)
 
@@ -486,6 +521,7 @@ class AsyncClient(_ClientCore):
                                           request_timeout)
         self._queues[rid] = asyncio.Queue()
         self._ensure_reader()
+        self._unacked[rid] = True  # before the send: the reader may see its reply before it returns
         await self._sock.send(frame)
         return rid
 
@@ -493,10 +529,12 @@ class AsyncClient(_ClientCore):
         self._queues[msg.id] = asyncio.Queue()
         self._ensure_reader()
         try:
+            self._unacked[msg.id] = False
             await self._sock.send(P.encode(msg))
             reply = await self._get(msg.id, self._timeout(timeout))
         finally:
             self._queues.pop(msg.id, None)
+            self._unacked.pop(msg.id, None)
         return _checked(reply)
 
     async def _get(self, rid: str, timeout):
@@ -524,7 +562,13 @@ class AsyncClient(_ClientCore):
                 msg = P.decode(await self._sock.recv(), "reply")
                 rid = msg.id
                 if rid is None:
-                    continue  # only sent for frames this client never produces
+                    if isinstance(msg, P.ErrorReply):
+                        for error in self._unattributed(msg):
+                            queue = self._queues.get(error.id)
+                            if queue is not None:
+                                queue.put_nowait(error)
+                    continue
+                self._unacked.pop(rid, None)
                 terminal = isinstance(msg, (P.DoneReply, P.ErrorReply))
                 fut = self._abort_waiters.get(rid)
                 if terminal and fut is not None and not fut.done():

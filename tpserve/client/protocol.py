@@ -37,6 +37,15 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_MESSAGE_CHARS = 4096  # error messages
 MAX_STATUS_ENTRIES = 64
 MAX_CODE_CHARS = 64
+#: The most entries of one wire map. Above the largest map a request may carry (``logit_bias``,
+#: MAX_LOGIT_BIAS), with room for a map somewhat over its bound to reach its field check and be
+#: answered ``invalid_field`` naming it: no layer below a documented bound is stricter than it
+#: (tests/test_bounds.py). Bounded, as a huge map costs seconds of the serving loop to build.
+MAX_MAP_ENTRIES = 4 * R.MAX_LOGIT_BIAS
+#: How deep maps and arrays nest in a frame: msgpack-python's own (compiled) limit. Only a
+#: ``structured_outputs.json`` schema sent as a map comes near it (3 levels down: message,
+#: params, structured_outputs); a deeper schema travels as text (docs/protocol.md).
+MAX_NESTING = 1024
 # Request limits are tpserve.limits' (the offline API enforces the same); re-exported here
 # because they are part of the wire contract.
 MAX_ID_CHARS = R.MAX_ID_CHARS
@@ -311,7 +320,7 @@ def params_to_wire(params: SamplingParams) -> dict:
 def structured_to_wire(so: StructuredOutputsParams) -> dict:
     """StructuredOutputsParams as its wire map: the constraint and the options that differ
     from their defaults; a ``json`` schema travels as its JSON text (a wire map holds at most
-    MAX_STATUS_ENTRIES entries, a schema's ``properties`` may hold more)."""
+    MAX_MAP_ENTRIES entries, a schema's ``properties`` may hold more)."""
     d = {}
     for f in dc_fields(StructuredOutputsParams):
         v = getattr(so, f.name)
@@ -623,7 +632,9 @@ def unpack_frame(frame: bytes) -> dict:
 
     Arrays may be as long as the frame allows (each element takes at least one byte), so an
     over-long prompt reaches its field check and is reported as ``invalid_field`` with its id.
-    Maps are capped at MAX_STATUS_ENTRIES entries, must have string keys, each key once.
+    Maps hold at most MAX_MAP_ENTRIES entries, must have string keys, each key once. Maps and
+    arrays nest at most MAX_NESTING levels. A frame refused here is ``bad_message``; its id, if
+    it can be read, is ``salvage_id``'s.
     """
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(BAD_MESSAGE, None, f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -631,11 +642,14 @@ def unpack_frame(frame: bytes) -> dict:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
                               object_pairs_hook=_strict_map,
                               max_str_len=MAX_MESSAGE_BYTES, max_bin_len=MAX_MESSAGE_BYTES,
-                              max_array_len=MAX_MESSAGE_BYTES, max_map_len=MAX_STATUS_ENTRIES,
+                              max_array_len=MAX_MESSAGE_BYTES, max_map_len=MAX_MAP_ENTRIES,
                               max_ext_len=0)
     except _MapKeyError as e:
         raise ProtocolError(BAD_MESSAGE, None, str(e)[:512]) from None
     except Exception as e:  # msgpack raises many types (ExtraData, ValueError, StackError, ...)
+        if isinstance(e, msgpack.exceptions.StackError) or "recursion limit" in str(e):
+            raise ProtocolError(BAD_MESSAGE, None, f"maps and arrays nest more than {MAX_NESTING} levels deep; "
+                                                   "send a deep JSON schema as text") from None
         raise ProtocolError(BAD_MESSAGE, None, f"not a msgpack frame: {type(e).__name__}: {e}"[:512]) from None
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_MESSAGE, None, f"a message must be a msgpack map, got {type(obj).__name__}")
@@ -671,3 +685,34 @@ def readable_id(obj) -> str | None:
         except ProtocolError:
             return None
     return None
+
+
+def salvage_id(frame: bytes) -> str | None:
+    """The ``id`` of a frame that does not decode (``unpack_frame`` refused it), if it can be
+    read anyway: the frame starts with a map whose one ``id`` key holds a valid id. The other
+    keys' values are skipped unread, so a value that broke the strict decode (a map over
+    MAX_MAP_ENTRIES, nesting too deep, a repeated key inside a value, bytes cut short after
+    the id) does not hide the id. Two ``id`` keys, or none readable: None.
+
+    The sender then learns which of its requests was refused: an error without an id could
+    only be matched to a request by guessing (docs/protocol.md, Errors)."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)) or not 0 < len(frame) <= MAX_MESSAGE_BYTES:
+        return None
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frame), max_str_len=MAX_MESSAGE_BYTES,
+                                max_bin_len=MAX_MESSAGE_BYTES, max_array_len=MAX_MESSAGE_BYTES,
+                                max_map_len=MAX_MESSAGE_BYTES, max_ext_len=MAX_MESSAGE_BYTES)
+    unpacker.feed(frame)
+    found = None
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() != "id":  # a key: bounded by the frame, as any decode is
+                unpacker.skip()
+                continue
+            if found is not None:
+                return None  # two ids: which one would it be?
+            found = readable_id({"id": unpacker.unpack()})
+            if found is None:
+                return None
+    except Exception:  # malformed or cut short past the id: the id read so far stands
+        pass
+    return found

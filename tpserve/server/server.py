@@ -445,7 +445,8 @@ class Server:
                 raise
             except Exception as e:  # a bug must cost one request, not the daemon
                 log.exception("failed to handle a message")
-                self.peers.reply(frames[0], P.ErrorReply(P.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS]))
+                self.peers.reply(frames[0], P.ErrorReply(P.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS],
+                                                         id=self._refused_id(frames[0], None, frames[-1])))
         return self.options.max_messages_per_step
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -460,8 +461,8 @@ class Server:
             obj = P.unpack_frame(frames[1])
             msg = P.decode(obj, "request")
         except P.ProtocolError as e:
-            reply(identity, P.ErrorReply(e.code, e.message[:P.MAX_MESSAGE_CHARS], id=P.readable_id(obj),
-                                         field=e.field))
+            reply(identity, P.ErrorReply(e.code, e.message[:P.MAX_MESSAGE_CHARS],
+                                         id=self._refused_id(identity, obj, frames[1]), field=e.field))
             return
         if isinstance(msg, P.GenerateRequest):
             self._on_generate(identity, msg)
@@ -480,6 +481,19 @@ class Server:
         else:
             assert isinstance(msg, P.PingRequest)
             reply(identity, P.PongReply(id=msg.id))
+
+    def _refused_id(self, identity: bytes, obj, frame: bytes) -> str | None:
+        """The id an invalid message's ``error`` carries: its ``id``, read from the decoded map or,
+        for a frame that did not decode, salvaged from its bytes, so that the sender can tell
+        which request was refused. None when unreadable, or when a request of that id is in
+        flight on this connection: an error with an id ends that request for its client."""
+        rid = P.readable_id(obj) if obj is not None else P.salvage_id(frame)
+        if rid is None:
+            return None
+        peer = self.peers.get(identity)
+        if (peer is not None and rid in peer.requests) or (identity, rid) in self._encodes:
+            return None
+        return rid
 
     def _on_generate(self, identity: bytes, msg: P.GenerateRequest) -> None:
         def error(code, message, **kw):

@@ -37,6 +37,7 @@ from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
 from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
+from tpserve.errors import InvalidRequestError
 from tpserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("tpserve.http")
@@ -280,8 +281,24 @@ def daemon_error(e, job) -> O.OpenAIError:
         return O.OpenAIError(503, str(e), type_="server_error", code="upstream_lost")
     if e.code == P.ADMISSION:
         param = "messages" if job.chat else "prompt"
-        code = "context_length_exceeded" if getattr(e, "limit", None) == "max_model_len" else "admission_limit"
+        over_context = getattr(e, "limit", None) == "max_model_len"
+        request = getattr(job, "request", None)
+        try:
+            max_tokens = job.params.max_tokens
+        except AttributeError:
+            max_tokens = None
+        if over_context and max_tokens is not None:
+            # too_long refused a prompt longer than the context before it was sent: this prompt
+            # fits, and prompt + max_tokens does not; max_tokens is what to lower
+            param = (request.spell_wire("params.max_tokens") if request is not None else None) or "max_tokens"
+        code = "context_length_exceeded" if over_context else "admission_limit"
         return O.OpenAIError(400, f"{e.message} (limit: {getattr(e, 'limit', None)})", param, code=code)
+    if e.code == P.BAD_MESSAGE:
+        # The daemon could not read the message the front built from this request: a value its
+        # wire decoder refuses (tests/test_bounds.py keeps every documented bound within it).
+        log.warning("the daemon refused a request's message: %s", e.message)
+        return O.bad((job.request.spell_wire(e.field) if getattr(job, "request", None) is not None
+                      else e.field), e.message)
     if e.code in (P.INVALID_FIELD, P.INVALID_REQUEST, P.UNKNOWN_FIELD, P.MISSING_FIELD):
         # The daemon names the field as the wire does; the request's Api spells it for the body
         # (the field itself, not an item of it: the body's arrays are the caller's).
@@ -296,6 +313,24 @@ def daemon_error(e, job) -> O.OpenAIError:
         return O.OpenAIError(429, e.message, type_="requests" if e.limit == "max_waiting_requests" else "tokens",
                              code="rate_limit_exceeded", headers=_retry_after(e))
     return O.OpenAIError(500, f"{e.code}: {e.message}", type_="server_error", code="internal")
+
+
+def input_error(e: BaseException) -> O.OpenAIError | None:
+    """The 400 of an exception a request's content caused, raised where no handler caught it:
+    nesting deeper than Python's recursion limit (a RecursionError anywhere in its chain), or a
+    typed refusal of a field (InvalidRequestError and its InvalidFieldError, a wire check's
+    ProtocolError). None for anything else: that is a bug of the front, a 500."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RecursionError):
+            return O.bad(None, "the request is nested too deeply to process", code="invalid_json")
+        if isinstance(e, InvalidRequestError):
+            return O.bad(e.field, e.reason)
+        if isinstance(e, P.ProtocolError) and e.code != P.BAD_MESSAGE:
+            return O.bad(e.field, e.message)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _retry_after(e: RequestError) -> dict:
@@ -531,6 +566,10 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     @app.exception_handler(Exception)
     async def internal_error(request, e):
+        refusal = input_error(e)
+        if refusal is not None:  # the request's fault, found where no handler expected it
+            log.warning("a request was refused by an unexpected check: %s: %s", type(e).__name__, e)
+            return JSONResponse(refusal.body(), status_code=refusal.status)
         log.exception("request failed")  # quiet_log keeps the first traceback, then one line per interval
         return JSONResponse(O.OpenAIError(500, f"internal error of the HTTP front ({type(e).__name__}); "
                                           "see the daemon's log", type_="server_error").body(), status_code=500)
@@ -538,8 +577,10 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     async def read_json(request: Request):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            # Connection: close -- the rest of the body is not wanted; the front half-closes the
+            # connection and discards what still comes (conn.py), so the client reads this answer.
             raise O.OpenAIError(413, f"request body of {length} bytes exceeds {MAX_BODY_BYTES}",
-                                code="request_too_large")
+                                code="request_too_large", headers={"Connection": "close"})
         data = bytearray()
         try:
             async for chunk in request.stream():

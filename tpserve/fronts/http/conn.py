@@ -19,6 +19,15 @@ serves with. Per connection:
   reading at that moment (the handler had not consumed what had arrived yet): then the client
   gets another period.
 
+An answer sent before the request's body was read (413 for a body over the cap, any early
+error) must reach a client that is still sending that body: closing the socket while its data
+keeps arriving resets the connection, and a client that writes its whole body before it reads
+(Python's http.client, many others) then fails on a write and never sees the answer. So the
+front closes such a connection gracefully: it half-closes it (the client reads the answer, then
+the end of the stream) and reads and discards what still comes, until the client closes its
+side, or sends nothing for ``request_timeout`` seconds, or LINGER_SECONDS pass; then it closes.
+A lingering connection counts as idle for the cap below.
+
 Across connections: at most ``max_connections`` are open. A connection that would exceed it
 closes the one that has waited longest for a request head (idle connections are the cheapest
 to lose: nothing of theirs is in progress); when every connection has a request in progress,
@@ -42,6 +51,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("tpserve.http")
 
 _OWN_DESCRIPTORS = 128  # the front's own: ZMQ sockets and their pipes, tokenizer files, logs
+#: Longest a connection answered before its body arrived keeps reading (and discarding) it.
+LINGER_SECONDS = 30.0
 
 
 def connection_limits() -> tuple[int, int]:
@@ -63,6 +74,25 @@ def _error_body(message: str, code: str) -> bytes:
                                  "code": code}}).encode()
 
 
+class _Transport:
+    """A connection's transport as uvicorn's protocol and request cycles see it: ``close()`` of
+    a connection whose client is still sending a request body already answered lingers
+    (``GuardedH11Protocol._close``); everything else is the real transport's."""
+
+    def __init__(self, transport, protocol: "GuardedH11Protocol"):
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol._close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing() or self._protocol._lingering is not None
+
+
 class GuardedH11Protocol(H11Protocol):
     """H11Protocol with the cap and the deadlines of the module doc (see ``guarded_protocol``)."""
 
@@ -73,6 +103,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._raw_transport = transport
+        self.transport = _Transport(transport, self)
+        self._lingering = None  # the timer that ends a graceful close (LINGER_SECONDS)
         self._deadline = None
         self._phase = None
         if len(self.connections) > self.max_connections and not self._evict_one():
@@ -84,6 +117,10 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # the rest of a body already answered: discarded
+            self._cancel_deadline()
+            self._deadline = self.loop.call_later(self.request_timeout, self._raw_transport.close)
+            return
         super().data_received(data)
         self._track()
 
@@ -94,7 +131,32 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self.waiting.pop(self, None)
         self._cancel_deadline()
+        if self._lingering is not None:
+            self._lingering.cancel()
         super().connection_lost(exc)
+
+    def _close(self) -> None:
+        """Close the connection; gracefully (module doc) when its response is complete and the
+        client is still sending the request's body."""
+        transport = self._raw_transport
+        if self._lingering is not None or transport.is_closing():
+            transport.close()
+            return
+        answered = self.conn.our_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+        if not (answered and self.conn.their_state is h11.SEND_BODY and transport.can_write_eof()):
+            transport.close()
+            return
+        self._cancel_deadline()
+        self._phase = None
+        self._lingering = self.loop.call_later(LINGER_SECONDS, transport.close)
+        self._deadline = self.loop.call_later(self.request_timeout, transport.close)
+        self.waiting[self] = None  # nothing of it is in progress: the first to go when the cap is hit
+        try:
+            transport.write_eof()  # after the answer still buffered, if any
+        except OSError:
+            transport.close()
+            return
+        self.flow.resume_reading()
 
     # ---- phases --------------------------------------------------------------------------
     def _track(self) -> None:
