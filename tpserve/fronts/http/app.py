@@ -1,20 +1,19 @@
-"""The FastAPI application of the HTTP front (see http_front.py for the process and design).
+"""The FastAPI application of the HTTP front (see front.py for the process and design).
 
 ``Front`` holds one front process's state: its AsyncClient to the daemon, the tokenizer (prompts
 are tokenized and chat-templated here, off the engine loop, in one worker thread; long texts in
-a tokenizer process), the served model name and context length. ``create_app`` maps the OpenAI endpoints onto it; request
-validation and response shapes live in openai_api.py.
+a tokenizer process), the served model name and context length. ``create_app`` maps the OpenAI
+endpoints onto it; request validation and response shapes live in openai_api.py, the response
+of one request in responses.py.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import math
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import replace
@@ -36,7 +35,7 @@ from tpserve.fronts.http.router_api import make_router
 from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
-from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
+from tpserve.fronts.http.responses import Response, sse_event
 from tpserve.errors import InvalidRequestError
 from tpserve.tokenizer import load_tokenizer
 
@@ -349,185 +348,6 @@ def timed_out_before_output(item, job) -> O.OpenAIError | None:
     return None
 
 
-def _sse(obj) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class Response:
-    """Builds one request's OpenAI response (whole or as SSE chunks) from choice events.
-
-    ``prompts[i]`` are prompt i's token ids and ``prompt_texts[i]`` its text (echo). With echo,
-    a choice's text starts with its prompt's, and with logprobs its logprobs start with the
-    prompt tokens' (from the daemon's prompt log-probabilities; the first token has none)."""
-
-    def __init__(self, front: Front, job: O.Job, prompts: list[list[int]], prompt_texts: list[str] | None = None):
-        self.front, self.job = front, job
-        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.prompts = prompts
-        self.prompt_texts = prompt_texts or [""] * len(prompts)
-        self.n_choices = len(prompts) * job.n
-        self.text = [[] for _ in range(self.n_choices)]
-        self.token_ids = [[] for _ in range(self.n_choices)]
-        self.logprobs = [[] for _ in range(self.n_choices)]
-        self.prompt_lps: list = [None] * len(prompts)  # per prompt (its completion 0 reports them)
-        self.offset = [0] * self.n_choices
-        self.results: dict[int, object] = {}
-        self.role_sent = [False] * self.n_choices
-        self.echoed = [False] * self.n_choices
-        self.token_text = (lambda t: f"token_id:{t}") if job.token_ids_as_text else front.token_text
-        # Chat with tools whose tool_choice constrains the answer: calls are read back out.
-        tools = job.tools if job.chat and job.tools is not None and job.tools.constrains else None
-        self.tool_streams = [ToolCallStream() for _ in range(self.n_choices)] if tools else None
-
-    def _entries(self, delta) -> list:
-        if delta.logprobs is None:
-            return []
-        return [(tok, lp, top) for tok, (lp, top) in zip(delta.token_ids, delta.logprobs)]
-
-    def _take_prompt_logprobs(self, index: int, item) -> None:
-        lps = getattr(item, "prompt_logprobs", None)
-        if lps is not None and self.prompt_lps[index // self.job.n] is None:
-            self.prompt_lps[index // self.job.n] = lps
-
-    def _echo(self, index: int) -> tuple[str, list]:
-        """The prompt's text and logprobs entries a choice starts with (once)."""
-        if not self.job.echo or self.echoed[index]:
-            return "", []
-        self.echoed[index] = True
-        if self.job.chat:  # vLLM: the last message's content, when it is the assistant's
-            return self.prompt_texts[0], []
-        ids = self.prompts[index // self.job.n]
-        entries = []
-        if self.job.params.logprobs is not None:
-            lps = self.prompt_lps[index // self.job.n] or [None] * len(ids)
-            entries = [(t, None, None) if e is None else (t, e[0], e[1]) for t, e in zip(ids, lps)]
-        return self.prompt_texts[index // self.job.n], entries
-
-    def _logprobs_obj(self, index: int, entries: list):
-        if self.job.params.logprobs is None:
-            return None
-        if self.job.chat:
-            return O.chat_logprobs(entries, self.token_text)
-        obj = O.completion_logprobs(entries, self.token_text, self.offset[index])
-        self.offset[index] += sum(len(t) for t in obj["tokens"])
-        return obj
-
-    def _extras(self, index: int) -> dict:
-        """vLLM's extra choice fields: prompt_logprobs, token_ids / prompt_token_ids."""
-        out = {}
-        if self.job.params.prompt_logprobs is not None and not self.job.chat:
-            out["prompt_logprobs"] = O.prompt_logprobs_obj(self.prompts[index // self.job.n],
-                                                           self.prompt_lps[index // self.job.n] or [],
-                                                           self.token_text)
-        if self.job.return_token_ids:
-            out["prompt_token_ids"] = self.prompts[index // self.job.n]
-            out["token_ids"] = self.token_ids[index]
-        return out
-
-    def usage(self) -> dict:
-        firsts = [r for i, r in self.results.items() if i % self.job.n == 0]  # one per prompt
-        return O.usage(sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in self.results.values()),
-                       sum(r.cached_tokens for r in firsts))
-
-    # ---- streaming -------------------------------------------------------------------------
-    def _chunk(self, choice: dict) -> str:
-        body = {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else "text_completion",
-                "created": self.created, "model": self.front.model_name, "choices": [choice]}
-        if self.job.include_usage:
-            body["usage"] = None
-        return _sse(body)
-
-    def chunks(self, index: int, item) -> list[str]:
-        out = []
-        self._take_prompt_logprobs(index, item)
-        if self.job.chat and not self.role_sent[index]:
-            self.role_sent[index] = True
-            out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}))
-        echo_text, echo_entries = self._echo(index)
-        if isinstance(item, GenerateResult):
-            self.results[index] = item
-            reason = item.finish_reason
-            if self.tool_streams is not None:
-                ts = self.tool_streams[index]
-                out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
-                        for d in ts.flush()]
-                if ts.num_calls and reason == "stop":
-                    reason = "tool_calls"
-            if self.job.chat:
-                if echo_text:
-                    out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
-                                            "finish_reason": None}))
-                out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
-                                        "finish_reason": reason}))
-            else:
-                choice = {"index": index, "text": echo_text, "logprobs": self._logprobs_obj(index, echo_entries)
-                          if echo_entries else None, "finish_reason": item.finish_reason}
-                if self.job.params.prompt_logprobs is not None:
-                    choice.update(self._extras(index))
-                out.append(self._chunk(choice))
-            return out
-        self.token_ids[index] += item.token_ids
-        lp = self._logprobs_obj(index, echo_entries + self._entries(item))
-        if self.tool_streams is not None:
-            for d in self.tool_streams[index].feed(item.text):
-                out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
-                lp = None
-        elif self.job.chat:
-            out.append(self._chunk({"index": index, "delta": {"content": echo_text + item.text}, "logprobs": lp,
-                                    "finish_reason": None}))
-        else:
-            choice = {"index": index, "text": echo_text + item.text, "logprobs": lp, "finish_reason": None}
-            if self.job.return_token_ids:
-                choice["token_ids"] = item.token_ids
-            out.append(self._chunk(choice))
-        return out
-
-    def final_chunks(self) -> list[str]:
-        out = []
-        if self.job.include_usage:
-            body = {"id": self.id, "object": "chat.completion.chunk" if self.job.chat else "text_completion",
-                    "created": self.created, "model": self.front.model_name, "choices": [],
-                    "usage": self.usage()}
-            out.append(_sse(body))
-        out.append("data: [DONE]\n\n")
-        return out
-
-    # ---- whole -----------------------------------------------------------------------------
-    def add(self, index: int, item) -> None:
-        self._take_prompt_logprobs(index, item)
-        if isinstance(item, GenerateResult):
-            self.results[index] = item
-        else:
-            self.text[index].append(item.text)
-            self.token_ids[index] += item.token_ids
-            self.logprobs[index] += self._entries(item)
-
-    def whole(self) -> dict:
-        choices = []
-        for i in range(self.n_choices):
-            echo_text, echo_entries = self._echo(i)
-            text, reason = echo_text + "".join(self.text[i]), self.results[i].finish_reason
-            lp = self._logprobs_obj(i, echo_entries + self.logprobs[i])
-            if self.job.chat:
-                message = {"role": "assistant", "content": text}
-                if self.tool_streams is not None:
-                    message["content"], calls = split_calls(text)
-                    if calls:
-                        message["tool_calls"] = calls
-                        reason = "tool_calls" if reason == "stop" else reason
-                choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
-            else:
-                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-            choice.update(self._extras(i))
-            choices.append(choice)
-        return {"id": self.id, "object": "chat.completion" if self.job.chat else "text_completion",
-                "created": self.created, "model": self.front.model_name, "choices": choices,
-                "usage": self.usage()}
-
-
 def _model_card(front: Front) -> dict:
     return {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "tpserve",
             "root": front.model_name, "max_model_len": front.max_model_len}
@@ -616,7 +436,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
                             for chunk in response.chunks(index, item):
                                 yield chunk
                     except _DAEMON_ERRORS as e:  # after the 200: report in the stream
-                        yield _sse(daemon_error(e, job).body())
+                        yield sse_event(daemon_error(e, job).body())
                     for chunk in response.final_chunks():
                         yield chunk
             # The background task closes the events (aborting what still runs) also when the
