@@ -174,8 +174,8 @@ _STATUS_LINES = [
               help="print the daemon's Prometheus metrics (the text /metrics serves)")
 def status(as_json, as_metrics, **kw):
     """Show the running daemon's model, load and KV-cache use (asks the daemon itself)."""
-    from tpserve.client.client import ClientTimeout
     with connect(kw) as client:
+        from tpserve.client.client import ClientTimeout  # loaded by connect: no daemon, no import
         try:
             if as_metrics:
                 click.echo(client.metrics(), nl=False)
