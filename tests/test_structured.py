@@ -212,7 +212,7 @@ def test_compilation_runs_off_the_step_loop(llm, monkeypatch):
         for out in e.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert len(got["free"]) == 6 and "held" not in got
-    assert e.scheduler.get("held") in e.scheduler._compiling
+    assert e.scheduler.get("held") in e.scheduler.grammars.compiling
     gate.set()
     text = ""
     while e.has_unfinished():

@@ -4,7 +4,13 @@ A request's matcher lives with its Sequence on the scheduler side. It consumes e
 request samples (``accept``), so it always stands where the output ends: a preempted request
 keeps its generated tokens and its matcher as they are, and a prefix-cache hit changes
 nothing. ``ready`` is False while the grammar compiles (the scheduler keeps the request out of
-its waiting queue until then); ``error`` holds the InvalidFieldError of a grammar that failed.
+its waiting queue until then); ``error`` holds the InvalidFieldError of a grammar that failed;
+``cancel`` tells the compiler that this request no longer waits (it was aborted or timed out).
+
+A matcher can run into an error state after a token it allowed: a grammar whose continuation no
+text satisfies (a Lark rule of an empty regex class, ``"x" /[a&&b]/``) offers only EOS next and
+reports the error. ``accept`` counts that as a refusal, so the request ends with "error" and
+never with "stop" on text the grammar does not match.
 """
 from __future__ import annotations
 
@@ -20,12 +26,19 @@ _filler = None
 
 
 class RequestGrammar:
-    __slots__ = ("future", "matcher", "error")
+    __slots__ = ("future", "matcher", "error", "_release")
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, release=None):
         self.future = future
         self.matcher = None
         self.error: Exception | None = None
+        self._release = release  # GrammarCompiler.release, called once by cancel()
+
+    def cancel(self) -> None:
+        """This request stopped waiting for its grammar (idempotent; nothing once compiled)."""
+        release, self._release = self._release, None
+        if release is not None and self.matcher is None and self.error is None:
+            release(self.future)
 
     def ready(self) -> bool:
         """True once the grammar compiled (the matcher is set) or failed (``error`` is set)."""
@@ -40,8 +53,10 @@ class RequestGrammar:
         return True
 
     def accept(self, token: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it."""
-        return self.matcher.consume_token(token)
+        """Advance by one sampled token; False if the grammar does not allow it, or if the
+        matcher is in an error state after it (see the module)."""
+        m = self.matcher
+        return m.consume_token(token) and not m.is_error()
 
     @property
     def is_complete(self) -> bool:

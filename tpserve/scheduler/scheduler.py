@@ -1,4 +1,4 @@
-"""Scheduler: admission, prefill/decode batching and recompute preemption over the block pool.
+"""Scheduler: prefill/decode batching and recompute preemption over the block pool.
 
 One ``schedule()`` call fills one step's token budget, ``max_num_batched_tokens``, under one of
 two policies (``EngineConfig.scheduling_policy``):
@@ -38,8 +38,8 @@ entries survive for prefix-cache recovery), goes back to prefill and to the *fro
 
 Speculative decoding (``EngineConfig.speculative_config``): after the decode and prefill rows
 are chosen as above, small steps give decode rows draft tokens to verify (spec_decode.py);
-``postprocess`` then appends several tokens to such a row, cut at a stop token or a length
-limit. Without it, or in steps above its batch-size limit, nothing changes.
+``postprocess`` then appends several tokens to such a row, cut where the finish rule ends it.
+Without it, or in steps above its batch-size limit, nothing changes.
 
 A prompt fully covered by cached blocks still computes its last token (for logits): that
 token's KV is already in a shared cached block, so its slot in the plan is -1.
@@ -53,40 +53,39 @@ and decode victims are chosen worst priority first. The waiting queue is a ``Wai
 Timeouts (deadlines.py): ``expire(now)``, called by the engine before each ``schedule()``,
 finishes requests past their deadline with "timeout", freeing their blocks in any state.
 
-Queue limits: ``add()`` refuses a request (OverloadedError) while the waiting queue is at
-``max_waiting_requests`` or its prompt would take the queue past ``max_waiting_tokens``.
-
-Admission control replaces the seed's ``assert scheduled_seqs``: ``add()`` rejects a request
-that could never run (longer than ``max_model_len``, or needing more blocks than the whole
-pool). Hence whenever work is runnable, ``schedule()`` returns a non-empty batch; an empty
-batch (falsy) only means there is nothing to do.
+Admission control (admission.py) replaces the seed's ``assert scheduled_seqs``: ``add()``
+refuses a request that could never run, so whenever work is runnable ``schedule()`` returns a
+non-empty batch; an empty batch (falsy) only means there is nothing to do. It also applies the
+waiting queue's limits (OverloadedError). A structured-output request waits in the grammar gate
+(grammar_gate.py) until its grammar is compiled.
 
 Host cost of a decode step is O(batch) in numpy: the decode fast path computes which running
 sequences start a block from the per-slot length array and, when the free blocks cover them
 all, allocates just for those (exactly what the per-sequence loop would do, since no
 ``can_append`` can fail); otherwise it runs the seed loop. Views of ``running`` (its slots,
 token lists) are cached by :class:`RunningQueue` under its version number. ``postprocess``
-updates lengths and checks EOS / stop tokens / length limits vectorized.
+(postprocess.py) applies the sampled tokens under one finish rule, vectorized.
 """
 from __future__ import annotations
 
 import logging
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait as futures_wait
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from tpserve.blockpool import BlockManager
 from tpserve.config import EngineConfig
-from tpserve.errors import AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, OverloadedError
+from tpserve.errors import ConfigError, InvalidFieldError
 from tpserve import limits as R
 from tpserve.plan import StepPlan
 from tpserve.sample_plan import SamplePlan
 from tpserve.scheduler import ordering
+from tpserve.scheduler.admission import Admission
+from tpserve.scheduler.batch import ScheduledBatch
 from tpserve.scheduler.deadlines import Deadlines
+from tpserve.scheduler.grammar_gate import GrammarGate
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
-from tpserve.scheduler.sample_inputs import GRAMMAR, build_sample_plan
+from tpserve.scheduler.postprocess import Postprocess
+from tpserve.scheduler.sample_inputs import build_sample_plan
 from tpserve.scheduler.spec_decode import Speculator
 from tpserve.scheduler.running import RunningQueue
 from tpserve.scheduler.sequence import Sequence, SequenceStatus
@@ -100,71 +99,7 @@ FINISHED = SequenceStatus.FINISHED
 FINISH_REASONS = R.FINISH_REASONS
 
 
-@dataclass
-class ScheduledBatch:
-    """What one step runs. ``seqs`` in plan order; ``slots[i]`` is ``seqs[i].slot``.
-
-    The first ``num_decodes`` sequences are decode rows (one new token each, always sampled);
-    the rest are prefill rows, and ``sampled[j]`` says whether ``seqs[num_decodes + j]`` gets a
-    token this step (only when its last prompt token is computed). ``is_prefill`` is True when
-    there is any prefill row: a pure decode batch and a mixed one differ only in that.
-    ``drafts`` (speculative decoding; None when the step has none) holds the draft tokens of
-    each decode row, ``[]`` for rows without; rows with drafts come after those without, and a
-    row with k drafts has k + 1 sample rows. Falsy when empty.
-    """
-
-    seqs: list[Sequence]
-    is_prefill: bool
-    slots: np.ndarray
-    table: SlotTable
-    step_id: int = 0
-    sampled: list[bool] = field(default_factory=list)
-    num_decodes: int = 0
-    # Decode rows' token_ids lists, in batch order (saves a lookup each), or None.
-    token_lists: list | None = None
-    # Names the decode slot set for SlotTable.constant_arrays (None: not cacheable).
-    slots_key: object = None
-    # Prompt log-probabilities computed this step: (seq, first target position, count) in
-    # StepPlan.logprob_rows order, and the target token of each row (set by build_plan).
-    prompt_logprobs: list = field(default_factory=list)
-    prompt_logprob_targets: np.ndarray | None = None
-    drafts: list[list[int]] | None = None
-    # The per-row arrays of the step's SamplePlan (temperatures, top_ks, top_ps, seeds,
-    # steps), in sample-row order (set by build_plan).
-    sample_rows: dict | None = None
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(map(len, self.drafts)) if self.drafts else 0
-
-    @property
-    def num_samples(self) -> int:
-        """Sample rows: one per sampled sequence, plus one per draft token."""
-        return self.num_decodes + sum(self.sampled) + self.num_draft_tokens
-
-    def sample_drafts(self) -> list[list[int]] | None:
-        """The drafts of each sampled sequence (sampled_seqs order), or None without drafts."""
-        if not self.drafts:
-            return None
-        return self.drafts + [[] for s in self.sampled if s]
-
-    def sampled_seqs(self) -> list[Sequence]:
-        """The sequences that get a token this step, in sample-row order."""
-        if not self.is_prefill:
-            return self.seqs
-        nd = self.num_decodes  # decode rows come first and are always sampled
-        return self.seqs[:nd] + [s for s, sampled in zip(self.seqs[nd:], self.sampled) if sampled]
-
-    @property
-    def num_tokens(self) -> int:
-        return (self.num_decodes + self.num_draft_tokens
-                + sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:]))
-
-
-class Scheduler:
+class Scheduler(Postprocess):
     """Owns the waiting/running queues, the BlockManager and the per-slot arrays."""
 
     def __init__(self, config: EngineConfig):
@@ -188,7 +123,10 @@ class Scheduler:
         self.speculator = Speculator(spec) if spec is not None else None
         self.by_priority = config.scheduling_order == "priority"
         self.waiting = WaitingQueue(self.by_priority)
-        self.max_waiting_requests, self.max_waiting_tokens = config.queue_limits()
+        self.admission = Admission(config, self.block_manager, self.waiting, self.by_priority)
+        self.num_refused = self.admission.num_refused
+        # Structured output: requests whose grammar compiles wait outside `waiting`.
+        self.grammars = GrammarGate(self.waiting)
         self._deadlines = Deadlines()
         self.running = RunningQueue()
         self._requests: dict[str, Sequence] = {}
@@ -197,12 +135,6 @@ class Scheduler:
         self._step_id = 0
         self._num_logprob_seqs = 0  # unfinished requests with logprobs set (0: skip the scan)
         self.vocab_size = int(config.hf_config.get("vocab_size") or 0)
-        # Structured output: requests whose grammar still compiles (kept out of `waiting`),
-        # those whose grammar failed (finished "error", not yet reported), and how many
-        # unfinished requests have a grammar (0: postprocess skips the matchers).
-        self._compiling: list[Sequence] = []
-        self._grammar_failures: list[Sequence] = []
-        self._num_grammar_seqs = 0
         # Counters (see stats()).
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
@@ -210,132 +142,58 @@ class Scheduler:
         self.decode_tokens = 0
         self.num_priority_preemptions = 0  # of num_preemptions: to admit a better priority
         self.num_timed_out = 0
-        self.num_refused = {"max_waiting_requests": 0, "max_waiting_tokens": 0}
+
+    @property
+    def max_waiting_requests(self) -> int | None:
+        return self.admission.max_waiting_requests
+
+    @property
+    def max_waiting_tokens(self) -> int | None:
+        return self.admission.max_waiting_tokens
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence, limit_queue: bool = True) -> None:
         """Queue a new request, or raise if it could never be scheduled (AdmissionError), if
         the queue is full (OverloadedError; not with ``limit_queue`` False, for the later
-        completions of an admitted request), or if it has a priority under "fcfs"."""
-        rid = seq.request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidFieldError("request_id", f"must be a non-empty string, got {rid!r}")
-        if rid in self._requests:
-            raise InvalidRequestError("request_id", f"{rid!r} is already used by an unfinished request; "
-                              "ids must be unique among unfinished requests")
-        prompt_len = seq.num_prompt_tokens
-        if prompt_len == 0:
-            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: must hold at least one token")
-        assert seq.status is WAITING and not seq.block_table and len(seq) == prompt_len, \
-            "add() takes a fresh sequence"
-        max_tokens = seq.sampling_params.max_tokens
-        total = prompt_len + max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise AdmissionError(rid, "max_model_len", total, self.max_model_len,
-                                 f"prompt of {prompt_len} tokens + max_tokens {max_tokens}")
-        # The last sampled token's KV is never written, hence total - 1 (but every prompt
-        # token's is, when max_tokens is 0).
-        blocks = -(-max(total - 1, prompt_len) // self.block_size)
-        pool = self.block_manager.num_blocks
-        if blocks > pool:
-            raise AdmissionError(rid, "num_kv_blocks", blocks, pool,
-                                 f"prompt of {prompt_len} tokens + max_tokens {max_tokens} needs "
-                                 f"{blocks} blocks of {self.block_size} tokens; the KV pool has {pool}")
-        # After the length checks: a prompt far over the context is refused without a pass over
-        # its ids (a million of them: 7 ms of the serving loop).
-        if min(seq.token_ids) < 0:
-            raise InvalidFieldError("prompt_token_ids", f"request {rid!r}: token ids must be >= 0, "
-                                    f"got {min(seq.token_ids)}")
-        if seq.priority != 0 and not self.by_priority:
-            raise InvalidFieldError("priority", f"is {seq.priority}, but this engine schedules first come, "
-                                    "first served (scheduling_order fcfs): only 0 is accepted; start it with "
-                                    "scheduling_order priority to use priorities")
-        if limit_queue:
-            self._check_queue_limits(seq)
+        completions of an admitted request), or if it has a priority under "fcfs" (admission.py).
+        A request whose grammar is not compiled yet waits in the grammar gate."""
+        self.admission.check(seq, self._requests, limit_queue)
         seq.block_size = self.block_size
-        self._requests[rid] = seq
+        self._requests[seq.request_id] = seq
         if seq.deadline is not None:
             self._deadlines.add(seq)
         self._num_logprob_seqs += seq.sampling_params.logprobs is not None
-        if seq.grammar is not None:
-            self._num_grammar_seqs += 1
-            if not seq.grammar.ready():
-                self._compiling.append(seq)  # schedule() queues it once its grammar is built
-                return
-            if seq.grammar.error is not None:
-                self._compiling.append(seq)  # reported by the next schedule(), like a late failure
-                return
+        if seq.grammar is not None and self.grammars.hold(seq):
+            return  # schedule() queues it once its grammar is built
         self.waiting.append(seq)
-
-    def _check_queue_limits(self, seq: Sequence) -> None:
-        waiting, cap = self.waiting, self.max_waiting_requests
-        if cap is not None and len(waiting) >= cap:
-            self.num_refused["max_waiting_requests"] += 1
-            raise OverloadedError(seq.request_id, "max_waiting_requests", len(waiting) + 1, cap)
-        cap = self.max_waiting_tokens
-        if cap is not None and waiting and waiting.num_tokens + len(seq) > cap:
-            self.num_refused["max_waiting_tokens"] += 1
-            raise OverloadedError(seq.request_id, "max_waiting_tokens", waiting.num_tokens + len(seq), cap)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running) or bool(self._compiling)
+        return bool(self.waiting) or bool(self.running) or bool(self.grammars.compiling)
 
-    # ---- grammars (structured output) -----------------------------------------------------
-    def _queue_compiled(self) -> None:
-        """Move requests whose grammar is built to the back of ``waiting`` (in arrival order);
-        finish those whose grammar failed with "error" (``take_grammar_failures``)."""
-        still = []
-        for seq in self._compiling:
-            if not seq.grammar.ready():
-                still.append(seq)
-            elif seq.grammar.error is not None:
-                self._grammar_failures.append(seq)
-            else:
-                self.waiting.append(seq)
-        self._compiling = still
-        if self._grammar_failures:
-            self._finish_many([(seq, "error") for seq in self._grammar_failures
-                               if seq.status is WAITING])
-
+    # ---- grammars (structured output: grammar_gate.py) ------------------------------------
     def take_grammar_failures(self) -> list[Sequence]:
         """The requests finished "error" because their grammar did not compile since the last
         call (``seq.grammar.error`` says why)."""
-        out, self._grammar_failures = self._grammar_failures, []
-        return out
+        return self.grammars.take_failures()
 
     def wait_for_grammars(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds until a compiling grammar is done (nothing else is
-        runnable: the caller would otherwise spin)."""
-        if self._compiling and not (self.waiting or self.running):
-            futures_wait([s.grammar.future for s in self._compiling], timeout, FIRST_COMPLETED)
-
-    def _advance_grammars(self, seqs: list[Sequence], toks: list[int]) -> list[tuple[Sequence, str]]:
-        """Feed each constrained sequence its sampled token (EOS included: where the grammar
-        may end, EOS completes it): (seq, "stop") when its grammar is complete, (seq, "error")
-        if the token broke it (the mask makes that an internal fault)."""
-        done = []
-        for seq, tok in zip(seqs, toks):
-            g = seq.grammar
-            if g is None:
-                continue
-            if not g.accept(tok):
-                log.error("request %r: its grammar refused sampled token %d: %s", seq.request_id, tok,
-                          g.describe_error())
-                done.append((seq, "error"))
-            elif g.is_complete:
-                done.append((seq, "stop"))
-        return done
+        """Block up to ``timeout`` seconds until a compiling grammar is done, when nothing else
+        is runnable (the caller would otherwise spin)."""
+        if not (self.waiting or self.running):
+            self.grammars.wait(timeout)
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick the next batch under the configured policy (see the module docstring)."""
         self._step_id += 1
         self._dropped_in_flight = False
-        if self._compiling:
-            self._queue_compiled()
+        if self.grammars.compiling:
+            failed = self.grammars.queue_compiled()
+            if failed:
+                self._finish_many([(seq, "error") for seq in failed])
         if self.by_priority and self.waiting:
             self._make_room()
         if self.policy == "mixed":
@@ -521,160 +379,6 @@ class Scheduler:
             self._prefilling = None
         self.num_preemptions += 1
 
-    # ---- results -------------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, token_ids, counts=None) -> list[Sequence]:
-        """Apply one step's sampled tokens (one per sampled sequence, in batch order).
-
-        Advances prefill progress, appends tokens, enters blocks that became full into the
-        prefix cache, and finishes sequences on a stop token or a length limit (their blocks
-        are freed). Returns the sequences that received a token, finished ones included.
-        One batch is in flight at a time: call it once per ``schedule()``, before the next.
-        Sequences aborted, finished or preempted while the batch ran are skipped.
-
-        With drafts (``batch.drafts``), ``counts[i]`` is how many tokens the i-th sampled
-        sequence keeps (its accepted drafts plus one; ``token_ids`` holds them back to back);
-        a run is cut after a stop token or at the length limit.
-        """
-        if not batch.seqs:
-            return []
-        toks = np.asarray(token_ids).reshape(-1)
-        nd = batch.num_decodes
-        if batch.drafts:
-            return self._postprocess_speculative(batch, toks, np.asarray(counts).reshape(-1))
-        assert counts is None or (np.asarray(counts) == 1).all(), "several tokens without drafts"
-        assert len(toks) == batch.num_samples, \
-            f"got {len(toks)} tokens for {batch.num_samples} sampled sequences"
-        if not batch.is_prefill:
-            return self._postprocess_decode(batch.seqs, batch.slots, toks, batch.token_lists)
-        out = self._postprocess_decode(batch.seqs[:nd], batch.slots[:nd], toks[:nd],
-                                       batch.token_lists) if nd else []
-        return out + self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[nd:])
-
-    def _postprocess_speculative(self, batch: ScheduledBatch, toks: np.ndarray,
-                                 counts: np.ndarray) -> list[Sequence]:
-        nd, drafts = batch.num_decodes, batch.drafts
-        assert len(counts) == len(batch.sampled_seqs()) and len(toks) == counts.sum() \
-            and (counts >= 1).all(), "token counts do not match the sampled sequences"
-        n0 = next(i for i, d in enumerate(drafts) if d)  # rows with drafts follow those without
-        assert (counts[:n0] == 1).all() and (counts[nd:] == 1).all()
-        end = n0 + int(counts[n0:nd].sum())
-        out = self._postprocess_decode(batch.seqs[:n0], batch.slots[:n0], toks[:n0],
-                                       batch.token_lists[:n0] if batch.token_lists else None) if n0 else []
-        out += self._postprocess_runs(batch.seqs[n0:nd], batch.slots[n0:nd].tolist(), drafts[n0:],
-                                      toks[n0:end].tolist(), counts[n0:nd].tolist())
-        if batch.is_prefill:
-            out += self._postprocess_prefill(batch.seqs[nd:], batch.sampled, toks[end:])
-        return out
-
-    def _postprocess_runs(self, seqs: list[Sequence], slots: list[int], drafts: list[list[int]],
-                          toks: list[int], counts: list[int]) -> list[Sequence]:
-        """Decode rows that verified drafts: append each kept run up to a stop token or the
-        length limit, give back the blocks reserved past it, hash the blocks it filled."""
-        bm, t, bs = self.block_manager, self.table, self.block_size
-        out: list[Sequence] = []
-        done: list[tuple[Sequence, str]] = []
-        i = 0
-        for seq, slot, d, c in zip(seqs, slots, drafts, counts):
-            run = toks[i:i + c]
-            i += c
-            self.speculator.record(len(d), c - 1)
-            if seq.status is not RUNNING:  # aborted, finished or preempted while the step ran
-                continue
-            stop_ids, stop_len = t.stop_ids[:, slot], int(t.stop_lens[slot])
-            tokens = seq.token_ids
-            reason = None
-            for tok in run:
-                tokens.append(tok)
-                if (stop_ids == tok).any():
-                    reason = "stop"
-                    break
-                if len(tokens) >= stop_len:
-                    reason = "length"
-                    break
-            n = len(tokens)
-            self.decode_tokens += n - int(t.seq_lens[slot])
-            t.seq_lens[slot], t.last_tokens[slot] = n, tokens[-1]
-            keep = -(-(n - 1) // bs)
-            if bm.truncate(seq, keep):
-                t.truncate_blocks(slot, keep)
-            bm.hash_blocks(seq)
-            out.append(seq)
-            if reason is not None:
-                done.append((seq, reason))
-        self._finish_many(done)
-        return out
-
-    def _postprocess_prefill(self, seqs: list[Sequence], sampled_flags: list[bool],
-                             toks: np.ndarray) -> list[Sequence]:
-        bm, t = self.block_manager, self.table
-        out: list[Sequence] = []
-        done: list[tuple[Sequence, str]] = []
-        tok_list = toks.tolist()
-        ti = 0
-        for seq, sampled in zip(seqs, sampled_flags):
-            if sampled:
-                tok = tok_list[ti]
-                ti += 1
-            if seq.status is not RUNNING:  # aborted while the step ran
-                continue
-            seq.num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
-            if sampled and seq.sampling_params.max_tokens == 0:  # score the prompt only
-                bm.hash_blocks(seq)
-                done.append((seq, "length"))
-                out.append(seq)
-                continue
-            if sampled:
-                seq.token_ids.append(tok)
-                seq.start_decoding()
-                t.start_decoding(seq)
-                out.append(seq)
-            bm.hash_blocks(seq)
-            if sampled:
-                ended = self._advance_grammars([seq], [tok]) if seq.grammar is not None else ()
-                if ended:
-                    done.extend(ended)
-                elif (t.stop_ids[:, seq.slot] == tok).any():
-                    done.append((seq, "stop"))
-                elif len(seq) >= t.stop_lens[seq.slot]:
-                    done.append((seq, "length"))
-        self._finish_many(done)
-        return out
-
-    def _postprocess_decode(self, seqs: list[Sequence], slots: np.ndarray, toks: np.ndarray,
-                            token_lists: list | None) -> list[Sequence]:
-        if self._dropped_in_flight:
-            keep = np.fromiter((s.status is RUNNING for s in seqs), dtype=bool, count=len(seqs))
-            seqs = [s for s, k in zip(seqs, keep.tolist()) if k]
-            slots, toks = slots[keep], toks[keep]
-            token_lists = None
-        if token_lists is None:
-            token_lists = [s.token_ids for s in seqs]
-        t, bm = self.table, self.block_manager
-        toks32 = toks.astype(np.int32, copy=False)
-        lens = t.seq_lens[slots] + 1
-        t.seq_lens[slots] = lens
-        t.last_tokens[slots] = toks32
-        # Append each token to its sequence without a Python-level loop body.
-        deque(map(list.append, token_lists, toks.tolist()), maxlen=0)
-        self.decode_tokens += len(seqs)
-        if bm.enable_prefix_caching:
-            # A block became full exactly when the KV just written ended it.
-            for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist():
-                bm.hash_blocks(seqs[p])
-        stop = t.stop_hits(slots, toks32)
-        grammar_ends: list[tuple[Sequence, str]] = []
-        if self._num_grammar_seqs:
-            rows = np.flatnonzero(t.controls.flags[slots] & GRAMMAR).tolist()
-            if rows:
-                grammar_ends = self._advance_grammars([seqs[p] for p in rows], toks[rows].tolist())
-        ended = np.flatnonzero(stop | (lens >= t.stop_lens[slots]))
-        if len(ended) or grammar_ends:
-            stop_list = stop.tolist()
-            by_grammar = {id(s) for s, _ in grammar_ends}
-            self._finish_many(grammar_ends + [(seqs[p], "stop" if stop_list[p] else "length")
-                                              for p in ended.tolist() if id(seqs[p]) not in by_grammar])
-        return seqs
-
     # ---- finishing -----------------------------------------------------------------------
     def finish(self, seq_or_request_id: Sequence | str, reason: str = "stop") -> bool:
         """Finish an unfinished request now (e.g. a stop string matched) and free its blocks.
@@ -715,7 +419,7 @@ class Scheduler:
         left_running = 0
         for seq, reason in items:
             self._num_logprob_seqs -= seq.sampling_params.logprobs is not None
-            self._num_grammar_seqs -= seq.grammar is not None
+            held = seq.grammar is not None and self.grammars.finished(seq)  # compiling, or failed
             was = seq.status
             seq.status = FINISHED
             seq.finish_reason = reason
@@ -728,9 +432,7 @@ class Scheduler:
                 left_running += 1
                 if self._prefilling is seq:
                     self._prefilling = None
-            elif seq in self._compiling:
-                self._compiling.remove(seq)
-            elif seq not in self._grammar_failures:
+            elif not held:
                 self.waiting.remove(seq)
         if left_running == 1 and len(items) == 1:
             self.running.remove(items[0][0])
@@ -756,7 +458,7 @@ class Scheduler:
         seqs = batch.sampled_seqs()
         ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
             if self._num_logprob_seqs else ()
-        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], batch.sample_rows,
+        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
                                    self.table, max(ks, default=-1), self.vocab_size,
                                    batch.sample_drafts())
         if batch.prompt_logprobs:
@@ -833,7 +535,7 @@ class Scheduler:
         bm.check_integrity()
         assert len(self.running) <= self.max_num_seqs, "more running sequences than max_num_seqs"
         ids = ([s.request_id for s in self.running] + [s.request_id for s in self.waiting]
-               + [s.request_id for s in self._compiling])
+               + [s.request_id for s in self.grammars.compiling])
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
         assert set(ids) == set(self._requests), "queues and request index disagree"
         assert set(map(id, self.running)) == set(map(id, bm.live_sequences())), \
