@@ -451,3 +451,8 @@ def test_read_only_row_arrays_are_read_in_place_without_a_warning():
         assert torch.equal(sampler(x, plan), first)
     assert torch.equal(first, again)
     assert sampler._rows["seeds"][0] is plan.seeds  # its tensor kept for the next step
+    greedy = args(4, temp=0.0)
+    greedy.temperatures.flags.writeable = False
+    other = Sampler()
+    assert torch.equal(other(x, greedy), x.argmax(-1))
+    assert list(other._rows) == ["temperatures"]  # an all-greedy step reads nothing else

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.sample_plan import ROW_FIELDS, SamplePlan, kept_rows
+from tpserve.sample_plan import SamplePlan, kept_rows
 from tpserve.workers.penalties import PenaltyState
 from tpserve.workers.rejection import accept
 
@@ -312,8 +312,9 @@ class Sampler:
         self.device = torch.device(device)
         self._penalties: PenaltyState | None = None
         self._buf: torch.Tensor | None = None  # float32 scratch for processed logits
-        # name -> (array, its tensor): the per-row arrays seen last (see _row_tensors)
+        # name -> (array, its tensor): the read-only per-row arrays seen last (see _row)
         self._rows: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
+        self._staged: tuple[SamplePlan | None, dict] = (None, {})  # off the CPU: (plan, tensors)
 
     def penalties(self, vocab: int) -> PenaltyState:
         if self._penalties is None or self._penalties.vocab_size != vocab:
@@ -329,8 +330,7 @@ class Sampler:
         """The token of every row of ``logits`` [S, V] under ``plan`` (S rows), and with drafts
         how many rows each sequence keeps (StepOutput.accepted; None without drafts)."""
         processed = plan.processes_logits
-        rows = self._row_tensors(plan)
-        temperatures = rows["temperatures"]
+        temperatures = self._row(plan, "temperatures")
         if not processed:
             # Upcasting bf16/fp16 to float32 is exact, so argmax before or after it agrees.
             greedy_tokens, all_greedy = _greedy_argmax(logits, temperatures)
@@ -346,7 +346,8 @@ class Sampler:
         if all_greedy:
             tokens = greedy_tokens
         else:
-            top_ks, top_ps, seeds, steps = rows["top_ks"], rows["top_ps"], rows["seeds"], rows["steps"]
+            top_ks, top_ps = self._row(plan, "top_ks"), self._row(plan, "top_ps")
+            seeds, steps = self._row(plan, "seeds"), self._row(plan, "steps")
             temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
             ops = _filtered_race_ops(x, temps, top_ks, top_ps)
             if ops is not None and plan.min_p_rows is None:
@@ -379,31 +380,31 @@ class Sampler:
             return None
         return accept(tokens.cpu().numpy(), plan.draft_counts, plan.draft_tokens)
 
-    def _row_tensors(self, plan: SamplePlan) -> dict[str, torch.Tensor]:
-        """The plan's per-row arrays (ROW_FIELDS) as tensors on the sampler's device.
+    def _row(self, plan: SamplePlan, name: str) -> torch.Tensor:
+        """The plan's per-row array ``name`` (ROW_FIELDS) as a tensor on the sampler's device.
 
-        On the CPU they are the arrays' own memory (``torch.from_numpy``, no copy). A decode
-        step over an unchanged running set passes the same read-only arrays again
-        (``SlotTable.constant_arrays``): their tensors are kept, and torch's one-time warning
-        about read-only arrays (the sampler never writes them) is not raised. On a device the
-        five arrays go in one host buffer and one copy (``pack_rows``)."""
+        On the CPU it is the array's own memory (``torch.from_numpy``, no copy), made only when
+        needed (an all-greedy step reads only the temperatures). A decode step over an unchanged
+        running set passes the same read-only arrays again (``SlotTable.constant_arrays``):
+        their tensors are kept, and torch's one-time warning about read-only arrays (the sampler
+        never writes them) is not raised. On a device the five arrays go in one host buffer and
+        one copy (``pack_rows``), once per plan."""
         if self.device.type != "cpu":
-            return unpack_rows(torch.from_numpy(pack_rows(plan)).to(self.device, non_blocking=True),
-                               plan.num_samples)
-        out, cache = {}, self._rows
-        for name in ROW_FIELDS:
-            a = getattr(plan, name)
-            hit = cache.get(name)
-            if hit is not None and hit[0] is a:
-                out[name] = hit[1]
-            elif a.flags.writeable:
-                out[name] = torch.from_numpy(a)
-            else:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    t = out[name] = torch.from_numpy(a)
-                cache[name] = (a, t)
-        return out
+            if self._staged[0] is not plan:
+                packed = torch.from_numpy(pack_rows(plan)).to(self.device, non_blocking=True)
+                self._staged = (plan, unpack_rows(packed, plan.num_samples))
+            return self._staged[1][name]
+        a = getattr(plan, name)
+        hit = self._rows.get(name)
+        if hit is not None and hit[0] is a:
+            return hit[1]
+        if a.flags.writeable:
+            return torch.from_numpy(a)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
+        self._rows[name] = (a, t)
+        return t
 
     def _scratch(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``logits`` in a buffer kept between steps: a fresh [S, V] tensor
