@@ -55,6 +55,11 @@ def vocab_rank(row: torch.Tensor, token: int) -> int:
     return int((row > row[token]).sum()) + 1
 
 
+def chosen_sum(c) -> float:
+    """The sum of the chosen tokens' logprobs, read from vLLM's per-position dicts."""
+    return sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))
+
+
 def check_position(d: dict, token: int, row: torch.Tensor, k: int, decode) -> None:
     """One position's dict: the top k by rank 1..k and the chosen token, values as transformers."""
     assert isinstance(d, dict) and all(isinstance(t, int) and isinstance(e, Logprob) for t, e in d.items())
@@ -101,8 +106,7 @@ def test_greedy_logprobs_k(setup):
         check_position(d, t, row, K, tok.decode)
         assert d[t].rank == 1 and len(d) == K  # greedy: the chosen token is the best one
         assert next(iter(d)) == t  # vLLM's order: the chosen token's entry first
-    assert math.isclose(c.cumulative_logprob, sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)),
-                        rel_tol=1e-6)
+    assert math.isclose(c.cumulative_logprob, chosen_sum(c), rel_tol=1e-6)
 
 
 def test_sampled_logprobs_hold_the_sampled_token_outside_the_top(setup):
@@ -127,14 +131,15 @@ def test_sampled_logprobs_hold_the_sampled_token_outside_the_top(setup):
                 assert math.isclose(d[t].logprob, float(row[t]), abs_tol=2e-4)
                 assert d[t].decoded_token == tok.decode([t])
             outside += d[t].rank > max(k, 1)
-        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+        assert c.cumulative_logprob == pytest.approx(chosen_sum(c))
     assert outside > 0  # the case of a sampled token below the top k was exercised
 
 
 def test_prompt_logprobs_k(setup):
     hf, llm = setup
     tok = llm.tokenizer
-    r = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K), use_tqdm=False)[0]
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K)
+    r = llm.generate([PROMPT], sp, use_tqdm=False)[0]
     lps = r.prompt_logprobs
     assert isinstance(lps, list) and len(lps) == len(PROMPT) and lps[0] is None
     ref = ref_logprobs(hf, PROMPT)
@@ -147,7 +152,8 @@ def test_prompt_logprobs_k(setup):
 def test_n_completions_each_with_index_and_logprobs(setup):
     _, llm = setup
     text = llm.tokenizer.decode(PROMPT)
-    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True, logprobs=1,
+                        prompt_logprobs=1)
     r = llm.generate(text, sp, use_tqdm=False)[0]
     assert r.prompt == text and r.prompt_token_ids and r.finished
     assert [c.index for c in r.outputs] == [0, 1, 2]
@@ -156,7 +162,7 @@ def test_n_completions_each_with_index_and_logprobs(setup):
     for c in r.outputs:
         assert len(c.logprobs) == len(c.token_ids) == 5
         assert all(t in d and 1 <= len(d) <= 2 for t, d in zip(c.token_ids, c.logprobs))
-        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+        assert c.cumulative_logprob == pytest.approx(chosen_sum(c))
 
 
 def test_no_logprobs_asked(setup):
@@ -172,7 +178,8 @@ def test_no_logprobs_asked(setup):
 def test_stop_reason_names_the_stop_token_or_string(setup):
     _, llm = setup
     tok = llm.tokenizer
-    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base = llm.generate([PROMPT], plain, use_tqdm=False)[0]
     ids = base.outputs[0].token_ids
     stop_id = ids[2]
     by_id = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
