@@ -475,7 +475,7 @@ def test_max_completion_tokens_top_k_user_and_unknown_fields(daemon):
 
 
 def test_stopping_the_daemon_stops_the_front(daemon):
-    fronts = [p for p in daemon.tree if "http_front" in Path(f"/proc/{p}/cmdline").read_text()]
+    fronts = [p for p in daemon.tree if "tpserve.fronts.http.front" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(fronts) == 1
     daemon.stop()
     deadline = time.monotonic() + 15

@@ -66,7 +66,7 @@ class GuardedDaemon:
         self.log = Path(self.rd, "tpserve.log")
 
     def front_pid(self) -> int:
-        fronts = [p for p in descendants(self.pid) if "http_front" in _cmdline(p)]
+        fronts = [p for p in descendants(self.pid) if "tpserve.fronts.http.front" in _cmdline(p)]
         assert len(fronts) == 1, fronts
         return fronts[0]
 
