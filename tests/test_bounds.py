@@ -75,7 +75,8 @@ SAMPLING_BOUNDS = [
      {"json": "{" + " " * (R.MAX_GRAMMAR_CHARS - 1) + "}"}, "structured_outputs.json"),
     # a schema sent as a map: its maps are wire maps (docs/protocol.md, Transport)
     ("json map entries", "structured_outputs",
-     {"json": {"type": "object", "properties": {"p%d" % i: {"type": "integer"} for i in range(R.MAX_LOGIT_BIAS)}}},
+     {"json": {"type": "object",
+               "properties": {"p%d" % i: {"type": "integer"} for i in range(R.MAX_LOGIT_BIAS)}}},
      {"json": "{" + " " * (R.MAX_GRAMMAR_CHARS - 1) + "}"}, "structured_outputs.json"),
 ]
 IDS = [row[0] for row in SAMPLING_BOUNDS]
@@ -121,8 +122,10 @@ def test_the_offline_api_takes_every_value_at_its_bound_and_names_the_field_past
 
 @pytest.mark.parametrize("name,fields,past,named", [
     ("id", {"id": "i" * R.MAX_ID_CHARS}, {"id": "i" * (R.MAX_ID_CHARS + 1)}, "id"),
-    ("prompt chars", {"prompt": "p" * R.MAX_PROMPT_CHARS}, {"prompt": "p" * (R.MAX_PROMPT_CHARS + 1)}, "prompt"),
-    ("prompt ids", {"prompt": [1] * R.MAX_PROMPT_TOKENS}, {"prompt": [1] * (R.MAX_PROMPT_TOKENS + 1)}, "prompt"),
+    ("prompt chars", {"prompt": "p" * R.MAX_PROMPT_CHARS}, {"prompt": "p" * (R.MAX_PROMPT_CHARS + 1)},
+     "prompt"),
+    ("prompt ids", {"prompt": [1] * R.MAX_PROMPT_TOKENS}, {"prompt": [1] * (R.MAX_PROMPT_TOKENS + 1)},
+     "prompt"),
     ("priority", {"priority": R.MIN_PRIORITY}, {"priority": R.MIN_PRIORITY - 1}, "priority"),
     ("timeout", {"timeout": R.MAX_TIMEOUT}, {"timeout": R.MAX_TIMEOUT * 2}, "timeout"),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -157,7 +160,7 @@ def test_maps_and_nesting_at_the_decoders_own_limits():
 
 @pytest.mark.parametrize("raw,rid", [
     (frame({"logit_bias": {str(i): 1.0 for i in range(P.MAX_MAP_ENTRIES + 1)}}), "b"),  # over the map cap
-    (frame({"top_k": 1}, rid="cut")[:-3], "cut"),                                       # cut short after the id
+    (frame({"top_k": 1}, rid="cut")[:-3], "cut"),                            # cut short after the id
     (b"\x84\xa1v\x01\xa4type\xa4ping\xa2id\xa1a\xa6params\x82\xa1k\x01\xa1k\x02", "a"),  # a key twice, inside
     (b"\x84\xa1v\x01\xa4type\xa4ping\xa2id\xa1a\xa2id\xa1b", None),                   # two ids: which?
     (b"\x83\xa1v\x01\xa4type\xa4ping\xa2id\x05", None),                                # not an id
@@ -285,8 +288,8 @@ TPSERVE = [sys.executable, "-m", "tpserve"]
 @pytest.fixture(scope="module")
 def http_daemon():
     rd = tempfile.mkdtemp(prefix="tpb-", dir="/tmp")
-    out = subprocess.run(TPSERVE + ["start", "--runtime-dir", rd, "--num-kv-blocks", "600", "--block-size", "4",
-                                    "--http-port", "0", "--startup-timeout", "200"],
+    out = subprocess.run(TPSERVE + ["start", "--runtime-dir", rd, "--num-kv-blocks", "600",
+                                    "--block-size", "4", "--http-port", "0", "--startup-timeout", "200"],
                          capture_output=True, text=True, timeout=240)
     if out.returncode != 0:
         shutil.rmtree(rd, ignore_errors=True)

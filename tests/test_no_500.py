@@ -68,7 +68,8 @@ def test_an_unexpected_exception_is_a_400_when_the_input_caused_it(what, status,
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
     if status == 400:
-        assert "nested too deeply" in r.json()["error"]["message"] or "grammar" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert "nested too deeply" in message or "grammar" in message
 
 
 class FrontServer:
@@ -130,8 +131,8 @@ TPSERVE = [sys.executable, "-m", "tpserve"]
 @pytest.fixture(scope="module")
 def url():
     rd = tempfile.mkdtemp(prefix="tpn-", dir="/tmp")
-    out = subprocess.run(TPSERVE + ["start", "--runtime-dir", rd, "--num-kv-blocks", "600", "--block-size", "4",
-                                    "--http-port", "0", "--startup-timeout", "200"],
+    out = subprocess.run(TPSERVE + ["start", "--runtime-dir", rd, "--num-kv-blocks", "600",
+                                    "--block-size", "4", "--http-port", "0", "--startup-timeout", "200"],
                          capture_output=True, text=True, timeout=240)
     if out.returncode != 0:
         shutil.rmtree(rd, ignore_errors=True)
@@ -154,7 +155,8 @@ PROBES = [
       "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": DEEP_SCHEMA}}}),
     ("tool call arguments", "/v1/chat/completions",
      {"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [
-         {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP_ARRAY}}]}], "max_tokens": 2}),
+         {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP_ARRAY}}]}],
+      "max_tokens": 2}),
     ("logit_bias key", "/v1/completions", {"prompt": "x", "max_tokens": 2, "logit_bias": {DEEP_ARRAY: 1}}),
     ("body", "/v1/completions", DEEP_ARRAY),
     ("stop as nested arrays", "/v1/completions", {"prompt": "x", "stop": json.loads("[" * 900 + "]" * 900)}),
@@ -171,7 +173,8 @@ def test_deep_nesting_anywhere_is_a_400(url, what, path, body):
 
 def test_a_max_tokens_past_the_context_is_named(url):
     for n in (1, 16):
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "n": n, "max_tokens": 2**31 - 1}, timeout=60)
+        body = {"prompt": "x", "n": n, "max_tokens": 2**31 - 1}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 

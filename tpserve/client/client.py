@@ -165,8 +165,9 @@ class _ClientCore:
         generates among them are aborted, in case the daemon did accept them."""
         ended = []
         for rid, is_generate in self._unacked.items():
-            ended.append(P.ErrorReply(msg.code, f"{msg.message} (the daemon's error named no request: every "
-                                      "request of this connection still waiting for its first reply ends with it)",
+            ended.append(P.ErrorReply(msg.code, f"{msg.message} (the daemon's error named no request: "
+                                      "every request of this connection still waiting for its first reply "
+                                      "ends with it)",
                                       id=rid, field=msg.field, limit=msg.limit, requested=msg.requested,
                                       allowed=msg.allowed, retry_after=msg.retry_after))
             if is_generate:

@@ -359,8 +359,8 @@ def unpack_frame(frame: bytes) -> dict:
         raise ProtocolError(BAD_MESSAGE, None, str(e)[:512]) from None
     except Exception as e:  # msgpack raises many types (ExtraData, ValueError, StackError, ...)
         if isinstance(e, msgpack.exceptions.StackError) or "recursion limit" in str(e):
-            raise ProtocolError(BAD_MESSAGE, None, f"maps and arrays nest more than {MAX_NESTING} levels deep; "
-                                                   "send a deep JSON schema as text") from None
+            raise ProtocolError(BAD_MESSAGE, None, f"maps and arrays nest more than {MAX_NESTING} levels "
+                                                   "deep; send a deep JSON schema as text") from None
         raise ProtocolError(BAD_MESSAGE, None, f"not a msgpack frame: {type(e).__name__}: {e}"[:512]) from None
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_MESSAGE, None, f"a message must be a msgpack map, got {type(obj).__name__}")

@@ -56,20 +56,20 @@ from the drain's first moment.
 """
 from __future__ import annotations
 
-import array
-import heapq
 import logging
 import math
 import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
 
 from tpserve.client import protocol as P
+from tpserve.server.admission import Admission
+from tpserve.server.client_requests import ClientRequest
 from tpserve.server.engine_api import ServingEngine
 from tpserve.server.fair_queue import FairQueue
 from tpserve.server.kv_events import KVEventsOptions
@@ -77,10 +77,11 @@ from tpserve.server.listener import Listener
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.outbox import Peer, Peers
 from tpserve.server.profiling import ProfileRecorder
+from tpserve.server.status import StatusReport, served_model_name  # noqa: F401  (daemon.py's)
+from tpserve.server.tokenize_requests import TokenizeRequests
 from tpserve.server.tokenizing import CONTENDED_CPU_SHARE, PromptTokenizer
-from tpserve.errors import AdmissionError, InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError
-from tpserve.sampling import SamplingParams
-from tpserve.tokenizer import TokenizerProcess, TokenizerProcessError
+from tpserve.errors import StepFailedError
+from tpserve.tokenizer import TokenizerProcess
 
 log = logging.getLogger("tpserve.daemon")
 
@@ -116,71 +117,7 @@ class ServerOptions:
     kv_events: KVEventsOptions | None = None  # publish prefix-cache events (kv_events.py)
 
 
-@dataclass
-class _Queued:
-    """A request held in the fair queue until the engine has room for it."""
-
-    req: "ClientRequest"
-    prompt: Callable[[], str | list[int]]
-    params: SamplingParams
-
-
-@dataclass
-class _Ended:
-    """A completion that ended without running, as ``_finish_completion`` reads one."""
-
-    index: int
-    finish_reason: str
-    num_completion_tokens: int
-
-
-@dataclass
-class ClientRequest:
-    """A client's ``generate`` in flight on one connection: its ids, its prompt figures, and
-    the output the reply gathers (the done maps of its ``n`` completions, or a non-streamed
-    request's text). Not the engine's state of a completion (engine.py's _Completion)."""
-
-    peer: Peer
-    client_id: str
-    engine_id: str
-    stream: bool
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first completion's)
-    arrival: float = 0.0
-    last_token: float | None = None
-    n: int = 1
-    # n > 1: the finished completions' wire maps, and the unfinished ones' gathered output
-    done: list = field(default_factory=list)
-    parts: dict = field(default_factory=dict)   # index -> (text parts, token ids, logprobs)
-    prompt_logprobs_sent: bool = False
-    prompt_logprobs: list | None = None  # wire entries not yet sent (they go with the done)
-    logprobs_wanted: bool = False
-    priority: int = 0
-    timeout: float | None = None  # seconds from ``arrival``
-
-
-def served_model_name(engine, options: ServerOptions) -> str:
-    """The name clients and metrics know the model by."""
-    if options.served_model_name:
-        return options.served_model_name
-    path = getattr(getattr(engine, "config", None), "model_path", None)
-    return os.path.basename(os.path.normpath(str(path))) if path else "tpserve"
-
-
-def _wire_prompt_logprobs(entries) -> list | None:
-    if entries is None:
-        return None
-    return [None if e is None else [e.logprob, [[t, v] for t, v in e.top]] for e in entries]
-
-
-def _wire_logprobs(logprobs) -> list | None:
-    if logprobs is None:
-        return None
-    return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in logprobs]
-
-
-class Server:
+class Server(Admission, TokenizeRequests, StatusReport):
     """See the module docstring. Construct (binds), then ``run()``; ``close()`` when done."""
 
     def __init__(self, engine: ServingEngine | None, address: str, options: ServerOptions | None = None,
@@ -192,7 +129,7 @@ class Server:
                                  options.curve_secret_key, options.curve_client_keys_dir)
         self.peers = Peers(self.listener.sock, self._on_peer_gone, options.max_queued_replies)
         self._requests: dict[str, ClientRequest] = {}  # by engine id
-        self._queue = FairQueue()  # received, not yet in the engine: _Queued by engine id
+        self._queue = FairQueue()  # received, not yet in the engine: Held by engine id
         # (deadline, engine id) of queued requests with a timeout: they end at it, held or not
         self._held_deadlines: list[tuple[float, str]] = []
         self._held_timed_out = 0
@@ -223,22 +160,6 @@ class Server:
                 self.close()
                 raise
         self._checked_idle = True  # the engine's integrity was checked since it last worked
-
-    def _tokenize(self, prompt: str, add_special_tokens: bool = False) -> array.array:
-        """On the tokenizing thread: in the tokenizer process when the engine names its
-        tokenizer (the thread then only waits on a pipe), else with the engine's. The ids come
-        packed (an ``array.array("i")``): the engine checks them, and a tokenize reply carries
-        them, without a Python int per id."""
-        path = self.engine.tokenizer_path()
-        if path is None:
-            return array.array("i", self.engine.tokenize(prompt, add_special_tokens))
-        with self._tokenizer_process_lock:  # against close(): no child is made after it
-            if self._closed:
-                raise TokenizerProcessError("the daemon is closing")
-            if self._tokenizer_process is None:
-                self._tokenizer_process = TokenizerProcess(path)
-            proc = self._tokenizer_process
-        return proc.encode(prompt, add_special_tokens, packed=True)
 
     # ---- life cycle --------------------------------------------------------------------------
     def request_shutdown(self, now: bool = False) -> None:
@@ -445,8 +366,9 @@ class Server:
                 raise
             except Exception as e:  # a bug must cost one request, not the daemon
                 log.exception("failed to handle a message")
-                self.peers.reply(frames[0], P.ErrorReply(P.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS],
-                                                         id=self._refused_id(frames[0], None, frames[-1])))
+                self.peers.reply(frames[0], P.ErrorReply(
+                    P.INTERNAL, f"{type(e).__name__}: {e}"[:P.MAX_MESSAGE_CHARS],
+                    id=self._refused_id(frames[0], None, frames[-1])))
         return self.options.max_messages_per_step
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -534,143 +456,6 @@ class Server:
             id=client_id))
         return True
 
-    def _on_tokenize(self, identity: bytes, msg: P.TokenizeRequest) -> None:
-        """Answer the text's token ids: a long text from the tokenizing thread (as a long
-        prompt is), a short one at once. In flight it counts against the connection's cap."""
-        def error(code, message, **kw):
-            self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
-
-        if self._stopping:
-            return error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
-                         id=msg.id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
-        peer = self.peers.get(identity)
-        if (identity, msg.id) in self._encodes or (peer is not None and msg.id in peer.requests):
-            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
-                         "that request continues", field="id")
-        if self._refused_over_cap(identity, peer, msg.id):
-            return
-        if len(msg.text) > self.options.inline_tokenize_chars:
-            self._encodes[identity, msg.id] = self._tokenizer.encode(msg.text, msg.add_special_tokens)
-            return
-        self._answer_encode(identity, msg.id, lambda: self.engine.tokenize(msg.text, msg.add_special_tokens))
-
-    def _answer_tokenized(self) -> None:
-        for key, future in list(self._encodes.items()):
-            if future.done():
-                del self._encodes[key]
-                self._answer_encode(*key, future.result)
-
-    def _answer_encode(self, identity: bytes, client_id: str,
-                       ids_of: Callable[[], list[int] | array.array]) -> None:
-        """Reply ``ids_of()``, or the error it raises."""
-        try:
-            ids = ids_of()
-        except (InvalidRequestError, InvalidFieldError) as e:
-            reply = P.ErrorReply(P.INVALID_REQUEST, e.reason[:P.MAX_MESSAGE_CHARS], id=client_id, field="text")
-        except Exception as e:
-            log.error("could not tokenize the text of request %r: %s", client_id, e)
-            reply = P.ErrorReply(P.INTERNAL, f"the text could not be tokenized: {e}"[:P.MAX_MESSAGE_CHARS],
-                                 id=client_id)
-        else:
-            if len(ids) <= P.MAX_TOKENIZED_IDS:
-                reply = P.TokensReply(client_id, ids)
-            else:
-                reply = P.ErrorReply(P.INVALID_REQUEST, f"the text is {len(ids)} tokens, more than one reply "
-                                     f"carries ({P.MAX_TOKENIZED_IDS})", id=client_id, field="text")
-        self.peers.reply(identity, reply)
-
-    def _admit_tokenized(self) -> None:
-        """Queue (or add) the requests whose prompts have been tokenized."""
-        for job in self._tokenizer.finished():  # also while draining: they arrived before it
-            self._tokenizer.discard(job.req.engine_id)
-            del job.req.peer.requests[job.req.client_id]
-            self._queue_or_admit(job.req, job.result, job.params)
-
-    def _queue_or_admit(self, req: ClientRequest, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
-        """Add ``req`` to the engine now if it has room and nobody is queued before it, else
-        queue it (fair_queue.py): one connection's backlog must not delay the others."""
-        if not self._queue and self.engine.has_room():
-            self._admit(req, prompt, params)
-            return
-        try:  # held requests count against the engine's waiting-queue limit
-            self.engine.check_queue_room(req.engine_id, len(self._queue))
-        except OverloadedError as e:
-            self._refuse_overloaded(req, e)
-            self.peers.forget_if_idle(req.peer)
-            return
-        req.peer.requests[req.client_id] = req
-        self._queue.push(req.peer.tag, req.engine_id, _Queued(req, prompt, params))
-        if req.timeout is not None:
-            heapq.heappush(self._held_deadlines, (req.arrival + req.timeout, req.engine_id))
-
-    def _expire_held(self, now: float) -> None:
-        """End with "timeout" the held requests whose deadline has passed (the engine would
-        expire them only once it took them); those admitted meanwhile the engine times out."""
-        heap = self._held_deadlines
-        while heap and heap[0][0] <= now:
-            _, engine_id = heapq.heappop(heap)
-            queued = self._queue.get(engine_id)
-            if queued is None:
-                continue  # admitted, aborted or gone since
-            req = queued.req
-            prompt = queued.prompt()
-            req.prompt_tokens = 0 if isinstance(prompt, str) else len(prompt)
-            self._held_timed_out += 1
-            for index in range(req.n):  # the last one sends the done and forgets the request
-                self._finish_completion(req, _Ended(index, "timeout", 0), now)
-        if not self._queue:
-            heap.clear()
-
-    def _admit_queued(self) -> None:
-        """Add queued requests, one connection after another, while the engine has room (also
-        while draining: they arrived before it)."""
-        while self._queue and self.engine.has_room():
-            queued = self._queue.pop()
-            del queued.req.peer.requests[queued.req.client_id]
-            self._admit(queued.req, queued.prompt, queued.params)
-
-    def _admit(self, req: ClientRequest, prompt: Callable[[], str | list[int]], params: SamplingParams) -> None:
-        """Add ``req`` to the engine, or answer the error that refused it."""
-        peer = req.peer
-
-        def error(code, message, **kw):
-            self.peers.send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
-
-        try:
-            req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params, priority=req.priority,
-                                                        timeout=req.timeout, arrival=req.arrival)
-        except OverloadedError as e:
-            self._refuse_overloaded(req, e)
-        except AdmissionError as e:
-            self.metrics.on_refused("admission")
-            over = e.requested - e.allowed
-            error(P.ADMISSION, f"request needs {e.limit}={e.requested} but the engine allows {e.allowed} "
-                  f"(over by {over})", limit=e.limit, requested=int(e.requested), allowed=int(e.allowed))
-        except InvalidFieldError as e:
-            error(P.INVALID_FIELD, e.reason, field=e.field)
-        except InvalidRequestError as e:
-            error(P.INVALID_REQUEST, e.reason, field=e.field)
-        except ValueError as e:
-            error(P.INVALID_REQUEST, str(e))
-        except TokenizerProcessError as e:
-            log.error("could not tokenize the prompt of %s: %s", req.engine_id, e)
-            error(P.INTERNAL, f"the prompt could not be tokenized: {e}")
-        except Exception as e:
-            log.exception("add_request failed for %s", req.engine_id)
-            error(P.INTERNAL, f"the engine could not add the request: {type(e).__name__}: {e}")
-        else:
-            peer.requests[req.client_id] = req
-            self._checked_idle = False
-            self.metrics.on_admitted(req.prompt_tokens)
-            self._requests[req.engine_id] = req
-        self.peers.forget_if_idle(peer)
-
-    def _refuse_overloaded(self, req: ClientRequest, e: OverloadedError) -> None:
-        self.metrics.on_refused(e.limit)
-        self.peers.send(req.peer, P.ErrorReply(P.OVERLOADED, str(e)[:P.MAX_MESSAGE_CHARS], id=req.client_id,
-                                               limit=e.limit, requested=int(e.requested),
-                                               allowed=int(e.allowed), retry_after=float(e.retry_after)))
-
     def _on_abort(self, identity: bytes, msg: P.AbortRequest) -> None:
         peer = self.peers.get(identity)
         req = peer.requests.get(msg.id) if peer is not None else None
@@ -702,56 +487,24 @@ class Server:
                                                        id=req.client_id, field=field))
                 self.peers.forget_if_idle(req.peer)
                 continue
-            if out.num_prompt_tokens:
-                req.prompt_tokens = out.num_prompt_tokens
-            if out.index == 0 and out.num_cached_tokens:
-                req.cached_tokens = out.num_cached_tokens
-            req.completion_tokens += len(out.new_token_ids)
             if out.new_token_ids:
                 metrics.on_tokens(len(out.new_token_ids), now, req.arrival, req.last_token, out.queue_time)
                 req.last_token = now
-            logprobs = _wire_logprobs(out.logprobs)
-            prompt_lps = _wire_prompt_logprobs(out.prompt_logprobs)
-            if req.stream:
-                if out.new_token_ids or out.new_text:
-                    self.peers.send(req.peer, P.DeltaReply(req.client_id, out.new_text, list(out.new_token_ids),
-                                                           logprobs=logprobs, index=out.index,
-                                                           prompt_logprobs=prompt_lps))
-                    req.prompt_logprobs_sent |= prompt_lps is not None
-                    if out.request_id not in self._requests:
-                        continue  # the send found the client gone and dropped its requests
-            else:
-                text_parts, token_ids, lps = req.parts.setdefault(out.index, ([], [], []))
-                text_parts.append(out.new_text)
-                token_ids.extend(out.new_token_ids)
-                if logprobs is not None:
-                    lps.extend(logprobs)
-            if prompt_lps is not None and not req.prompt_logprobs_sent:
-                req.prompt_logprobs = prompt_lps  # goes with the done message
+            delta = req.take(out)
+            if delta is not None:
+                self.peers.send(req.peer, delta)
+                if out.request_id not in self._requests:
+                    continue  # the send found the client gone and dropped its requests
             if out.finished:
                 self._finish_completion(req, out, now)
 
     def _finish_completion(self, req: ClientRequest, out, now: float) -> None:
         """One completion of ``req`` ended; the request's ``done`` goes out with its last."""
-        item = {"index": out.index, "finish_reason": out.finish_reason or "stop",
-                "completion_tokens": out.num_completion_tokens}
-        if not req.stream:
-            text_parts, token_ids, lps = req.parts.pop(out.index, ([], [], []))
-            item.update(text="".join(text_parts), token_ids=token_ids,
-                        logprobs=lps if req.logprobs_wanted else None)
-        req.done.append(item)
-        if len(req.done) < req.n:
+        done = req.finish(out)
+        if done is None:
             return
         self.metrics.on_finished(now, req.arrival)
         self._close(req)
-        first = min(req.done, key=lambda c: c["index"])
-        done = P.DoneReply(req.client_id, first["finish_reason"], req.prompt_tokens,
-                           sum(c["completion_tokens"] for c in req.done) or req.completion_tokens,
-                           abort_reason=None, prompt_logprobs=req.prompt_logprobs, cached_tokens=req.cached_tokens or None)
-        if not req.stream:
-            done.text, done.token_ids, done.logprobs = first["text"], first["token_ids"], first["logprobs"]
-        if req.n > 1:
-            done.completions = sorted(req.done, key=lambda c: c["index"])
         self.peers.send(req.peer, done)
         self.peers.forget_if_idle(req.peer)
 
@@ -759,12 +512,7 @@ class Server:
         """Abort ``req`` in the engine and tell its client (``done`` with finish_reason abort)."""
         self._close(req)
         self.engine.abort_request(req.engine_id)
-        done = P.DoneReply(req.client_id, "abort", req.prompt_tokens, req.completion_tokens,
-                           abort_reason=reason, cached_tokens=req.cached_tokens or None)
-        if not req.stream:
-            text_parts, token_ids, _ = req.parts.get(0, ([], [], []))
-            done.text, done.token_ids = "".join(text_parts), token_ids
-        self.peers.send(req.peer, done)
+        self.peers.send(req.peer, req.aborted(reason))
         self.peers.forget_if_idle(req.peer)
 
     def _close(self, req: ClientRequest) -> None:
@@ -794,56 +542,6 @@ class Server:
             self.peers.send(req.peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id))
             self.peers.forget_if_idle(req.peer)
 
-    # ---- status ------------------------------------------------------------------------------
-    @property
-    def metrics(self) -> ServingMetrics:
-        """The Prometheus metrics, made once the engine is attached (it names the model)."""
-        if self._metrics is None:
-            self._metrics = ServingMetrics(served_model_name(self.engine, self.options), self._engine_stats)
-        return self._metrics
-
-    def _engine_stats(self) -> dict:
-        """The engine's counters; waiting requests include those queued here."""
-        stats = dict(self.engine.stats())
-        stats["num_waiting"] = int(stats.get("num_waiting") or 0) + len(self._queue)
-        if "num_timed_out" in stats:
-            stats["num_timed_out"] = int(stats["num_timed_out"]) + self._held_timed_out
-        return stats
-
-    def stats(self) -> dict:
-        """Engine counters plus the daemon's own, as plain msgpack-able values."""
-        try:
-            stats = self._engine_stats()
-        except Exception as e:
-            log.exception("engine.stats() failed")
-            stats = {"stats_error": f"{type(e).__name__}: {e}"}
-        stats.update(pid=os.getpid(), uptime_s=round(time.monotonic() - self._started, 3),
-                     address=self.address, protocol_version=P.PROTOCOL_VERSION,
-                     state="failed" if self.failure else "shutting_down" if self._stopping else "running",
-                     ready=not (self.failure or self._stopping or self._stop_requested),
-                     requests_in_flight=len(self._requests) + len(self._tokenizer) + len(self._queue),
-                     requests_queued=len(self._queue),
-                     clients=len(self.peers), shutdown_grace=self.options.shutdown_grace,
-                     request_timeout=self.options.request_timeout)
-        if self._stopping:
-            stats["drain_left_s"] = round(max(0.0, self._stop_deadline - time.monotonic()), 3)
-        stats.update(self.metrics.refused_counts())
-        if self._kv_events is not None:
-            stats.update(self._kv_events.stats())
-        if self.failure:
-            stats["failure"] = self.failure
-        if self.status_extras is not None:
-            stats.update(self.status_extras())
-        return {str(k): _plain(v) for k, v in list(stats.items())[:P.MAX_STATUS_ENTRIES]}
-
 
 class _EngineFailed(Exception):
     """Raised inside ``run`` when engine.step() failed; ends the loop with exit code 1."""
-
-
-def _plain(v):
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if hasattr(v, "item"):  # numpy / torch scalars
-        return v.item()
-    return str(v)
