@@ -35,7 +35,8 @@ from tpserve.procs import freeze_heap, kill_tree
 from tpserve.fronts.grpc.front import GrpcFrontProcess, GrpcOptions, kv_events_for_grpc
 from tpserve.fronts.http.front import HttpFrontProcess, HttpOptions
 from tpserve.fronts.process import FrontError
-from tpserve.server.server import Server, ServerOptions, served_model_name
+from tpserve.server.server import Server, ServerOptions
+from tpserve.server.status import served_model_name
 
 log = logging.getLogger("tpserve.daemon")
 

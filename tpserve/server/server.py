@@ -23,7 +23,11 @@ may use the same id; one client may reuse an id once its ``done``/``error`` was 
 sees ``"<connection tag>:<id>"``.
 
 The engine is reached only through ``ServingEngine`` (engine_api.py); request validation is
-the engine's and ``tpserve.limits``', whose typed errors map to wire error codes here.
+the wire decoder's (the request model's, tpserve/request.py) and the engine's, whose typed
+errors map to wire error codes (admission.py). ``Server`` is this loop; its parts live in
+modules of their own: admission.py (adding requests to the engine, the fair queue's held
+requests), tokenize_requests.py (long prompts and ``tokenize`` requests), client_requests.py
+(a request's state and the replies its outputs make), status.py (``status`` and metrics).
 
 Invariants:
 * every request in ``_requests`` is unfinished in the engine, and vice versa for requests the
@@ -58,7 +62,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -77,7 +80,7 @@ from tpserve.server.listener import Listener
 from tpserve.server.metrics import ServingMetrics
 from tpserve.server.outbox import Peer, Peers
 from tpserve.server.profiling import ProfileRecorder
-from tpserve.server.status import StatusReport, served_model_name  # noqa: F401  (daemon.py's)
+from tpserve.server.status import StatusReport
 from tpserve.server.tokenize_requests import TokenizeRequests
 from tpserve.server.tokenizing import CONTENDED_CPU_SHARE, PromptTokenizer
 from tpserve.errors import StepFailedError
