@@ -61,21 +61,29 @@ class StandIn:
         self.proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(self.rd), mode, str(grace)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not (self.rd / "tpserve.ready").exists():
-            assert self.proc.poll() is None, self.proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the stand-in daemon did not get ready"
-            time.sleep(0.05)
-        self.tree = [self.proc.pid] + descendants(self.proc.pid)
-        assert len(self.tree) == 2
+        self.tree = [self.proc.pid]
+        try:
+            deadline = time.monotonic() + 60
+            while not (self.rd / "tpserve.ready").exists():
+                assert self.proc.poll() is None, self.proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "the stand-in daemon did not get ready"
+                time.sleep(0.05)
+            self.tree += descendants(self.proc.pid)
+            assert len(self.tree) == 2
+        except BaseException:
+            self.close()
+            raise
 
     def files(self) -> list[str]:
         return sorted(os.listdir(self.rd))
 
     def close(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the stand-in and its worker
+        except ProcessLookupError:
+            pass
         for p in self.tree:
             if pid_alive(p):
-                os.kill(p, signal.SIGCONT)
                 os.kill(p, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
