@@ -56,7 +56,8 @@ def test_one_validation_names_the_field_as_each_caller_spells_it():
             make_request(api, {"top_p": 2.0}, names=names)
         assert e.value.field == want
     # a request's own spellings: where its structured output (or max_tokens) came from
-    names = {"structured_outputs": "response_format.json_schema.schema", "max_tokens": "max_completion_tokens"}
+    names = {"structured_outputs": "response_format.json_schema.schema",
+             "max_tokens": "max_completion_tokens"}
     with pytest.raises(InvalidFieldError) as e:
         make_request(O.CHAT, {"structured_outputs": {"json": [1]}}, names=names)
     assert e.value.field == "response_format.json_schema.schema"
@@ -146,8 +147,8 @@ def test_offline_max_tokens_unset_is_16_and_none_the_rest_of_the_context(llm):
 
 
 def test_offline_n_completions_come_from_the_engine(llm):
-    (out,) = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=9, ignore_eos=True),
-                          use_tqdm=False)
+    params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=9, ignore_eos=True)
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 4 for c in out.outputs)
     (again,) = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=9,
                                                      ignore_eos=True), use_tqdm=False)

@@ -436,11 +436,12 @@ class Server(Admission, TokenizeRequests, StatusReport):
         if self._refused_over_cap(identity, peer, msg.id):
             return
         peer = self.peers.peer(identity)
-        req = ClientRequest(peer, msg.id, f"{peer.tag}:{msg.id}", msg.stream, prompt_tokens=0,
-                       arrival=time.monotonic(), n=msg.params.n, logprobs_wanted=msg.params.logprobs is not None,
-                       priority=msg.priority or 0,
-                       timeout=msg.timeout if msg.timeout is not None else self.options.request_timeout)
-        if isinstance(msg.prompt, str) and len(msg.prompt) > self.options.inline_tokenize_chars:
+        request = msg.to_request()  # the request model of the wire's spelling (validated by decode)
+        req = ClientRequest(peer, msg.id, f"{peer.tag}:{msg.id}", request.stream, prompt_tokens=0,
+                            arrival=time.monotonic(), n=request.n,
+                            logprobs_wanted=request.params.logprobs is not None, priority=request.priority,
+                            timeout=self.options.request_timeout if request.timeout is None else request.timeout)
+        if isinstance(request.prompt, str) and len(request.prompt) > self.options.inline_tokenize_chars:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
             return

@@ -51,8 +51,8 @@ def bad(param: str | None, message: str, code: str | None = "invalid_value") -> 
 
 #: How the OpenAI endpoints spell a request (tpserve/request.py): the sampling fields keep
 #: SamplingParams' (vLLM's) names at the top of the body; chat's prompt is its messages.
-COMPLETIONS = Api("openai.completions", DEFAULT_MAX_TOKENS, min_max_tokens=1,
-                  min_max_tokens_why="0 generates nothing: it is only allowed with echo (to score the prompt)")
+COMPLETIONS = Api("openai.completions", DEFAULT_MAX_TOKENS, min_max_tokens=1, min_max_tokens_why=(
+    "0 generates nothing: it is only allowed with echo (to score the prompt)"))
 CHAT = Api("openai.chat", REST_OF_CONTEXT, min_max_tokens=1, names={"prompt": "messages"})
 
 
