@@ -55,6 +55,13 @@ def test_structure_names_every_module_and_script():
     assert not missing, f"docs/structure.md does not mention: {missing}"
 
 
+def test_structure_gives_each_file_one_line():
+    heads = re.findall(r"^- `([^`]+)`", STRUCTURE.read_text(), re.M)
+    assert len(heads) > 100
+    twice = sorted({h for h in heads if heads.count(h) > 1})
+    assert not twice, f"docs/structure.md has more than one line for: {twice}"
+
+
 def test_structure_names_no_file_that_is_gone():
     """A line for a module that was moved or deleted is as wrong as a missing one."""
     names = {n for n in mentioned(STRUCTURE.read_text()) if n.startswith(("tpserve/", "scripts/"))}
