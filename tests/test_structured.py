@@ -153,12 +153,17 @@ def test_preempted_constrained_requests_stay_valid():
     (dict(json={"type": "array", "uniqueItems": True}), "params.structured_outputs.json"),
     (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "params.structured_outputs.json"),
     (dict(grammar="start: undefined_rule"), "params.structured_outputs.grammar"),
+    (dict(json="{not json}"), "params.structured_outputs.json"),  # parsed in the grammar process
+    (dict(json='{"a": ' * 3000 + "1" + "}" * 3000), "params.structured_outputs.json"),  # RecursionError there
+    (dict(regex="[a&&b]"), "params.structured_outputs.regex"),  # no text matches it
+    (dict(grammar="start: A\nA: /[a&&b]/\n"), "params.structured_outputs.grammar"),
 ])
 def test_a_grammar_the_engine_rejects_raises_naming_the_field(llm, so, field):
     ok = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(InvalidFieldError) as e:
         llm.generate([PROMPT, PROMPT], [ok, SamplingParams(max_tokens=8, structured_outputs=so)], use_tqdm=False)
-    assert e.value.field == field and "grammar engine rejects" in e.value.reason
+    assert e.value.field == field
+    assert re.search("grammar engine rejects|not JSON text|nested too deeply|no text satisfies", e.value.reason)
     assert_clean(llm)
     assert llm.generate(PROMPT, ok, use_tqdm=False)[0].finish_reason == "length"  # still serving
 
@@ -181,7 +186,7 @@ def test_a_mask_with_no_token_left_ends_the_request_with_error(llm):
     (dict(json={"type": "object"}, regex="x"), "structured_outputs", "exactly one"),
     ({}, "structured_outputs", "exactly one"),
     (dict(json="[1, 2]"), "structured_outputs.json", "schema object"),
-    (dict(json="{not json"), "structured_outputs.json", "not JSON"),
+    (dict(json="{not json"), "structured_outputs.json", "schema object"),
     (dict(json_object=False), "structured_outputs.json_object", "must be true"),
     (dict(regex=""), "structured_outputs.regex", "length"),
     (dict(regex="x", whitespace_pattern=" "), "structured_outputs.whitespace_pattern", "json"),
@@ -199,9 +204,9 @@ def test_compilation_runs_off_the_step_loop(llm, monkeypatch):
     gate = threading.Event()
     build = grammar_compiler.GrammarCompiler._build
 
-    def held_build(self, text, field):
+    def held_build(self, job):
         assert gate.wait(30)
-        return build(self, text, field)
+        return build(self, job)
     monkeypatch.setattr(grammar_compiler.GrammarCompiler, "_build", held_build)
     e = llm.engine
     e.add_request("free", PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))

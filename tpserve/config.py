@@ -27,6 +27,7 @@ AUTO = "auto"
 SERVING_MAX_NUM_BATCHED_TOKENS = 256
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_STALL_TOKENS = 4096
+DEFAULT_GRAMMAR_TIMEOUT = 5.0
 
 
 @dataclass
@@ -88,6 +89,12 @@ class EngineConfig:
     least) and the pool's tokens (``num_kv_blocks * block_size``), i.e. what one turnover of
     the running batch can take in; anything queued beyond that waits for
     more than a full turnover, and its client learns nothing meanwhile.
+
+    ``grammar_timeout``: seconds the grammar of one request (``structured_outputs``, chat tools)
+    may take to be parsed, converted and built; that work runs in a child process, off the
+    serving loop, and a grammar over the budget is refused with an error naming its field. The
+    default bounds the worst input the request limits allow (a GBNF grammar of 20,000 rules
+    converts for minutes) while common schemas, regexes and grammars compile in milliseconds.
     """
 
     model: str | None = None
@@ -113,6 +120,7 @@ class EngineConfig:
     speculative_config: dict | None = None
     max_waiting_requests: int | str | None = None
     max_waiting_tokens: int | str | None = None
+    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -144,6 +152,10 @@ class EngineConfig:
         if isinstance(self.startup_timeout, bool) or not isinstance(self.startup_timeout, (int, float)) \
                 or not 0 < self.startup_timeout < float("inf"):
             raise ConfigError("startup_timeout", f"must be a number of seconds > 0, got {self.startup_timeout!r}")
+        if isinstance(self.grammar_timeout, bool) or not isinstance(self.grammar_timeout, (int, float)) \
+                or not 0 < self.grammar_timeout <= 3600:
+            raise ConfigError("grammar_timeout",
+                              f"must be a number of seconds in (0, 3600], got {self.grammar_timeout!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

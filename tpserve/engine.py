@@ -29,7 +29,7 @@ from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
 from tpserve.errors import InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
-from tpserve.grammar import GrammarCompiler, RequestGrammar, grammar_text
+from tpserve.grammar import GrammarCompiler, RequestGrammar
 from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
 from tpserve.plan import Command
@@ -190,6 +190,9 @@ class Engine:
         except OverloadedError as e:
             e.retry_after = self._retry_after()
             raise
+        finally:
+            if fam.grammar is not None and not fam.members:  # refused: nobody waits for its grammar
+                self._grammars.release(fam.grammar)
         self.families[request_id] = fam
         return len(ids)
 
@@ -203,7 +206,7 @@ class Engine:
         seq = Sequence(rid, fam.prompt_ids, params, seed=seed, priority=fam.priority, deadline=fam.deadline)
         seq.bad_words_ids = fam.bad_words_ids
         if fam.grammar is not None:
-            seq.grammar = RequestGrammar(fam.grammar)
+            seq.grammar = RequestGrammar(fam.grammar, self._grammars.release)
         self.scheduler.add(seq, limit_queue=index == 0)  # the family was admitted with completion 0
         detok = None
         if (fam.detokenize or params.stop) and self.tokenizer is not None:
@@ -217,18 +220,16 @@ class Engine:
         fam.unfinished += 1
 
     def _compile(self, so) -> Future:
-        """Start compiling ``so``'s grammar (or find it cached); errors in the text itself
-        raise here, those of the grammar engine arrive with the request's output."""
+        """Start compiling ``so``'s grammar (or find it cached). Nothing of the constraint is
+        parsed or converted here: that runs in the grammar process, under the time budget
+        ``grammar_timeout`` and a size budget (tpserve/grammar), and a refusal arrives with the
+        request's output (an InvalidFieldError naming ``params.structured_outputs.<kind>``)."""
         if self.tokenizer is None:
             raise InvalidRequestError("params.structured_outputs", "needs a tokenizer; this model has none")
-        try:
-            text = grammar_text(so)
-        except InvalidFieldError as e:
-            raise InvalidFieldError(f"params.{e.field}", e.reason) from None
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size or len(self.tokenizer),
-                                             self.config.eos_token_ids)
-        return self._grammars.compile(text, f"params.structured_outputs.{so.kind}")
+                                             self.config.eos_token_ids, timeout_s=self.config.grammar_timeout)
+        return self._grammars.compile(so, f"params.structured_outputs.{so.kind}")
 
     def _add_siblings(self, fam: _Family) -> None:
         for j in range(len(fam.members), fam.params.n):

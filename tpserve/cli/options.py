@@ -107,6 +107,9 @@ _OPTIONS = [
     ("seed", ("--seed",), dict(type=int, help="engine seed (sampling of requests without their own seed)")),
     ("startup_timeout", ("--startup-timeout",),
      dict(type=float, help="seconds the engine may take to start: workers joining, model loading")),
+    ("grammar_timeout", ("--grammar-timeout",),
+     dict(type=float, help="seconds one request's grammar (structured_outputs, chat tools) may take to "
+                           "convert and build, off the serving loop; a grammar over it is refused (HTTP 400)")),
     ("speculative_config", ("--speculative-config",),
      dict(type=JsonMap(), default=None,
           help='speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", '

@@ -458,7 +458,7 @@ class Scheduler(Postprocess):
         seqs = batch.sampled_seqs()
         ks = [s.sampling_params.logprobs for s in seqs if s.sampling_params.logprobs is not None] \
             if self._num_logprob_seqs else ()
-        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], plan.sample_steps,
+        sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], batch.sample_rows,
                                    self.table, max(ks, default=-1), self.vocab_size,
                                    batch.sample_drafts())
         if batch.prompt_logprobs:

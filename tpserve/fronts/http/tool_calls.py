@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from tpserve.fronts.http.openai_api import bad
+from tpserve.limits import MAX_GRAMMAR_CHARS
 
 TRIGGER = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -60,7 +61,19 @@ class ToolPlan:
         return self.choice != "none"
 
     def grammar(self) -> str:
-        """The Lark grammar of the allowed answers (see the module docstring)."""
+        """The Lark grammar of the allowed answers (see the module docstring). A 400 naming
+        ``tools`` when it would be over the size budget of a grammar (MAX_GRAMMAR_CHARS: 128
+        tools of a few hundred properties each reach it) or its schemas nest too deeply."""
+        try:
+            text = self._grammar()
+        except RecursionError:
+            raise bad("tools", "nest their parameters' schemas too deeply to make a grammar") from None
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise bad("tools", f"make a grammar of {len(text)} characters, over the limit of "
+                               f"{MAX_GRAMMAR_CHARS}: send fewer tools, or smaller parameter schemas")
+        return text
+
+    def _grammar(self) -> str:
         funcs = [t["function"] for t in self.tools]
         if self.choice not in ("auto", "required"):
             funcs = [f for f in funcs if f["name"] == self.choice]
