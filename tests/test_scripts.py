@@ -3,11 +3,12 @@
 Each script has an entry in SCRIPTS (a script without one fails test_every_script_has_an_entry):
 
 * Smoke: run in a subprocess at its smallest size (the benchmark models' ``tiny`` shape, a few
-  steps or messages; quickstart and bench_fairness start a daemon on the bundled model), exit
-  status 0 and its result line checked;
-* Parse: a script that needs a peer that is not installed, or minutes of daemons and traffic:
-  its module is imported and its real argument parser reads a small argument list (the parser is
-  stopped right after parsing, before any work), and ``--help`` prints its usage;
+  steps or messages; quickstart, bench_fairness, bench_http and bench_slow_reader start a daemon
+  on the bundled model), exit status 0 and its result line checked;
+* Parse: a script that needs a peer that is not installed, a GPU, or long runs of daemons and
+  traffic (some have tests of their own, named in the entry): its module is imported, its real
+  argument parser reads a small argument list (the parser is stopped right after parsing,
+  before any work), and ``--help`` prints its usage;
 * Library: a module other scripts import, imported.
 
 Every script, smoke-run or not, goes through the import-and-parse pass, all in one interpreter.
@@ -72,19 +73,23 @@ SCRIPTS = {
     "bench_fairness.py": Smoke(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
                                r"bench_fairness model=default-model .* flood=20 other_client_wait_s=[\d.]+ "
                                r"vanished=2x8"),
-    "bench_http.py": Parse(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
-                           "a daemon and its HTTP front"),
+    "bench_http.py": Smoke(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
+                           r"bench_http model=default-model .* streams=1 max_tokens=2 zmq_tok_s=[\d.]+ "
+                           r"http_tok_s=[\d.]+"),
     "bench_latency.py": Parse(("--shape", "40m", "--runs", "1", "--llamacpp", "/nonexistent/llama.cpp"),
                               "llama.cpp's llama-server (scripts/peer_llamacpp.sh)"),
     "bench_router.py": Parse(("--policies", "round_robin", "--scenarios", "skewed", "--smg", NOT_INSTALLED),
-                             "smg or vllm-router (scripts/peer_smg.sh, peer_vllm_router.sh)"),
+                             "smg or vllm-router (scripts/peer_smg.sh, peer_vllm_router.sh); "
+                             "tests/test_bench_router.py checks its scenarios"),
     "bench_serving.py": Parse(("--mode", "trace", "--requests", "2", "--rates", "4"),
-                              "daemons under a minutes-long arrival trace, and peer servers"),
-    "bench_slow_reader.py": Parse(("--requests", "2", "--tokens", "2", "--interval", "0.1",
-                                   "--slow-for", "0.2"),
-                                  "a daemon and a client reading slowly for the daemon's 30 s limit"),
+                              "daemons under a minutes-long arrival trace, and peer servers; "
+                              "tests/test_bench_serving.py checks its trace"),
+    "bench_slow_reader.py": Smoke(("--requests", "2", "--tokens", "2", "--interval", "0.1",
+                                   "--slow-for", "0.3", "--quiet", "0.2"),
+                                  r"bench_slow_reader .* finals=2/2 complete=2/2 dropped=no"),
     "bench_structured.py": Parse(("--quick",), "the 40M model with a tokenizer, 16 compiled JSON schemas"),
-    "bench_tokenize_stall.py": Parse(("--chars", "10000", "--rounds", "1"), "a daemon and its HTTP front"),
+    "bench_tokenize_stall.py": Parse(("--chars", "10000", "--rounds", "1"),
+                                     "a daemon, its HTTP front and seconds of baseline streams per path"),
     "bench_tp.py": Parse(("--requests", "2", "--tp", "2"), "two tensor-parallel ranks on the 40M model"),
     "eval_harness.py": Parse(("--lm-eval", NOT_INSTALLED), "lm-evaluation-harness (scripts/peer_lm_eval.sh)"),
     "gpu_check.py": Parse(("--sections", "env", "--dry-run"),
@@ -97,8 +102,10 @@ SCRIPTS = {
     "quality_int8.py": Parse(("--skip-40m",),
                              "bf16, fp32 and int8 engines over the bundled model's held-out files"),
     "soak.py": Parse(("--clients", "1", "--requests", "2"), "minutes of daemons, clients and killed workers"),
-    "tp_cycles.py": Parse(("--cycles", "1",), "tensor-parallel daemons started and stopped"),
-    "train_default_model.py": Parse(("--quick", "--out", "/nonexistent/out"), "training a model (minutes)"),
+    "tp_cycles.py": Parse(("--cycles", "1",), "tensor-parallel daemons started and stopped (~15 s a cycle; "
+                          "tests/test_cli.py starts and stops one)"),
+    "train_default_model.py": Parse(("--quick", "--out", "/nonexistent/out"),
+                                    "training a model (its --quick run: tests/test_default_model.py)"),
 }
 
 # Runs in a fresh interpreter: imports each script as a module, asks its parser for --help, then
