@@ -5,6 +5,7 @@ the grammar engine, or one no text satisfies is refused with an error naming its
 costs the other requests nothing. Offline engine here; the daemon over HTTP at the end."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -15,13 +16,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from tpserve import LLM, SamplingParams
 from tpserve.errors import InvalidFieldError
-from tpserve.fronts.http import tool_calls
+from tpserve.fronts.http import structured_api, tool_calls
 from tpserve.fronts.http.openai_api import OpenAIError
 from tpserve.grammar import GrammarCompiler, worker
 from tpserve.procs import descendants, pid_alive
@@ -203,6 +205,25 @@ def test_tool_grammars_over_the_size_budget_are_a_400_naming_tools():
         plan.grammar()
     assert e.value.status == 400 and e.value.param == "tools" and "over the limit" in str(e.value.body())
     assert len(json.dumps(tools, separators=(",", ":"))) < 1 << 20  # the body itself fits
+
+
+def test_the_front_prepares_a_constraint_off_its_event_loop(monkeypatch):
+    """A tool grammar or schema of up to a megabyte is written and checked on a thread (within
+    the grammar time budget), not on the front's event loop; a plain body stays inline."""
+    on_loop = []
+
+    def build(job):
+        on_loop.append(threading.current_thread() is threading.main_thread())
+    job = SimpleNamespace(chat=False, sampling={}, names={})
+    asyncio.run(structured_api.prepare(job, {"structured_outputs": {"regex": "a+"}}, build))
+    assert on_loop == [False] and job.sampling["structured_outputs"] == {"regex": "a+"}
+    asyncio.run(structured_api.prepare(SimpleNamespace(chat=False, sampling={}, names={}), {"prompt": "x"}, build))
+    assert on_loop == [False, True]
+    monkeypatch.setattr(structured_api, "DEFAULT_GRAMMAR_TIMEOUT", 0.2)
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(structured_api.prepare(SimpleNamespace(chat=False, sampling={}, names={}),
+                                           {"structured_outputs": {"regex": "b+"}}, lambda job: time.sleep(1)))
+    assert e.value.status == 400 and e.value.param == "structured_outputs" and "time budget" in str(e.value.body())
 
 
 # ---- the daemon over HTTP ----------------------------------------------------------------------

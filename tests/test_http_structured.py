@@ -197,12 +197,13 @@ def test_auto_constrains_a_call_once_the_model_opens_it():
     from test_http import BUNDLED
     from tpserve.fronts.http.tool_calls import parse_tools, split_calls
     from tpserve.grammar import GrammarCompiler, RequestGrammar, fill_bitmask
+    from tpserve.sampling import StructuredOutputsParams
     from tpserve.tokenizer import load_tokenizer
     tok = load_tokenizer(BUNDLED)
     plan = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "auto"})
     compiler = GrammarCompiler(tok, 4096, [0])
     try:
-        template = compiler.compile(plan.grammar(), "tools")
+        template = compiler.compile(StructuredOutputsParams(grammar=plan.grammar()), "tools")
         template.result(timeout=60)  # compiled on the compiler's thread
         rng = np.random.default_rng(0)
         for trial in range(3):

@@ -467,8 +467,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     async def completions(request: Request):
         body = await read_json(request)
         job = O.parse_completion(body, front.model_name)
-        structured_api.apply(job, body)
-        O.build_request(job)
+        await structured_api.prepare(job, body, O.build_request)  # a constraint: on a thread
         prompts = [await front.encode(p, job.add_special_tokens) if isinstance(p, str) else p for p in job.prompts]
         texts = None
         if job.echo:  # the prompt as sent, or its decoded token ids
@@ -479,8 +478,7 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     async def chat_completions(request: Request):
         body = await read_json(request)
         job = O.parse_chat(body, front.model_name)
-        structured_api.apply(job, body)
-        O.build_request(job)
+        await structured_api.prepare(job, body, O.build_request)  # a constraint: on a thread
         ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens,
                                       tools=job.tools.tools if job.tools is not None else None)
         last = job.messages[-1]

@@ -11,6 +11,9 @@ Errors name the HTTP field (``response_format.json_schema.schema``, ``structured
 """
 from __future__ import annotations
 
+import asyncio
+
+from tpserve.config import DEFAULT_GRAMMAR_TIMEOUT
 from tpserve.fronts.http import tool_calls
 from tpserve.fronts.http.openai_api import bad
 
@@ -58,6 +61,33 @@ def structured_outputs(body: dict) -> tuple[dict | None, str | None]:
     if schema is None:
         schema = {"type": "object"}  # OpenAI allows an absent schema
     return {"json": schema}, "response_format.json_schema.schema"
+
+
+#: Body fields whose constraint can take the front's CPU for a while (a megabyte of tools or
+#: schema turned into a grammar, dumped to check its size): prepared on a thread.
+_HEAVY = ("tools", "structured_outputs", "response_format")
+
+
+async def prepare(job, body: dict, build) -> None:
+    """``apply`` then ``build(job)`` (the request's validation), on a thread when the body carries
+    a constraint, so the front's event loop keeps serving its other connections meanwhile; a 400
+    naming the field when that takes longer than the grammar time budget (the daemon's default:
+    what the grammar process then gets for the same grammar). Without one, inline."""
+    if not any(body.get(key) is not None for key in _HEAVY):
+        apply(job, body)
+        build(job)
+        return
+
+    def work():
+        apply(job, body)
+        build(job)
+    try:
+        await asyncio.wait_for(asyncio.to_thread(work), DEFAULT_GRAMMAR_TIMEOUT)
+    except asyncio.TimeoutError:
+        field = "tools" if body.get("tools") is not None else \
+            "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+        raise bad(field, f"took longer than the grammar time budget ({DEFAULT_GRAMMAR_TIMEOUT:g} s) to "
+                         "prepare: send a smaller constraint") from None
 
 
 def apply(job, body: dict) -> None:
