@@ -456,3 +456,21 @@ def test_read_only_row_arrays_are_read_in_place_without_a_warning():
     other = Sampler()
     assert torch.equal(other(x, greedy), x.argmax(-1))
     assert list(other._rows) == ["temperatures"]  # an all-greedy step reads nothing else
+
+
+def test_off_the_cpu_the_per_row_arrays_go_in_one_copy_per_plan(monkeypatch):
+    """The device branch, on the meta device (shapes and dtypes, no values)."""
+    import tpserve.workers.sampler as sm
+    packs = []
+    real = sm.pack_rows
+    monkeypatch.setattr(sm, "pack_rows", lambda plan: packs.append(plan) or real(plan))
+    sampler = Sampler(device="meta")
+    plan = args(3, temp=[0.5, 0.0, 1.0], k=[0, 2, 0])
+    got = {name: sampler._row(plan, name) for name in ("temperatures", "top_ks", "top_ps", "seeds", "steps")}
+    assert {n: (t.device.type, t.dtype, tuple(t.shape)) for n, t in got.items()} == {
+        "temperatures": ("meta", torch.float32, (3,)), "top_ks": ("meta", torch.int32, (3,)),
+        "top_ps": ("meta", torch.float32, (3,)), "seeds": ("meta", torch.int64, (3,)),
+        "steps": ("meta", torch.int32, (3,))}
+    assert packs == [plan]  # five arrays, one packed copy
+    sampler._row(args(3), "seeds")
+    assert len(packs) == 2  # the next step's plan is copied again
