@@ -321,7 +321,7 @@ def test_api_key_is_required_on_v1_only(daemon):
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": [2**40]}, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "x" * 10, "max_tokens": 5000}, 400, "prompt"),
+    ({"prompt": "x" * 10, "max_tokens": 5000}, 400, "max_tokens"),  # the prompt fits; max_tokens does not
     ({"prompt": list(range(1, 1100))}, 400, "prompt"),
 ])
 def test_bad_completion_requests_get_openai_errors(daemon, body, status, param):
