@@ -14,7 +14,7 @@ def test_compute_logprobs_matches_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g)
     tokens = torch.tensor([4, 0, 49])
-    lp, top_ids, top_lp, ranks = compute_logprobs(logits, tokens, 5)
+    lp, top_ids, top_lp, ranks = compute_logprobs(logits, tokens, 5, ranks=True)
     ref = torch.log_softmax(logits, dim=-1)
     assert torch.allclose(lp, ref[torch.arange(3), tokens])
     assert top_ids.shape == (3, 5) and top_lp.shape == (3, 5)
@@ -27,7 +27,7 @@ def test_compute_logprobs_matches_log_softmax():
     assert ranks.tolist() == want
     lp0, ids0, lps0, ranks0 = compute_logprobs(logits, tokens, 0)
     assert torch.equal(lp0, lp) and ids0.shape == (3, 0) and lps0.shape == (3, 0)
-    assert torch.equal(ranks0, ranks)
+    assert ranks0 is None  # not asked: the daemon reports no ranks and skips that pass
 
 
 def test_logprobs_ignore_temperature():
@@ -66,6 +66,12 @@ def test_engine_reports_one_entry_per_token(tiny_models_root):  # noqa: F811
         assert all(lp.top == [] and lp.logprob <= 0.0 and lp.rank >= 1 for o in sampled for lp in o.logprobs)
         plain = _run(engine, "p", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
         assert all(o.logprobs is None for o in plain)
+        engine.logprob_ranks = False  # as the daemon runs it: no rank pass, rank None
+        unranked = _run(engine, "u", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2, logprobs=1,
+                                                                prompt_logprobs=1))
+        assert [lp.rank for o in unranked for lp in o.logprobs] == [None, None]
+        assert [e.rank for e in unranked[0].prompt_logprobs[1:]] == [None, None]
+        engine.logprob_ranks = True
         assert all(o.queue_time is not None and o.queue_time >= 0 for o in plain)
         assert engine.scheduler._num_logprob_seqs == 0
 

@@ -19,6 +19,8 @@ Every other part is optional: a step whose requests use no other control leaves 
 the sampler runs its plain path.
 
     num_logprobs        the most logprobs alternatives any sample row asks for (-1: none)
+    logprob_ranks       with logprobs or prompt logprobs: also each token's vocab rank (one more
+                        pass over the vocabulary; the offline API asks, the daemon does not)
     bias_rows/tokens/values   int32/int32/float32 [N]: logits[row, token] += value
     allow_rows          int32 [A] rows that keep only an allowed set of tokens;
     allow_index/tokens  int32 [M]: (index into allow_rows, token) pairs of those sets
@@ -88,6 +90,7 @@ class SamplePlan:
     seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     steps: np.ndarray = field(default_factory=_i32)
     num_logprobs: int = -1
+    logprob_ranks: bool = False
     bias_rows: np.ndarray | None = None
     bias_tokens: np.ndarray | None = None
     bias_values: np.ndarray | None = None
@@ -199,9 +202,10 @@ class StepOutput:
                       ``accepted[i]`` of its rows (``kept_rows``); None: one row each
     logprobs          with SamplePlan.num_logprobs k >= 0: (float32 [S] the sampled tokens'
                       log-probabilities, int64 [S, k] the k best token ids, float32 [S, k] theirs,
-                      int64 [S] the sampled tokens' 1-based ranks in the distribution)
+                      int32 [S] the sampled tokens' 1-based ranks, or None without
+                      SamplePlan.logprob_ranks)
     prompt_logprobs   with StepPlan.logprob_rows: (float32 [L] the targets' log-probabilities,
-                      int64 [L, k], float32 [L, k], int64 [L] the targets' ranks) with
+                      int64 [L, k], float32 [L, k], int32 [L] the targets' ranks or None) with
                       k = SamplePlan.num_prompt_logprobs
     """
 

@@ -245,8 +245,9 @@ class ModelRunner:
         tokens, accepted = self.sampler.sample(logits, sample)
         out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp, accepted=accepted)
         if sample.num_logprobs >= 0:
-            out.logprobs = tuple(a.cpu().numpy() for a in
-                                 compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs))
+            out.logprobs = tuple(None if a is None else a.cpu().numpy() for a in
+                                 compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs,
+                                                  sample.logprob_ranks))
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, sample: SamplePlan):
@@ -259,14 +260,15 @@ class ModelRunner:
             targets = torch.from_numpy(sample.prompt_targets).to(self.device).long()
             lp = np.zeros(n, np.float32)
             ids, tops = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
-            ranks = np.zeros(n, np.int64)
+            ranks = np.zeros(n, np.int32) if sample.logprob_ranks else None
         for a in range(0, n, PROMPT_LOGPROBS_CHUNK):
             b = min(a + PROMPT_LOGPROBS_CHUNK, n)
             logits = self.model.compute_logits(hidden[rows[a:b].long()])
             if first:
-                got, top_ids, top_lp, rank = compute_logprobs(logits, targets[a:b], k)
+                got, top_ids, top_lp, rank = compute_logprobs(logits, targets[a:b], k, sample.logprob_ranks)
                 lp[a:b], ids[a:b], tops[a:b] = got.cpu().numpy(), top_ids.cpu().numpy(), top_lp.cpu().numpy()
-                ranks[a:b] = rank.cpu().numpy()
+                if rank is not None:
+                    ranks[a:b] = rank.cpu().numpy()
         return (lp, ids, tops, ranks) if first else None
 
     # ---- control commands ----------------------------------------------------------------
@@ -308,5 +310,5 @@ def _empty_output(sample: SamplePlan) -> StepOutput:
     out = StepOutput(np.zeros(0, dtype=np.int64))
     if sample.num_logprobs >= 0:
         out.logprobs = (np.zeros(0, np.float32), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
-                        np.zeros(0, np.int64))
+                        np.zeros(0, np.int32) if sample.logprob_ranks else None)
     return out

@@ -464,21 +464,22 @@ class Sampler:
         apply(view, drafted, np.arange(int(drafted.sum()), dtype=np.int32))
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ranks: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of the sampled tokens and of each row's ``num_top`` best tokens.
 
     They are taken from the model's own distribution (log_softmax of the raw logits, before
     temperature, top-k and top-p), as the OpenAI API and vLLM report them, so a logprob does
     not change with the sampling settings. Returns float32 [S] (sampled token), int64
-    [S, num_top] (best token ids, most likely first), float32 [S, num_top] and int64 [S] the
-    sampled token's 1-based rank (the number of tokens at least as likely, itself included,
-    as vLLM counts it).
+    [S, num_top] (best token ids, most likely first), float32 [S, num_top] and, with
+    ``ranks``, int32 [S] the sampled token's 1-based rank (the number of tokens at least as
+    likely, itself included, as vLLM counts it), else None. The ranks cost a pass over the
+    vocabulary that rivals the log_softmax on a CPU: only the offline API asks for them.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     sampled = logp.gather(1, tokens.long()[:, None])[:, 0]
-    ranks = (logp >= sampled[:, None]).sum(dim=-1)
+    rank = (logp >= sampled[:, None]).view(torch.uint8).sum(dim=-1, dtype=torch.int32) if ranks else None
     top_lp, top_ids = logp.topk(min(num_top, logp.shape[1]), dim=-1) if num_top > 0 else \
         (logp.new_empty((logp.shape[0], 0)), torch.empty((logp.shape[0], 0), dtype=torch.long,
                                                          device=logp.device))
-    return sampled, top_ids, top_lp, ranks
+    return sampled, top_ids, top_lp, rank
