@@ -28,13 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (importing module, imported module): why the import is inside a function. Only edges that
 # close a cycle need to be here; each must still exist (tests/test_import_cycles.py).
-ALLOWED_LAZY: dict[tuple[str, str], str] = {
-    # TEMPORARY, to be broken, not a light-module exception: the grammar child's trial() needs
-    # compiler.grammar_text while compiler imports worker's GrammarProcess at module level.
-    # Moving grammar_text (and what it uses) into a module below both removes this entry.
-    ("tpserve.grammar.worker", "tpserve.grammar.compiler"):
-        "temporary: grammar_text lives in compiler, which imports worker; to move below both",
-}
+ALLOWED_LAZY: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,7 @@ def trial(tokenizer, so_fields: dict, max_chars: int, max_symbols: int) -> dict:
     """The child's answer to one job (see the module): ``{"text": ...}`` or ``{"error": ...}``."""
     import llguidance
 
-    from tpserve.grammar.compiler import grammar_text
+    from tpserve.grammar.text import grammar_text
     from tpserve.sampling import StructuredOutputsParams
     from tpserve.errors import InvalidFieldError
     try:
