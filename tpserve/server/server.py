@@ -443,9 +443,9 @@ class Server(Admission, TokenizeRequests, StatusReport):
                             timeout=self.options.request_timeout if request.timeout is None else request.timeout)
         if isinstance(request.prompt, str) and len(request.prompt) > self.options.inline_tokenize_chars:
             peer.requests[msg.id] = req
-            self._tokenizer.submit(req.engine_id, req, msg.prompt, msg.params)
+            self._tokenizer.submit(req.engine_id, req, request.prompt, request.params)
             return
-        self._queue_or_admit(req, lambda: msg.prompt, msg.params)
+        self._queue_or_admit(req, lambda: request.prompt, request.params)
 
     def _refused_over_cap(self, identity: bytes, peer: Peer | None, client_id: str) -> bool:
         """Refuse (too_many_requests) a request of a connection at its cap of requests in flight."""
