@@ -1,11 +1,12 @@
 """Idle connections against the HTTP front: does /health still answer, what does the log do.
 
-    python scripts/probe_http_idle.py [--conns 20000] [--partial] [--hold 5] [--model DIR]
+    python scripts/probe_http_idle.py [--conns 20000] [--partial] [--hold 5] [--window 5] [--model DIR]
 
 Starts a daemon with `--http-port 0` (no API key), opens ``--conns`` TCP connections to the
 front that send nothing (``--partial``: an unfinished request head, the slow-headers attack),
 waits ``--hold`` seconds, then asks ``GET /health`` (10 s limit) while they are open, and
-measures what the front wrote to the daemon's log meanwhile. Prints one line: the /health
+measures what the front wrote to the daemon's log meanwhile (over ``--window`` seconds at
+least). Prints one line: the /health
 status and latency, the front's open file descriptors, how many of the idle connections the
 front had closed, and the log's growth (lines and tracebacks per second).
 """
@@ -25,21 +26,24 @@ import time
 from pathlib import Path
 
 TPSERVE = [sys.executable, "-m", "tpserve"]
+FRONT_MODULE = "tpserve.fronts.http.front"  # what the daemon runs as its HTTP front (python -m)
 
 
 def front_pid(daemon_pid: int) -> int | None:
     from tpserve.procs import descendants
     for p in descendants(daemon_pid):
         try:
-            if "http_front" in Path(f"/proc/{p}/cmdline").read_text():
+            if FRONT_MODULE in Path(f"/proc/{p}/cmdline").read_text().split("\0"):
                 return p
         except OSError:
             pass
     return None
 
 
-def start_daemon(extra: list[str], model: str | None) -> tuple[str, str, int | None] | None:
-    """`tpserve start --http-port 0` without an API key: (runtime dir, front URL, front pid)."""
+def start_daemon(extra: list[str], model: str | None) -> tuple[str, str, int] | None:
+    """`tpserve start --http-port 0` without an API key: (runtime dir, front URL, front pid);
+    None (the reason on stderr, the daemon stopped) if it does not start or its front's
+    process is not found."""
     rd = tempfile.mkdtemp(prefix="tpp-", dir="/tmp")
     cmd = TPSERVE + ["start", "--runtime-dir", rd, "--http-port", "0"] + extra
     if model:
@@ -50,7 +54,14 @@ def start_daemon(extra: list[str], model: str | None) -> tuple[str, str, int | N
         shutil.rmtree(rd, ignore_errors=True)
         print(out.stderr, file=sys.stderr)
         return None
-    return rd, out.stdout.split()[1], front_pid(int(Path(rd, "tpserve.pid").read_text()))
+    fpid = front_pid(int(Path(rd, "tpserve.pid").read_text()))
+    if fpid is None:
+        print(f"no process of the daemon runs `python -m {FRONT_MODULE}`: where is its HTTP front?",
+              file=sys.stderr)
+        subprocess.run(TPSERVE + ["stop", "--runtime-dir", rd], capture_output=True)
+        shutil.rmtree(rd, ignore_errors=True)
+        return None
+    return rd, out.stdout.split()[1], fpid
 
 
 def open_idle(host: str, port: int, n: int, partial: bool) -> list[socket.socket]:
@@ -118,6 +129,8 @@ def main() -> int:
     ap.add_argument("--conns", type=int, default=20000)
     ap.add_argument("--partial", action="store_true", help="send an unfinished request head")
     ap.add_argument("--hold", type=float, default=5.0, help="seconds between opening and /health")
+    ap.add_argument("--window", type=float, default=5.0, help="seconds the log's growth is measured over, "
+                    "at least (from /health on)")
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -146,14 +159,14 @@ def main() -> int:
         t0 = time.monotonic()
         status, latency = health(url)
         window = max(time.monotonic() - t0, 1.0)
-        time.sleep(max(0.0, 5.0 - window))  # a 5 s window at least for the log rates
+        time.sleep(max(0.0, args.window - window))  # a long enough window for the log rates
         window = time.monotonic() - t0
         size1, lines1, tb1 = log_counts(log_path)
         try:
-            fds = len(os.listdir(f"/proc/{fpid}/fd")) if fpid else -1
+            fds = len(os.listdir(f"/proc/{fpid}/fd"))
         except OSError:
             fds = -1
-        alive = fpid is not None and Path(f"/proc/{fpid}").exists()
+        alive = Path(f"/proc/{fpid}").exists()
         for _, h in holders:
             h.send("stop")
         closed = sum(h.recv() for _, h in holders)

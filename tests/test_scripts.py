@@ -94,7 +94,10 @@ SCRIPTS = {
                           "a GPU (its --dry-run: tests/test_gpu_check.py)"),
     "parity_vllm.py": Parse(("--peer-vllm", NOT_INSTALLED, "--prompts", "2"),
                             "vLLM (scripts/peer_vllm_cpu.sh)"),
-    "probe_http_idle.py": Parse(("--conns", "5", "--hold", "0.1"), "a daemon and its HTTP front"),
+    "probe_http_idle.py": Smoke(("--conns", "5", "--partial", "--hold", "0.1", "--window", "0.5"),
+                                r"probe_http_idle conns=5 partial=1 hold_s=0.1 health_before=200 \(\d+ ms\) "
+                                r"health=200 \(\d+ ms\) front_alive=1 front_fds=\d+ closed_by_front=\d+ "
+                                r"log_lines_per_s=\d+ tracebacks_per_s=0 "),
     "probe_http_stall.py": Parse(("--streams", "1", "--whole", "1", "--stop-s", "1"),
                                  "a daemon whose HTTP front is stopped for many seconds"),
     "quality_int8.py": Parse(("--skip-40m",),
