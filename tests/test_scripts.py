@@ -98,8 +98,11 @@ SCRIPTS = {
                                 r"probe_http_idle conns=5 partial=1 hold_s=0.1 health_before=200 \(\d+ ms\) "
                                 r"health=200 \(\d+ ms\) front_alive=1 front_fds=\d+ closed_by_front=\d+ "
                                 r"log_lines_per_s=\d+ tracebacks_per_s=0 "),
-    "probe_http_stall.py": Parse(("--streams", "1", "--whole", "1", "--stop-s", "1"),
-                                 "a daemon whose HTTP front is stopped for many seconds"),
+    "probe_http_stall.py": Smoke(("--streams", "2", "--whole", "1", "--max-tokens", "200", "--stop-s", "2",
+                                  "--upstream-timeout", "1", "--wait-s", "30"),
+                                 r"probe_http_stall streams=2 stop_s=2 upstream_timeout_s=1 daemon_dropped_front=\d "
+                                 r"streams_finished=\d streams_error_then_done=\d streams_cut_without_done=0 "
+                                 r"streams_open=0 daemon_in_flight=0 whole=\d{3}:1"),
     "quality_int8.py": Parse(("--skip-40m",),
                              "bf16, fp32 and int8 engines over the bundled model's held-out files"),
     "soak.py": Parse(("--clients", "1", "--requests", "2"), "minutes of daemons, clients and killed workers"),
