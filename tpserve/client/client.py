@@ -66,7 +66,13 @@ class RequestError(TpserveError, RuntimeError):
 @dataclass
 class Delta:
     """A piece of a streamed completion. ``logprobs`` (requests with logprobs set): one
-    ``[logprob, [[token id, logprob], ...]]`` per token id."""
+    ``[logprob, [[token id, logprob], ...]]`` per token id.
+
+    With ``n`` > 1, completion ``index``'s last Delta says that it ended, as soon as it did
+    (its siblings may still run): ``finish_reason`` is set, ``completion_tokens`` counts that
+    completion's tokens, ``prompt_tokens`` and ``cached_tokens`` are the request's. Such a
+    Delta may carry no text and no token ids. Otherwise (and always with ``n`` = 1, which the
+    stream's result ends) they are None."""
 
     request_id: str
     text: str
@@ -74,6 +80,10 @@ class Delta:
     logprobs: list | None = None
     index: int = 0                       # which completion (SamplingParams.n)
     prompt_logprobs: list | None = None  # the request's first message: nil, then one per prompt token
+    finish_reason: str | None = None     # n > 1: completion ``index`` ended (its last Delta)
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -203,7 +213,8 @@ def _result(rid: str, msg: P.Message, text: str | None = None, token_ids: list[i
 
 
 def _delta(msg: P.DeltaReply) -> Delta:
-    return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs, msg.index, msg.prompt_logprobs)
+    return Delta(msg.id, msg.text, msg.token_ids, msg.logprobs, msg.index, msg.prompt_logprobs,
+                 msg.finish_reason, msg.completion_tokens, msg.prompt_tokens, msg.cached_tokens)
 
 
 class Client(_ClientCore):

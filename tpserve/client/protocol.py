@@ -156,20 +156,33 @@ class TokenizeRequest(Message):
 
 @dataclass
 class DeltaReply(Message):
-    """New output of a streaming request since its previous delta."""
+    """New output of a streaming request since its previous delta.
+
+    With ``n`` > 1, the last delta of each completion carries its end: ``finish_reason`` and
+    that completion's ``completion_tokens``, with the request's ``prompt_tokens`` and
+    ``cached_tokens`` (the ``done`` still follows once every completion ended). Absent (None)
+    in every other delta, and in every delta of a request with ``n`` = 1, whose ``done`` ends it."""
 
     TYPE = "delta"
     DIRECTION = "reply"
     FIELDS = {"id": (request_id, True), "text": (text(2**31), True),
               "token_ids": (token_ids(2**31), True), "logprobs": (nullable(logprobs_list), False),
               "index": (integer(0, MAX_N - 1), False),
-              "prompt_logprobs": (nullable(prompt_logprobs_list), False)}
+              "prompt_logprobs": (nullable(prompt_logprobs_list), False),
+              "finish_reason": (nullable(one_of(FINISH_REASONS)), False),
+              "completion_tokens": (nullable(count), False),
+              "prompt_tokens": (nullable(count), False),
+              "cached_tokens": (nullable(count), False)}
     id: str
     text: str
     token_ids: list[int]
     logprobs: list | None = None
     index: int = 0                      # which of the request's n completions
     prompt_logprobs: list | None = None  # in the request's first message only
+    finish_reason: str | None = None     # n > 1: this completion ended (its last delta)
+    completion_tokens: int | None = None  # with finish_reason: this completion's tokens
+    prompt_tokens: int | None = None      # with finish_reason: as done's
+    cached_tokens: int | None = None      # with finish_reason: as done's
 
 
 @dataclass

@@ -4,8 +4,9 @@ its engine outputs make.
 ``ClientRequest`` is one ``generate`` of one connection, from its arrival to its ``done`` (or
 ``error``): its ids, the figures its reply reports, and its output -- streamed as ``delta``
 messages, or gathered for the ``done`` when not streamed. Its ``n`` completions are the
-engine's (each output carries its index); the request's ``done`` goes out when the last of them
-ended, with every completion's map. ``Held`` is a request waiting in the fair queue for room in
+engine's (each output carries its index); streamed, each completion's last delta carries its
+finish reason (n > 1), and the request's ``done`` goes out when the last of them ended, with
+every completion's map. ``Held`` is a request waiting in the fair queue for room in
 the engine, ``Ended`` a completion that ended there without running.
 """
 from __future__ import annotations
@@ -63,8 +64,10 @@ class ClientRequest:
 
     def take(self, out) -> P.DeltaReply | None:
         """Count one engine output of this request; returns the ``delta`` to send (streamed,
-        with output), else None: a request that is not streamed gathers its output for the
-        ``done``. Prompt log-probabilities not sent in a delta go with the done."""
+        with output, or the end of one of ``n`` > 1 completions: the delta then carries its
+        finish reason and counts, so that a client learns of each completion's end as it comes,
+        not with the request's ``done``), else None: a request that is not streamed gathers
+        its output for the ``done``. Prompt log-probabilities not sent in a delta go with the done."""
         if out.num_prompt_tokens:
             self.prompt_tokens = out.num_prompt_tokens
         if out.index == 0 and out.num_cached_tokens:
@@ -74,10 +77,16 @@ class ClientRequest:
         prompt_lps = wire_prompt_logprobs(out.prompt_logprobs)
         delta = None
         if self.stream:
-            if out.new_token_ids or out.new_text:
+            ends = out.finished and self.n > 1  # the completion's end goes with its last delta
+            if out.new_token_ids or out.new_text or ends:
                 delta = P.DeltaReply(self.client_id, out.new_text, list(out.new_token_ids), logprobs=logprobs,
                                      index=out.index, prompt_logprobs=prompt_lps)
                 self.prompt_logprobs_sent |= prompt_lps is not None
+            if ends:
+                delta.finish_reason = out.finish_reason or "stop"
+                delta.completion_tokens = out.num_completion_tokens
+                delta.prompt_tokens = self.prompt_tokens
+                delta.cached_tokens = self.cached_tokens
         else:
             text_parts, token_ids, lps = self.parts.setdefault(out.index, ([], [], []))
             text_parts.append(out.new_text)

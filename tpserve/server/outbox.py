@@ -12,7 +12,8 @@ accepted by its socket; then it is forgotten. Sends never block the serving loop
 * a ``delta`` that has to queue is merged into the queued delta of the same request and
   completion (``id`` and ``index``), if one is still waiting behind the head of the queue (text,
   token ids and log-probabilities appended, up to ``MAX_MERGED_TOKENS`` / ``MAX_MERGED_CHARS``;
-  a delta carrying ``prompt_logprobs`` is never merged into another): a reader that falls behind
+  a delta carrying ``prompt_logprobs`` is never merged into another; a completion's end, the
+  ``finish_reason`` of its last delta, stays on the merged one): a reader that falls behind
   gets fewer, larger deltas, and its outbox holds about one message per completion and the
   request's ``done`` however far behind it is;
 * a peer is never dropped for reading slowly. ZeroMQ tells a sender that its reader made
@@ -46,9 +47,10 @@ MAX_MERGED_CHARS = 1 << 20
 
 class MergedDelta:
     """Deltas of one request, queued for its peer and sent as one ``delta``: the first's other
-    fields, every delta's text, token ids and log-probabilities in order."""
+    fields, every delta's text, token ids and log-probabilities in order, and the completion's
+    end (finish reason and counts) if the last one carries it."""
 
-    __slots__ = ("first", "texts", "token_ids", "logprobs", "chars")
+    __slots__ = ("first", "texts", "token_ids", "logprobs", "chars", "end")
 
     def __init__(self, msg: P.DeltaReply):
         self.first = msg
@@ -56,6 +58,7 @@ class MergedDelta:
         self.chars = len(msg.text)
         self.token_ids = list(msg.token_ids)
         self.logprobs = None if msg.logprobs is None else list(msg.logprobs)
+        self.end: P.DeltaReply | None = None  # a merged delta that ended the completion
 
     def add(self, msg: P.DeltaReply) -> bool:
         """Append ``msg`` (a delta of the same request and completion), unless the merged delta
@@ -71,10 +74,18 @@ class MergedDelta:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(msg.logprobs)
+        if msg.finish_reason is not None:
+            self.end = msg
         return True
 
     def reply(self) -> P.DeltaReply:
-        return replace(self.first, text="".join(self.texts), token_ids=self.token_ids, logprobs=self.logprobs)
+        merged = replace(self.first, text="".join(self.texts), token_ids=self.token_ids,
+                         logprobs=self.logprobs)
+        if self.end is not None:
+            end = self.end
+            merged.finish_reason, merged.completion_tokens = end.finish_reason, end.completion_tokens
+            merged.prompt_tokens, merged.cached_tokens = end.prompt_tokens, end.cached_tokens
+        return merged
 
 
 @dataclass
