@@ -66,8 +66,11 @@ SCRIPTS = {
                               r"import_cycles package=tpserve modules=\d+ edges=\d+ cycles=0"),
     "bench_models.py": LIBRARY,
     "bench_daemon_run.py": LIBRARY,
-    "bench_daemon.py": Parse(("--clients", "1", "--requests-per-client", "1", "--max-tokens", "2",
-                              "--latency-trials", "1"), "a daemon and an offline engine on the 40M model"),
+    "bench_daemon.py": Smoke(("--model", "tpserve/assets/default-model", "--clients", "2", "--requests-per-client",
+                              "2", "--max-tokens", "4", "--latency-trials", "2", "--kv-cache-memory-gb", "0.05"),
+                             r"bench_daemon model=default-model tp=1 requests=4 clients=2 max_tokens=4 "
+                             r"offline_tok_s=[\d.]+ daemon_tok_s=[\d.]+ ratio=[\d.]+ engine_ttft_ms=[\d.]+ "
+                             r"client_ttft_ms=[\d.]+ added_latency_ms=-?[\d.]+"),
     "bench_fairness.py": Smoke(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
                                r"bench_fairness model=default-model .* flood=20 other_client_wait_s=[\d.]+ "
                                r"vanished=2x8"),
@@ -86,8 +89,11 @@ SCRIPTS = {
                                    "--slow-for", "0.3", "--quiet", "0.2"),
                                   r"bench_slow_reader .* finals=2/2 complete=2/2 dropped=no"),
     "bench_structured.py": Parse(("--quick",), "the 40M model with a tokenizer, 16 compiled JSON schemas"),
-    "bench_tokenize_stall.py": Parse(("--chars", "10000", "--rounds", "1"),
-                                     "a daemon, its HTTP front and seconds of baseline streams per path"),
+    "bench_tokenize_stall.py": Smoke(("--chars", "10000", "--rounds", "1", "--baseline-s", "0.3"),
+                                     r"bench_tokenize_stall model=default-model isa=\S+ dtype=auto chars=10000 "
+                                     r"rounds=1 zmq_baseline_gap_s=[\d.]+ zmq_huge_prompt_gap_s=[\d.]+ "
+                                     r"zmq_ratio=[\d.]+ .*zmq_answer=admission http_baseline_gap_s=[\d.]+ "
+                                     r"http_huge_prompt_gap_s=[\d.]+ http_ratio=[\d.]+ .*http_answer=400"),
     "bench_tp.py": Parse(("--requests", "2", "--tp", "2"), "two tensor-parallel ranks on the 40M model"),
     "eval_harness.py": Parse(("--lm-eval", NOT_INSTALLED), "lm-evaluation-harness (scripts/peer_lm_eval.sh)"),
     "gpu_check.py": Parse(("--sections", "env", "--dry-run"),
@@ -105,9 +111,14 @@ SCRIPTS = {
                                  r"streams_open=0 daemon_in_flight=0 whole=\d{3}:1"),
     "quality_int8.py": Parse(("--skip-40m",),
                              "bf16, fp32 and int8 engines over the bundled model's held-out files"),
-    "soak.py": Parse(("--clients", "1", "--requests", "2"), "minutes of daemons, clients and killed workers"),
-    "tp_cycles.py": Parse(("--cycles", "1",), "tensor-parallel daemons started and stopped (~15 s a cycle; "
-                          "tests/test_cli.py starts and stops one)"),
+    "soak.py": Smoke(("--clients", "2", "--requests", "6", "--edge-inputs"),
+                     r"(?s)soak phase 1 \(TP 1, 2 clients x 6 requests\): requests completed \d+, .*requests lost 0, "
+                     r"blocks leaked 0, leftover processes 0, shm segments 0, daemon exit 0, .*"
+                     r"soak phase 2 \(TP 2, worker SIGKILL while idle\): daemon exit 1 .*"
+                     r"soak phase 3 \(TP 2, worker SIGKILL with 4 streams in flight\): errors answered 4, .*"
+                     r"soak: PASS"),
+    "tp_cycles.py": Smoke(("--cycles", "1"),
+                          r"cycle 1: rank0=0 workers=\[0\] ok \([\d.]+ s\)\ntp_cycles cycles=1 failed=0"),
     "train_default_model.py": Parse(("--quick", "--out", "/nonexistent/out"),
                                     "training a model (its --quick run: tests/test_default_model.py)"),
 }
