@@ -219,6 +219,48 @@ def test_n_is_the_engines_for_several_prompts_streamed_and_whole(daemon, client)
         assert c.status()["requests_in_flight"] == 0
 
 
+def _streamed_choices(client, chat: bool, seed: int) -> tuple[list[tuple[int, int, str | None]], object]:
+    """A streamed n=2 request, sampled, each line of the completion its end: its chunks as
+    (choice index, tokens it carries, finish_reason), and its usage."""
+    kw = dict(model=MODEL, n=2, temperature=1.0, seed=seed, max_tokens=12, stop=["\n"], stream=True,
+              stream_options={"include_usage": True})
+    if chat:
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "def f(x):"}],
+                                                     logprobs=True, top_logprobs=0, **kw))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, logprobs=0, **kw))
+    events = []
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        lp = choice.logprobs
+        tokens = 0 if lp is None else len(lp.content or []) if chat else len(lp.tokens)
+        events.append((choice.index, tokens, choice.finish_reason))
+    return events, chunks[-1].usage
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_n_streamed_each_choice_ends_as_soon_as_its_completion_did(client, chat):
+    """OpenAI and vLLM send a choice's finish_reason chunk when that choice ends: with n=2 and
+    choices of different lengths, the shorter one's last chunk comes before the longer one's
+    last tokens (not both once the request is done)."""
+    for seed in range(16):
+        events, usage = _streamed_choices(client, chat, seed)
+        counts = [sum(t for i, t, _ in events if i == index) for index in (0, 1)]
+        for index in (0, 1):
+            mine = [e for e in events if e[0] == index]
+            assert [e[2] is not None for e in mine] == [False] * (len(mine) - 1) + [True], mine
+        assert usage.completion_tokens == sum(counts)
+        # choice 1 starts a step after choice 0: these choices end at least two steps apart
+        if counts[0] + 2 <= counts[1] or counts[1] + 3 <= counts[0]:
+            break
+    else:
+        pytest.fail("no seed made the two choices end apart")
+    early = 0 if counts[0] < counts[1] else 1
+    at = next(k for k, e in enumerate(events) if e[0] == early and e[2] is not None)
+    assert any(i == 1 - early and t for i, t, _ in events[at + 1:]), \
+        f"choice {early} ended only after choice {1 - early}'s last tokens: {events}"
+
+
 def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client):
     # A first line no other test sends: nothing of the prompt is cached before the first request.
     prompt = ("# zq usage probe\ndef fibonacci(n):\n    if n < 2:\n        return n\n"

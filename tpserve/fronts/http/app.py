@@ -187,11 +187,14 @@ class Front:
 
         Each prompt is one request to the daemon, ``n`` included: the engine runs its n
         completions (sharing the prompt's KV blocks) and reports each with its index; choice
-        ``i * n + j`` is completion j of prompt i. ``whole`` (a response sent once complete):
-        one non-streaming generate per prompt, each choice's output one Delta (if it has any)
-        then its GenerateResult. The daemon then sends one message per request instead of one
-        per step; at batch 1 on 2 cores the front's work on each step's delta took ~13% of a
-        core from the engine's threads."""
+        ``i * n + j`` is completion j of prompt i. Streamed with n > 1, a choice's end comes
+        first on its last Delta (``finish_reason`` set), as soon as its completion ended; its
+        GenerateResult then follows when the prompt's request is done (it only counts for the
+        usage). ``whole`` (a response sent once complete): one non-streaming generate per
+        prompt, each choice's output one Delta (if it has any) then its GenerateResult. The
+        daemon then sends one message per request instead of one per step; at batch 1 on 2
+        cores the front's work on each step's delta took ~13% of a core from the engine's
+        threads."""
         n, params = request.n, request.params
         queue: asyncio.Queue = asyncio.Queue()
         self._in_flight[queue] = asyncio.get_running_loop().time()
@@ -340,9 +343,11 @@ def _retry_after(e: RequestError) -> dict:
 
 def timed_out_before_output(item, job) -> O.OpenAIError | None:
     """The 504 a request gets when its timeout passed before any choice produced a token
-    (``item``: the request's first event); None otherwise. Once a token exists the answer is
-    200 with the text so far and finish_reason "timeout"."""
-    if isinstance(item, GenerateResult) and item.finish_reason == "timeout" and not item.completion_tokens:
+    (``item``: the request's first event: a choice's end, on its GenerateResult or, n > 1, on
+    its last Delta); None otherwise. Once a token exists the answer is 200 with the text so far
+    and finish_reason "timeout"."""
+    if (isinstance(item, (GenerateResult, Delta)) and item.finish_reason == "timeout"
+            and not item.completion_tokens):
         return O.OpenAIError(504, f"the request's timeout of {job.timeout:g} s passed before its first token",
                              "timeout", type_="server_error", code="timeout")
     return None

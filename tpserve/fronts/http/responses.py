@@ -6,6 +6,8 @@ they come (``chunks``, then ``final_chunks``: usage and ``[DONE]``). Choice ``i 
 completion j of prompt i; with ``echo`` a choice starts with its prompt's text (and, with
 logprobs, the prompt tokens' log-probabilities, which completion 0 of each prompt reports).
 Chat choices whose tools constrain the answer have their calls read back out (tool_calls.py).
+Streamed, a choice's last chunk (its ``finish_reason``) goes out as soon as its completion
+ended (the end its last Delta carries when n > 1), not when the whole request is done.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class Response:
         self.offset = [0] * self.n_choices
         self.results: dict[int, object] = {}
         self.role_sent = [False] * self.n_choices
+        self.ended = [False] * self.n_choices  # the choice's last chunk (its finish_reason) was sent
         self.echoed = [False] * self.n_choices
         self.token_text = (lambda t: f"token_id:{t}") if job.token_ids_as_text else front.token_text
         # Chat with tools whose tool_choice constrains the answer: calls are read back out.
@@ -109,35 +112,58 @@ class Response:
         return sse_event(body)
 
     def chunks(self, index: int, item) -> list[str]:
+        """The chunks of one choice event: a Delta's output, and the choice's last chunk (its
+        ``finish_reason``) when the event ends it -- a Delta carrying the end of its completion
+        (n > 1: it comes as soon as that completion ended, while its siblings run on) or the
+        choice's GenerateResult. A GenerateResult of a choice that already ended only counts
+        towards the usage."""
         out = []
         self._take_prompt_logprobs(index, item)
+        if isinstance(item, GenerateResult):
+            self.results[index] = item
+            if self.ended[index]:
+                return out
         if self.job.chat and not self.role_sent[index]:
             self.role_sent[index] = True
             out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
         echo_text, echo_entries = self._echo(index)
         if isinstance(item, GenerateResult):
-            self.results[index] = item
-            reason = item.finish_reason
-            if self.tool_streams is not None:
-                ts = self.tool_streams[index]
-                out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
-                        for d in ts.flush()]
-                if ts.num_calls and reason == "stop":
-                    reason = "tool_calls"
-            if self.job.chat:
-                if echo_text:
-                    out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
-                                            "finish_reason": None}))
-                out.append(self._chunk({"index": index, "delta": {}, "logprobs": None,
-                                        "finish_reason": reason}))
-            else:
-                choice = {"index": index, "text": echo_text, "logprobs": self._logprobs_obj(index, echo_entries)
-                          if echo_entries else None, "finish_reason": item.finish_reason}
-                if self.job.params.prompt_logprobs is not None:
-                    choice.update(self._extras(index))
-                out.append(self._chunk(choice))
-            return out
+            return out + self._last_chunks(index, item.finish_reason, echo_text, echo_entries)
+        if item.finish_reason is None or item.token_ids or item.text:
+            out += self._output_chunks(index, item, echo_text, echo_entries)
+            echo_text, echo_entries = "", []
+        if item.finish_reason is not None:
+            out += self._last_chunks(index, item.finish_reason, echo_text, echo_entries)
+        return out
+
+    def _last_chunks(self, index: int, reason: str, echo_text: str, echo_entries: list) -> list[str]:
+        """A choice's last chunk, carrying its ``finish_reason`` (and what it still holds back:
+        an echo not yet sent, tool-call deltas)."""
+        out = []
+        self.ended[index] = True
+        if self.tool_streams is not None:
+            ts = self.tool_streams[index]
+            out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
+                    for d in ts.flush()]
+            if ts.num_calls and reason == "stop":
+                reason = "tool_calls"
+        if self.job.chat:
+            if echo_text:
+                out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
+                                        "finish_reason": None}))
+            out.append(self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
+        else:
+            choice = {"index": index, "text": echo_text, "logprobs": self._logprobs_obj(index, echo_entries)
+                      if echo_entries else None, "finish_reason": reason}
+            if self.job.params.prompt_logprobs is not None:
+                choice.update(self._extras(index))
+            out.append(self._chunk(choice))
+        return out
+
+    def _output_chunks(self, index: int, item, echo_text: str, echo_entries: list) -> list[str]:
+        """The chunks of a Delta's text and tokens (after the prompt's, with echo)."""
+        out = []
         self.token_ids[index] += item.token_ids
         lp = self._logprobs_obj(index, echo_entries + self._entries(item))
         if self.tool_streams is not None:
