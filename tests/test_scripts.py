@@ -94,7 +94,8 @@ SCRIPTS = {
                                      r"rounds=1 zmq_baseline_gap_s=[\d.]+ zmq_huge_prompt_gap_s=[\d.]+ "
                                      r"zmq_ratio=[\d.]+ .*zmq_answer=admission http_baseline_gap_s=[\d.]+ "
                                      r"http_huge_prompt_gap_s=[\d.]+ http_ratio=[\d.]+ .*http_answer=400"),
-    "bench_tp.py": Parse(("--requests", "2", "--tp", "2"), "two tensor-parallel ranks on the 40M model"),
+    "bench_tp.py": Smoke(("--shape", "tiny", "--requests", "4", "--tp", "2"),
+                         r"bench_tp shape=tiny requests=4 tp1=[\d.]+ tok/s tp2=[\d.]+ tok/s ratio tp2/tp1=[\d.]+x"),
     "eval_harness.py": Parse(("--lm-eval", NOT_INSTALLED), "lm-evaluation-harness (scripts/peer_lm_eval.sh)"),
     "gpu_check.py": Parse(("--sections", "env", "--dry-run"),
                           "a GPU (its --dry-run: tests/test_gpu_check.py)"),
