@@ -231,6 +231,34 @@ def test_streamed_and_whole_generations_carry_the_daemons_tokens(served):
                 for t in r.chunk.token_ids] == want[:3]
 
 
+def test_streamed_n_reports_each_index_complete_as_it_ends(served):
+    """vLLM's stream reports each index's completion as it comes: with n=2 and completions of
+    different lengths (sampled, half the byte tokens stop), the shorter one's complete comes
+    before the longer one's last chunk."""
+    ids = list(range(10, 30))
+    for seed in range(16):
+        out = list(served.stub.Generate(gen(ids, True, f"early{seed}", temperature=1.0, seed=seed,
+                                            max_tokens=16, n=2, stop_token_ids=list(range(3, 200)))))
+        kinds = [(r.WhichOneof("response"), r.chunk.index if r.HasField("chunk") else r.complete.index)
+                 for r in out]
+        counts = [sum(len(r.chunk.token_ids) for r in out if r.HasField("chunk") and r.chunk.index == i)
+                  for i in (0, 1)]
+        completes = {r.complete.index: r.complete for r in out if r.HasField("complete")}
+        assert sorted(completes) == [0, 1] and len(completes) == sum(k == "complete" for k, _ in kinds)
+        for i in (0, 1):
+            assert kinds[-1] == ("complete", i) or kinds.index(("complete", i)) > max(
+                k for k, e in enumerate(kinds) if e == ("chunk", i))  # after its own chunks
+            assert completes[i].completion_tokens == counts[i] and completes[i].finish_reason == "stop"
+            assert completes[i].prompt_tokens == 20
+        # index 1 starts a step after index 0: these end at least two steps apart
+        if counts[0] + 2 <= counts[1] or counts[1] + 3 <= counts[0]:
+            break
+    else:
+        pytest.fail("no seed made the two completions end apart")
+    early = 0 if counts[0] < counts[1] else 1
+    assert kinds.index(("complete", early)) < max(k for k, e in enumerate(kinds) if e == ("chunk", 1 - early))
+
+
 def test_unset_max_tokens_is_the_rest_of_the_context_and_n_the_engines(served):
     """As vLLM's gRPC service: max_tokens unset generates up to max_model_len (256 here);
     n completions come from the engine, each with its index (docs/protocol.md)."""

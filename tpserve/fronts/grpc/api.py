@@ -16,8 +16,9 @@ AsyncClient to the daemon (grpc_front.py):
   ``structured_outputs``; tpserve constrains from the first token (it has no engine-side
   reasoning parser to wait for), which is what ``grammar_from_first_token`` asks, set or not.
   ``tokenized.original_text`` is for reference only, as the proto says. Streamed: one ``chunk`` per delta (its token ids, ``completion_tokens``
-  the delta's count, logprobs, prompt logprobs in the first), then one ``complete`` per
-  completion (finish reason, counts; its ``output_ids`` empty: the chunks carried them).
+  the delta's count, logprobs, prompt logprobs in the first), and one ``complete`` per
+  completion as soon as it ended, while its siblings (n > 1) run on (finish reason, counts; its
+  ``output_ids`` empty: the chunks carried them).
   Not streamed: one ``complete`` per completion with every token. Fields tpserve has nothing
   for (multimodal inputs, media refs, KV transfer, a data-parallel rank other than 0,
   ``structural_tag``) are refused with INVALID_ARGUMENT naming the field, as is any value
@@ -292,17 +293,22 @@ class VllmEngineService(VG.VllmEngineServicer):
             queue.put_nowait(e)
 
     async def _responses(self, prompt, params, rid, stream: bool):
-        """The GenerateResponses of one request: streamed, a chunk per delta then a complete per
-        completion; whole, a complete per completion with all its tokens."""
+        """The GenerateResponses of one request: streamed, a chunk per delta and a complete per
+        completion as soon as it ended (n > 1: its last delta says so; vLLM's stream reports each
+        index's end as it comes), the others' with the request's end; whole, a complete per
+        completion with all its tokens."""
         n_prompt = len(prompt) if isinstance(prompt, list) else 0
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list] = {}
         prompt_lp = None
+        completed: set[int] = set()  # streamed: indices whose complete was sent
         call = self.front.client.stream(prompt, params, request_id=rid, final=True, timeout=None)
         try:
             async for item in call:
                 if isinstance(item, GenerateResult):  # the last one: finish reasons and counts
                     for c in (item.completions or [item]):
+                        if c.index in completed:
+                            continue
                         done = V.GenerateComplete(finish_reason=c.finish_reason, prompt_tokens=item.prompt_tokens,
                                                   completion_tokens=len(tokens.get(c.index, ())), index=c.index,
                                                   cached_tokens=item.cached_tokens)
@@ -324,15 +330,23 @@ class VllmEngineService(VG.VllmEngineServicer):
                     logprobs.setdefault(item.index, []).extend(item.logprobs)
                 if not stream:
                     continue
-                chunk = V.GenerateStreamChunk(token_ids=item.token_ids, completion_tokens=len(item.token_ids),
-                                              prompt_tokens=n_prompt, index=item.index)
-                lp = output_logprobs(item.logprobs)
-                if lp is not None:
-                    lp.token_ids.extend(item.token_ids)
-                    chunk.output_logprobs.CopyFrom(lp)
-                if first:
-                    chunk.input_logprobs.CopyFrom(input_logprobs(prompt_lp, prompt))
-                yield V.GenerateResponse(chunk=chunk)
+                if item.token_ids or first or item.finish_reason is None:
+                    chunk = V.GenerateStreamChunk(token_ids=item.token_ids,
+                                                  completion_tokens=len(item.token_ids),
+                                                  prompt_tokens=n_prompt, index=item.index)
+                    lp = output_logprobs(item.logprobs)
+                    if lp is not None:
+                        lp.token_ids.extend(item.token_ids)
+                        chunk.output_logprobs.CopyFrom(lp)
+                    if first:
+                        chunk.input_logprobs.CopyFrom(input_logprobs(prompt_lp, prompt))
+                    yield V.GenerateResponse(chunk=chunk)
+                if item.finish_reason is not None:  # this completion ended; its siblings run on
+                    completed.add(item.index)
+                    yield V.GenerateResponse(complete=V.GenerateComplete(
+                        finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens or 0,
+                        completion_tokens=len(tokens.get(item.index, ())), index=item.index,
+                        cached_tokens=item.cached_tokens or 0))
         finally:
             await call.aclose()  # not finished (cancelled, failed): the client aborts the request
 
