@@ -12,7 +12,11 @@ one nested object), samples at temperature 1, then runs the unconstrained twin w
 (constrained, unconstrained) and the medians are printed, so drift of a shared machine hits
 both. The peer is the same engine without the constraint: the line is tpserve's own overhead.
 
-    python scripts/bench_structured.py [--rounds 3] [--quick]
+    python scripts/bench_structured.py [--rounds 3] [--quick] [--smoke]
+
+``--smoke``: the benchmark models' tiny shape (2 layers of width 64), one round of 4 requests of
+at most 16 tokens, TTFT over 2 schemas beside 2 streams: the whole run in seconds
+(tests/test_scripts.py), not a measurement.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import build_bench_model  # noqa: E402
+from bench_models import SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
 from tpserve.config import EngineConfig  # noqa: E402
@@ -96,13 +100,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--model-dir", default="/tmp/tpserve-bench-40m-structured")
+    ap.add_argument("--shape", choices=("40m", "tiny"), default="40m")
+    ap.add_argument("--model-dir", help="[default: /tmp/tpserve-bench-<shape>-structured]")
     ap.add_argument("--quick", action="store_true", help="1 round of 16 requests")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shape, 1 round of 4 requests of 16 tokens, 2 schemas beside 2 streams")
     args = ap.parse_args()
+    ttft_schemas, streams = 5, 8
     if args.quick:
         args.rounds, args.requests = 1, 16
+    if args.smoke:
+        args.shape, args.rounds, args.requests, args.max_tokens = "tiny", 1, 4, 16
+        ttft_schemas, streams = 2, 2
     # The tokenizer's EOS (<|endoftext|>, id 0) is the model's: id 2 is a text byte there.
-    path = build_bench_model(args.model_dir, eos_token_id=0, bos_token_id=0)
+    path = build_bench_model(args.model_dir or f"/tmp/tpserve-bench-{args.shape}-structured",
+                             eos_token_id=0, bos_token_id=0, **SHAPE_OVERRIDES[args.shape])
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(BUNDLED / f, path / f)
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=2048, block_size=16,
@@ -126,8 +138,8 @@ def main() -> None:
         unc.append(sum(lens2) / dt2)
         unc_cpu.append(sum(lens2) / cpu2)
         finished.append(sum(n < args.max_tokens for n in lens))
-    # TTFT: 8 background streams decode; a 20-property schema arrives cold, then cached.
-    bg = [(f"bg{i}", prompts[i]) for i in range(8)]
+    # TTFT: background streams (8) decode; a 20-property schema arrives cold, then cached.
+    bg = [(f"bg{i}", prompts[i % len(prompts)]) for i in range(streams)]
     for rid, p in bg:
         engine.add_request(rid, p, SamplingParams(max_tokens=100000 // 100, ignore_eos=True, temperature=0.0),
                            detokenize=False)
@@ -141,7 +153,7 @@ def main() -> None:
         base_gaps.append(now - last)
         last = now
     colds, cacheds, cold_gaps = [], [], []
-    for k in range(5):
+    for k in range(ttft_schemas):
         so = StructuredOutputsParams(json=schema(random.Random(50 + k), props=20))
         cold, gap = ttft(engine, bg, so, f"cold{k}")
         cached, _ = ttft(engine, bg, StructuredOutputsParams(json=so.json), f"cached{k}")
@@ -152,7 +164,8 @@ def main() -> None:
         engine.abort_request(rid)
     engine.shutdown()
     c, u = statistics.median(con), statistics.median(unc)
-    print(f"bench_structured: isa={cpu_isa()} dtype={engine.config.dtype} requests={args.requests} "
+    print(f"bench_structured: shape={args.shape} isa={cpu_isa()} dtype={engine.config.dtype} "
+          f"requests={args.requests} "
           f"rounds={args.rounds} constrained={c:.0f} tok/s unconstrained={u:.0f} tok/s ratio={c / u:.3f} "
           f"(per CPU second: {statistics.median(con_cpu):.0f} vs {statistics.median(unc_cpu):.0f}, "
           f"ratio={statistics.median(con_cpu) / statistics.median(unc_cpu):.3f}; "

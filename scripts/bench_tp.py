@@ -47,7 +47,8 @@ def main() -> int:
     prompts, outs = workload(args.requests, 32768, lo=lo, hi=hi)
     one = run(path, 1, prompts, outs)
     many = run(path, args.tp, prompts, outs)
-    print(f"bench_tp shape={args.shape} requests={args.requests} tp1={one:.1f} tok/s tp{args.tp}={many:.1f} tok/s "
+    print(f"bench_tp shape={args.shape} requests={args.requests} tp1={one:.1f} tok/s "
+          f"tp{args.tp}={many:.1f} tok/s "
           f"ratio tp{args.tp}/tp1={many / one:.2f}x")
     return 0
 

@@ -66,8 +66,9 @@ SCRIPTS = {
                               r"import_cycles package=tpserve modules=\d+ edges=\d+ cycles=0"),
     "bench_models.py": LIBRARY,
     "bench_daemon_run.py": LIBRARY,
-    "bench_daemon.py": Smoke(("--model", "tpserve/assets/default-model", "--clients", "2", "--requests-per-client",
-                              "2", "--max-tokens", "4", "--latency-trials", "2", "--kv-cache-memory-gb", "0.05"),
+    "bench_daemon.py": Smoke(("--model", "tpserve/assets/default-model", "--clients", "2",
+                              "--requests-per-client", "2", "--max-tokens", "4", "--latency-trials", "2",
+                              "--kv-cache-memory-gb", "0.05"),
                              r"bench_daemon model=default-model tp=1 requests=4 clients=2 max_tokens=4 "
                              r"offline_tok_s=[\d.]+ daemon_tok_s=[\d.]+ ratio=[\d.]+ engine_ttft_ms=[\d.]+ "
                              r"client_ttft_ms=[\d.]+ added_latency_ms=-?[\d.]+"),
@@ -88,14 +89,21 @@ SCRIPTS = {
     "bench_slow_reader.py": Smoke(("--requests", "2", "--tokens", "2", "--interval", "0.1",
                                    "--slow-for", "0.3", "--quiet", "0.2"),
                                   r"bench_slow_reader .* finals=2/2 complete=2/2 dropped=no"),
-    "bench_structured.py": Parse(("--quick",), "the 40M model with a tokenizer, 16 compiled JSON schemas"),
+    "bench_structured.py": Smoke(("--smoke",),
+                                 r"bench_structured: shape=tiny isa=\S+ dtype=\S+ requests=4 rounds=1 "
+                                 r"constrained=\d+ tok/s unconstrained=\d+ tok/s ratio=[\d.]+ .* "
+                                 r"grammars_finished=\d+/4 \| ttft 20-prop schema cold=[\d.]+ ms "
+                                 r"cached=[\d.]+ ms added=-?[\d.]+ ms \| other streams' longest gap during a "
+                                 r"cold compile=[\d.]+ ms"),
     "bench_tokenize_stall.py": Smoke(("--chars", "10000", "--rounds", "1", "--baseline-s", "0.3"),
-                                     r"bench_tokenize_stall model=default-model isa=\S+ dtype=auto chars=10000 "
-                                     r"rounds=1 zmq_baseline_gap_s=[\d.]+ zmq_huge_prompt_gap_s=[\d.]+ "
+                                     r"bench_tokenize_stall model=default-model isa=\S+ dtype=auto "
+                                     r"chars=10000 rounds=1 zmq_baseline_gap_s=[\d.]+ "
+                                     r"zmq_huge_prompt_gap_s=[\d.]+ "
                                      r"zmq_ratio=[\d.]+ .*zmq_answer=admission http_baseline_gap_s=[\d.]+ "
                                      r"http_huge_prompt_gap_s=[\d.]+ http_ratio=[\d.]+ .*http_answer=400"),
     "bench_tp.py": Smoke(("--shape", "tiny", "--requests", "4", "--tp", "2"),
-                         r"bench_tp shape=tiny requests=4 tp1=[\d.]+ tok/s tp2=[\d.]+ tok/s ratio tp2/tp1=[\d.]+x"),
+                         r"bench_tp shape=tiny requests=4 tp1=[\d.]+ tok/s tp2=[\d.]+ tok/s "
+                         r"ratio tp2/tp1=[\d.]+x"),
     "eval_harness.py": Parse(("--lm-eval", NOT_INSTALLED), "lm-evaluation-harness (scripts/peer_lm_eval.sh)"),
     "gpu_check.py": Parse(("--sections", "env", "--dry-run"),
                           "a GPU (its --dry-run: tests/test_gpu_check.py)"),
@@ -107,14 +115,16 @@ SCRIPTS = {
                                 r"log_lines_per_s=\d+ tracebacks_per_s=0 "),
     "probe_http_stall.py": Smoke(("--streams", "2", "--whole", "1", "--max-tokens", "200", "--stop-s", "2",
                                   "--upstream-timeout", "1", "--wait-s", "30"),
-                                 r"probe_http_stall streams=2 stop_s=2 upstream_timeout_s=1 daemon_dropped_front=\d "
-                                 r"streams_finished=\d streams_error_then_done=\d streams_cut_without_done=0 "
+                                 r"probe_http_stall streams=2 stop_s=2 upstream_timeout_s=1 "
+                                 r"daemon_dropped_front=\d streams_finished=\d streams_error_then_done=\d "
+                                 r"streams_cut_without_done=0 "
                                  r"streams_open=0 daemon_in_flight=0 whole=\d{3}:1"),
     "quality_int8.py": Parse(("--skip-40m",),
                              "bf16, fp32 and int8 engines over the bundled model's held-out files"),
     "soak.py": Smoke(("--clients", "2", "--requests", "6", "--edge-inputs"),
-                     r"(?s)soak phase 1 \(TP 1, 2 clients x 6 requests\): requests completed \d+, .*requests lost 0, "
-                     r"blocks leaked 0, leftover processes 0, shm segments 0, daemon exit 0, .*"
+                     r"(?s)soak phase 1 \(TP 1, 2 clients x 6 requests\): requests completed \d+, "
+                     r".*requests lost 0, blocks leaked 0, leftover processes 0, shm segments 0, "
+                     r"daemon exit 0, .*"
                      r"soak phase 2 \(TP 2, worker SIGKILL while idle\): daemon exit 1 .*"
                      r"soak phase 3 \(TP 2, worker SIGKILL with 4 streams in flight\): errors answered 4, .*"
                      r"soak: PASS"),
