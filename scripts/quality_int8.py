@@ -18,7 +18,11 @@ text and windows ``scripts/train_default_model.py`` evaluates (its training repo
 figure of the fp32 reference with bf16-rounded weights). Targets: agreement >= 90%, loss
 within 1% of bf16.
 
-    python scripts/quality_int8.py [--skip-40m] [--llamacpp .peers/llamacpp]
+    python scripts/quality_int8.py [--skip-40m] [--llamacpp .peers/llamacpp] [--smoke]
+
+``--smoke``: 2 prompts x 8 tokens, the held-out loss over 2 windows, and the benchmark models'
+tiny shape (2 layers of width 64) in place of the 40M model: every step in seconds
+(tests/test_scripts.py), not a measurement.
 
 It also simulates int8 formats in fp32 against fp32 on the same positions: per-channel weights
 with activations unquantized, per row (tpserve's int8) and in blocks of 32, per-channel weights
@@ -40,13 +44,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import build_bench_model  # noqa: E402
+from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
 PROMPTS, PROMPT_LEN, OUT = 20, 32, 64
 CALIBRATION_LEN = 128
+SMOKE_PROMPTS, SMOKE_OUT, SMOKE_WINDOWS = 2, 8, 2  # --smoke: prompts, tokens each, held-out windows
 
 
 def load(path: Path, quantization: str | None, dtype: str = "bfloat16"):
@@ -73,31 +78,34 @@ def logits_of(model, seqs: list[list[int]]) -> torch.Tensor:
     return model.compute_logits(model.forward(ids, pos, meta)).float()
 
 
-def generate(path: Path, quantization: str | None, prompts, dtype: str = "bfloat16") -> list[list[int]]:
+def generate(path: Path, quantization: str | None, prompts, out: int,
+             dtype: str = "bfloat16") -> list[list[int]]:
     from tpserve import LLM, SamplingParams
-    llm = LLM(str(path), dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.5)
+    # A KV pool that holds every sequence at once, and no more: allocating one costs seconds.
+    blocks = len(prompts) * -(-(PROMPT_LEN + out) // 16) + 16
+    llm = LLM(str(path), dtype=dtype, quantization=quantization, block_size=16, num_kv_blocks=blocks)
     try:
-        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True),
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True),
                            use_tqdm=False)
         return [r.outputs[0].token_ids for r in res]
     finally:
         llm.shutdown()
 
 
-def generated_rows(seqs) -> torch.Tensor:
-    """Rows of the concatenated sequences' logits that predict a generated token: the last
-    prompt token onwards, less the end."""
+def generated_rows(seqs, out: int) -> torch.Tensor:
+    """Rows of the concatenated sequences' logits that predict one of the ``out`` generated
+    tokens: the last prompt token onwards, less the end."""
     return torch.tensor([start + PROMPT_LEN - 1 + i for start in np.cumsum([0] + [len(s) for s in seqs[:-1]])
-                         for i in range(OUT)])
+                         for i in range(out)])
 
 
 def agreement(path: Path, prompts, ref_out, ref_logits, other: dict) -> tuple[float, float, float]:
     """(free-running, same-prefix agreement, mean KL(ref || other)) of the engine ``other``
     (LLM/load keyword arguments) against the reference outputs and logits."""
-    out = generate(path, prompts=prompts, **other)
+    out = generate(path, prompts=prompts, out=len(ref_out[0]), **other)
     free = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref_out, out)]))
     seqs = [p + o for p, o in zip(prompts, ref_out)]
-    rows = generated_rows(seqs)
+    rows = generated_rows(seqs, len(ref_out[0]))
     lp_ref = ref_logits[rows].log_softmax(-1)
     lp = logits_of(load(path, **other), seqs)[rows].log_softmax(-1)
     same = float((lp_ref.argmax(-1) == lp.argmax(-1)).float().mean())
@@ -184,16 +192,16 @@ def format_ceilings(name: str, path: Path, seqs, rows: torch.Tensor, calibration
         print(f"quality {name}, simulated in fp32 against fp32: {label}: same-prefix {same:.1%}", flush=True)
 
 
-def compare(name: str, path: Path, prompts, calibration, llamacpp: Path | None = None) -> None:
-    bf16_out = generate(path, None, prompts)
+def compare(name: str, path: Path, prompts, calibration, out: int, llamacpp: Path | None = None) -> None:
+    bf16_out = generate(path, None, prompts, out)
     seqs = [p + o for p, o in zip(prompts, bf16_out)]
     ref = logits_of(load(path, None), seqs)
     for label, other in (("int8", dict(quantization="int8")), ("fp32", dict(quantization=None, dtype="float32"))):
         free, same, kl = agreement(path, prompts, bf16_out, ref, other)
         print(f"quality {name}, {label} against bf16: greedy agreement free-running {free:.1%}, "
               f"same-prefix {same:.1%}; mean KL(bf16||{label}) {kl:.4f} nats "
-              f"({PROMPTS} prompts x {OUT} tokens)", flush=True)
-    format_ceilings(name, path, seqs, generated_rows(seqs), calibration)
+              f"({len(prompts)} prompts x {out} tokens)", flush=True)
+    format_ceilings(name, path, seqs, generated_rows(seqs, out), calibration)
     if llamacpp is not None:
         llamacpp_agreement(llamacpp, name, path, prompts, bf16_out)
 
@@ -217,8 +225,8 @@ def llamacpp_agreement(peer: Path, name: str, path: Path, prompts, ref_out) -> N
                                                 headers={"Content-Type": "application/json"})
                 with bl.urllib.request.urlopen(req, timeout=600) as r:
                     return json.loads(r.read())["tokens"]
-            free = [ask(p, OUT) for p in prompts]
-            same = [[ask(p + o[:i], 1)[0] for i in range(OUT)] for p, o in zip(prompts, ref_out)]
+            free = [ask(p, len(o)) for p, o in zip(prompts, ref_out)]
+            same = [[ask(p + o[:i], 1)[0] for i in range(len(o))] for p, o in zip(prompts, ref_out)]
             got[kind] = free, same
         finally:
             server.close()
@@ -259,31 +267,35 @@ def main() -> int:
     ap.add_argument("--skip-40m", action="store_true")
     ap.add_argument("--llamacpp", type=Path, default=None,
                     help="llama.cpp's build (scripts/peer_llamacpp.sh): also measure its Q8_0 against its bf16")
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 prompts x 8 tokens, 2 held-out windows, the tiny shape for the 40M model")
     args = ap.parse_args()
+    n_prompts, out = (SMOKE_PROMPTS, SMOKE_OUT) if args.smoke else (PROMPTS, OUT)
+    shape = "tiny" if args.smoke else "40m"
     torch.set_num_threads(2)
     print(f"isa {cpu_isa()}; int8 = --quantization int8 (per-channel int8 weights, int8 activations per row) "
           f"against bf16", flush=True)
     ids, context = heldout(BUNDLED)
-    starts = np.linspace(0, len(ids) - PROMPT_LEN - 1, PROMPTS).astype(int)
+    starts = np.linspace(0, len(ids) - PROMPT_LEN - 1, n_prompts).astype(int)
     bundled = [ids[s:s + PROMPT_LEN].tolist() for s in starts]
     # calibration windows (for the GPTQ ceiling): two in each gap between prompts, apart from them
     gap = starts[1] - starts[0]
     calibration = [ids[s + f * gap // 3:s + f * gap // 3 + CALIBRATION_LEN].tolist()
                    for s in starts[:-1] for f in (1, 2)]
-    compare("bundled model", BUNDLED, bundled, calibration)
+    compare("bundled model", BUNDLED, bundled, calibration, out)
     report = json.loads((BUNDLED / "training_report.json").read_text())
-    loss_bf16 = heldout_loss(load(BUNDLED, None), ids, context)
-    loss_int8 = heldout_loss(load(BUNDLED, "int8"), ids, context)
-    print(f"quality bundled model held-out loss ({len(ids) - 1} tokens): bf16 {loss_bf16:.4f}, int8 "
+    held = ids[:SMOKE_WINDOWS * context + 1] if args.smoke else ids
+    loss_bf16 = heldout_loss(load(BUNDLED, None), held, context)
+    loss_int8 = heldout_loss(load(BUNDLED, "int8"), held, context)
+    print(f"quality bundled model held-out loss ({len(held) - 1} tokens): bf16 {loss_bf16:.4f}, int8 "
           f"{loss_int8:.4f} ({loss_int8 / loss_bf16 - 1:+.2%}); training report {report['heldout_loss']:.4f}")
     if not args.skip_40m:
-        path = build_bench_model("/tmp/tpserve-bench/qwen3-40m")
+        path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS[shape]}", **SHAPE_OVERRIDES[shape])
         rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, 32768, PROMPT_LEN).tolist() for _ in range(PROMPTS)]
-        calibration = [rng.integers(3, 32768, CALIBRATION_LEN).tolist() for _ in range(2 * (PROMPTS - 1))]
-        compare("40m random-weight model", path, prompts, calibration, args.llamacpp)
+        prompts = [rng.integers(3, 32768, PROMPT_LEN).tolist() for _ in range(n_prompts)]
+        calibration = [rng.integers(3, 32768, CALIBRATION_LEN).tolist() for _ in range(2 * (n_prompts - 1))]
+        compare(f"{shape} random-weight model", path, prompts, calibration, out, args.llamacpp)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

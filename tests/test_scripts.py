@@ -119,8 +119,15 @@ SCRIPTS = {
                                  r"daemon_dropped_front=\d streams_finished=\d streams_error_then_done=\d "
                                  r"streams_cut_without_done=0 "
                                  r"streams_open=0 daemon_in_flight=0 whole=\d{3}:1"),
-    "quality_int8.py": Parse(("--skip-40m",),
-                             "bf16, fp32 and int8 engines over the bundled model's held-out files"),
+    "quality_int8.py": Smoke(("--smoke",),
+                             r"(?s)quality bundled model, int8 against bf16: greedy agreement "
+                             r"free-running [\d.]+%, same-prefix [\d.]+%; "
+                             r"mean KL\(bf16\|\|int8\) [\d.]+ nats \(2 prompts x 8 tokens\)"
+                             r".*quality bundled model held-out loss \(512 tokens\): bf16 [\d.]+, "
+                             r"int8 [\d.]+ "
+                             r".*quality tiny random-weight model, fp32 against bf16: greedy agreement "
+                             r".*quality tiny random-weight model, simulated in fp32 against fp32: "
+                             r"Q8_0-like: int8 weights and activations in blocks of 32: same-prefix [\d.]+%"),
     "soak.py": Smoke(("--clients", "2", "--requests", "6", "--edge-inputs"),
                      r"(?s)soak phase 1 \(TP 1, 2 clients x 6 requests\): requests completed \d+, "
                      r".*requests lost 0, blocks leaked 0, leftover processes 0, shm segments 0, "
