@@ -83,9 +83,18 @@ SCRIPTS = {
     "bench_router.py": Parse(("--policies", "round_robin", "--scenarios", "skewed", "--smg", NOT_INSTALLED),
                              "smg or vllm-router (scripts/peer_smg.sh, peer_vllm_router.sh); "
                              "tests/test_bench_router.py checks its scenarios"),
-    "bench_serving.py": Parse(("--mode", "trace", "--requests", "2", "--rates", "4"),
-                              "daemons under a minutes-long arrival trace, and peer servers; "
-                              "tests/test_bench_serving.py checks its trace"),
+    "bench_serving.py": Smoke(("--model", "tpserve/assets/default-model", "--requests", "4", "--rates", "4",
+                               "--prompt-scale", "0.02", "--output-scale", "0.1", "--scenario-prompt", "200",
+                               "--scenario-streams", "2", "--max-num-seqs", "8",
+                               "--kv-cache-memory-gb", "0.05"),
+                              r"(?s)bench_serving engine=tpserve-mixed rate=4/s done=4/4 ttft_ms p50=\d+ "
+                              r"p99=\d+ itl_ms p50=[\d.]+ p99=[\d.]+ e2e_s p50=[\d.]+ p99=[\d.]+ "
+                              r"out_tok_s=[\d.]+\n"
+                              r"bench_serving scenario engine=tpserve-mixed streams=2 prompt=200 "
+                              r"median_gap_ms=[\d.]+ longest_gap_ms=[\d.]+\n"
+                              r"bench_serving engine=tpserve-prefill-first rate=4/s done=4/4 .*"
+                              r"bench_serving scenario engine=tpserve-prefill-first streams=2 .*"
+                              r"bench_serving scenario longest gap mixed/prefill-first=[\d.]+"),
     "bench_slow_reader.py": Smoke(("--requests", "2", "--tokens", "2", "--interval", "0.1",
                                    "--slow-for", "0.3", "--quiet", "0.2"),
                                   r"bench_slow_reader .* finals=2/2 complete=2/2 dropped=no"),
