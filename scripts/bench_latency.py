@@ -27,8 +27,11 @@ With ``--http`` it also measures tpserve's daemon (``tpserve start --http-port``
 the way llama-server is (one non-streamed completion per stream): the server a user talks to,
 not only the engine.
 
-    python scripts/bench_latency.py [--shape 40m|0.6b] [--llamacpp .peers/llamacpp] [--runs 3]
+    python scripts/bench_latency.py [--shape 40m|0.6b|tiny] [--llamacpp .peers/llamacpp] [--runs 3]
                                     [--threads N] [--batches 8,64] [--http]
+
+``--shape tiny`` (2 layers of width 64; batch 8) without ``--llamacpp`` is a smoke run of seconds
+(tests/test_scripts.py), not a measurement.
 """
 from __future__ import annotations
 
@@ -51,12 +54,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import QWEN3_0_6B, build_bench_model  # noqa: E402
+from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "tpserve" / "assets" / "default-model"
-BATCHES = {"40m": (8, 64), "0.6b": (8, 16)}
+BATCHES = {"40m": (8, 64), "0.6b": (8, 16), "tiny": (8,)}
 PROMPT, SINGLE_OUT, BATCH_OUT = 64, 256, 128
 
 
@@ -293,9 +296,7 @@ def main() -> int:
                     help="also tpserve's daemon over HTTP (tpserve start --http-port), asked as llama-server is")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    overrides = QWEN3_0_6B if args.shape == "0.6b" else {}
-    name = "qwen3-0.6b-shape" if args.shape == "0.6b" else "qwen3-40m"
-    path = build_bench_model(f"/tmp/tpserve-bench/{name}", **overrides)
+    path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}", **SHAPE_OVERRIDES[args.shape])
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     batches = BATCHES[args.shape] if args.batches is None else tuple(
         int(b) for b in args.batches.split(",") if b.strip())

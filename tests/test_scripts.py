@@ -78,8 +78,12 @@ SCRIPTS = {
     "bench_http.py": Smoke(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
                            r"bench_http model=default-model .* streams=1 max_tokens=2 zmq_tok_s=[\d.]+ "
                            r"http_tok_s=[\d.]+"),
-    "bench_latency.py": Parse(("--shape", "40m", "--runs", "1", "--llamacpp", "/nonexistent/llama.cpp"),
-                              "llama.cpp's llama-server (scripts/peer_llamacpp.sh)"),
+    "bench_latency.py": Smoke(("--shape", "tiny", "--runs", "1"),  # tpserve's engines only, no llama-server
+                              r"latency shape=tiny isa=\S+ threads=\d+ prompt=64 .*\n"
+                              r"tpserve bf16 +dtype=bf16 +tok/s: batch  1 +[\d.]+  batch  8 +[\d.]+\n"
+                              r"tpserve int8 +dtype=int8 w/ int8 act tok/s: batch  1 +[\d.]+  "
+                              r"batch  8 +[\d.]+\n"
+                              r"ratio tpserve int8 / tpserve bf16: batch  1 +[\d.]+x  batch  8 +[\d.]+x"),
     "bench_router.py": Parse(("--policies", "round_robin", "--scenarios", "skewed", "--smg", NOT_INSTALLED),
                              "smg or vllm-router (scripts/peer_smg.sh, peer_vllm_router.sh); "
                              "tests/test_bench_router.py checks its scenarios"),
