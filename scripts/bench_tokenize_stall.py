@@ -15,7 +15,10 @@ CPU time the hypervisor stole in each kind of window (/proc/stat; on a virtual m
 tick stalls a stream for 10 ms or more, whatever runs), and the worst-gap ratio over the rounds
 in which nothing was stolen.
 The stream is watched without the huge prompt for as long as with it (the worst of a longer
-window is larger). Timings depend on the machine's load.
+window is larger). Timings depend on the machine's load. Before the first round the script waits
+until the daemon's tokenizer process is up (a fresh daemon starts it in the background), as on a
+daemon that has served a while: the first huge prompt would otherwise also wait for that
+process's start, which under the streams' load takes seconds.
 """
 from __future__ import annotations
 
@@ -147,6 +150,15 @@ def http_huge(url):
     return send
 
 
+def tokenizer_ready(address: str) -> None:
+    """Return once the daemon's tokenizer process answers: a ``tokenize`` request of a text longer
+    than the daemon's inline limit (ServerOptions.inline_tokenize_chars, 8,192 characters) is
+    tokenized there, after the start-up the daemon began in the background."""
+    from tpserve.client.client import Client
+    with Client(address, timeout=600) as c:
+        c.tokenize(huge_text(65_536))
+
+
 def _huge_sender(conn, path: str, target: str, chars: int) -> None:
     """Child process: build the prompt and its client, wait for "go", send it, report the
     answer, and exit once told to. Only the sending itself falls in the measured windows: the
@@ -222,6 +234,7 @@ def main() -> int:
     results = {"zmq": [], "http": []}
     try:
         with started_daemon(args.model, http=True) as (address, url):
+            tokenizer_ready(address)
             for _ in range(args.rounds):
                 results["zmq"].append(measure(zmq_stream(address), "zmq", address, args.chars, args.baseline_s))
                 results["http"].append(measure(http_stream(url), "http", url, args.chars, args.baseline_s))

@@ -2,13 +2,15 @@
 
 Each script has an entry in SCRIPTS (a script without one fails test_every_script_has_an_entry):
 
-* Smoke: run in a subprocess at its smallest size (the benchmark models' ``tiny`` shape, a few
-  steps or messages; quickstart, bench_fairness, bench_http and bench_slow_reader start a daemon
-  on the bundled model), exit status 0 and its result line checked;
-* Parse: a script that needs a peer that is not installed, a GPU, or long runs of daemons and
-  traffic (some have tests of their own, named in the entry): its module is imported, its real
-  argument parser reads a small argument list (the parser is stopped right after parsing,
-  before any work), and ``--help`` prints its usage;
+* Smoke: run in a subprocess at its smallest size (the benchmark models' ``tiny`` shape or the
+  bundled model, a few requests, steps or messages, sub-second windows; a ``--smoke`` flag where
+  the sizes are not all options), exit status 0 and its result lines checked, including the
+  results that must hold whatever the machine (nothing lost, leaked or left open). Scripts that
+  compare tpserve with a peer run tpserve's side alone where they have such a mode;
+* Parse: a script that needs a peer that is not installed, a GPU, or a training run (some have
+  tests of their own, named in the entry): its module is imported, its real argument parser
+  reads a small argument list (the parser is stopped right after parsing, before any work), and
+  ``--help`` prints its usage;
 * Library: a module other scripts import, imported.
 
 Every script, smoke-run or not, goes through the import-and-parse pass, all in one interpreter.
