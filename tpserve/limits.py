@@ -24,8 +24,6 @@ import math
 import numbers
 from typing import Any
 
-import numpy as np
-
 from tpserve.errors import InvalidFieldError
 
 MAX_ID_CHARS = 128
@@ -98,7 +96,9 @@ def check_token_ids(name: str, ids: Any, max_len: int, min_len: int = 0,
     hi = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
     if len(ids) > _VECTOR_MIN and set(map(type, ids)) == {int}:
         # A long prompt is checked in a few C passes: a loop of Python comparisons over a
-        # million ids holds the serving loop (and the GIL) for a second.
+        # million ids holds the serving loop (and the GIL) for a second. numpy is imported here,
+        # not with the module: the CLI and the client import this module and stay light.
+        import numpy as np
         try:
             arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
         except OverflowError:
@@ -126,6 +126,7 @@ def check_packed_ids(name: str, ids: array.array, max_len: int, min_len: int = 0
     if not min_len <= len(ids) <= max_len:
         raise InvalidFieldError(name, f"length must be in [{min_len}, {max_len}], got {len(ids)}")
     hi = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
+    import numpy as np  # here, not with the module (see check_token_ids)
     arr = np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, np.int32)
     bad = np.flatnonzero((arr < 0) | (arr > hi))
     if bad.size:
