@@ -27,6 +27,7 @@ from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.fronts.grpc.front import GrpcOptions, check_grpc_available, check_grpc_host
 from tpserve.fronts.http.front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
 from tpserve.fronts.http.guard import parse_allowed_hosts
+from tpserve.fronts.http.reasoning import PARSERS
 from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontError
 from tpserve.limits import check_timeout
 from tpserve.procs import kill_tree
@@ -85,6 +86,10 @@ def daemon_options(f):
                      help="the HTTP front ends its requests in flight (error, then [DONE]; or 503), and the "
                           "gRPC front its calls (UNAVAILABLE), when the daemon has not answered its ping, "
                           "or the front itself was stalled, this many seconds"),
+        click.option("--reasoning-parser", type=click.Choice(PARSERS), default=None, show_envvar=True,
+                     envvar="TPSERVE_REASONING_PARSER",
+                     help="split chat answers at </think> into message.reasoning_content / reasoning "
+                          "and content (vLLM's parser names) [default: none]"),
         click.option("--grpc-port", type=click.IntRange(0, 65535), default=None, show_envvar=True,
                      envvar="TPSERVE_GRPC_PORT", metavar="PORT",
                      help="also serve vLLM's gRPC engine service on this port, with the KV-cache events "
@@ -192,7 +197,7 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
                                      param_hint=f"'--{name.replace('_', '-')}'")
     return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed,
                        kw["http_request_timeout"],
-                       kw["http_upstream_timeout"])
+                       kw["http_upstream_timeout"], kw["reasoning_parser"])
 
 
 def _grpc_options(kw: dict, opts: ServerOptions) -> GrpcOptions | None:
@@ -305,6 +310,8 @@ def start(**kw):
                  "--http-upstream-timeout", str(http.upstream_timeout)]
         if http.allowed_hosts is not None:
             argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
+        if http.reasoning_parser:
+            argv += ["--reasoning-parser", http.reasoning_parser]
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     if grpc is not None:

@@ -35,6 +35,7 @@ from tpserve.fronts.http.router_api import make_router
 from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
+from tpserve.fronts.http.reasoning import prompt_opens_thinking
 from tpserve.fronts.http.responses import Response, sse_event
 from tpserve.errors import InvalidRequestError
 from tpserve.tokenizer import load_tokenizer
@@ -52,13 +53,15 @@ class Front:
     """State of one HTTP front process: daemon client, tokenizer, names and limits."""
 
     def __init__(self, address: str, model_path: str, model_name: str, max_model_len: int,
-                 api_key: str | None = None, server_public_key: bytes | None = None, tokenizer=None):
+                 api_key: str | None = None, server_public_key: bytes | None = None, tokenizer=None,
+                 reasoning_parser: str | None = None):
         self.address = address
         self.model_path = model_path
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.server_public_key = server_public_key
+        self.reasoning_parser = reasoning_parser  # reasoning.py's parser of chat answers, or None
         # Long texts are tokenized by the daemon (its tokenizer process, while the engine lends
         # it a core: server/tokenizing.py): in a thread here they would hold the GIL from the
         # event loop, and in any process of its own they would take a core from the engine.
@@ -136,6 +139,7 @@ class Front:
                         code="chat_template_missing")
         options = dict(options or {})
         extra = dict(options.pop("chat_template_kwargs", None) or {})
+        effort = options.pop("reasoning_effort", None)
         clash = sorted(set(extra) & {"conversation", "tokenize", "add_generation_prompt",
                                      "continue_final_message", "chat_template"})
         if clash:
@@ -143,6 +147,12 @@ class Front:
         options.setdefault("add_generation_prompt", True)
         if options.get("chat_template") is None:
             options.pop("chat_template", None)
+        if effort is not None:  # only where the template reads it, else it would change nothing
+            source = options.get("chat_template") or self.tokenizer.chat_template
+            if "reasoning_effort" not in str(source):
+                raise O.bad("reasoning_effort", "this model's chat template does not take it",
+                            code="unsupported_parameter")
+            extra["reasoning_effort"] = effort
 
         def render():
             kw = {"tools": tools} if tools else {}
@@ -484,8 +494,10 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
         body = await read_json(request)
         job = O.parse_chat(body, front.model_name)
         await structured_api.prepare(job, body, O.build_request)  # a constraint: on a thread
-        ids = await front.chat_prompt(job.messages, job.chat_options, job.add_special_tokens,
-                                      tools=job.tools.tools if job.tools is not None else None)
+        text = await front.chat_text(job.messages, job.chat_options,
+                                     tools=job.tools.tools if job.tools is not None else None)
+        job.thinking_opened = front.reasoning_parser is not None and prompt_opens_thinking(text)
+        ids = await front.encode(text, job.add_special_tokens, field="messages")
         last = job.messages[-1]
         texts = [last["content"] if job.echo and last["role"] == "assistant" else ""]
         return await run(request, job, [ids], texts)

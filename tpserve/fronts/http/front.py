@@ -45,6 +45,7 @@ import sys
 from dataclasses import dataclass
 
 from tpserve.client.addresses import InsecureAddressError, is_loopback_tcp
+from tpserve.fronts.http.reasoning import PARSERS
 from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, front_arguments
 from tpserve.procs import die_with_parent, freeze_heap
 
@@ -69,6 +70,7 @@ class HttpOptions:
     allowed_hosts: tuple[str, ...] | None = None
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT
+    reasoning_parser: str | None = None  # reasoning.py's parser of chat answers (--reasoning-parser)
 
 
 def check_http_host(host: str, api_key: str | None) -> None:
@@ -97,6 +99,8 @@ class HttpFrontProcess(FrontProcess):
         extra = ["--upstream-timeout", str(options.upstream_timeout), "--request-timeout", str(options.request_timeout)]
         if options.allowed_hosts is not None:
             extra += ["--allowed-hosts", ",".join(options.allowed_hosts)]
+        if options.reasoning_parser:
+            extra += ["--reasoning-parser", options.reasoning_parser]
         super().__init__(options, "tpserve.fronts.http.front", daemon_address, model_path, model_name,
                          max_model_len, server_public_key, extra)
 
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the daemon's --http-upstream-timeout")
     ap.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
     ap.add_argument("--allowed-hosts", default=None)
+    ap.add_argument("--reasoning-parser", default=None, choices=PARSERS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -135,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     from tpserve.fronts.upstream import UpstreamWatch
 
     front = Front(args.address, args.model_path, args.model_name, args.max_model_len, api_key,
-                  args.server_key.encode() if args.server_key else None)
+                  args.server_key.encode() if args.server_key else None,
+                  reasoning_parser=args.reasoning_parser)
     front.restarts, front.last_exit = args.restarts, args.last_exit
     hosts = HostPolicy.for_bind(parse_allowed_hosts(args.allowed_hosts), is_loopback_host(args.host))
     # log_config None: uvicorn's records go to the root handler, through quiet_log's rate limit.

@@ -77,6 +77,7 @@ class Job:
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's special tokens (BOS)
     chat_options: dict = field(default_factory=dict)  # apply_chat_template's options
     tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
+    thinking_opened: bool = False  # chat: the rendered prompt ends inside "<think>" (reasoning.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -195,7 +196,6 @@ _UNSUPPORTED = {
     "mm_processor_kwargs": "is not supported (text models only)",
     "prediction": "is not supported (no predicted outputs)",
     "audio": "is not supported (text models only)",
-    "reasoning_effort": "is not supported",
     "web_search_options": "is not supported",
     "functions": "is not supported; use tools",
     "function_call": "is not supported; use tool_choice",
@@ -371,8 +371,11 @@ def parse_chat(body, served_name: str) -> Job:
         raise bad("continue_final_message", "cannot be used with add_generation_prompt true (vLLM's rule)")
     if cont and clean[-1]["role"] != "assistant":
         raise bad("continue_final_message", "needs the last message to be the assistant's")
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad("reasoning_effort", f"must be a string, got {type(effort).__name__}")
     job.chat_options = dict(chat_template_kwargs=kwargs or {}, add_generation_prompt=add_gen,
-                            continue_final_message=cont, chat_template=template)
+                            continue_final_message=cont, chat_template=template, reasoning_effort=effort)
     job.add_special_tokens = _bool(body, "add_special_tokens", False)
     return job
 

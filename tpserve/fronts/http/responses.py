@@ -6,6 +6,9 @@ they come (``chunks``, then ``final_chunks``: usage and ``[DONE]``). Choice ``i 
 completion j of prompt i; with ``echo`` a choice starts with its prompt's text (and, with
 logprobs, the prompt tokens' log-probabilities, which completion 0 of each prompt reports).
 Chat choices whose tools constrain the answer have their calls read back out (tool_calls.py).
+With a reasoning parser (reasoning.py), a chat choice's thoughts go to ``reasoning_content`` and
+``reasoning`` (both names, as vLLM used both), and only the answer after them to ``content`` and
+the tool-call parsing.
 Streamed, a choice's last chunk (its ``finish_reason``) goes out as soon as its completion
 ended (the end its last Delta carries when n > 1), not when the whole request is done.
 """
@@ -17,6 +20,7 @@ import uuid
 
 from tpserve.client.client import GenerateResult
 from tpserve.fronts.http import openai_api as O
+from tpserve.fronts.http.reasoning import REASONING, ReasoningStream, split_reasoning
 from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
 
 
@@ -52,6 +56,11 @@ class Response:
         # Chat with tools whose tool_choice constrains the answer: calls are read back out.
         tools = job.tools if job.chat and job.tools is not None and job.tools.constrains else None
         self.tool_streams = [ToolCallStream() for _ in range(self.n_choices)] if tools else None
+        self.parser = getattr(front, "reasoning_parser", None) if job.chat else None
+        self.reasoning_streams = None
+        if self.parser:
+            self.reasoning_streams = [ReasoningStream(self.parser, job.thinking_opened)
+                                      for _ in range(self.n_choices)]
 
     def _entries(self, delta) -> list:
         if delta.logprobs is None:
@@ -142,6 +151,8 @@ class Response:
         an echo not yet sent, tool-call deltas)."""
         out = []
         self.ended[index] = True
+        if self.reasoning_streams is not None:
+            out += self._answer_chunks(index, self.reasoning_streams[index].flush(), None)
         if self.tool_streams is not None:
             ts = self.tool_streams[index]
             out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
@@ -166,7 +177,15 @@ class Response:
         out = []
         self.token_ids[index] += item.token_ids
         lp = self._logprobs_obj(index, echo_entries + self._entries(item))
-        if self.tool_streams is not None:
+        if self.reasoning_streams is not None:
+            if echo_text:
+                out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
+                                        "finish_reason": None}))
+            pieces = self.reasoning_streams[index].feed(item.text)
+            out += self._answer_chunks(index, pieces, lp)
+            if not pieces and lp is not None:  # held back text: its tokens' logprobs still go out
+                out.append(self._chunk({"index": index, "delta": {}, "logprobs": lp, "finish_reason": None}))
+        elif self.tool_streams is not None:
             for d in self.tool_streams[index].feed(item.text):
                 out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
                 lp = None
@@ -178,6 +197,22 @@ class Response:
             if self.job.return_token_ids:
                 choice["token_ids"] = item.token_ids
             out.append(self._chunk(choice))
+        return out
+
+    def _answer_chunks(self, index: int, pieces: list, lp) -> list[str]:
+        """The chunks of a chat choice's (kind, text) pieces from its reasoning stream: thoughts as
+        reasoning deltas, the answer as content or, with tools, through the tool-call parsing."""
+        out = []
+        for kind, text in pieces:
+            if kind == REASONING:
+                deltas = [{"reasoning_content": text, "reasoning": text}]
+            elif self.tool_streams is not None:
+                deltas = self.tool_streams[index].feed(text)
+            else:
+                deltas = [{"content": text}]
+            for d in deltas:
+                out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
+                lp = None
         return out
 
     def final_chunks(self) -> list[str]:
@@ -208,6 +243,11 @@ class Response:
             lp = self._logprobs_obj(i, echo_entries + self.logprobs[i])
             if self.job.chat:
                 message = {"role": "assistant", "content": text}
+                if self.parser:
+                    gen = "".join(self.text[i])
+                    thoughts, answer = split_reasoning(gen, self.parser, self.job.thinking_opened)
+                    text = echo_text + (answer or "")
+                    message.update(content=text or None, reasoning_content=thoughts, reasoning=thoughts)
                 if self.tool_streams is not None:
                     message["content"], calls = split_calls(text)
                     if calls:
