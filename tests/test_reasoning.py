@@ -122,3 +122,14 @@ def test_reasoning_effort_needs_a_template_that_reads_it(daemon):
     tok = post(daemon, "/tokenize", {"prompt": "hieffort=low", "add_special_tokens": False},
                key=API_KEY).json()
     assert r.json()["choices"][0]["prompt_token_ids"] == tok["tokens"]
+
+
+def test_a_reasoning_parser_without_an_http_front_is_refused(tmp_path):
+    from click.testing import CliRunner
+
+    from tpserve.cli.main import main
+    result = CliRunner().invoke(main, ["serve", "--runtime-dir", str(tmp_path), "--reasoning-parser", "qwen3"])
+    assert result.exit_code == 2 and "--reasoning-parser" in result.output and "--http-port" in result.output
+    from_env = CliRunner().invoke(main, ["start", "--runtime-dir", str(tmp_path)],
+                                  env={"TPSERVE_REASONING_PARSER": "deepseek_r1"})
+    assert from_env.exit_code == 2 and "--reasoning-parser" in from_env.output

@@ -179,6 +179,9 @@ def _server_options(kw: dict) -> ServerOptions:
 def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
     """The HTTP front's options, or None without --http-port."""
     if kw["http_port"] is None:
+        if kw["reasoning_parser"]:
+            raise click.BadParameter("needs --http-port: the HTTP front splits chat answers at </think>",
+                                     param_hint="'--reasoning-parser'")
         return None
     if opts.curve_client_keys_dir:
         raise click.BadParameter("cannot be combined with --curve-client-keys (the HTTP front connects "
