@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +25,7 @@ import pytest
 import zmq
 
 from test_daemon import FakeEngine, Raw, ServerThread
+from test_http import HttpDaemon
 from tpserve import limits as R
 from tpserve.client import protocol as P
 from tpserve.client.client import AsyncClient, Client, RequestError
@@ -282,22 +281,11 @@ def test_an_async_client_ends_its_unanswered_requests_on_an_error_without_an_id(
 
 
 # ---- over HTTP: the daemon on the bundled model and its front ------------------------------
-TPSERVE = [sys.executable, "-m", "tpserve"]
-
-
 @pytest.fixture(scope="module")
 def http_daemon():
-    rd = tempfile.mkdtemp(prefix="tpb-", dir="/tmp")
-    out = subprocess.run(TPSERVE + ["start", "--runtime-dir", rd, "--num-kv-blocks", "600",
-                                    "--block-size", "4", "--http-port", "0", "--startup-timeout", "200"],
-                         capture_output=True, text=True, timeout=240)
-    if out.returncode != 0:
-        shutil.rmtree(rd, ignore_errors=True)
-    assert out.returncode == 0, out.stderr + out.stdout
-    address, url = out.stdout.split()
-    yield address, url
-    subprocess.run(TPSERVE + ["stop", "--runtime-dir", rd, "--timeout", "60"], capture_output=True)
-    shutil.rmtree(rd, ignore_errors=True)
+    daemon = HttpDaemon(api_key=None, num_kv_blocks=600)
+    yield daemon.address, daemon.url
+    daemon.stop()
 
 
 def _vocab() -> int:

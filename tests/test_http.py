@@ -44,10 +44,12 @@ def run_cli(*args, timeout=240, env=None):
 
 
 class HttpDaemon:
-    def __init__(self):
+    """A daemon on the bundled model with its HTTP front (``api_key`` None: /v1 is open)."""
+
+    def __init__(self, api_key: str | None = API_KEY, num_kv_blocks: int = 300):
         self.rd = tempfile.mkdtemp(prefix="tph-", dir="/tmp")
-        env = dict(os.environ, TPSERVE_API_KEY=API_KEY)
-        out = run_cli("start", "--runtime-dir", self.rd, "--num-kv-blocks", 300, "--block-size", 4,
+        env = dict(os.environ, TPSERVE_API_KEY=api_key or "")
+        out = run_cli("start", "--runtime-dir", self.rd, "--num-kv-blocks", num_kv_blocks, "--block-size", 4,
                       "--http-port", 0, "--startup-timeout", 200, env=env)
         if out.returncode != 0:
             shutil.rmtree(self.rd, ignore_errors=True)

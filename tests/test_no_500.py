@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import httpx
 import pytest
 
+from test_http import HttpDaemon
 from tpserve.errors import InvalidFieldError
 from tpserve.fronts.http.app import Front, create_app
 
@@ -125,21 +122,11 @@ def test_a_413_reaches_a_client_that_sends_its_whole_body_before_reading():
 
 
 # ---- against a daemon --------------------------------------------------------------------------
-TPSERVE = [sys.executable, "-m", "tpserve"]
-
-
 @pytest.fixture(scope="module")
 def url():
-    rd = tempfile.mkdtemp(prefix="tpn-", dir="/tmp")
-    out = subprocess.run(TPSERVE + ["start", "--runtime-dir", rd, "--num-kv-blocks", "600",
-                                    "--block-size", "4", "--http-port", "0", "--startup-timeout", "200"],
-                         capture_output=True, text=True, timeout=240)
-    if out.returncode != 0:
-        shutil.rmtree(rd, ignore_errors=True)
-    assert out.returncode == 0, out.stderr + out.stdout
-    yield out.stdout.split()[1]
-    subprocess.run(TPSERVE + ["stop", "--runtime-dir", rd, "--timeout", "60"], capture_output=True)
-    shutil.rmtree(rd, ignore_errors=True)
+    daemon = HttpDaemon(api_key=None, num_kv_blocks=600)
+    yield daemon.url
+    daemon.stop()
 
 
 DEEP_SCHEMA = '{"anyOf":[' * DEEP + '{"type":"string"}' + "]}" * DEEP
