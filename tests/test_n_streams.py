@@ -20,7 +20,7 @@ from tpserve.client import protocol as P
 from tpserve.client.client import AsyncClient, Client, Delta, GenerateResult
 from tpserve.fronts.http import openai_api as O
 from tpserve.fronts.http.app import timed_out_before_output
-from tpserve.fronts.http.responses import Response
+from tpserve.fronts.http.chat_output import Response
 from tpserve.outputs import EngineOutput
 from tpserve.sampling import SamplingParams
 from tpserve.server.client_requests import ClientRequest

@@ -4,7 +4,7 @@
 are tokenized and chat-templated here, off the engine loop, in one worker thread; long texts in
 a tokenizer process), the served model name and context length. ``create_app`` maps the OpenAI
 endpoints onto it; request validation and response shapes live in openai_api.py, the response
-of one request in responses.py.
+of one request in chat_output.py.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
 from tpserve.fronts.http.reasoning import prompt_opens_thinking
-from tpserve.fronts.http.responses import Response, sse_event
+from tpserve.fronts.http.chat_output import Response, sse_event
 from tpserve.errors import InvalidRequestError
 from tpserve.tokenizer import load_tokenizer
 

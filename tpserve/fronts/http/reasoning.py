@@ -16,7 +16,7 @@ The parsers (vLLM's names):
 
 ``ReasoningStream`` does the split incrementally, holding back only a tail that may be the start
 of a tag split across deltas; ``split_reasoning`` runs it over a whole text, so a whole answer
-and a streamed one always agree. Tool calls are read from the answer part only (responses.py).
+and a streamed one always agree. Tool calls are read from the answer part only (chat_output.py).
 """
 from __future__ import annotations
 
