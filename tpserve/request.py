@@ -32,13 +32,21 @@ offline             SamplingParams' default, 16; None asks for the rest of the c
 engine resolves it with ``rest_of_context`` once the prompt is tokenized (and truncated), the
 only place that knows the prompt's length for every API.
 
+A ``max_tokens`` larger than the rest of the context is refused by admission (vLLM's behaviour,
+kept by OpenAI's completions and chat), unless the API declares ``clamp_max_tokens``: agent
+clients send fixed large limits (Claude Code 32000) whatever the context, and the Responses and
+Messages APIs clamp such a limit to the rest of the context (``Request.fit_to_context``), the
+answer then ending by length (``incomplete`` / ``max_tokens``). The HTTP front applies it to each
+prompt's token ids before sending them, against the context it serves (max_model_len, or less when
+the KV pool is smaller), so the clamped request is admitted.
+
 ``n`` (SamplingParams.n) is handled by the engine for every API: one request, n completions
 sharing the prompt's KV blocks, reported with their index.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import dataclass, field, fields as dataclass_fields, replace
 from typing import Any, Mapping
 
 from tpserve.errors import InvalidFieldError
@@ -66,7 +74,9 @@ class Api:
     REST_OF_CONTEXT). ``min_max_tokens``: the least max_tokens it accepts (0 scores the prompt
     only; ``min_max_tokens_why`` says why 0 is refused). ``params_prefix``: how the API nests
     sampling fields (``params.`` on the wire). ``names``: canonical field -> the API's name
-    for it; an error inside a mapped field names the API's field.
+    for it; an error inside a mapped field names the API's field. ``clamp_max_tokens``: a
+    max_tokens over the rest of the context is lowered to it (``Request.fit_to_context``)
+    instead of refused by admission.
     """
 
     name: str
@@ -75,6 +85,7 @@ class Api:
     min_max_tokens_why: str = ""
     params_prefix: str = ""
     names: Mapping[str, str] = field(default_factory=dict)
+    clamp_max_tokens: bool = False
 
     def spell(self, name: str | None, names: Mapping[str, str] | None = None) -> str | None:
         """The caller's name of the canonical field ``name`` (a SamplingParams field path such
@@ -137,6 +148,30 @@ class Request:
     def spell_wire(self, name: str | None) -> str | None:
         """The caller's name of a field the daemon's error names."""
         return self.api.spell_wire(name, self.names)
+
+    def fit_to_context(self, context: int, prompt_tokens: int) -> SamplingParams:
+        """``params`` for one prompt of ``prompt_tokens`` tokens (before ``truncate_prompt_tokens``)
+        in a context of ``context`` tokens: with ``api.clamp_max_tokens``, a max_tokens over the
+        rest of the context (or None: the rest of the context) is set to it, min_tokens lowered
+        with it; otherwise the params themselves."""
+        return clamp_max_tokens(self.api, self.params, context, prompt_tokens)
+
+
+def clamp_max_tokens(api: Api, params: SamplingParams, context: int,
+                     prompt_tokens: int) -> SamplingParams:
+    """``params`` with max_tokens at most the rest of ``context`` after a prompt of
+    ``prompt_tokens`` tokens, for an API that declares ``clamp_max_tokens`` (Request.fit_to_context).
+    max_tokens None is resolved here too, against ``context`` (which may be smaller than
+    max_model_len, by which the engine would resolve it). A prompt that fills the context keeps 1
+    token (``rest_of_context``): admission then refuses it. Never raises: min_tokens is lowered
+    with max_tokens."""
+    if not api.clamp_max_tokens or params.max_tokens == 0:
+        return params
+    keep = params.truncate_prompt_tokens
+    rest = rest_of_context(context, prompt_tokens if keep is None else min(prompt_tokens, keep))
+    if params.max_tokens is not None and params.max_tokens <= rest:
+        return params
+    return replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
 
 
 def sampling_params(api: Api, sampling: Mapping[str, Any] | SamplingParams | None,

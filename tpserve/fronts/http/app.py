@@ -205,7 +205,7 @@ class Front:
         daemon then sends one message per request instead of one per step; at batch 1 on 2
         cores the front's work on each step's delta took ~13% of a core from the engine's
         threads."""
-        n, params = request.n, request.params
+        n = request.n
         queue: asyncio.Queue = asyncio.Queue()
         self._in_flight[queue] = asyncio.get_running_loop().time()
         kw = dict(priority=request.priority or None, request_timeout=request.timeout)
@@ -215,6 +215,8 @@ class Front:
                 queue.put_nowait((base + c.index, c))
 
         async def one(i: int, prompt) -> None:
+            # An API that clamps max_tokens (request.py) has it fitted to this prompt's length
+            params = request.fit_to_context(self.max_model_len, len(prompt))
             try:
                 if whole:
                     result = await self.client.generate(prompt, params, **kw)
