@@ -13,6 +13,7 @@ Overrides (all optional):
 - any config field: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
   ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (>= 259, odd
   sizes allowed), ``max_position_embeddings``, ``tie_word_embeddings``, ``rope_theta``,
+  the MoE fields of ``qwen3_moe``/``qwen2_moe``/``mixtral`` (:data:`MOE_DEFAULTS`),
   ``rope_scaling`` (e.g. :data:`LLAMA3_ROPE_SCALING`), ``attention_bias``, ``mlp_bias`` ...
 - ``seed`` (default 0) and ``init_std`` (default 0.25) for the random weights;
 - ``generation_config``: a dict merged into the saved generation config, which always has
@@ -36,6 +37,16 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+# Mixtures of experts: 8 small experts, top-2 (any of these can be overridden).
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 DEFAULTS = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -93,7 +104,7 @@ def _build(out: Path, arch: str, overrides: dict) -> None:
     seed = overrides.pop("seed", 0)
     init_std = overrides.pop("init_std", 0.25)
     gen_overrides = overrides.pop("generation_config", None) or {}
-    fields = {**DEFAULTS, **overrides}
+    fields = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **overrides}
     config_cls, model_cls = ARCHS[arch]
     config = getattr(transformers, config_cls)(
         **fields, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, architectures=[model_cls])

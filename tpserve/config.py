@@ -112,6 +112,9 @@ class EngineConfig:
     dtype: str = "auto"
     # None: as the checkpoint's quantization_config says (tpserve/quantization.py).
     quantization: str | None = None
+    # Mixtures of experts: each rank holds whole experts (vLLM's --enable-expert-parallel)
+    # instead of a slice of every expert's intermediate dimension (tpserve/models/moe.py).
+    enable_expert_parallel: bool = False
     attention_backend: str = "auto"
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -170,6 +173,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} "
                                               f"(or unset), got {self.quantization!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError("enable_expert_parallel",
+                              f"must be true or false, got {self.enable_expert_parallel!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError("attention_backend",
                               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")

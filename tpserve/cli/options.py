@@ -99,6 +99,9 @@ _OPTIONS = [
      dict(type=click.Choice(QUANTIZATION_METHODS),
           help="int8: quantize the linear layers at load (int8 weights per channel, int8 activations "
                "per row); compressed-tensors: an int8 checkpoint (detected from config.json without it)")),
+    ("enable_expert_parallel", ("--enable-expert-parallel",),
+     dict(is_flag=True, help="mixture-of-experts models: each tensor-parallel rank holds whole experts "
+                             "(default: every rank a slice of every expert)")),
     ("attention_backend", ("--attention-backend",),
      dict(type=click.Choice(ATTENTION_BACKENDS), help="attention kernels")),
     ("enforce_eager", ("--enforce-eager",), dict(is_flag=True, help="disable CUDA graphs")),

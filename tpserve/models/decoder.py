@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by Qwen3, Llama and Qwen2, tensor-parallel.
+"""The decoder-only transformer shared by Qwen3, Llama, Qwen2 and their mixtures of experts
+(Qwen3-MoE, Qwen2-MoE, Mixtral), tensor-parallel.
 
 Module tree (names match Hugging Face checkpoints, except the packed ``qkv_proj`` and
 ``gate_up_proj``, see :attr:`CausalLM.packed_modules_mapping`)::
@@ -10,6 +11,8 @@ Module tree (names match Hugging Face checkpoints, except the packed ``qkv_proj`
     │   │   ├─ input_layernorm, post_attention_layernorm: RMSNorm
     │   │   ├─ self_attn: SelfAttention (qkv_proj, [q_norm, k_norm], o_proj)
     │   │   └─ mlp: MLP (gate_up_proj, down_proj)
+    │   │      or, on a sparse layer, SparseMoeBlock (gate, experts, [shared_expert,
+    │   │      shared_expert_gate]; see moe.py), named ``block_sparse_moe`` for Mixtral
     │   └─ norm: RMSNorm
     └─ lm_head: ParallelLMHead (shares embed_tokens.weight when tie_word_embeddings)
 
@@ -29,6 +32,7 @@ from tpserve.models.attention import SelfAttention
 from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.fused_decode import FusedDecode, why_not_fused
 from tpserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
+from tpserve.models.moe import SparseMoeBlock
 from tpserve.models.norm import RMSNorm
 from tpserve.models.parallel import TPContext
 from tpserve.models.rotary import RotaryEmbedding
@@ -54,14 +58,26 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; the residual stream travels separately (fused adds)."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, rotary: RotaryEmbedding, backend):
+    def __init__(self, spec: ModelSpec, tp: TPContext, rotary: RotaryEmbedding, backend,
+                 layer_index: int = 0, expert_parallel: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = SelfAttention(
             spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, tp, rotary, backend,
             qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm=spec.qk_norm, rms_norm_eps=spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp, bias=spec.mlp_bias)
+        if spec.is_sparse_layer(layer_index):
+            # Under the checkpoint's name: ``mlp``, or Mixtral's ``block_sparse_moe``.
+            self.feed_forward_name = spec.moe_module
+            setattr(self, spec.moe_module, SparseMoeBlock(spec, tp, expert_parallel))
+        else:
+            self.feed_forward_name = "mlp"
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp, bias=spec.mlp_bias)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The layer's MLP: the dense one or the sparse expert block."""
+        return getattr(self, self.feed_forward_name)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,18 +87,19 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
 
 
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers and the final norm: ids -> last hidden states."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, backend):
+    def __init__(self, spec: ModelSpec, tp: TPContext, backend, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         # One rotary table shared by every layer (positions are the same for all of them).
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope_theta, spec.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp, rotary, backend) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp, rotary, backend, i, expert_parallel)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -97,6 +114,9 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A tensor-parallel shard of a decoder-only causal LM (one per rank).
 
+    ``expert_parallel`` (``--enable-expert-parallel``): a mixture of experts' ranks hold whole
+    experts instead of a slice of every expert (moe.py).
+
     Build it with uninitialised weights, then fill them with :func:`tpserve.models.loader.load_model`
     (or call each parameter's ``weight_loader``).
     """
@@ -110,12 +130,13 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, backend):
+    def __init__(self, spec: ModelSpec, tp: TPContext, backend, expert_parallel: bool = False):
         super().__init__()
-        check_tp_size(spec, tp.size)
+        check_tp_size(spec, tp.size, expert_parallel)
         self.spec = spec
         self.tp = tp
-        self.model = DecoderModel(spec, tp, backend)
+        self.expert_parallel = expert_parallel
+        self.model = DecoderModel(spec, tp, backend, expert_parallel)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             # Same vocabulary split as the embedding, so the shards coincide and can be shared.

@@ -44,7 +44,9 @@ def why_not_fused(model: CausalLM) -> str | None:
     if model.dtype not in (torch.float32, torch.bfloat16) or model.head_dim % 16:
         return "needs fp32/bf16 and head_dim % 16 == 0"
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn, layer.feed_forward
+        if not hasattr(mlp, "gate_up_proj"):
+            return "does not cover mixture-of-experts layers yet"
         if not isinstance(attn.backend, CpuAttention):
             return "needs the cpu attention backend"
         if attn.k_cache is None:

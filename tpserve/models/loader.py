@@ -7,13 +7,22 @@ or several shards listed by ``model.safetensors.index.json``. Every rank reads t
 Checkpoint names map 1:1 onto module names except packed modules (``q/k/v_proj`` ->
 ``qkv_proj`` with shard ids "q"/"k"/"v", ``gate/up_proj`` -> ``gate_up_proj`` with 0/1). With
 ``tie_word_embeddings`` the LM head shares the embedding and ``lm_head.weight`` is not needed
-(and ignored if present). Every parameter (and every part of a packed one) must be loaded
+(and ignored if present).
+
+Mixture-of-experts layers (``moe.py``) take each expert's tensors,
+``<block>.experts.{e}.{gate_proj,up_proj,down_proj}.weight`` (Mixtral: ``w1``/``w3``/``w2``
+under ``block_sparse_moe``), or the fused ``<block>.experts.gate_up_proj [E, 2I, H]`` and
+``<block>.experts.down_proj [E, H, I]`` that transformers holds in memory; Mixtral's block may
+also be called ``mlp`` (transformers' in-memory name).
+
+Every parameter (and every part of a packed one) must be loaded
 exactly from the checkpoint, and every checkpoint tensor must land somewhere: otherwise
 :class:`CheckpointError` lists the offending names.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -27,6 +36,7 @@ from transformers import AutoConfig
 from tpserve.kernels.backend_factory import get_backend
 from tpserve.models.decoder import CausalLM
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
+from tpserve.models.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, FusedMoE
 from tpserve.models.parallel import TPContext
 from tpserve.models.quantization import checkpoint_tensors, prepare_model
 from tpserve.models.spec import model_spec
@@ -72,7 +82,8 @@ def load_config(path: str | Path):
 
 def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype | str = "auto",
                backend=None, device: str | torch.device = "cpu", progress: bool | None = None,
-               block_size: int = 16, quantization: str | None = None) -> CausalLM:
+               block_size: int = 16, quantization: str | None = None,
+               enable_expert_parallel: bool = False) -> CausalLM:
     """Build this rank's shard of the model in ``path`` and load its weights.
 
     ``backend`` is the attention backend shared by all layers (default:
@@ -81,7 +92,8 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
     dtype. ``progress``: show a tqdm bar over checkpoint tensors; None shows it on rank 0 for
     multi-file checkpoints. ``quantization``: ``--quantization`` (None: as config.json's
     ``quantization_config`` says; see tpserve/quantization.py); the weights are packed (and
-    quantized at load) by ``prepack_model`` afterwards. Raises UnsupportedModelError,
+    quantized at load) by ``prepack_model`` afterwards. ``enable_expert_parallel``: a mixture of
+    experts' ranks hold whole experts (else a slice of each). Raises UnsupportedModelError,
     CheckpointError (both ValueError) or ConfigError (an unsupported quantization).
     """
     tp = tp or TPContext()
@@ -94,7 +106,7 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
         backend = get_backend("auto", device=device, block_size=block_size)
     qc = resolve_quantization(quantization, json.loads((path / "config.json").read_text()))
     with _default_dtype(torch_dtype), device:
-        model = CausalLM(spec, tp, backend)
+        model = CausalLM(spec, tp, backend, expert_parallel=enable_expert_parallel)
         if qc is not None:
             prepare_model(model, qc)
     files = checkpoint_files(path)
@@ -171,6 +183,35 @@ def _target(key: str, mapping: dict) -> tuple[str, object]:
     return key, None
 
 
+# <block>.experts.{e}.<proj>.<weight|weight_scale>, or the fused <block>.experts.<gate_up|down>_proj
+_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale)"
+                         r"|(?P<fused>gate_up_proj|down_proj))")
+
+
+def _expert_target(key: str, model: CausalLM):
+    """An expert weight's ``(parameter name, shard id, pieces it covers)``, or None."""
+    m = _EXPERT_KEY.fullmatch(key)
+    if m is None:
+        return None
+    prefix = f"{m['moe']}.experts"
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    if not isinstance(module, FusedMoE):
+        return None
+    if m["fused"]:
+        part = FUSED_GATE_UP if m["fused"] == "gate_up_proj" else FUSED_DOWN
+        name = "w13_weight" if part == FUSED_GATE_UP else "w2_weight"
+        return f"{prefix}.{name}", (None, part), module.needed_shards(name)
+    part = module.proj_names.get(m["proj"])
+    if part is None or int(m["e"]) >= module.num_experts:
+        return None
+    name = ("w2_weight" if part == DOWN else "w13_weight") + ("_scale" if m["leaf"] == "weight_scale" else "")
+    shard = (int(m["e"]), part)
+    return f"{prefix}.{name}", shard, {shard}
+
+
 def _listing(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
@@ -180,14 +221,35 @@ def _listing(names: Iterable[str]) -> str:
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load full checkpoint tensors into the model's (sharded) parameters; raise on any mismatch."""
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
+    experts = {name: module for name, module in model.named_modules() if isinstance(module, FusedMoE)}
     needed: dict[str, set] = {}
     for name in params:
+        owner, _, leaf = name.rpartition(".")
+        if owner in experts:
+            needed[name] = experts[owner].needed_shards(leaf)
+            continue
         module = name.split(".")[-2] if "." in name else ""
         needed[name] = {shard for packed, shard in model.packed_modules_mapping.values() if packed == module} or {None}
     loaded: dict[str, set] = defaultdict(set)
     unexpected = []
+    spec = model.spec
     for key, tensor in weights:
-        if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and model.spec.tie_word_embeddings):
+        if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and spec.tie_word_embeddings):
+            continue
+        if spec.moe_module != "mlp" and ".mlp." in key:  # Mixtral under transformers' in-memory name
+            key = key.replace(".mlp.", f".{spec.moe_module}.")
+        expert = _expert_target(key, model) if experts else None
+        if expert is not None:
+            name, shard, covers = expert
+            param = params.get(name)
+            if param is None:  # e.g. a weight_scale of float experts
+                unexpected.append(key)
+                continue
+            try:
+                param.weight_loader(param, tensor, shard)
+            except CheckpointError as e:
+                raise CheckpointError(f"{key}: {e}") from None
+            loaded[name] |= covers
             continue
         name, shard = _target(key, model.packed_modules_mapping)
         param = params.get(name)
@@ -203,6 +265,11 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
     checkpoint_name = {(packed, shard): module for module, (packed, shard) in model.packed_modules_mapping.items()}
     missing = []
     for name, shards in needed.items():
+        owner, _, leaf = name.rpartition(".")
+        if owner in experts:
+            missing += [experts[owner].checkpoint_name(owner, s, leaf.endswith("_scale"))
+                        for s in sorted(shards - loaded[name])]
+            continue
         for shard in shards - loaded[name]:
             if shard is None:
                 missing.append(name)

@@ -11,6 +11,16 @@ Before loading, :func:`prepare_model` marks every linear layer that the config q
   takes its rows of the weight and of the scales; a row-parallel layer (o_proj, down_proj)
   splits the input features, so each rank takes its columns of the weight and all the scales.
 
+Mixture-of-experts layers (``moe.py``): a FusedMoE's experts are quantized together (an
+``ignore`` list naming some of a layer's expert projections but not all is refused). At load
+they get ``quantize_at_load`` (the grouped-expert kernel quantizes when it packs them, or
+``prepack_experts`` in place without it); from a checkpoint ``w13_weight``/``w2_weight``
+become int8 with ``w13_weight_scale [E, 2I]`` / ``w2_weight_scale [E, H]`` filled from each
+expert's ``weight_scale [out, 1]`` (sharded like the rows of the weight). Routers
+(``mlp.gate``, ``shared_expert_gate``) stay float under ``--quantization int8`` (small, and
+the choice of experts is sensitive to them); an int8 checkpoint's routers are loaded as it
+stores them (llm-compressor's recipes usually ``ignore`` them).
+
 Packed modules (``qkv_proj``, ``gate_up_proj``) are quantized only as a whole: an ``ignore``
 list naming some of their parts but not all is refused. The LM head of a model with tied
 embeddings can be int8 only when quantized at load (the embedding keeps the float table).
@@ -29,6 +39,7 @@ from torch import nn
 from tpserve.models.embedding import ParallelLMHead
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
 from tpserve.models.linear import RowParallelLinear
+from tpserve.models.moe import FusedMoE
 from tpserve.models.packed_gemm import PackableLinear
 from tpserve.models.weights import attach_loader, check_shape
 from tpserve.quantization import QuantConfig
@@ -65,7 +76,12 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
     mapping = model.packed_modules_mapping
     count = 0
     for name, layer in model.named_modules():
+        if isinstance(layer, FusedMoE):
+            count += _prepare_experts(name, layer, qc)
+            continue
         if not isinstance(layer, PackableLinear):
+            continue
+        if getattr(layer, "is_router", False) and not qc.from_checkpoint:
             continue
         parts = _hf_parts(name, mapping)
         flags = {qc.quantizes(p) for p in parts}
@@ -91,6 +107,24 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
         scale = torch.empty(layer.weight.shape[0], 1, dtype=torch.float32, device=weight.device)
         layer.weight_scale = attach_loader(nn.Parameter(scale, requires_grad=False), _scale_loader(layer))
     return count
+
+
+def _prepare_experts(name: str, layer: FusedMoE, qc: QuantConfig) -> int:
+    """Mark one layer's experts for int8 (all or none of them); returns 1 if quantized."""
+    parts = [f"{name}.{e}.{proj}" for e in range(layer.num_experts) for proj in layer.proj_names]
+    flags = {qc.quantizes(p) for p in parts}
+    if len(flags) > 1:
+        raise UnsupportedModelError(
+            "quantization_config.ignore", f"the experts of {name} are one fused layer in tpserve: "
+                                          "ignore all of their projections or none")
+    if not flags.pop():
+        return 0
+    layer.int8_activations = qc.int8_activations
+    if qc.from_checkpoint:
+        layer.make_int8()
+    else:
+        layer.quantize_at_load = True
+    return 1
 
 
 def unpack_int32(packed: torch.Tensor, shape: torch.Tensor, key: str) -> torch.Tensor:

@@ -102,7 +102,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    dtype=self.dtype)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
-                                device=self.device, quantization=config.quantization)
+                                device=self.device, quantization=config.quantization,
+                                enable_expert_parallel=config.enable_expert_parallel)
         prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
         self.sampler = Sampler(device=self.device)
         self.stager = PlanStager(self.accel)
