@@ -22,6 +22,11 @@ Sections (each independent; a failure is reported and the next section runs):
     e2e      nano-vllm's benchmark workload at TP=1 (256 requests, input and output lengths
              drawn from 100-1024 with seed 0, temperature 0.6, ignore_eos): output tok/s.
     tp       with >= 2 GPUs: TP=2 greedy equals TP=1 greedy (fp32), and the same through torchrun.
+    spec     speculative decoding (ngram drafts): greedy equals the plain run, drafts accepted.
+    moe      the grouped-expert Triton kernel (``fused_experts``) against the float64 reference
+             at Qwen3-30B-A3B's expert shape (hidden 2048, 128 experts of 768, top-8), 1, 37
+             and 512 tokens, bf16/fp16/fp32, one expert-parallel shard; its time per call; and
+             greedy tokens of a small random Qwen3-MoE model (fp32) against transformers'.
 
 ``--dry-run`` runs every section on the CPU at tiny shapes (a tiny random model, Triton under
 TRITON_INTERPRET=1, a host accelerator standing in for CUDA graphs, two CPU ranks for TP): it
@@ -53,13 +58,13 @@ if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                                if p)
 
-SECTIONS = ("env", "kernels", "graphs", "start", "hf", "e2e", "tp", "spec")
+SECTIONS = ("env", "kernels", "graphs", "start", "hf", "e2e", "tp", "spec", "moe")
 # Modules each section imports beyond torch (the engine's runtime dependencies for the rest).
 _ENGINE_MODULES = ("triton", "numpy", "transformers", "tokenizers", "safetensors", "msgpack",
                    "xxhash", "tqdm")
 NEEDS = {"env": ("triton",), "kernels": ("triton",), "graphs": _ENGINE_MODULES,
          "start": _ENGINE_MODULES, "hf": _ENGINE_MODULES, "e2e": _ENGINE_MODULES,
-         "tp": _ENGINE_MODULES, "spec": _ENGINE_MODULES}
+         "tp": _ENGINE_MODULES, "spec": _ENGINE_MODULES, "moe": _ENGINE_MODULES}
 
 
 def missing_modules(names) -> list[str]:
@@ -79,6 +84,8 @@ QWEN3_06B_HEADS = (16, 8, 128)
 DRY_RUN_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512,
                      max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+# The --dry-run experts: (hidden, moe_intermediate_size, experts, top-k).
+DRY_RUN_EXPERTS = (32, 24, 8, 2)
 # Absolute error allowed against the float64 reference (inputs ~N(0, 1), outputs O(1)).
 TOLERANCE = {"float32": 2e-4, "float16": 5e-3, "bfloat16": 3e-2}
 
@@ -618,6 +625,104 @@ def check_spec(report: Report, model_dir, max_tokens: int = 32, max_model_len: i
                  f"mean acceptance length {stats['spec_decode_mean_acceptance_length']:.2f}")
 
 
+# ---- mixture of experts ---------------------------------------------------------------------------
+# Qwen3-30B-A3B's experts: (hidden, moe_intermediate_size, experts, top-k).
+QWEN3_30B_A3B_EXPERTS = (2048, 768, 128, 8)
+MOE_TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+def _moe_inputs(tokens: int, shape, dtype, device, seed: int = 0):
+    """x [T, H] ~N(0, 1), routing as a Qwen3-MoE router does it (softmax, top-k, renormalised),
+    expert weights scaled so that every stage's output is O(1)."""
+    import torch
+
+    from tpserve.models.moe import route
+    h, inter, experts, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, h, generator=gen).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen) * 2.0
+    weights, ids = route(logits, k, True)
+    w13 = (torch.randn(experts, 2 * inter, h, generator=gen) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, h, inter, generator=gen) * inter ** -0.5).to(dtype)
+    return [t.to(device) for t in (x, ids, weights, w13, w2)]
+
+
+def check_moe_kernel(report: Report, device, dtypes=("bfloat16", "float16", "float32"),
+                     tokens=(1, 37, 512), shape=QWEN3_30B_A3B_EXPERTS):
+    """``fused_experts`` (Triton) against ``experts_reference`` in float64 on the same device,
+    every token count x dtype; then one expert-parallel shard (a quarter of the experts,
+    tokens routed to experts on other shards too)."""
+    import torch
+
+    from tpserve.kernels.triton_moe import fused_experts_triton
+    from tpserve.models.moe import experts_reference
+    h, inter, experts, k = shape
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        tol = MOE_TOLERANCE[dtype_name]
+        for t in tokens:
+            x, ids, weights, w13, w2 = _moe_inputs(t, shape, dtype, device, seed=t)
+            want = experts_reference(x.double(), ids, weights, w13.double(), w2.double())
+            out = fused_experts_triton(x, ids, weights, w13, w2)
+            err = _max_err(out, want.cpu())
+            used = int(torch.unique(ids).numel())
+            report.check(f"moe fused_experts {dtype_name} tokens {t}", bool(err <= tol),
+                         f"max abs err {err:.2e} (tol {tol:.0e}), {used} of {experts} experts used, "
+                         f"max |out| {float(want.abs().max()):.2f}")
+            del x, ids, weights, w13, w2, want, out
+    dtype = torch.bfloat16
+    x, ids, weights, w13, w2 = _moe_inputs(max(tokens), shape, dtype, device, seed=99)
+    start, stop = experts // 4, experts // 2
+    want = experts_reference(x.double(), ids, weights, w13[start:stop].double(), w2[start:stop].double(),
+                             start)
+    out = fused_experts_triton(x, ids, weights, w13[start:stop], w2[start:stop], start)
+    err = _max_err(out, want.cpu())
+    report.check(f"moe fused_experts bfloat16 expert shard {start}..{stop - 1}",
+                 bool(err <= MOE_TOLERANCE["bfloat16"]), f"max abs err {err:.2e}")
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_moe(report: Report, device, tokens=(1, 8, 64, 512), shape=QWEN3_30B_A3B_EXPERTS,
+             dtype_name: str = "bfloat16", iters: int = 20):
+    """Figures: fused_experts' time per call, and the expert weights it reads per second (each
+    used expert's w13 and w2 once)."""
+    import torch
+
+    from tpserve.kernels.triton_moe import fused_experts_triton
+    from tpserve.workers.device import accelerator_for
+    accel = accelerator_for(device)
+    h, inter, experts, k = shape
+    dtype = getattr(torch, dtype_name)
+    cells = []
+    for t in tokens:
+        x, ids, weights, w13, w2 = _moe_inputs(t, shape, dtype, accel.device, seed=t)
+        fused_experts_triton(x, ids, weights, w13, w2)
+        accel.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fused_experts_triton(x, ids, weights, w13, w2)
+        accel.synchronize()
+        seconds = (time.perf_counter() - t0) / iters
+        read = int(torch.unique(ids).numel()) * 3 * h * inter * w13.element_size()
+        cells.append(f"{t} tokens {seconds * 1e3:.3f} ms ({read / seconds / 1e9:.1f} GB/s of experts)")
+    report.figure(f"moe fused_experts {dtype_name} {experts} experts of {inter}, top-{k}", "; ".join(cells))
+
+
+def build_moe_checkpoint(path: Path) -> Path:
+    """A small random Qwen3-MoE checkpoint (scripts/bench_moe.py's tiny shape: 8 experts of 32,
+    top-2, routers spread over the experts), bf16 weights (read as fp32 by the greedy check)."""
+    from bench_moe import build_moe_model
+    return build_moe_model(path, "tiny")
+
+
+def check_moe_model(report: Report, workdir: Path, device, **options):
+    """tpserve's greedy tokens on a MoE model (its experts through ``fused_experts`` on a GPU)
+    against transformers' (``check_hf_greedy``)."""
+    path = build_moe_checkpoint(Path(workdir) / "qwen3-moe-tiny")
+    check_hf_greedy(report, path, device, **options)
+
+
 def host_graphs_accelerator():
     """The host accelerator with the device path on (--dry-run): decode graphs are captured
     through the seam and replay by re-running their function."""
@@ -663,6 +768,8 @@ def gpu_steps(report: Report, args, gpus: int, checkpoint) -> dict:
         "e2e": lambda: run_e2e(report, checkpoint("bfloat16"), args.requests),
         "tp": lambda: check_tp(report, checkpoint("float32"), gpus),
         "spec": lambda: check_spec(report, checkpoint("float32")),
+        "moe": lambda: (check_moe_kernel(report, "cuda"), time_moe(report, "cuda"),
+                        check_moe_model(report, args.workdir, "cuda")),
     }
 
 
@@ -686,6 +793,10 @@ def dry_run_steps(report: Report, args, tiny) -> dict:
                                workload=dict(min_len=2, max_input=20, max_output=6, vocab=500)),
         "tp": lambda: check_tp(report, tiny(), gpus=2, max_model_len=128),
         "spec": lambda: check_spec(report, tiny(), max_tokens=8, max_model_len=128),
+        "moe": lambda: (check_moe_kernel(report, "cpu", dtypes=("float32", "bfloat16"), tokens=(1, 5),
+                                         shape=DRY_RUN_EXPERTS),
+                        time_moe(report, "cpu", tokens=(1, 5), shape=DRY_RUN_EXPERTS, iters=1),
+                        check_moe_model(report, args.workdir, "cpu", max_tokens=8, max_model_len=128)),
     }
 
 

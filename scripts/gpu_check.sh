@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check tpserve's whole GPU path: kernels, CUDA graphs, start-up sizing, greedy output against
-# transformers, nano-vllm's throughput workload, TP=2, speculative decoding. Each section (stage) runs in its own
+# transformers, nano-vllm's throughput workload, TP=2, speculative decoding, the MoE experts kernel
+# and a MoE model's greedy tokens. Each section (stage) runs in its own
 # process under its own timeout, so a sticky CUDA error, a crash or a hang in one stage costs
 # that stage only. Prints every stage's PASS/FAIL/SKIP lines and figures, then one summary line;
 # exit 1 on any FAIL.
@@ -30,8 +31,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 DEPS="transformers tokenizers safetensors numpy pyzmq msgpack xxhash click tqdm"
-STAGES="env kernels graphs start hf e2e tp spec"
-declare -A LIMIT=([env]=90 [kernels]=240 [graphs]=180 [start]=180 [hf]=180 [e2e]=240 [tp]=240 [spec]=180)
+STAGES="env kernels graphs start hf e2e tp spec moe"
+declare -A LIMIT=([env]=90 [kernels]=240 [graphs]=180 [start]=180 [hf]=180 [e2e]=240 [tp]=240 [spec]=180 [moe]=240)
 
 if [[ "${1:-}" == "--prepare-wheels" ]]; then
     dir=${2:?usage: scripts/gpu_check.sh --prepare-wheels DIR}

@@ -259,3 +259,18 @@ def test_spec_section_runs_on_a_tiny_model(tmp_path):
     gpu_check.check_spec(r, path, max_tokens=12, max_model_len=128)
     assert r.ok and r.counts["PASS"] == 5, r.lines
     assert r.lines[-1].startswith("PASS spec: drafts accepted: mean acceptance length")
+
+
+def test_moe_section_runs_at_tiny_shapes(tmp_path):
+    # The grouped-expert kernel (interpreted) against the reference, its timing figure, and a
+    # small MoE model's greedy tokens against transformers'.
+    r = _report()
+    gpu_check.check_moe_kernel(r, "cpu", dtypes=("float32",), tokens=(1, 5), shape=gpu_check.DRY_RUN_EXPERTS)
+    assert r.ok and r.counts["PASS"] == 3, r.lines
+    assert r.lines[-1].startswith("PASS moe fused_experts bfloat16 expert shard 2..3")
+    gpu_check.time_moe(r, "cpu", tokens=(1,), shape=gpu_check.DRY_RUN_EXPERTS, iters=1)
+    assert "1 tokens" in r.lines[-1] and "GB/s of experts" in r.lines[-1]
+    gpu_check.check_moe_model(r, tmp_path, "cpu", prompts=([5, 6, 7], list(range(30, 70))), max_tokens=6,
+                              max_model_len=128)
+    assert r.ok and r.counts["PASS"] == 5, r.lines
+    assert r.lines[-1].startswith("PASS hf greedy prompt 1 (40 tokens): 6 tokens equal")
