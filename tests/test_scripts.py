@@ -86,6 +86,14 @@ SCRIPTS = {
                               r"tpserve int8 +dtype=int8 w/ int8 act tok/s: batch  1 +[\d.]+  "
                               r"batch  8 +[\d.]+\n"
                               r"ratio tpserve int8 / tpserve bf16: batch  1 +[\d.]+x  batch  8 +[\d.]+x"),
+    "bench_moe.py": Smoke(("--smoke",),  # the tiny MoE shape, tpserve's engines only, no peers
+                          r"moe shape=tiny isa=\S+ threads=\d+ params=\S+ experts=8 top-k=2 .*\n"
+                          r"tpserve bf16 +dtype=bf16 +tok/s: batch  1 +[\d.]+  batch  4 +[\d.]+\n"
+                          r"tpserve int8 +dtype=int8 w/ int8 act tok/s: batch  1 +[\d.]+  batch  4 +[\d.]+\n"
+                          r"ratio tpserve int8 / tpserve bf16: .*\n"
+                          r"weight bytes per decode token bf16: batch  1 .*\n"
+                          r"weight bytes per decode token int8: batch  1 .*\n"
+                          r"memory tpserve bf16: rss [\d.]+ GiB, weights [\d.]+ GiB \+ kv pool [\d.]+ GiB"),
     "bench_router.py": Parse(("--policies", "round_robin", "--scenarios", "skewed", "--smg", NOT_INSTALLED),
                              "smg or vllm-router (scripts/peer_smg.sh, peer_vllm_router.sh); "
                              "tests/test_bench_router.py checks its scenarios"),
