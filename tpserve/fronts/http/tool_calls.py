@@ -20,6 +20,13 @@ runs as ``structured_outputs.grammar``, so a call is valid by construction:
   call can only be completed validly (or be cut by ``max_tokens``: then it stays text);
 * ``none``: no constraint and no parsing (the tools are still rendered, as vLLM does).
 
+A tool's ``strict`` (``function.strict``) decides what happens to a parameters schema the
+grammar engine cannot take whole (tool_schemas.py): a strict tool's is a 400 naming
+the tool and the keyword; any other's is constrained leniently (the keywords llguidance does not
+implement are ignored, the rest of the schema holds; failing that, loosened; at last any JSON
+object), as agent clients send such schemas (Claude Code's ``propertyNames``) and must not be
+refused. Local ``$ref`` pointers (``#/$defs/x``) keep pointing into the parameters schema.
+
 The JSON of a call uses Qwen's separators (``", "`` and ``": "``), fixed, with no other
 whitespace. ``split_calls`` and ``ToolCallStream`` read the output back into OpenAI's
 ``message.tool_calls`` (ids, function name, arguments as JSON text) and streamed
@@ -33,6 +40,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from tpserve.fronts.http import tool_schemas as schemas
 from tpserve.fronts.http.openai_api import bad
 from tpserve.limits import MAX_GRAMMAR_CHARS
 
@@ -47,14 +55,19 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 @dataclass
 class ToolPlan:
-    """A chat request's tools (OpenAI's ``{"type": "function", "function": {...}}`` entries),
-    its ``tool_choice`` ("none", "auto", "required" or a function name) and whether several
-    calls may come in one answer."""
+    """A chat request's tools (OpenAI's ``{"type": "function", "function": {...}}`` entries,
+    ``function.strict`` optional), its ``tool_choice`` ("none", "auto", "required" or a function
+    name) and whether several calls may come in one answer. ``fields``: the body field of each
+    tool's parameters schema, which a strict tool's 400 names (default: chat's
+    ``tools[i].function.parameters``; other APIs pass their spelling). ``loosened``: after
+    ``grammar()``, the non-strict tools whose schemas the grammar engine could not take whole."""
 
     tools: list[dict]
     choice: str
     parallel: bool = True
     names: list[str] = field(default_factory=list)
+    fields: list[str] | None = None
+    loosened: list[str] = field(default_factory=list)
 
     @property
     def constrains(self) -> bool:
@@ -63,29 +76,61 @@ class ToolPlan:
     def grammar(self) -> str:
         """The Lark grammar of the allowed answers (see the module docstring). A 400 naming
         ``tools`` when it would be over the size budget of a grammar (MAX_GRAMMAR_CHARS: 128
-        tools of a few hundred properties each reach it) or its schemas nest too deeply."""
+        tools of a few hundred properties each reach it) or its schemas nest too deeply; one
+        naming a strict tool's schema that the grammar engine does not support."""
+        self.loosened = []
         try:
-            text = self._grammar()
+            calls = self._calls()
+            text = self._grammar(calls)
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise bad("tools", f"make a grammar of {len(text)} characters, over the limit of "
+                                   f"{MAX_GRAMMAR_CHARS}: send fewer tools, or smaller parameter schemas")
+            fitted = [self._fit(i, call) for i, call in calls]
+            if any(a is not b for (_, a), b in zip(calls, fitted)):
+                text = self._grammar([(i, call) for (i, _), call in zip(calls, fitted)])
         except RecursionError:
             raise bad("tools", "nest their parameters' schemas too deeply to make a grammar") from None
-        if len(text) > MAX_GRAMMAR_CHARS:
-            raise bad("tools", f"make a grammar of {len(text)} characters, over the limit of "
-                               f"{MAX_GRAMMAR_CHARS}: send fewer tools, or smaller parameter schemas")
         return text
 
-    def _grammar(self) -> str:
-        funcs = [t["function"] for t in self.tools]
-        if self.choice not in ("auto", "required"):
-            funcs = [f for f in funcs if f["name"] == self.choice]
-        rules = []
-        for i, f in enumerate(funcs):
-            schema = {"type": "object",
-                      "properties": {"name": {"const": f["name"]},
-                                     "arguments": f.get("parameters") or {"type": "object"}},
-                      "required": ["name", "arguments"], "additionalProperties": False,
-                      "x-guidance": _JSON_STYLE}
-            rules.append(f"fn{i}: %json {json.dumps(schema)}")
-        body = "body: " + " | ".join(f"fn{i}" for i in range(len(funcs)))
+    def _calls(self) -> list[tuple[int, dict]]:
+        """(index in tools, the JSON schema of a call) of each function the answer may call."""
+        out = []
+        for i, t in enumerate(self.tools):
+            f = t["function"]
+            if self.choice not in ("auto", "required") and f["name"] != self.choice:
+                continue
+            params = schemas.rebase_refs(f.get("parameters") or {"type": "object"}, "#/properties/arguments")
+            out.append((i, self._call_schema(f["name"], params, lenient=f.get("strict") is not True)))
+        return out
+
+    @staticmethod
+    def _call_schema(name: str, params, lenient: bool) -> dict:
+        style = dict(_JSON_STYLE, lenient=True) if lenient else _JSON_STYLE
+        return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": style}
+
+    def _fit(self, i: int, call: dict) -> dict:
+        """``call`` if the grammar engine takes it; for a non-strict tool, the loosest fallback
+        it takes; for a strict one, a 400."""
+        error = schemas.check(schemas.json_rule_grammar(call))
+        if error is None:
+            return call
+        f = self.tools[i]["function"]
+        if f.get("strict") is True:
+            where = self.fields[i] if self.fields else f"tools[{i}].function.parameters"
+            raise bad(where, f"tool {f['name']!r} is strict, and the grammar engine does not support "
+                             f"this in its parameters: {schemas.unsupported(error)}; remove it, or "
+                             "declare the tool non-strict to have its schema constrained leniently")
+        self.loosened.append(f["name"])
+        params = call["properties"]["arguments"]
+        looser = self._call_schema(f["name"], schemas.loosen(params), lenient=True)
+        if schemas.check(schemas.json_rule_grammar(looser)) is None:
+            return looser
+        return self._call_schema(f["name"], {"type": "object"}, lenient=True)
+
+    def _grammar(self, calls: list[tuple[int, dict]]) -> str:
+        rules = [f"fn{k}: %json {json.dumps(call)}" for k, (_, call) in enumerate(calls)]
+        body = "body: " + " | ".join(f"fn{k}" for k in range(len(calls)))
         call = f'"\\n" body "\\n{CLOSE}"'
         more = f'("\\n{TRIGGER}" {call})*' if self.parallel else ""
         if self.choice == "auto":
@@ -128,6 +173,8 @@ def parse_tools(body: dict) -> ToolPlan | None:
             raise bad(f"{where}.function.parameters", "must be a JSON schema object")
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise bad(f"{where}.function.description", "must be a string")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise bad(f"{where}.function.strict", "must be a boolean")
         names.append(name)
     if choice is None:
         choice = "auto"
