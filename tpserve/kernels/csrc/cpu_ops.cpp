@@ -754,24 +754,7 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tenso
   });
 }
 
-// One row of silu_and_mul in three flat loops (widen, fp32 math, narrow), each of which the
-// compiler vectorises; `row` is scratch of I floats.
-template <typename T>
-void silu_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t I,
-                  std::vector<float>& row) {
-  float* r = row.data();
-  load_row(g, r, I);
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
-    // sigmoid from exp(-|g|) <= 1: the vectorised exp_nonpos, and no overflow.
-    const float x = r[i];
-    const float e = exp_nonpos(std::min(x, -x));
-    const float num = x >= 0.f ? 1.f : e;  // a select, not a branch
-    r[i] = x * (num / (1.f + e));
-  }
-  for (int64_t i = 0; i < I; ++i) o[i] = from_f<T>(round_to<T>(r[i]) * to_f<T>(u[i]));
-}
-
+// silu_mul_row (one row of it) is in vec.h, shared with the grouped experts (moe_ops.cpp).
 // out [N, I] = round(silu(gate)) * up for x [N, 2I] laid out [gate | up].
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   check_dtype(x, "x: expected float32, bfloat16 or float16");

@@ -72,17 +72,11 @@ int64_t k_multiple(int64_t kind) { return kind == kBFloat16 ? 2 : kind == kInt8D
 
 // ---- activations in the form a kernel reads ------------------------------------------------
 
-// x rows as the kernels read them: the original rows (fp32 kind; bf16 with dpbf16), widened fp32
-// rows, or quantized rows with their scales.
-struct Rows {
-  const void* data;
-  int64_t ld;                // elements between rows
-  const float* scales = nullptr;  // kInt8Dynamic: per row
-};
+// x rows as the kernels read them (LinearRows, linear_ops.h): the original rows (fp32 kind; bf16
+// with dpbf16), widened fp32 rows, or quantized rows with their scales.
+using Rows = LinearRows;
 
-thread_local std::vector<float> t_widened;
-thread_local std::vector<int8_t> t_quantized;
-thread_local std::vector<float> t_row_scales;
+thread_local RowBuffers t_rows;
 
 template <typename T>
 void widen_rows(const T* x, int64_t xs, int64_t M, int64_t K, float* dst) {
@@ -382,28 +376,35 @@ void run_rows(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, in
 }
 
 template <typename T>
-void linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
-  const int64_t M = x.size(0), K = w.k;
+Rows prepare_typed(const at::Tensor& x, int64_t kind, RowBuffers& buf) {
+  const int64_t M = x.size(0), K = x.size(1);
   const T* xp = x.data_ptr<T>();
   const int64_t xs = x.stride(0);
-  Rows rows{xp, xs};
-  const bool reads_x = w.kind == kFloat32 || (w.kind == kBFloat16 && kNativeBf16);
-  if (w.kind == kInt8Dynamic) {
-    t_quantized.resize(static_cast<size_t>(M * K));
-    t_row_scales.resize(static_cast<size_t>(M));
-    quantize_rows(xp, xs, M, K, t_quantized.data(), t_row_scales.data());
-    rows = Rows{t_quantized.data(), K, t_row_scales.data()};
-  } else if (!reads_x) {
-    t_widened.resize(static_cast<size_t>(M * K));
-    widen_rows(xp, xs, M, K, t_widened.data());
-    rows = Rows{t_widened.data(), K};
+  const bool reads_x = kind == kFloat32 || (kind == kBFloat16 && kNativeBf16);
+  if (kind == kInt8Dynamic) {
+    buf.quantized.resize(static_cast<size_t>(M * K));
+    buf.scales.resize(static_cast<size_t>(M));
+    quantize_rows(xp, xs, M, K, buf.quantized.data(), buf.scales.data());
+    return Rows{buf.quantized.data(), K, buf.scales.data()};
   }
+  if (!reads_x) {
+    buf.widened.resize(static_cast<size_t>(M * K));
+    widen_rows(xp, xs, M, K, buf.widened.data());
+    return Rows{buf.widened.data(), K};
+  }
+  return Rows{xp, xs};
+}
+
+template <typename T>
+void linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
+  const int64_t M = x.size(0);
+  const Rows rows = prepare_typed<T>(x, w.kind, t_rows);
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
   const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
   // At least ~64 KB of weights, or a block of rows, per thread's share: waking the pool for less
   // costs more than it saves.
-  const int64_t panel_bytes = K * bytes_per_k(w.kind);
+  const int64_t panel_bytes = w.k * bytes_per_k(w.kind);
   const int64_t grain = M > kTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   // Items panel-major: a thread's consecutive items reuse one panel (in L2) across row blocks.
   at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
@@ -412,6 +413,15 @@ void linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
       run_rows<T>(w, rows, p, b * kRowBlock, std::min(M, (b + 1) * kRowBlock), op, ldo);
     }
   });
+}
+
+void check_x(const at::Tensor& x, const PackedLinear& w) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.k && x.stride(1) == 1,
+                    "x: expected [M, ", w.k, "] with contiguous rows, got ", x.sizes());
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16, "x: expected float32 or bfloat16");
+  TORCH_CHECK_VALUE(w.kind != kFloat32 || dt == at::kFloat, "x: fp32 weights take fp32 activations");
+  TORCH_CHECK_VALUE(w.kind != kBFloat16 || dt == at::kBFloat16, "x: bf16 weights take bf16 activations");
 }
 
 }  // namespace
@@ -449,12 +459,8 @@ void check_packed(const PackedLinear& w, const char* what) {
 }
 
 void linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == w.k && x.stride(1) == 1,
-                    "x: expected [M, ", w.k, "] with contiguous rows, got ", x.sizes());
+  check_x(x, w);
   const auto dt = x.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16, "x: expected float32 or bfloat16");
-  TORCH_CHECK_VALUE(w.kind != kFloat32 || dt == at::kFloat, "x: fp32 weights take fp32 activations");
-  TORCH_CHECK_VALUE(w.kind != kBFloat16 || dt == at::kBFloat16, "x: bf16 weights take bf16 activations");
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.n &&
                         out.stride(1) == 1 && out.scalar_type() == dt,
                     "out: expected [M, N] of x's dtype with contiguous rows");
@@ -466,6 +472,31 @@ void linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
     linear_typed<at::BFloat16>(out, x, w);
   }
 }
+
+LinearRows prepare_rows(const at::Tensor& x, int64_t kind, RowBuffers& buf) {
+  PackedLinear like;  // only what check_x reads
+  like.kind = kind;
+  like.k = x.dim() == 2 ? x.size(1) : -1;
+  check_x(x, like);
+  if (x.size(0) == 0) return LinearRows{x.data_ptr(), x.stride(0)};
+  return x.scalar_type() == at::kFloat ? prepare_typed<float>(x, kind, buf)
+                                       : prepare_typed<at::BFloat16>(x, kind, buf);
+}
+
+void linear_block(void* out, int64_t ldo, at::ScalarType dt, const LinearRows& rows, const PackedLinear& w,
+                  int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    if (dt == at::kFloat) {
+      run_rows<float>(w, rows, p, r0, r1, static_cast<float*>(out), ldo);
+    } else {
+      run_rows<at::BFloat16>(w, rows, p, r0, r1, static_cast<at::BFloat16*>(out), ldo);
+    }
+  }
+}
+
+int64_t linear_panel_bytes(const PackedLinear& w) { return w.k * bytes_per_k(w.kind); }
+
+int64_t linear_row_block() { return kRowBlock; }
 
 namespace {
 

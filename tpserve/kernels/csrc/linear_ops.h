@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 namespace tpserve {
 
@@ -35,5 +36,39 @@ void check_packed(const PackedLinear& w, const char* what);
 void linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w);
 
 int64_t linear_panel_width();
+
+// ---- the pieces of linear_into, for callers that schedule several weights' panels themselves
+// (the grouped experts of moe_ops.cpp): rows prepared once, then (panel, rows) blocks run on the
+// calling thread, with the very kernels (and so the bits) of linear_into.
+
+// x's rows as the kernels of one weight kind read them: x itself, or rows widened to fp32, or
+// rows quantized to int8 with a scale per row (kInt8Dynamic).
+struct LinearRows {
+  const void* data = nullptr;
+  int64_t ld = 0;                 // elements between rows
+  const float* scales = nullptr;  // kInt8Dynamic: per row
+};
+
+// The buffers prepare_rows fills; kept by the caller from call to call.
+struct RowBuffers {
+  std::vector<float> widened;
+  std::vector<int8_t> quantized;
+  std::vector<float> scales;
+};
+
+// x [M, K] (fp32 or bf16, contiguous rows) prepared for weights of `kind` with K input
+// features; the result points into x or into `buf`. Checks x's dtype against the kind.
+LinearRows prepare_rows(const at::Tensor& x, int64_t kind, RowBuffers& buf);
+
+// Rows [r0, r1) of out = x W^T (+ bias) over the output channels of panels [p0, p1) of w, on
+// the calling thread. out: the [M, N] result's first element, of x's dtype `dt`, rows ldo apart.
+void linear_block(void* out, int64_t ldo, at::ScalarType dt, const LinearRows& rows, const PackedLinear& w,
+                  int64_t p0, int64_t p1, int64_t r0, int64_t r1);
+
+// Bytes of packed data in one panel of w (what a (panel, rows) block reads of the weight).
+int64_t linear_panel_bytes(const PackedLinear& w);
+
+// Rows of x per block that linear_into schedules (its work items are (panel, block of rows)).
+int64_t linear_row_block();
 
 }  // namespace tpserve
