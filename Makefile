@@ -7,11 +7,14 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 # Peers (other projects' programs that tests and benchmarks run against) live in their own
 # virtualenvs under the checkout's .peers/ (ignored by git, removed by `make clean`); the
-# TPSERVE_*_VENV variables point elsewhere. tests/test_router_*.py run the router peers.
+# TPSERVE_*_VENV variables point elsewhere. tests/test_router_*.py run the router peers; the
+# agent clients (Codex CLI, Claude Code: npm, into AGENTS_DIR) drive tests/test_agent_clients.py.
 PEERS  ?= $(CURDIR)/.peers
 SMG_VENV ?= $(or $(TPSERVE_SMG_VENV),$(PEERS)/smg)
 VLLM_ROUTER_VENV ?= $(or $(TPSERVE_VLLM_ROUTER_VENV),$(PEERS)/vllm-router)
-PYTEST  = TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) $(PY) -m pytest -q
+AGENTS_DIR ?= $(or $(TPSERVE_AGENTS_DIR),$(PEERS)/agents)
+PYTEST  = TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) \
+	TPSERVE_AGENTS_DIR=$(AGENTS_DIR) $(PY) -m pytest -q
 
 .PHONY: run test test-peers test-all install bench clean peers
 
@@ -31,6 +34,7 @@ run: $(STAMP)
 peers:
 	bash scripts/peer_smg.sh $(SMG_VENV)
 	bash scripts/peer_vllm_router.sh $(VLLM_ROUTER_VENV)
+	bash scripts/peer_agents.sh $(AGENTS_DIR)
 
 # The suite without the tests marked `peers` (slow, each drives a peer program: setup.cfg).
 test: $(STAMP)
