@@ -28,6 +28,7 @@ from tpserve.fronts.grpc.front import GrpcOptions, check_grpc_available, check_g
 from tpserve.fronts.http.front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
 from tpserve.fronts.http.guard import parse_allowed_hosts
 from tpserve.fronts.http.reasoning import PARSERS
+from tpserve.fronts.http.response_store import DEFAULT_CAPACITY as DEFAULT_STORE_SIZE
 from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontError
 from tpserve.limits import check_timeout
 from tpserve.procs import kill_tree
@@ -90,6 +91,10 @@ def daemon_options(f):
                      envvar="TPSERVE_REASONING_PARSER",
                      help="split chat answers at </think> into message.reasoning_content / reasoning "
                           "and content (vLLM's parser names) [default: none]"),
+        click.option("--responses-store-size", type=click.IntRange(0, 1_000_000), default=DEFAULT_STORE_SIZE,
+                     show_default=True, show_envvar=True, envvar="TPSERVE_RESPONSES_STORE_SIZE", metavar="N",
+                     help="the Responses API keeps the last N stored responses (GET /v1/responses/{id}, "
+                          "previous_response_id) in the HTTP front's memory; 0 keeps none"),
         click.option("--grpc-port", type=click.IntRange(0, 65535), default=None, show_envvar=True,
                      envvar="TPSERVE_GRPC_PORT", metavar="PORT",
                      help="also serve vLLM's gRPC engine service on this port, with the KV-cache events "
@@ -200,7 +205,7 @@ def _http_options(kw: dict, opts: ServerOptions) -> HttpOptions | None:
                                      param_hint=f"'--{name.replace('_', '-')}'")
     return HttpOptions(kw["http_port"], kw["http_host"], kw["api_key"] or None, allowed,
                        kw["http_request_timeout"],
-                       kw["http_upstream_timeout"], kw["reasoning_parser"])
+                       kw["http_upstream_timeout"], kw["reasoning_parser"], kw["responses_store_size"])
 
 
 def _grpc_options(kw: dict, opts: ServerOptions) -> GrpcOptions | None:
@@ -315,6 +320,7 @@ def start(**kw):
             argv += ["--http-allowed-hosts", ",".join(http.allowed_hosts)]
         if http.reasoning_parser:
             argv += ["--reasoning-parser", http.reasoning_parser]
+        argv += ["--responses-store-size", str(http.responses_store_size)]
         if http.api_key:
             env["TPSERVE_API_KEY"] = http.api_key  # the environment, not argv, where `ps` shows it
     if grpc is not None:

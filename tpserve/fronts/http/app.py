@@ -33,6 +33,7 @@ from tpserve.fronts.http import structured_api
 from tpserve.client.client import AsyncClient, ClientTimeout, Delta, GenerateResult, RequestError
 from tpserve.fronts.http.router_api import make_router
 from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
+from tpserve.fronts.http.responses_api import make_responses_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
 from tpserve.fronts.http.reasoning import prompt_opens_thinking
@@ -517,6 +518,9 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
 
     app.include_router(v1)
     app.include_router(make_router(front, authorize))  # /health, /version, /v1/loads, ... (router_api.py)
+    app.include_router(make_responses_router(  # /v1/responses, /v1/responses/{id} (responses_api.py)
+        front, authorize, read_json, daemon_error=daemon_error, too_long=too_long,
+        late_error=timed_out_before_output, daemon_errors=_DAEMON_ERRORS))
     app.include_router(make_tokenizer_router(front, authorize, read_json))  # /tokenize, ... (tokenizer_api.py)
 
     @app.get("/metrics")

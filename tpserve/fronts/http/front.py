@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 from tpserve.client.addresses import InsecureAddressError, is_loopback_tcp
 from tpserve.fronts.http.reasoning import PARSERS
+from tpserve.fronts.http.response_store import DEFAULT_CAPACITY as DEFAULT_STORE_SIZE
+from tpserve.fronts.http.response_store import ResponseStore
 from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, front_arguments
 from tpserve.procs import die_with_parent, freeze_heap
 
@@ -71,6 +73,7 @@ class HttpOptions:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT
     reasoning_parser: str | None = None  # reasoning.py's parser of chat answers (--reasoning-parser)
+    responses_store_size: int = DEFAULT_STORE_SIZE  # responses kept for GET / previous_response_id
 
 
 def check_http_host(host: str, api_key: str | None) -> None:
@@ -101,6 +104,8 @@ class HttpFrontProcess(FrontProcess):
             extra += ["--allowed-hosts", ",".join(options.allowed_hosts)]
         if options.reasoning_parser:
             extra += ["--reasoning-parser", options.reasoning_parser]
+        if options.responses_store_size != DEFAULT_STORE_SIZE:
+            extra += ["--responses-store-size", str(options.responses_store_size)]
         super().__init__(options, "tpserve.fronts.http.front", daemon_address, model_path, model_name,
                          max_model_len, server_public_key, extra)
 
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
     ap.add_argument("--allowed-hosts", default=None)
     ap.add_argument("--reasoning-parser", default=None, choices=PARSERS)
+    ap.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     front = Front(args.address, args.model_path, args.model_name, args.max_model_len, api_key,
                   args.server_key.encode() if args.server_key else None,
                   reasoning_parser=args.reasoning_parser)
+    front.responses_store = ResponseStore(args.responses_store_size)  # responses_api.py's store
     front.restarts, front.last_exit = args.restarts, args.last_exit
     hosts = HostPolicy.for_bind(parse_allowed_hosts(args.allowed_hosts), is_loopback_host(args.host))
     # log_config None: uvicorn's records go to the root handler, through quiet_log's rate limit.
