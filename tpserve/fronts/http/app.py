@@ -33,6 +33,7 @@ from tpserve.fronts.http import structured_api
 from tpserve.client.client import AsyncClient, ClientTimeout, Delta, GenerateResult, RequestError
 from tpserve.fronts.http.router_api import make_router
 from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
+from tpserve.fronts.http.messages_api import make_messages_router
 from tpserve.fronts.http.responses_api import make_responses_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
@@ -381,9 +382,11 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
         # Header values arrive decoded as latin-1: back to their bytes, which clients send as
         # UTF-8 (so a non-ASCII key matches what they send).
         given = request.headers.get("authorization", "").encode("latin-1")
-        if not hmac.compare_digest(given, key):
-            raise O.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.",
-                                code="invalid_api_key")
+        # Anthropic's clients (Claude Code) send the key as x-api-key instead
+        other = b"Bearer " + request.headers.get("x-api-key", "").encode("latin-1")
+        if not (hmac.compare_digest(given, key) | hmac.compare_digest(other, key)):
+            raise O.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                "(or 'x-api-key: KEY').", code="invalid_api_key")
 
     app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestGuard, hosts=hosts)
@@ -522,6 +525,8 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
         front, authorize, read_json, daemon_error=daemon_error, too_long=too_long,
         late_error=timed_out_before_output, daemon_errors=_DAEMON_ERRORS))
     app.include_router(make_tokenizer_router(front, authorize, read_json))  # /tokenize, ... (tokenizer_api.py)
+    # /v1/messages, /v1/messages/count_tokens, HEAD / (messages_api.py)
+    app.include_router(make_messages_router(front, authorize, read_json, daemon_error))
 
     @app.get("/metrics")
     async def metrics():
