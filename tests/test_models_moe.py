@@ -257,7 +257,12 @@ def test_preemption_and_prefix_sharing_keep_greedy_output(moe_and_ref):
 
 # ---------------------------------------------------------------- int8 experts
 
-def test_int8_at_load_quantizes_the_experts_and_stays_close(tiny_models_root):  # noqa: F811
+@pytest.mark.parametrize("prepack", ["1", "0"])
+def test_int8_at_load_quantizes_the_experts_and_stays_close(tiny_models_root, monkeypatch,  # noqa: F811
+                                                            prepack):
+    """With the C++ kernels (where built) and without them (TPSERVE_PREPACK=0: the experts are
+    quantized in place and the torch path dequantizes them)."""
+    monkeypatch.setenv("TPSERVE_PREPACK", prepack)
     path = make_tiny_model(tiny_models_root, "qwen2_moe")
     prompts = random_prompts([9, 4], 384, seed=2)
     decode = [[5, 7], [11, 13]]
@@ -271,7 +276,10 @@ def test_int8_at_load_quantizes_the_experts_and_stays_close(tiny_models_root):  
     assert blocks[0].shared_expert.down_proj.quantize_at_load
     pack(model)
     for b in blocks:  # packed by the kernel, or int8 in place for the torch path
-        assert b.experts.packed is not None or b.experts.w13_weight.dtype == torch.int8
+        if prepack == "0" or not cpu_extension.available():
+            assert b.experts.packed is None and b.experts.w13_weight.dtype == torch.int8
+        else:
+            assert b.experts.packed is not None
     got = run(model, prompts, decode)
     for g, w in zip(got, want):
         assert (g - w).abs().max() < 0.1 * w.abs().max()

@@ -360,7 +360,17 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        packed = self.experts.packed
+        if packed is not None:
+            # The C++ kernel: its router, and the shared expert joining the experts' fp32 sum
+            # (the fused decode's very functions, so both paths give the same bits).
+            weights, ids = _moe_kernel().route(logits, self.top_k, self.renormalize, self.round_weights)
+            shared = gate = None
+            if self.shared_expert is not None:
+                shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
+            return self.tp.all_reduce(packed.forward(x, ids, weights, shared, gate))
+        weights, ids = route(logits, self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype).float()  # transformers scales by weights in x's dtype
         out = self.experts.experts(x, ids, weights)
