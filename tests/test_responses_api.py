@@ -260,8 +260,8 @@ def test_hosted_tools_are_left_out_and_namespaced_functions_offered(client, tok)
     tools = [{"type": "web_search"},
              {"type": "namespace", "name": "crm", "description": "CRM", "tools": [lookup]},
              {"type": "file_search", "vector_store_ids": ["vs_1"]}]
-    r = client.responses.create(model=MODEL, input="Customer 7?", tools=tools, tool_choice="required",
-                                parallel_tool_calls=False, max_output_tokens=40, temperature=0)
+    r = client.responses.create(model=MODEL, input="Customer 7?", tools=tools, max_output_tokens=40,
+                                tool_choice={"type": "function", "name": "lookup"}, temperature=0)
     [call] = r.output
     assert call.type == "function_call" and call.name == "lookup" and call.namespace == "crm"
     assert isinstance(json.loads(call.arguments)["id"], int)

@@ -317,6 +317,10 @@ def _tool_choice(choice, offered: list[dict], tr: Translation):
             raise _bad("tool_choice.name", "must be a string")
         if isinstance(choice.get("namespace"), str):
             name = _namespaced_name(choice["namespace"], name)
+        else:  # a namespaced function named alone, when no other function has its name
+            same = [full for full, (_, inner) in tr.namespaced.items() if inner == name]
+            if len(same) == 1 and not any(t["function"]["name"] == name for t in offered):
+                name = same[0]
         return {"type": "function", "function": {"name": name}}
     if kind == "allowed_tools":
         mode, allowed = choice.get("mode", "auto"), choice.get("tools")
