@@ -255,6 +255,16 @@ def test_preemption_and_prefix_sharing_keep_greedy_output(moe_and_ref):
     assert [o.num_cached_tokens for o in outs] == [0, 64, 31]
 
 
+def test_chunked_prefill_and_speculative_decoding_keep_greedy_output(moe_and_ref):
+    """Prefill chunks of 16 tokens, and n-gram drafts verified several tokens per row."""
+    path, ref = moe_and_ref
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "disable_by_batch_size": None}
+    got, stats, _ = _generate(path, max_num_batched_tokens=16, num_kv_blocks=256, speculative_config=spec)
+    assert got == ref
+    assert stats["spec_decode_num_drafts"] > 0
+
+
 # ---------------------------------------------------------------- int8 experts
 
 @pytest.mark.parametrize("prepack", ["1", "0"])
