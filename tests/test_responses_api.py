@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tpserve.fronts.http.response_store import ResponseStore
+from tpserve.fronts.http.responses_api import TemplateTraits, conversation_messages
 from tpserve.tokenizer import load_tokenizer
 
 from test_http import API_KEY, BUNDLED, MODEL, HttpDaemon, idle, post
@@ -72,6 +73,30 @@ def test_store_is_a_bounded_lru():
     assert nothing.get("x") is None
     with pytest.raises(ValueError):
         ResponseStore(-1)
+
+
+def test_items_become_chat_messages_as_the_template_reads_them():
+    items = [
+        {"role": "developer", "content": "Rules."}, {"role": "system", "content": "More rules."},
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+        {"type": "function_call", "call_id": "c2", "name": "g", "namespace": "ns", "arguments": "{"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "one"}]},
+        {"type": "function_call_output", "call_id": "c2", "output": "two"}]
+    plain = conversation_messages(items, 0, TemplateTraits())
+    assert plain[0] == {"role": "system", "content": "Rules.\n\nMore rules."}
+    assert plain[1] == {"role": "user", "content": "ab"}
+    assert plain[2] == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+        {"id": "c2", "type": "function", "function": {"name": "ns.g", "arguments": "{"}}]}
+    assert plain[3:] == [{"role": "tool", "content": "one", "tool_call_id": "c1", "name": "f"},
+                         {"role": "tool", "content": "two", "tool_call_id": "c2", "name": "ns.g"}]
+    # a template with a developer role and reasoning_content gets both
+    rich = conversation_messages(items, 0, TemplateTraits(developer=True, reasoning=True))
+    assert [m["role"] for m in rich[:2]] == ["developer", "system"]
+    assert rich[3]["reasoning_content"] == "think" and len(rich[3]["tool_calls"]) == 2
 
 
 # ---- through the HTTP front -------------------------------------------------------------------
@@ -339,6 +364,11 @@ def test_logprobs_of_the_output_text(client):
     lps = r.output[0].content[0].logprobs
     assert len(lps) == 3 and all(len(lp.top_logprobs) == 2 for lp in lps)
     assert "".join(lp.token for lp in lps) == r.output_text
+
+
+def test_oversized_body_is_413(daemon):
+    reply = post(daemon, "/v1/responses", b'{"input": "' + b"x" * (9 * 1024 * 1024) + b'"}')
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
 
 
 def test_api_key_is_required(daemon):
