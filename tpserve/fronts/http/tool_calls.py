@@ -80,14 +80,14 @@ class ToolPlan:
         naming a strict tool's schema that the grammar engine does not support."""
         self.loosened = []
         try:
-            calls = self._calls()
-            text = self._grammar(calls)
+            calls = [(i, call, json.dumps(call)) for i, call in self._calls()]
+            text = self._grammar([dumped for _, _, dumped in calls])
             if len(text) > MAX_GRAMMAR_CHARS:
                 raise bad("tools", f"make a grammar of {len(text)} characters, over the limit of "
                                    f"{MAX_GRAMMAR_CHARS}: send fewer tools, or smaller parameter schemas")
-            fitted = [self._fit(i, call) for i, call in calls]
-            if any(a is not b for (_, a), b in zip(calls, fitted)):
-                text = self._grammar([(i, call) for (i, _), call in zip(calls, fitted)])
+            fitted = [self._fit(*c) for c in calls]
+            if any(a is not b for (_, _, a), b in zip(calls, fitted)):
+                text = self._grammar(fitted)
         except RecursionError:
             raise bad("tools", "nest their parameters' schemas too deeply to make a grammar") from None
         return text
@@ -109,12 +109,12 @@ class ToolPlan:
         return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                 "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": style}
 
-    def _fit(self, i: int, call: dict) -> dict:
-        """``call`` if the grammar engine takes it; for a non-strict tool, the loosest fallback
-        it takes; for a strict one, a 400."""
-        error = schemas.check(schemas.json_rule_grammar(call))
+    def _fit(self, i: int, call: dict, dumped: str) -> str:
+        """The JSON text of ``call`` (``dumped``) if the grammar engine takes it; for a
+        non-strict tool, that of the closest fallback it takes; for a strict one, a 400."""
+        error = schemas.check(schemas.json_rule_grammar(dumped))
         if error is None:
-            return call
+            return dumped
         f = self.tools[i]["function"]
         if f.get("strict") is True:
             where = self.fields[i] if self.fields else f"tools[{i}].function.parameters"
@@ -123,13 +123,14 @@ class ToolPlan:
                              "declare the tool non-strict to have its schema constrained leniently")
         self.loosened.append(f["name"])
         params = call["properties"]["arguments"]
-        looser = self._call_schema(f["name"], schemas.loosen(params), lenient=True)
+        looser = json.dumps(self._call_schema(f["name"], schemas.loosen(params), lenient=True))
         if schemas.check(schemas.json_rule_grammar(looser)) is None:
             return looser
-        return self._call_schema(f["name"], {"type": "object"}, lenient=True)
+        return json.dumps(self._call_schema(f["name"], {"type": "object"}, lenient=True))
 
-    def _grammar(self, calls: list[tuple[int, dict]]) -> str:
-        rules = [f"fn{k}: %json {json.dumps(call)}" for k, (_, call) in enumerate(calls)]
+    def _grammar(self, calls: list[str]) -> str:
+        """The grammar of the calls' JSON schemas (their text)."""
+        rules = [f"fn{k}: %json {dumped}" for k, dumped in enumerate(calls)]
         body = "body: " + " | ".join(f"fn{k}" for k in range(len(calls)))
         call = f'"\\n" body "\\n{CLOSE}"'
         more = f'("\\n{TRIGGER}" {call})*' if self.parallel else ""

@@ -98,9 +98,11 @@ def check(grammar: str) -> str | None:
     return messages[0] if is_error and messages else ("refused" if is_error else None)
 
 
-def json_rule_grammar(schema: dict) -> str:
-    """A grammar of the one JSON schema ``schema``, as tool_calls.py embeds each call's schema."""
-    return "%llguidance {}\nstart: %json " + json.dumps(schema) + "\n"
+def json_rule_grammar(schema: dict | str) -> str:
+    """A grammar of the one JSON schema ``schema`` (or its JSON text), as tool_calls.py embeds
+    each call's schema."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return "%llguidance {}\nstart: %json " + text + "\n"
 
 
 def unsupported(error: str) -> str:
