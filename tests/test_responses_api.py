@@ -78,9 +78,11 @@ def test_store_is_a_bounded_lru():
 def test_items_become_chat_messages_as_the_template_reads_them():
     items = [
         {"role": "developer", "content": "Rules."}, {"role": "system", "content": "More rules."},
-        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                     {"type": "input_text", "text": "b"}]},
         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me look."}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
         {"type": "function_call", "call_id": "c2", "name": "g", "namespace": "ns", "arguments": "{"},
         {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "one"}]},
