@@ -77,6 +77,12 @@ SCRIPTS = {
     "bench_fairness.py": Smoke(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
                                r"bench_fairness model=default-model .* flood=20 other_client_wait_s=[\d.]+ "
                                r"vanished=2x8"),
+    "bench_agent_turns.py": Smoke(
+        ("--shape", "tiny", "--context-tokens", "400", "--sessions", "1", "--pairs", "2"),
+        r"bench_agent_turns shape=tiny sessions=1 turn1_prompt=\d+ turn2_prompt=\d+ ttft1_ms=[\d.]+ "
+        r"ttft2_ms=[\d.]+ ttft_ratio=[\d.]+ turn2_cache_read_input_tokens=[1-9]\d*\n"
+        r"bench_agent_turns translation pairs=2 max_tokens=1 e2e messages_ms=[\d.]+ chat_ms=[\d.]+ "
+        r"difference_ms=-?[\d.]+ same_prompt=yes .* overhead_ms=-?[\d.]+"),
     "bench_http.py": Smoke(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
                            r"bench_http model=default-model .* streams=1 max_tokens=2 zmq_tok_s=[\d.]+ "
                            r"http_tok_s=[\d.]+"),

@@ -265,11 +265,12 @@ def _tools(body: dict, t: Translation, chat: dict) -> None:
             if kind not in _FUNCTION_TYPES:
                 t.left_out.append(str(tool.get("name") or kind)[:64])
                 continue
-            fn = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
             if tool.get("input_schema") is None:
                 raise bad(f"{where}.input_schema", "is required (a JSON schema of the tool's input)")
+            fn = {"name": tool.get("name")}  # chat's key order: the template renders the same text
             if tool.get("description") is not None:
                 fn["description"] = tool["description"]
+            fn["parameters"] = tool["input_schema"]
             if tool.get("strict") is not None:
                 fn["strict"] = tool["strict"]
             k = len(offered)
