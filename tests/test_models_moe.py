@@ -419,3 +419,22 @@ def test_fused_moe_shards():
     assert (inter.num_local_experts, inter.expert_start, tuple(inter.w13_weight.shape)) == (8, 0, (8, 32, 64))
     assert (ep.num_local_experts, ep.expert_start, tuple(ep.w2_weight.shape)) == (4, 4, (4, 64, 32))
     assert inter.packed is None and ep.num_experts == 8 and ep.top_k == 2
+
+
+def test_expert_parallel_rank_reads_only_its_experts(tiny_models_root):  # noqa: F811
+    """Rank 1 of 2 with expert parallelism: experts 4-7 loaded, 0-3 never read from the file."""
+    from tpserve.models.loader import _other_ranks_experts, checkpoint_files, iter_safetensors
+    from tpserve.models.parallel import TPContext
+    path = make_tiny_model(tiny_models_root, "mixtral")
+    model = tpserve_model(path, TPContext(1, 2), enable_expert_parallel=True)
+    skip = _other_ranks_experts(model)
+    unread = {k for k, t in iter_safetensors(checkpoint_files(path), skip=skip) if t is None}
+    assert unread == {f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+                      for i in range(2) for e in range(4) for w in ("w1", "w2", "w3")}
+    assert skip("model.layers.0.mlp.experts.2.w1.weight")
+    assert not skip("model.layers.0.mlp.experts.6.w1.weight")
+    fm = moe_blocks(model)[1].experts
+    ckpt = load_file(str(path / "model.safetensors"))
+    assert torch.equal(fm.w13_weight[1, :32], ckpt["model.layers.1.block_sparse_moe.experts.5.w1.weight"])
+    assert torch.equal(fm.w2_weight[3], ckpt["model.layers.1.block_sparse_moe.experts.7.w2.weight"])
+    assert _other_ranks_experts(tpserve_model(path, TPContext(1, 2))) is None  # intermediate split

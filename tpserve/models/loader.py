@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -111,7 +111,7 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
             prepare_model(model, qc)
     files = checkpoint_files(path)
     show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
-    tensors = iter_safetensors(files, show)
+    tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
     load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
 
@@ -149,8 +149,10 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def iter_safetensors(files: list[Path], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor on CPU)`` for every tensor of every file."""
+def iter_safetensors(files: list[Path], progress: bool = False,
+                     skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Yield ``(name, tensor on CPU)`` for every tensor of every file; ``(name, None)``, without
+    reading it, for a name ``skip`` says this rank does not need."""
     total = None
     if progress:  # headers only: cheap, and gives the bar a length
         total = 0
@@ -164,7 +166,7 @@ def iter_safetensors(files: list[Path], progress: bool = False) -> Iterator[tupl
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for key in st.keys():
-                    yield key, st.get_tensor(key)
+                    yield key, (None if skip is not None and skip(key) else st.get_tensor(key))
                     if bar is not None:
                         bar.update(1)
     finally:
@@ -186,6 +188,31 @@ def _target(key: str, mapping: dict) -> tuple[str, object]:
 # <block>.experts.{e}.<proj>.<weight|weight_scale>, or the fused <block>.experts.<gate_up|down>_proj
 _EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale)"
                          r"|(?P<fused>gate_up_proj|down_proj))")
+
+
+_ONE_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?P<e>\d+)\.\w+\.(?:weight|weight_scale|weight_packed)")
+
+
+def _other_ranks_experts(model: CausalLM) -> Callable[[str], bool] | None:
+    """With expert parallelism, a test of the checkpoint names of experts held by other ranks
+    (not read here: at TP=N a rank reads 1/N of the expert weights); else None."""
+    ranges = {name: (m.expert_start, m.expert_start + m.num_local_experts)
+              for name, m in model.named_modules()
+              if isinstance(m, FusedMoE) and m.num_local_experts < m.num_experts}
+    if not ranges:
+        return None
+    moe_module = model.spec.moe_module
+
+    def skip(key: str) -> bool:
+        m = _ONE_EXPERT_KEY.fullmatch(key)
+        if m is None:
+            return False
+        block = m["moe"]
+        if moe_module != "mlp" and block.endswith(".mlp"):
+            block = block[:-len("mlp")] + moe_module
+        span = ranges.get(f"{block}.experts")
+        return span is not None and not span[0] <= int(m["e"]) < span[1]
+    return skip
 
 
 def _expert_target(key: str, model: CausalLM):
@@ -246,7 +273,8 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
                 unexpected.append(key)
                 continue
             try:
-                param.weight_loader(param, tensor, shard)
+                if tensor is not None:  # None: another rank's expert, not read
+                    param.weight_loader(param, tensor, shard)
             except CheckpointError as e:
                 raise CheckpointError(f"{key}: {e}") from None
             loaded[name] |= covers

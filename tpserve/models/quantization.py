@@ -152,7 +152,9 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]
         if leaf in ("weight_packed", "weight_shape"):
             (packed if leaf == "weight_packed" else shapes)[prefix] = tensor
             if prefix in packed and prefix in shapes:
-                yield f"{prefix}.weight", unpack_int32(packed.pop(prefix), shapes.pop(prefix), key)
+                words, shape = packed.pop(prefix), shapes.pop(prefix)
+                # words None: a tensor the loader did not read (another rank's expert)
+                yield f"{prefix}.weight", None if words is None else unpack_int32(words, shape, key)
             continue
         yield key, tensor
     for prefix in packed:
