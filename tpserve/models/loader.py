@@ -2,7 +2,8 @@
 
 A checkpoint directory holds ``config.json`` and safetensors weights: one ``model.safetensors``,
 or several shards listed by ``model.safetensors.index.json``. Every rank reads the full tensors
-(memory-mapped) and keeps its own slice through each parameter's ``weight_loader``.
+(memory-mapped) and keeps its own slice through each parameter's ``weight_loader``; with expert
+parallelism the experts other ranks hold are not read at all.
 
 Checkpoint names map 1:1 onto module names except packed modules (``q/k/v_proj`` ->
 ``qkv_proj`` with shard ids "q"/"k"/"v", ``gate/up_proj`` -> ``gate_up_proj`` with 0/1). With

@@ -32,9 +32,12 @@ and ``w2_weight [E_local, H, I_local]``; int8 checkpoints add ``w13_weight_scale
 Its loader takes one expert's checkpoint tensor (``experts.{e}.gate_proj.weight`` ...) or the
 fused ones transformers uses in memory (``experts.gate_up_proj [E, 2I, H]``,
 ``experts.down_proj [E, H, I]``). :meth:`FusedMoE.experts` runs the plain-torch path
-(:func:`experts_reference`: tokens grouped by expert, a loop over the experts that got tokens)
-unless ``prepack_experts`` handed the weights to the C++ grouped-expert kernel
-(``tpserve/models/moe_kernel.py``), whose ``pack_experts(module)`` object then runs them.
+(:func:`experts_reference`: tokens grouped by expert, a loop over the experts that got tokens;
+on a GPU the grouped Triton kernel of ``tpserve/kernels/triton_moe.py``) unless
+``prepack_experts`` handed the weights to the C++ grouped-expert kernel
+(``tpserve/models/moe_kernel.py``), whose ``pack_experts(module)`` object then runs them; the
+block then routes with the kernel's router and hands it the shared expert too, so that its fp32
+sum is the one the fused decode computes.
 """
 from __future__ import annotations
 
