@@ -275,3 +275,29 @@ def test_an_avx2_build_runs_the_experts():
     check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_prepack_model_packs_the_experts_in_pages_of_their_own():
+    from torch import nn
+
+    from tpserve.models.linear import ColumnParallelLinear
+    from tpserve.models.moe import FusedMoE, experts_reference
+    from tpserve.models.parallel import TPContext
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.experts = FusedMoE(6, 2, H, I, TPContext())
+    model.proj = ColumnParallelLinear(H, 32, TPContext())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) / 6)
+    x = torch.randn(5, H)
+    ids, weights = routing(5, 2, 6, seed=9)
+    want = experts_reference(x, ids, weights, model.experts.w13_weight.detach().clone(),
+                             model.experts.w2_weight.detach().clone())
+    assert packed_gemm.prepack_model(model) == 2  # the linear layer and one set of experts
+    packed = model.experts.packed
+    assert packed is not None and model.experts.w13_weight.numel() == 0  # the dense copy freed
+    assert model.proj.packed is not None
+    # not gathered into the linear layers' arena: each projection in a 2 MB-aligned buffer
+    assert packed.w13.data.data_ptr() % (2 << 20) == 0 and packed.w2.data.data_ptr() % (2 << 20) == 0
+    assert (model.experts(x, ids, weights) - want).abs().max().item() < 1e-5

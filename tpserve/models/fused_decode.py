@@ -12,11 +12,18 @@ weights and KV cache (16 op calls fewer per step at 8 layers: each costs 5-9 us 
 conversion, against a ~3 ms step of the 40M model; 4% of that step, measured in one process
 alternating the two).
 
+Mixture-of-experts layers (moe.py's SparseMoeBlock) take the same two halves: the MLP half runs
+the norm, the router, the C++ routing (softmax, top-k, renormalisation), the shared expert and
+its sigmoid gate (Qwen2-MoE) and the grouped experts (``moe_ops.cpp``) in the one call; the
+module path on packed experts calls the same functions, so the bits are the same. Under tensor
+parallelism a MoE layer's half is the stack object's ``mlp`` method (its experts' views are
+built once with the stack), and the all-reduce stays here between the calls, as for dense layers.
+
 It takes pure decode steps (``meta.is_prefill`` False) of a model whose every layer is packed
-(``prepack_model``), with the C++ attention backend, fp32 or bf16, head_dim % 16 == 0 and its
-KV cache set; :func:`why_not_fused` says why a model does not qualify, and the model then runs
-its modules as before. The plan's block tables are checked once per step, before the first
-layer.
+(``prepack_model``; a MoE layer's experts, router and shared expert too), with the C++ attention
+backend, fp32 or bf16, head_dim % 16 == 0 and its KV cache set; :func:`why_not_fused` says why a
+model does not qualify, and the model then runs its modules as before. The plan's block tables
+are checked once per step, before the first layer.
 """
 from __future__ import annotations
 
@@ -36,6 +43,20 @@ def _linear_args(layer, bias: bool = True) -> tuple:
     return (p.data, p.kind, p.scales, p.colsum, layer.bias if bias else None)
 
 
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def _moe_linears(block) -> list:
+    """The linear layers of a sparse block the fused path reads packed."""
+    layers = [block.gate]
+    if block.shared_expert is not None:
+        layers += [block.shared_expert.gate_up_proj, block.shared_expert.down_proj]
+        if block.shared_expert_gate is not None:
+            layers.append(block.shared_expert_gate)
+    return layers
+
+
 def why_not_fused(model: CausalLM) -> str | None:
     """None if :class:`FusedDecode` can run ``model``'s decode steps, else the reason."""
     from tpserve.kernels.cpu_attention import CpuAttention
@@ -45,15 +66,25 @@ def why_not_fused(model: CausalLM) -> str | None:
         return "needs fp32/bf16 and head_dim % 16 == 0"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.feed_forward
-        if not hasattr(mlp, "gate_up_proj"):
-            return "does not cover mixture-of-experts layers yet"
         if not isinstance(attn.backend, CpuAttention):
             return "needs the cpu attention backend"
         if attn.k_cache is None:
             return "needs the KV cache"
-        if any(m.packed is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        linears = [attn.qkv_proj, attn.o_proj]
+        if _is_moe(mlp):
+            if mlp.experts.packed is None:
+                return "needs every layer's experts packed (prepack_model)"
+            linears += _moe_linears(mlp)
+        else:
+            linears += [mlp.gate_up_proj, mlp.down_proj]
+        if any(m.packed is None for m in linears):
             return "needs every linear layer packed (prepack_model)"
     return None
+
+
+class MoeArgs(tuple):
+    """A sparse layer's arguments of ``DecodeStack.add_moe_layer`` after the attention half's
+    (in place of a dense layer's ``decode_mlp`` arguments)."""
 
 
 class FusedDecode:
@@ -72,31 +103,40 @@ class FusedDecode:
         self.layers = []
         first = self.tp.rank == 0  # a row-parallel bias is added once, on rank 0
         for layer in model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
+            a, mlp = layer.self_attn, layer.feed_forward
             attn_args = (layer.input_layernorm.weight, layer.input_layernorm.eps,
                          a.q_norm.weight if a.q_norm is not None else None,
                          a.k_norm.weight if a.k_norm is not None else None,
                          a.num_heads, a.num_kv_heads, a.head_dim, a.rotary.cos, a.rotary.sin, a.scale,
                          *_linear_args(a.qkv_proj), *_linear_args(a.o_proj, first))
-            mlp_args = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                        mlp.gate_up_proj.output_size_per_rank // 2,
-                        *_linear_args(mlp.gate_up_proj), *_linear_args(mlp.down_proj, first))
+            post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            if _is_moe(mlp):
+                mlp_args = MoeArgs((*post, *_moe_args(mlp, first)))
+            else:
+                mlp_args = (*post, mlp.gate_up_proj.output_size_per_rank // 2,
+                            *_linear_args(mlp.gate_up_proj), *_linear_args(mlp.down_proj, first))
             self.layers.append((a, attn_args, mlp_args))
         # Without tensor parallelism the whole stack is one C++ call (DecodeStack in cpu_ops.cpp):
         # nothing happens between the layer halves, and each op call costs microseconds of
         # argument conversion. It holds the KV cache tensors: CausalLM.set_kv_caches builds a
-        # new FusedDecode.
-        self.stack = self._build_stack() if self.tp.size == 1 else None
+        # new FusedDecode. With tensor parallelism a model with MoE layers builds it too: their
+        # MLP halves are its `mlp` calls (the experts' per-expert views are made once, here).
+        has_moe = any(isinstance(mlp_args, MoeArgs) for *_, mlp_args in self.layers)
+        self.layer_stack = self._build_stack() if self.tp.size == 1 or has_moe else None
+        self.stack = self.layer_stack if self.tp.size == 1 else None
 
     def _build_stack(self):
         stack = torch.classes.tpserve_cpu.DecodeStack()
         for a, attn_args, mlp_args in self.layers:
             (ln_w, eps, q_norm, k_norm, heads, kv_heads, head_dim, cos, sin, scale,
              qd, qk, qs, qc, qb, od, ok, os_, oc, ob) = attn_args
+            attention = (a.k_cache, a.v_cache, ln_w, eps, q_norm, k_norm, heads, kv_heads, head_dim,
+                         cos, sin, scale, [qd, qs, qc, qb], [qk, ok], [od, os_, oc, ob])
+            if isinstance(mlp_args, MoeArgs):
+                stack.add_moe_layer(*attention, *mlp_args)
+                continue
             post_w, post_eps, inter, gd, gk, gs, gc, gb, dd, dk, ds, dc, db = mlp_args
-            stack.add_layer(a.k_cache, a.v_cache, ln_w, eps, q_norm, k_norm, heads, kv_heads, head_dim,
-                            cos, sin, scale, [qd, qs, qc, qb], [qk, ok], [od, os_, oc, ob],
-                            post_w, post_eps, inter, [gd, gs, gc, gb], [gk, dk], [dd, ds, dc, db])
+            stack.add_layer(*attention, post_w, post_eps, inter, [gd, gs, gc, gb], [gk, dk], [dd, ds, dc, db])
         norm = self.model.model.norm
         stack.set_norm(norm.weight, norm.eps)
         stack.set_embedding(self.model.model.embed_tokens.weight)
@@ -118,7 +158,35 @@ class FusedDecode:
             ops.decode_attention(other, residual, hidden, i > 0, positions, attn.k_cache, attn.v_cache,
                                  meta.slot_mapping, meta.block_tables, meta.context_lens, *attn_args)
             self.tp.all_reduce(other)
-            ops.decode_mlp(hidden, residual, other, *mlp_args)
+            if isinstance(mlp_args, MoeArgs):
+                self.layer_stack.mlp(i, hidden, residual, other)
+            else:
+                ops.decode_mlp(hidden, residual, other, *mlp_args)
             self.tp.all_reduce(hidden)
         hidden, _ = self.model.model.norm(hidden, residual)
         return hidden
+
+
+def _moe_args(block, first: bool) -> tuple:
+    """A sparse block's arguments of ``DecodeStack.add_moe_layer`` after the post-attention norm."""
+    gate = block.gate.packed
+    experts = block.experts.packed
+    round_weights = bool(getattr(block, "round_weights", False))
+    router_ints = [gate.kind, gate.n, block.top_k, int(block.renormalize), int(round_weights)]
+    router = [gate.data, gate.scales, gate.colsum, None]
+    args = experts.stack_args()
+    expert_tensors = [args[0], args[2], args[3], None, args[4], args[6], args[7], None]
+    expert_ints = [args[1], args[5], *args[8:]]
+    shared_gate_up, shared_down, shared_gate, shared_ints = [], [], [], []
+    if block.shared_expert is not None:
+        se = block.shared_expert
+        shared_gate_up = list(_linear_args(se.gate_up_proj))
+        shared_down = list(_linear_args(se.down_proj, first))
+        kinds = [shared_gate_up.pop(1), shared_down.pop(1)]
+        gate_kind = 0
+        if block.shared_expert_gate is not None:
+            shared_gate = list(_linear_args(block.shared_expert_gate))
+            gate_kind = shared_gate.pop(1)
+        shared_ints = [*kinds, gate_kind, se.gate_up_proj.output_size_per_rank // 2]
+    return (router, router_ints, expert_tensors, expert_ints, shared_gate_up, shared_down, shared_gate,
+            shared_ints)

@@ -197,15 +197,24 @@ def _gather_in_huge_pages(packs: list[PackedWeight]) -> None:
 
 
 def prepack_model(model: nn.Module) -> int:
-    """Pack every packable layer's weight (after loading), into huge pages; returns how many
-    were packed."""
+    """Pack every packable layer's weight (after loading), into huge pages, and every
+    mixture-of-experts layer's experts (a module with ``prepack_experts``, moe.py); returns how
+    many layers and expert sets were packed.
+
+    The linear layers' packs are gathered into one buffer (the arena costs a second copy of them
+    while it fills). The experts, most of an MoE model's bytes, are not: ``moe_kernel`` packs
+    each projection of a layer's experts straight into a buffer of 2 MB pages of its own, so the
+    peak stays one layer's experts above the weights."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     packs = []
+    expert_sets = 0
     for m in model.modules():
         if isinstance(m, PackableLinear) and m.prepack(shared=counts.get(id(m.weight), 0) > 1):
             packs.append(m.packed)
+        elif callable(getattr(m, "prepack_experts", None)) and m.prepack_experts():
+            expert_sets += 1
     if packs:
         _gather_in_huge_pages(packs)
-    return len(packs)
+    return len(packs) + expert_sets

@@ -22,10 +22,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "linear_ops.h"
+#include "moe_ops.h"
 #include "vec.h"
 
 namespace {
@@ -954,7 +956,7 @@ void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor
 // weight stream has just emptied). get() hands back the tensor in slot i if it has these sizes
 // and dtype, else allocates it.
 struct DecodeScratch {
-  at::Tensor slots[8];
+  at::Tensor slots[13];
   at::Tensor get(int i, at::IntArrayRef sizes, const at::TensorOptions& opt) {
     at::Tensor& t = slots[i];
     if (!t.defined() || t.sizes() != sizes || t.scalar_type() != opt.dtype().toScalarType()) {
@@ -963,7 +965,10 @@ struct DecodeScratch {
     return t;
   }
 };
-enum ScratchSlot { kNormed, kQkv, kQuery, kAttn, kGateUp, kAct, kResidual, kOther };
+enum ScratchSlot {
+  kNormed, kQkv, kQuery, kAttn, kGateUp, kAct, kResidual, kOther,
+  kRouterLogits, kTopIds, kTopWeights, kShared, kSharedGate,  // mixture-of-experts layers
+};
 
 // Reads entry m of a contiguous int32/int64 [M] tensor.
 inline int64_t index_at(const at::Tensor& t, int64_t m) {
@@ -1049,11 +1054,25 @@ struct AttentionArgs {
   PackedLinear qkv, o;
 };
 
+// A mixture-of-experts layer's MLP half (moe.py's SparseMoeBlock): the router, the routed
+// experts, and Qwen2-MoE's shared expert with its sigmoid gate.
+struct MoeArgs {
+  PackedLinear router;  // [num_experts, H]
+  int64_t top_k;
+  bool renormalize, round_weights;
+  MoeWeights experts;
+  MoeScratch scratch;  // the experts' grouping and rows, kept between steps
+  bool has_shared = false, has_shared_gate = false;
+  int64_t shared_inter = 0;
+  PackedLinear shared_gate_up, shared_down, shared_gate;
+};
+
 struct MlpArgs {
   at::Tensor ln_weight;
   double eps;
   int64_t intermediate;
-  PackedLinear gate_up, down;
+  PackedLinear gate_up, down;     // a dense MLP
+  std::shared_ptr<MoeArgs> moe;  // or, when set, a mixture of experts
 };
 
 // out [M, H] = o_proj(attention(rotary(qkv_proj(norm(hidden (+ residual)))))) for M decode
@@ -1124,12 +1143,44 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
 
 // out [M, H] = down_proj(silu_and_mul(gate_up_proj(norm(hidden + residual)))); residual is
 // updated in place.
+// A mixture-of-experts layer's MLP half from its normed input: router, routing, the shared
+// expert's output and gate, the routed experts with both joining their sum. The functions of the
+// module path (SparseMoeBlock.forward on packed experts), in its order, so the same bits.
+void decode_moe_into(at::Tensor& out, const at::Tensor& normed, MoeArgs& e, DecodeScratch& scratch) {
+  const int64_t M = normed.size(0), H = normed.size(1);
+  const at::TensorOptions opt = normed.options();
+  at::Tensor logits = scratch.get(kRouterLogits, {M, e.router.n}, opt);
+  linear_into(logits, normed, e.router);
+  at::Tensor ids = scratch.get(kTopIds, {M, e.top_k}, opt.dtype(at::kLong));
+  at::Tensor weights = scratch.get(kTopWeights, {M, e.top_k}, opt.dtype(at::kFloat));
+  moe_route_into(ids, weights, logits, e.renormalize, e.round_weights && normed.scalar_type() == at::kBFloat16);
+  at::Tensor shared, gate;
+  if (e.has_shared) {
+    at::Tensor gate_up = scratch.get(kGateUp, {M, 2 * e.shared_inter}, opt);
+    linear_into(gate_up, normed, e.shared_gate_up);
+    at::Tensor act = scratch.get(kAct, {M, e.shared_inter}, opt);
+    silu_and_mul(act, gate_up);
+    shared = scratch.get(kShared, {M, H}, opt);
+    linear_into(shared, act, e.shared_down);
+    if (e.has_shared_gate) {
+      gate = scratch.get(kSharedGate, {M, 1}, opt);
+      linear_into(gate, normed, e.shared_gate);
+    }
+  }
+  moe_experts_into(out, normed, ids, weights, e.experts, e.scratch, e.has_shared ? &shared : nullptr,
+                   e.has_shared_gate ? &gate : nullptr);
+}
+
 void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hidden, const MlpArgs& m,
                      DecodeScratch& scratch) {
   const int64_t M = hidden.size(0);
   const at::TensorOptions opt = hidden.options();
   at::Tensor normed = scratch.get(kNormed, hidden.sizes(), opt);
   norm_with_residual(normed, hidden, residual, true, m.ln_weight, m.eps);
+  if (m.moe) {
+    decode_moe_into(out, normed, *m.moe, scratch);
+    return;
+  }
   at::Tensor gate_up = scratch.get(kGateUp, {M, 2 * m.intermediate}, opt);
   linear_into(gate_up, normed, m.gate_up);
   at::Tensor act = scratch.get(kAct, {M, m.intermediate}, opt);
@@ -1171,6 +1222,29 @@ struct DecodeStack : torch::CustomClassHolder {
   double norm_eps = 0;
   DecodeScratch scratch;  // the layers' intermediate tensors, reused by every step
 
+  // Checked once here, as decode_attention / decode_mlp check theirs on every call.
+  static PackedLinear packed(const std::vector<c10::optional<at::Tensor>>& t, int64_t kind, int64_t n, int64_t k,
+                             const char* what) {
+    TORCH_CHECK_VALUE(t.size() == 4 && t[0].has_value(), what, ": expected [data, scales, colsum, bias]");
+    return packed_linear(*t[0], kind, n, k, t[1], t[2], t[3], what);
+  }
+
+  static AttentionArgs attention_args(at::Tensor k_cache, at::Tensor v_cache, at::Tensor ln_weight, double eps,
+                                      c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
+                                      at::Tensor sin, double scale, const std::vector<c10::optional<at::Tensor>>& qkv,
+                                      const std::vector<int64_t>& qkv_o_kinds,
+                                      const std::vector<c10::optional<at::Tensor>>& o) {
+    check_value(qkv_o_kinds.size() == 2, "kinds: expected two per half");
+    check_value(ln_weight.dim() == 1, "ln_weight: expected [hidden]");
+    check_value(head_dim % 16 == 0 && head_dim <= kMaxHeadDim,
+                "head_dim: the fused decode takes a multiple of 16 up to 512");
+    const int64_t H = ln_weight.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    return AttentionArgs{k_cache, v_cache, ln_weight, cos, sin, eps, scale, q_norm, k_norm, num_heads, num_kv_heads,
+                         head_dim, packed(qkv, qkv_o_kinds[0], q_size + 2 * kv_size, H, "qkv_proj"),
+                         packed(o, qkv_o_kinds[1], H, q_size, "o_proj")};
+  }
+
   void add_layer(at::Tensor k_cache, at::Tensor v_cache, at::Tensor ln_weight, double eps,
                  c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
@@ -1179,24 +1253,72 @@ struct DecodeStack : torch::CustomClassHolder {
                  at::Tensor post_ln_weight, double post_eps, int64_t intermediate,
                  std::vector<c10::optional<at::Tensor>> gate_up, std::vector<int64_t> mlp_kinds,
                  std::vector<c10::optional<at::Tensor>> down) {
-    check_value(qkv_o_kinds.size() == 2 && mlp_kinds.size() == 2, "kinds: expected two per half");
-    check_value(ln_weight.dim() == 1, "ln_weight: expected [hidden]");
-    check_value(head_dim % 16 == 0 && head_dim <= kMaxHeadDim,
-                "head_dim: the fused decode takes a multiple of 16 up to 512");
-    const int64_t H = ln_weight.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    // Checked once here, as decode_attention / decode_mlp check theirs on every call.
-    auto packed = [](const std::vector<c10::optional<at::Tensor>>& t, int64_t kind, int64_t n, int64_t k,
-                     const char* what) {
-      TORCH_CHECK_VALUE(t.size() == 4 && t[0].has_value(), what, ": expected [data, scales, colsum, bias]");
-      return packed_linear(*t[0], kind, n, k, t[1], t[2], t[3], what);
-    };
-    layers.emplace_back(
-        AttentionArgs{k_cache, v_cache, ln_weight, cos, sin, eps, scale, q_norm, k_norm, num_heads, num_kv_heads,
-                      head_dim, packed(qkv, qkv_o_kinds[0], q_size + 2 * kv_size, H, "qkv_proj"),
-                      packed(o, qkv_o_kinds[1], H, q_size, "o_proj")},
-        MlpArgs{post_ln_weight, post_eps, intermediate,
-                packed(gate_up, mlp_kinds[0], 2 * intermediate, H, "gate_up_proj"),
-                packed(down, mlp_kinds[1], H, intermediate, "down_proj")});
+    check_value(mlp_kinds.size() == 2, "kinds: expected two per half");
+    AttentionArgs a = attention_args(k_cache, v_cache, ln_weight, eps, q_norm, k_norm, num_heads, num_kv_heads,
+                                     head_dim, cos, sin, scale, qkv, qkv_o_kinds, o);
+    const int64_t H = ln_weight.size(0);
+    layers.emplace_back(std::move(a), MlpArgs{post_ln_weight, post_eps, intermediate,
+                                              packed(gate_up, mlp_kinds[0], 2 * intermediate, H, "gate_up_proj"),
+                                              packed(down, mlp_kinds[1], H, intermediate, "down_proj"), nullptr});
+  }
+
+  // A mixture-of-experts layer: the attention half as add_layer's; then the router ([data,
+  // scales, colsum, bias]; router_ints: its kind, num_experts, top_k, renormalize, round_weights
+  // (to bf16 in a bf16 model)); the experts (moe_kernel.PackedExperts.stack_args: w13 data, kind, scales, colsum, w2
+  // data, kind, scales, colsum; hidden, intermediate, num_experts, expert_start); and the shared
+  // expert's gate_up, down and gate (empty lists: none; shared_ints: their kinds, intermediate).
+  void add_moe_layer(at::Tensor k_cache, at::Tensor v_cache, at::Tensor ln_weight, double eps,
+                     c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos,
+                     at::Tensor sin, double scale, std::vector<c10::optional<at::Tensor>> qkv,
+                     std::vector<int64_t> qkv_o_kinds, std::vector<c10::optional<at::Tensor>> o,
+                     at::Tensor post_ln_weight, double post_eps, std::vector<c10::optional<at::Tensor>> router,
+                     std::vector<int64_t> router_ints,
+                     std::vector<c10::optional<at::Tensor>> experts, std::vector<int64_t> expert_ints,
+                     std::vector<c10::optional<at::Tensor>> shared_gate_up,
+                     std::vector<c10::optional<at::Tensor>> shared_down,
+                     std::vector<c10::optional<at::Tensor>> shared_gate, std::vector<int64_t> shared_ints) {
+    AttentionArgs a = attention_args(k_cache, v_cache, ln_weight, eps, q_norm, k_norm, num_heads, num_kv_heads,
+                                     head_dim, cos, sin, scale, qkv, qkv_o_kinds, o);
+    const int64_t H = ln_weight.size(0);
+    check_value(router_ints.size() == 5,
+                "router_ints: expected [kind, num_experts, top_k, renormalize, round_weights]");
+    check_value(experts.size() == 8 && experts[0].has_value() && experts[4].has_value() && expert_ints.size() == 6,
+                "experts: expected PackedExperts.stack_args()");
+    auto e = std::make_shared<MoeArgs>();
+    e->router = packed(router, router_ints[0], router_ints[1], H, "router");
+    e->top_k = router_ints[2];
+    check_value(e->top_k >= 1 && e->top_k <= e->router.n, "top_k: expected 1 <= top_k <= num_experts");
+    e->renormalize = router_ints[3] != 0;
+    e->round_weights = router_ints[4] != 0;
+    e->experts = make_moe_weights(*experts[0], expert_ints[0], experts[1], experts[2], *experts[4], expert_ints[1],
+                                  experts[5], experts[6], expert_ints[2], expert_ints[3], expert_ints[4],
+                                  expert_ints[5]);
+    check_value(e->experts.hidden == H && e->experts.num_experts == e->router.n,
+                "experts: hidden size / num_experts differ from the layer's / router's");
+    e->has_shared = !shared_gate_up.empty();
+    if (e->has_shared) {
+      check_value(shared_ints.size() == 4, "shared_ints: expected [gate_up kind, down kind, gate kind, inter]");
+      e->shared_inter = shared_ints[3];
+      e->shared_gate_up = packed(shared_gate_up, shared_ints[0], 2 * e->shared_inter, H, "shared_expert.gate_up_proj");
+      e->shared_down = packed(shared_down, shared_ints[1], H, e->shared_inter, "shared_expert.down_proj");
+      e->has_shared_gate = !shared_gate.empty();
+      if (e->has_shared_gate) e->shared_gate = packed(shared_gate, shared_ints[2], 1, H, "shared_expert_gate");
+    }
+    layers.emplace_back(std::move(a), MlpArgs{post_ln_weight, post_eps, 0, PackedLinear{}, PackedLinear{}, e});
+  }
+
+  // Layer i's MLP half alone (dense or experts), for the layer-by-layer path of tensor
+  // parallelism (the all-reduce between the calls): out = mlp(norm(hidden + residual)), residual
+  // updated in place, as decode_mlp.
+  void mlp(int64_t i, at::Tensor out, at::Tensor residual, at::Tensor hidden) {
+    check_value(i >= 0 && i < static_cast<int64_t>(layers.size()), "layer: outside the stack");
+    check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
+                    residual.is_contiguous() && out.sizes() == hidden.sizes() && out.is_contiguous() &&
+                    hidden.size(1) == layers[i].second.ln_weight.size(0),
+                "hidden/residual/out: expected contiguous [M, hidden] tensors");
+    check_value(hidden.size(0) >= 1, "hidden: a decode step has at least one row");
+    decode_mlp_into(out, residual, hidden, layers[i].second, scratch);
   }
 
   void set_norm(at::Tensor weight, double eps) {
@@ -1283,6 +1405,8 @@ TORCH_LIBRARY(tpserve_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("add_moe_layer", &DecodeStack::add_moe_layer)
+      .def("mlp", &DecodeStack::mlp)
       .def("set_norm", &DecodeStack::set_norm)
       .def("set_embedding", &DecodeStack::set_embedding)
       .def("run", &DecodeStack::run);
