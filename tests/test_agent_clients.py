@@ -8,7 +8,8 @@ context: one layer, the bundled model's tokenizer and chat template (which rende
 final norm is zeroed, so every token is equally likely, and 32 token ids end the answer
 (generation_config's eos_token_id): an answer of about a hundred tokens, never cut by the
 clients' large output limits (Claude Code's max_tokens 32000 is clamped to the context's rest).
-Each client must exit 0, print an answer, and show no protocol error."""
+Each client must exit 0, print an answer, and show no protocol error; a second turn (the
+conversation resumed, resent whole) must answer too, its shared history from the prefix cache."""
 from __future__ import annotations
 
 import json
@@ -75,12 +76,12 @@ class AgentDaemon:
         self.pid = int((rd / "tpserve.pid").read_text())
         self.tree = [self.pid] + descendants(self.pid)
 
-    def prompt_tokens(self) -> float:
-        """tpserve:prompt_tokens_total from /metrics."""
+    def metric(self, name: str) -> float:
+        """A counter of /metrics (``tpserve:prompt_tokens_total``, ...)."""
         import httpx
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("tpserve:prompt_tokens_total"))
+                   if line and line.split("{")[0].split()[0] == name)
 
     def stop(self):
         out = run_cli("stop", "--runtime-dir", self.rd, "--timeout", 60)
@@ -126,17 +127,10 @@ def run(cmd: list, env: dict, cwd: Path, timeout: float = 400) -> tuple[int, str
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def test_codex_exec_answers_through_the_responses_api(daemon, tmp_path):
-    home, work = tmp_path / "home", tmp_path / "work"
-    codex_home = home / ".codex"
-    codex_home.mkdir(parents=True)
-    work.mkdir()
-    (codex_home / "config.toml").write_text(codex_config(daemon.url))
-    answer = tmp_path / "answer.txt"
-    before = daemon.prompt_tokens()
-    rc, out, err = run([CODEX, "exec", "--skip-git-repo-check", "--ephemeral", "-s", "read-only",
-                        "-o", answer, "say hi"],
-                       client_env(home, CODEX_HOME=str(codex_home), TPSERVE_API_KEY=API_KEY), work)
+def codex_turn(env: dict, work: Path, answer: Path, *args) -> str:
+    """One ``codex exec`` turn: exit 0, its answer (``-o``) printed, no error; the answer."""
+    rc, out, err = run([CODEX, "exec", "--skip-git-repo-check", "-s", "read-only", "-o", answer, *args],
+                       env, work)
     transcript = out + err
     assert rc == 0, transcript[-6000:]
     assert answer.exists() and answer.read_text().strip(), transcript[-6000:]
@@ -144,7 +138,22 @@ def test_codex_exec_answers_through_the_responses_api(daemon, tmp_path):
     assert said in out  # the answer is what codex exec prints
     # the model's random words aside (they may spell "error"), nothing went wrong
     assert not PROTOCOL_ERRORS.search(transcript.replace(said, "")), transcript[-6000:]
-    assert daemon.prompt_tokens() - before > 10000  # its whole system prompt and tools were served
+    return said
+
+
+def test_codex_exec_answers_through_the_responses_api(daemon, tmp_path):
+    home, work = tmp_path / "home", tmp_path / "work"
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True)
+    work.mkdir()
+    (codex_home / "config.toml").write_text(codex_config(daemon.url))
+    env = client_env(home, CODEX_HOME=str(codex_home), TPSERVE_API_KEY=API_KEY)
+    prompts = daemon.metric("tpserve:prompt_tokens_total")
+    codex_turn(env, work, tmp_path / "answer1.txt", "say hi")
+    assert daemon.metric("tpserve:prompt_tokens_total") - prompts > 10000  # its whole system prompt and tools
+    hits = daemon.metric("tpserve:prefix_cache_hits_total")
+    codex_turn(env, work, tmp_path / "answer2.txt", "resume", "--last", "and again")
+    assert daemon.metric("tpserve:prefix_cache_hits_total") - hits > 10000  # the first turn, from the cache
 
 
 def test_claude_code_answers_through_the_messages_api(daemon, tmp_path):
@@ -153,15 +162,17 @@ def test_claude_code_answers_through_the_messages_api(daemon, tmp_path):
     env = client_env(home, ANTHROPIC_BASE_URL=daemon.url, ANTHROPIC_API_KEY=API_KEY,
                      CLAUDE_CONFIG_DIR=str(home / ".claude"), DISABLE_TELEMETRY="1", DISABLE_AUTOUPDATER="1",
                      DISABLE_ERROR_REPORTING="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-    before = daemon.prompt_tokens()
-    rc, out, err = run([CLAUDE, "-p", "say hi", "--model", MODEL, "--output-format", "json"], env, work)
+    before = daemon.metric("tpserve:prompt_tokens_total")
+    rc, out, err = run([CLAUDE, "-p", "say hi", "--model", MODEL], env, work)  # as a user runs it
+    assert rc == 0 and out.strip(), (out + err)[-6000:]
+    assert not out.startswith("API Error") and not PROTOCOL_ERRORS.search(err), (out + err)[-6000:]
+    assert daemon.metric("tpserve:prompt_tokens_total") - before > 20000
+    # the conversation continued: its result and usage as JSON
+    rc, out, err = run([CLAUDE, "-c", "-p", "and again", "--model", MODEL, "--output-format", "json"],
+                       env, work)
     assert rc == 0, (out + err)[-6000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["type"] == "result" and result["is_error"] is False, result
     assert result["subtype"] == "success" and result["result"].strip(), result
     assert not PROTOCOL_ERRORS.search(err), err[-6000:]
-    assert daemon.prompt_tokens() - before > 20000
-    # plain text output too, as a user runs it
-    rc, out, err = run([CLAUDE, "-p", "say hi", "--model", MODEL], env, work)
-    assert rc == 0 and out.strip(), (out + err)[-6000:]
-    assert not out.startswith("API Error") and not PROTOCOL_ERRORS.search(err), (out + err)[-6000:]
+    assert result["usage"]["cache_read_input_tokens"] > 20000, result["usage"]  # the first turn, cached
