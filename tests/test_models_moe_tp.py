@@ -88,3 +88,28 @@ def test_tp2_both_sharding_modes_equal_transformers(tiny_models_root, tmp_path):
             assert (i0["expert_start"], i1["expert_start"], i0["num_local_experts"]) == (0, 0, 8)
             if i0["w2_shape"] is not None:
                 assert i0["w2_shape"][0] == 8 and i0["w2_shape"][2] == 16  # half of each expert
+
+
+@pytest.mark.timeout(240)
+def test_llm_with_expert_parallel_workers_matches_transformers(tiny_models_root):  # noqa: F811
+    """--enable-expert-parallel reaches the worker rank: experts of 33 cannot be split in
+    two along their intermediate size, so only whole experts per rank can serve this model."""
+    from transformers import AutoModelForCausalLM
+    from tpserve import LLM, SamplingParams
+    from tpserve.models import UnsupportedModelError
+    from tpserve.models.spec import check_tp_size, model_spec
+    from tpserve.models.loader import load_config
+    path = make_tiny_model(tiny_models_root, "qwen3_moe", moe_intermediate_size=33)
+    with pytest.raises(UnsupportedModelError, match="moe_intermediate_size"):
+        check_tp_size(model_spec(load_config(path)), 2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 61)), [7] * 19]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,
+             num_kv_blocks=128) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    # transformers' grouped-GEMM experts need 16-byte strides: its per-expert loop instead
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert got == want
