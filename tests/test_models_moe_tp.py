@@ -108,7 +108,8 @@ def test_llm_with_expert_parallel_workers_matches_transformers(tiny_models_root)
              num_kv_blocks=128) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     # transformers' grouped-GEMM experts need 16-byte strides: its per-expert loop instead
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              experts_implementation="eager").eval()
     with torch.inference_mode():
         want = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
