@@ -438,3 +438,48 @@ def test_expert_parallel_rank_reads_only_its_experts(tiny_models_root):  # noqa:
     assert torch.equal(fm.w13_weight[1, :32], ckpt["model.layers.1.block_sparse_moe.experts.5.w1.weight"])
     assert torch.equal(fm.w2_weight[3], ckpt["model.layers.1.block_sparse_moe.experts.7.w2.weight"])
     assert _other_ranks_experts(tpserve_model(path, TPContext(1, 2))) is None  # intermediate split
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_one_all_reduce_per_sparse_layer_and_partials_sum_to_the_whole(expert_parallel):
+    """Qwen2-MoE's block on two simulated ranks: each calls all_reduce once (the shared
+    expert's down projection adds its partial to the experts' instead of reducing alone), and
+    the two ranks' partials add up to the unsharded block."""
+    import dataclasses
+    from test_models_tp import PartialTP
+    from tpserve.models.moe import FUSED_DOWN, FUSED_GATE_UP
+    from tpserve.models.parallel import TPContext
+
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class CountingTP(PartialTP):
+        def all_reduce(self, x):
+            calls.append(self.rank)
+            return x
+
+    spec = model_spec(_config("qwen2_moe", num_experts=8, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=24))
+    g = torch.Generator().manual_seed(0)
+    w = {"gate": torch.randn(8, 64, generator=g), "gate_up": torch.randn(8, 32, 64, generator=g) * 0.2,
+         "down": torch.randn(8, 64, 16, generator=g) * 0.2, "sgu0": torch.randn(24, 64, generator=g) * 0.2,
+         "sgu1": torch.randn(24, 64, generator=g) * 0.2, "sd": torch.randn(64, 24, generator=g) * 0.2,
+         "sg": torch.randn(1, 64, generator=g)}
+
+    def block(tp):
+        b = SparseMoeBlock(spec, tp, expert_parallel)
+        b.gate.weight.data.copy_(w["gate"])
+        b.experts.weight_loader(b.experts.w13_weight, w["gate_up"], (None, FUSED_GATE_UP))
+        b.experts.weight_loader(b.experts.w2_weight, w["down"], (None, FUSED_DOWN))
+        sgu = b.shared_expert.gate_up_proj
+        sgu.weight_loader(sgu.weight, w["sgu0"], 0)
+        sgu.weight_loader(sgu.weight, w["sgu1"], 1)
+        b.shared_expert.down_proj.weight_loader(b.shared_expert.down_proj.weight, w["sd"])
+        b.shared_expert_gate.weight.data.copy_(w["sg"])
+        return b
+
+    x = torch.randn(5, 64, generator=g)
+    whole = block(TPContext())(x)
+    parts = [block(CountingTP(rank=r, size=2))(x) for r in range(2)]
+    assert calls == [0, 1]
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-4, rtol=1e-4)
