@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpserve.models.activation import SiluAndMul
 from tpserve.models.errors import CheckpointError
 from tpserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
-from tpserve.models.activation import SiluAndMul
 from tpserve.models.packed_gemm import PackableLinear, quantize_int8
 from tpserve.models.parallel import TPContext
 from tpserve.models.weights import attach_loader, check_shape, new_param
