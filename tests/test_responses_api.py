@@ -21,6 +21,12 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
                           "required": ["city"], "additionalProperties": False}}
 
 
+# A keyword the grammar engine does not support: a strict tool's schema with it is refused, a
+# non-strict one's constrained leniently.
+UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                    "uniqueItems": True}}, "required": ["tags"]}
+
+
 def chat_weather(tool: dict) -> dict:
     """A Responses function tool in chat's spelling (what the chat template is given)."""
     return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
@@ -327,6 +333,8 @@ def test_hosted_tools_are_left_out_and_namespaced_functions_offered(client, tok)
     ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "a b"}]}]}, 400,
      "tools[0].tools[0].name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
+    ({"tools": [{**WEATHER, "strict": True, "parameters": UNIQUE}], "tool_choice": "required"}, 400,
+     "tools[0].parameters"),
     ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400,
      "text.format"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -358,6 +366,13 @@ def test_accepted_fields_without_effect(daemon):
     body = r.json()
     assert body["metadata"] == {"team": "a"} and body["prompt_cache_key"] == "k" and body["user"] == "u"
     assert body["reasoning"]["summary"] == "auto"
+
+
+def test_a_non_strict_tool_with_an_unsupported_keyword_is_constrained_leniently(client):
+    r = client.responses.create(model=MODEL, input="Tag it.", max_output_tokens=60, temperature=0,
+                                tools=[{**WEATHER, "name": "tag", "parameters": UNIQUE}], tool_choice="required",
+                                parallel_tool_calls=False)
+    assert r.output[0].type == "function_call" and r.output[0].name == "tag"
 
 
 def test_logprobs_of_the_output_text(client):

@@ -582,6 +582,7 @@ def _build(tr: Translation) -> None:
             raise _tool_error(e, tr) from None
     so, where = tr.constraint or (None, None)
     if plan is not None:
+        plan.fields = [f"{where}.parameters" for where in tr.origins]  # a strict tool's 400 names it
         job.tools = plan
         if plan.constrains:
             if so is not None:
