@@ -370,8 +370,8 @@ def test_accepted_fields_without_effect(daemon):
 
 def test_a_non_strict_tool_with_an_unsupported_keyword_is_constrained_leniently(client):
     r = client.responses.create(model=MODEL, input="Tag it.", max_output_tokens=60, temperature=0,
-                                tools=[{**WEATHER, "name": "tag", "parameters": UNIQUE}], tool_choice="required",
-                                parallel_tool_calls=False)
+                                tools=[{**WEATHER, "name": "tag", "parameters": UNIQUE}],
+                                tool_choice="required", parallel_tool_calls=False)
     assert r.output[0].type == "function_call" and r.output[0].name == "tag"
 
 
