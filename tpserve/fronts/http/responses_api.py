@@ -521,6 +521,10 @@ def translate(body, front, store: ResponseStore, traits: TemplateTraits) -> Tran
     for name in ("temperature", "top_p", *_EXTRA_SAMPLING):
         if body.get(name) is not None:
             sampling[name] = body[name]
+    if isinstance(sampling.get("stop"), list):  # clients send empty stop strings: they stop nothing
+        sampling["stop"] = [s for s in sampling["stop"] if s != ""] or None
+        if sampling["stop"] is None:
+            del sampling["stop"]
     top = body.get("top_logprobs")
     if "message.output_text.logprobs" in tr.include or top is not None:
         sampling["logprobs"] = 0 if top is None else top
