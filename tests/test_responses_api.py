@@ -234,6 +234,11 @@ def test_store_false_get_and_delete(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(gone.id)
     assert client.responses.retrieve(kept.id).id == kept.id
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    replay = httpx.get(f"{client.base_url}responses/{kept.id}?stream=true", headers=auth)
+    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
+    with pytest.raises(openai.BadRequestError):  # only background responses can be cancelled
+        client.responses.cancel(kept.id)
     client.responses.delete(kept.id)
     for call in (client.responses.retrieve, client.responses.delete):
         with pytest.raises(openai.NotFoundError):
