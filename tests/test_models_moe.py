@@ -3,8 +3,9 @@
 Tiny random Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral checkpoints (8 experts, top-2,
 weights of std 0.25 so that routers spread tokens over the experts: every test asserts that at
 least half of each layer's experts were chosen). Logits of a batched prefill and decode steps
-must equal transformers' (module path, with and without packed weights); the offline API's
-greedy output must too, across block sizes, preemption and prefix-cache hits. Also: the
+must equal transformers' (the torch path; and, where the C++ operators are built, packed
+weights, the grouped-expert kernel and the fused decode); the offline API's greedy output must
+too, across block sizes, preemption, prefix-cache hits, chunked prefill and speculative decoding. Also: the
 routing function, the plain-torch experts' partial sums, per-expert and fused checkpoint
 names, int8 experts (quantized at load; compressed-tensors checkpoints), and the config
 errors that name their field.
