@@ -179,7 +179,11 @@ def front_costs(path: Path, body: dict, chat: dict, rounds: int) -> tuple[float,
     from tpserve.fronts.http.app import Front
     from tpserve.fronts.http.chat_output import Response
 
-    front = Front("ipc:///unused", str(path), "bench", CONTEXT)
+    from tpserve.tokenizer import load_tokenizer
+
+    # a tokenizer of its own: the front then tokenizes long texts itself (without one given it
+    # asks the daemon, which this measurement has not)
+    front = Front("ipc:///unused", str(path), "bench", CONTEXT, tokenizer=load_tokenizer(path))
 
     def result(ids):
         return GenerateResult("r", CALL, [1], "stop", len(ids), 1)

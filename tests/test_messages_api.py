@@ -212,8 +212,12 @@ def test_server_tools_are_left_out_and_named(daemon, client):
              {"type": "bash_20250124", "name": "bash"}]
     r = messages(daemon, {"model": MODEL, "max_tokens": 3, "messages": ASK, "tools": tools})
     assert r.status_code == 200, r.text
-    assert r.json()["tools_left_out"] == ["web_search", "bash"]
-    assert r.headers["x-tools-left-out"] == "web_search,bash"
+    assert r.json()["tools_not_offered"] == [
+        {"type": "web_search_20250305", "name": "web_search", "param": "tools[0]"},
+        {"type": "bash_20250124", "name": "bash", "param": "tools[2]"}]
+    events = sse_events(messages(daemon, {"model": MODEL, "max_tokens": 3, "messages": ASK, "tools": tools,
+                                          "stream": True}).text)
+    assert events[0][1]["message"]["tools_not_offered"] == r.json()["tools_not_offered"]
     alone = client.messages.count_tokens(model=MODEL, messages=ASK, tools=[WEATHER]).input_tokens
     assert client.messages.count_tokens(model=MODEL, messages=ASK, tools=tools).input_tokens == alone
     assert total_input(anthropic.types.Usage(**r.json()["usage"])) == alone

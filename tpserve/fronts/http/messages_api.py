@@ -65,7 +65,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           504: "timeout_error", 529: "overloaded_error"}
 
 # Tool types Anthropic's service runs itself, or whose schema only Claude knows: never offered to
-# the model; the answer lists them (``tools_left_out``). A tool without a type, or "custom", is a function.
+# the model; the answer lists them (``tools_not_offered``, as the Responses API's answers do). A
+# tool without a type, or "custom", is a function.
 _FUNCTION_TYPES = (None, "custom")
 
 # Block types of a message's content that tpserve cannot take (text models only; no server tools).
@@ -129,7 +130,8 @@ class Translation:
                             "response_format.json_schema.schema": "output_config.format.schema",
                             "response_format": "output_config.format"}
         self.reasoning: dict[int, str] = {}
-        self.left_out: list[str] = []
+        self.left_out: list[str] = []       # the names of the tools not offered
+        self.not_offered: list[dict] = []   # and each as the answer lists it
         self.stops: list[str] = []
 
 
@@ -264,6 +266,7 @@ def _tools(body: dict, t: Translation, chat: dict) -> None:
             kind = tool.get("type")
             if kind not in _FUNCTION_TYPES:
                 t.left_out.append(str(tool.get("name") or kind)[:64])
+                t.not_offered.append({"type": str(kind)[:64], "name": t.left_out[-1], "param": where})
                 continue
             if tool.get("input_schema") is None:
                 raise bad(f"{where}.input_schema", "is required (a JSON schema of the tool's input)")
@@ -494,8 +497,8 @@ class Message:
         return head
 
     def _tail(self, out: dict) -> dict:
-        if self.t.left_out:
-            out["tools_left_out"] = list(self.t.left_out)
+        if self.t.not_offered:
+            out["tools_not_offered"] = list(self.t.not_offered)
         return out
 
     def stop_reason(self, finish: str, matched: str | None) -> str:
@@ -678,10 +681,9 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
         job, ids, t = await prepare(front, body)
         if len(ids) >= front.max_model_len:  # Anthropic's wording: clients look for "prompt is too long"
             raise AnthropicError(400, f"prompt is too long: {len(ids)} tokens, and the context holds "
-                                      f"{front.max_model_len} (max_model_len) with at least one for the answer",
+                                      f"{front.max_model_len} (max_model_len) with one for the answer",
                                  "messages")
         reply = Message(front, job, t, len(ids))
-        headers = {"X-Tools-Left-Out": ",".join(t.left_out)} if t.left_out else None
         events = front.choices([ids], job.request, whole=not job.stream)
         try:
             _, first = await anext(events)
@@ -691,8 +693,8 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
         if (isinstance(first, GenerateResult) and first.finish_reason == "timeout"
                 and not first.completion_tokens):
             await events.aclose()
-            raise AnthropicError(504, f"the request's timeout of {job.timeout:g} s passed before its first "
-                                      "token")
+            limit = "" if job.timeout is None else f" of {job.timeout:g} s"
+            raise AnthropicError(504, f"the request's timeout{limit} passed before its first token")
         if job.stream:
             async def sse():
                 async with aclosing(events):
@@ -711,10 +713,13 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
                     except _DAEMON_ERRORS as e:  # after the 200: an error event
                         yield _sse("error", anthropic_error(daemon_error(e, job), t.paths).body())
                         return
+                    except Exception as e:  # a bug of the front: said in the stream, not a cut connection
+                        yield _sse("error", _unexpected(e).body())
+                        return
                     for chunk in reply.end(result):
                         yield chunk
             return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **(headers or {})},
+                                     headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(events.aclose))
 
         texts, done = [], []
@@ -741,7 +746,7 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
             task.result()
         except _DAEMON_ERRORS as e:
             raise anthropic_error(daemon_error(e, job), t.paths) from None
-        return JSONResponse(reply.whole("".join(texts), done[0]), headers=headers)
+        return JSONResponse(reply.whole("".join(texts), done[0]))
 
     @router.api_route("/v1/messages/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unknown(rest: str):
