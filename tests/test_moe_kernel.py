@@ -256,6 +256,14 @@ def test_route_breaks_ties_to_the_lower_id():
     assert torch.allclose(weights, torch.full((2, 3), 1 / 3))
 
 
+
+def test_route_of_nan_logits_still_names_experts():
+    logits = torch.zeros(2, 8)
+    logits[0, 3] = float("nan")  # a broken model's row: no crash, ids within range
+    _, ids = moe_kernel.route(logits, 2, False)
+    assert ((ids >= 0) & (ids < 8)).all() and ids[1].tolist() == [0, 1]
+
+
 AVX2_CHECK = r"""
 import sys
 from tpserve.kernels import cpu_extension

@@ -957,6 +957,7 @@ void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor
 // and dtype, else allocates it.
 struct DecodeScratch {
   at::Tensor slots[13];
+  MoeScratch moe;  // the grouped experts' (every MoE layer's in turn)
   at::Tensor get(int i, at::IntArrayRef sizes, const at::TensorOptions& opt) {
     at::Tensor& t = slots[i];
     if (!t.defined() || t.sizes() != sizes || t.scalar_type() != opt.dtype().toScalarType()) {
@@ -1061,7 +1062,6 @@ struct MoeArgs {
   int64_t top_k;
   bool renormalize, round_weights;
   MoeWeights experts;
-  MoeScratch scratch;  // the experts' grouping and rows, kept between steps
   bool has_shared = false, has_shared_gate = false;
   int64_t shared_inter = 0;
   PackedLinear shared_gate_up, shared_down, shared_gate;
@@ -1146,7 +1146,7 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
 // A mixture-of-experts layer's MLP half from its normed input: router, routing, the shared
 // expert's output and gate, the routed experts with both joining their sum. The functions of the
 // module path (SparseMoeBlock.forward on packed experts), in its order, so the same bits.
-void decode_moe_into(at::Tensor& out, const at::Tensor& normed, MoeArgs& e, DecodeScratch& scratch) {
+void decode_moe_into(at::Tensor& out, const at::Tensor& normed, const MoeArgs& e, DecodeScratch& scratch) {
   const int64_t M = normed.size(0), H = normed.size(1);
   const at::TensorOptions opt = normed.options();
   at::Tensor logits = scratch.get(kRouterLogits, {M, e.router.n}, opt);
@@ -1167,7 +1167,7 @@ void decode_moe_into(at::Tensor& out, const at::Tensor& normed, MoeArgs& e, Deco
       linear_into(gate, normed, e.shared_gate);
     }
   }
-  moe_experts_into(out, normed, ids, weights, e.experts, e.scratch, e.has_shared ? &shared : nullptr,
+  moe_experts_into(out, normed, ids, weights, e.experts, scratch.moe, e.has_shared ? &shared : nullptr,
                    e.has_shared_gate ? &gate : nullptr);
 }
 

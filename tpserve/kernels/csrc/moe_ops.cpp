@@ -78,14 +78,26 @@ int64_t index_of(const at::Tensor& ids, int64_t i) {
   return ids.scalar_type() == at::kLong ? ids.data_ptr<int64_t>()[i] : ids.data_ptr<int32_t>()[i];
 }
 
-// `t` viewed as [rows, width] of dtype `dt`, reallocated (to at least twice the rows) only when
-// its capacity is short.
+// Scratch of more bytes than this is not kept after a call: a prompt's rows (up to the step's
+// tokens times top-k) would otherwise stay allocated for the process's life.
+constexpr int64_t kKeepBytes = 8 << 20;
+
+// `t` viewed as [rows, width] of dtype `dt`, reallocated only when its capacity is short; a
+// large one is a temporary, not kept in `t`.
 at::Tensor rows_of(at::Tensor& t, int64_t rows, int64_t width, at::ScalarType dt) {
+  const auto opt = at::TensorOptions().dtype(dt);
+  if (rows * width * static_cast<int64_t>(c10::elementSize(dt)) > kKeepBytes) {
+    return at::empty({rows, width}, opt);
+  }
   if (!t.defined() || t.size(0) < rows || t.size(1) != width || t.scalar_type() != dt) {
-    const int64_t cap = t.defined() && t.size(1) == width && t.scalar_type() == dt ? 2 * t.size(0) : 0;
-    t = at::empty({std::max(rows, cap), width}, at::TensorOptions().dtype(dt));
+    t = at::empty({rows, width}, opt);
   }
   return t.narrow(0, 0, rows);
+}
+
+template <typename V>
+void trim(std::vector<V>& v) {
+  if (v.capacity() * sizeof(V) > static_cast<size_t>(kKeepBytes)) std::vector<V>().swap(v);
 }
 
 // The (expert, panel, rows) items of one grouped matmul: per selected expert, its panels in
@@ -149,7 +161,8 @@ void combine(at::Tensor& out, const at::Tensor& y, const at::Tensor& topk_weight
   const float* wp = topk_weights.data_ptr<float>();
   const T* sp = shared != nullptr ? shared->data_ptr<T>() : nullptr;
   const T* gp = shared_gate != nullptr ? shared_gate->data_ptr<T>() : nullptr;
-  at::parallel_for(0, Tn, std::max<int64_t>(1, 65536 / std::max<int64_t>(H * k, 1)), [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(H * k, 1));
+  at::parallel_for(0, Tn, grain, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> acc;
     acc.resize(static_cast<size_t>(H));
     for (int64_t t = b; t < e; ++t) {
@@ -180,7 +193,8 @@ void gather_rows(at::Tensor& xg, const at::Tensor& x, const MoeScratch& s) {
   const int64_t S = xg.size(0), H = x.size(1);
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(xg.data_ptr());
-  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(T)), xs = x.stride(0) * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(T));
+  const int64_t xs = x.stride(0) * static_cast<int64_t>(sizeof(T));
   at::parallel_for(0, S, std::max<int64_t>(1, 262144 / std::max<int64_t>(H, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) std::memcpy(dst + r * row_bytes, src + s.row_token[r] * xs, row_bytes);
   });
@@ -238,7 +252,8 @@ void moe_experts_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& to
                         out.scalar_type() == dt,
                     "out: expected a contiguous [T, hidden] tensor of x's dtype");
   if (shared != nullptr) {
-    TORCH_CHECK_VALUE(shared->sizes() == out.sizes() && shared->is_contiguous() && shared->scalar_type() == dt,
+    TORCH_CHECK_VALUE(shared->sizes() == out.sizes() && shared->is_contiguous() &&
+                          shared->scalar_type() == dt,
                       "shared: expected a contiguous [T, hidden] tensor of x's dtype");
   }
   if (shared_gate != nullptr) {
@@ -311,10 +326,14 @@ void moe_experts_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& to
   } else {
     combine<at::BFloat16>(out, y, topk_weights, s, k, shared, shared_gate);
   }
+  for (RowBuffers* b : {&s.rows13, &s.rows2}) {
+    trim(b->widened);
+    trim(b->quantized);
+  }
 }
 
-void moe_route_into(at::Tensor& topk_ids, at::Tensor& topk_weights, const at::Tensor& logits, bool renormalize,
-                    bool round_bf16) {
+void moe_route_into(at::Tensor& topk_ids, at::Tensor& topk_weights, const at::Tensor& logits,
+                    bool renormalize, bool round_bf16) {
   const auto dt = logits.scalar_type();
   TORCH_CHECK_VALUE(logits.dim() == 2 && logits.stride(1) == 1 && (dt == at::kFloat || dt == at::kBFloat16),
                     "router_logits: expected float32/bfloat16 [T, num_experts] with contiguous rows");
@@ -346,8 +365,10 @@ void moe_route_into(at::Tensor& topk_ids, at::Tensor& topk_weights, const at::Te
       for (int64_t i = 0; i < E; ++i) sum += (prob[i] = std::exp(prob[i] - mx));
       for (int64_t i = 0; i < E; ++i) prob[i] /= sum;
       std::iota(order.begin(), order.end(), int64_t{0});
+      // NaN (a broken model's logits) ranks last, so that the order stays a strict weak one.
+      auto key = [&](int64_t i) { return std::isnan(prob[i]) ? -1.f : prob[i]; };
       std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t c) {
-        return prob[a] > prob[c] || (prob[a] == prob[c] && a < c);
+        return key(a) > key(c) || (key(a) == key(c) && a < c);
       });
       float top = 0.f;
       for (int64_t j = 0; j < k; ++j) top += prob[order[j]];
@@ -364,12 +385,14 @@ void moe_route_into(at::Tensor& topk_ids, at::Tensor& topk_weights, const at::Te
 
 namespace {
 
+// The scratch of every MoeExperts' forward on a thread: the layers run one after another, so
+// one set of buffers serves them all (48 layers' own would each keep their largest call's rows).
+thread_local MoeScratch t_scratch;
+
 // One rank's experts of one layer as a torch class (built once by moe_kernel.pack_experts):
-// the per-expert views are made once, and the scratch kept between calls. Not reentrant: one
-// forward at a time (a model's layers run one after another).
+// the per-expert views are made once.
 struct MoeExperts : torch::CustomClassHolder {
   MoeWeights weights;
-  MoeScratch scratch;
 
   MoeExperts(at::Tensor w13_data, int64_t w13_kind, c10::optional<at::Tensor> w13_scales,
              c10::optional<at::Tensor> w13_colsum, at::Tensor w2_data, int64_t w2_kind,
@@ -380,7 +403,7 @@ struct MoeExperts : torch::CustomClassHolder {
 
   void forward(at::Tensor out, at::Tensor x, at::Tensor topk_ids, at::Tensor topk_weights,
                c10::optional<at::Tensor> shared, c10::optional<at::Tensor> shared_gate) {
-    moe_experts_into(out, x, topk_ids, topk_weights, weights, scratch, shared ? &*shared : nullptr,
+    moe_experts_into(out, x, topk_ids, topk_weights, weights, t_scratch, shared ? &*shared : nullptr,
                      shared_gate ? &*shared_gate : nullptr);
   }
 };
@@ -395,9 +418,9 @@ void moe_route(at::Tensor topk_ids, at::Tensor topk_weights, const at::Tensor& l
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.class_<tpserve::MoeExperts>("MoeExperts")
-      .def(torch::init<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor,
-                       int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, int64_t, int64_t,
-                       int64_t>())
+      .def(torch::init<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                       at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
+                       int64_t, int64_t, int64_t>())
       .def("forward", &tpserve::MoeExperts::forward);
   m.def("moe_route(Tensor(a!) topk_ids, Tensor(b!) topk_weights, Tensor router_logits, bool renormalize, "
         "bool round_bf16) -> ()");

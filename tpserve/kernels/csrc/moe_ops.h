@@ -37,7 +37,8 @@ struct MoeItem {
 };
 
 // What a call keeps from call to call (no allocation once the sizes have been seen): the
-// grouping of the step's (token, choice) pairs by expert and the grouped intermediate rows.
+// grouping of the step's (token, choice) pairs by expert and the grouped intermediate rows
+// (those above 8 MB are temporaries: a prompt's are not kept). One serves any number of layers.
 struct MoeScratch {
   std::vector<int64_t> count, offset, slot_row, row_token;
   std::vector<int32_t> active;
