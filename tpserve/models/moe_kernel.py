@@ -79,7 +79,7 @@ def _pack_stack(weight: torch.Tensor, kind: int, scales: torch.Tensor | None,
     out_scales = torch.zeros(E, n_pad) if int8 else None
     colsum = torch.zeros(E, n_pad, dtype=torch.int32) if kind == INT8_DYNAMIC else None
     for e in range(E):
-        w = weight[e].detach()
+        w = weight[e].detach().contiguous()
         if quantize:
             w, scale = packed_gemm.quantize_int8(w)
         elif int8:
