@@ -169,13 +169,15 @@ CALL = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "/repo/README.m
 def front_costs(path: Path, body: dict, chat: dict, rounds: int) -> tuple[float, float]:
     """Median seconds of the HTTP front's own work on one request, in this process (no daemon,
     no network): the Messages body translated, validated, rendered and tokenized, and its answer
-    built (``messages_api``), against the same request as a chat body (``openai_api`` and
-    ``chat_output``). Their difference is the translation's cost, free of the noise of a loaded
-    machine that the end-to-end pairs carry."""
+    built (``messages_input``, ``messages_output``), against the same request as a chat body
+    (``openai_api`` and ``chat_output``). Their difference is the translation's cost, free of the
+    noise of a loaded machine that the end-to-end pairs carry."""
     import asyncio
 
     from tpserve.client.client import Delta, GenerateResult
-    from tpserve.fronts.http import messages_api as M, openai_api as O, structured_api
+    from tpserve.fronts.http import openai_api as O, structured_api
+    from tpserve.fronts.http.messages_input import prepare
+    from tpserve.fronts.http.messages_output import Message
     from tpserve.fronts.http.app import Front
     from tpserve.fronts.http.chat_output import Response
 
@@ -189,8 +191,8 @@ def front_costs(path: Path, body: dict, chat: dict, rounds: int) -> tuple[float,
         return GenerateResult("r", CALL, [1], "stop", len(ids), 1)
 
     async def messages():
-        job, ids, t = await M.prepare(front, json.loads(json.dumps(body)))
-        return M.Message(front, job, t, len(ids)).whole(CALL, result(ids))
+        job, ids, t = await prepare(front, json.loads(json.dumps(body)))
+        return Message(front, job, t, len(ids)).whole(CALL, result(ids))
 
     async def chat_path():
         b = json.loads(json.dumps(chat))

@@ -369,7 +369,7 @@ def test_daemon_refusals_map_to_anthropics_statuses():
     from tpserve.client import protocol as P
     from tpserve.client.client import ClientTimeout, RequestError
     from tpserve.fronts.http.app import daemon_error
-    from tpserve.fronts.http.messages_api import anthropic_error
+    from tpserve.fronts.http.messages_errors import anthropic_error
 
     class Job:
         chat, request = True, None

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tpserve.fronts.http.response_store import ResponseStore
-from tpserve.fronts.http.responses_api import TemplateTraits, conversation_messages
+from tpserve.fronts.http.responses_items import TemplateTraits, conversation_messages
 from tpserve.tokenizer import load_tokenizer
 
 from test_http import API_KEY, BUNDLED, MODEL, HttpDaemon, idle, post
