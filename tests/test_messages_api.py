@@ -244,6 +244,42 @@ def test_count_tokens_is_the_prompt_messages_reports_and_the_prefix_cache_answer
     assert total_input(final.usage) == counted and final.usage.cache_read_input_tokens > 0
 
 
+def test_a_streams_start_splits_the_prompt_as_its_end_does(daemon):
+    """message_start's usage has the uncached / cached split of the final message_delta: the
+    second identical request reads its prompt from the prefix cache, and says so from the start."""
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "stream": True, "messages": ASK,
+            "system": "zq stream cache probe. " + "Keep each answer short and plain. " * 12}
+    usages = []
+    for _ in range(2):
+        events = sse_events(messages(daemon, body).text)
+        start = events[0][1]["message"]["usage"]
+        end = next(d for e, d in events if e == "message_delta")["usage"]
+        keys = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        assert {k: start[k] for k in keys} == {k: end[k] for k in keys}, (start, end)
+        usages.append(end)
+    first, again = usages
+    assert total_input(anthropic.types.Usage(**first)) == total_input(anthropic.types.Usage(**again)) > 64
+    assert again["cache_read_input_tokens"] > first["cache_read_input_tokens"]
+    assert again["cache_read_input_tokens"] >= total_input(anthropic.types.Usage(**again)) - 16
+
+
+def test_the_first_delta_of_a_stream_carries_the_prompts_counts():
+    """The daemon's side of message_start's usage (client_requests.py): a stream's first delta
+    carries the prompt and cached token counts, later ones do not."""
+    from tpserve.client import protocol as P
+    from tpserve.outputs import EngineOutput
+    from tpserve.server.client_requests import ClientRequest
+
+    req = ClientRequest(peer=None, client_id="r", engine_id="c:r", stream=True, prompt_tokens=0)
+    first = req.take(EngineOutput("c:r", [5], "a", num_prompt_tokens=40, num_completion_tokens=1,
+                                  num_cached_tokens=32))
+    assert (first.prompt_tokens, first.cached_tokens, first.finish_reason) == (40, 32, None)
+    assert P.decode(P.encode(first), "reply") == first
+    later = req.take(EngineOutput("c:r", [6], "b", num_prompt_tokens=40, num_completion_tokens=2,
+                                  num_cached_tokens=32))
+    assert (later.prompt_tokens, later.cached_tokens) == (None, None)
+
+
 def test_system_blocks_and_system_messages_fold_into_one_system_prompt(daemon, client):
     folded = client.messages.count_tokens(
         model=MODEL, system=[{"type": "text", "text": "Rule one."}, {"type": "text", "text": "Rule two."}],

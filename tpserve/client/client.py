@@ -72,7 +72,8 @@ class Delta:
     (its siblings may still run): ``finish_reason`` is set, ``completion_tokens`` counts that
     completion's tokens, ``prompt_tokens`` and ``cached_tokens`` are the request's. Such a
     Delta may carry no text and no token ids. Otherwise (and always with ``n`` = 1, which the
-    stream's result ends) they are None."""
+    stream's result ends) they are None, except that a request's first Delta carries
+    ``prompt_tokens`` and ``cached_tokens`` (as its result will)."""
 
     request_id: str
     text: str

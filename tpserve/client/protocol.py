@@ -160,8 +160,9 @@ class DeltaReply(Message):
 
     With ``n`` > 1, the last delta of each completion carries its end: ``finish_reason`` and
     that completion's ``completion_tokens``, with the request's ``prompt_tokens`` and
-    ``cached_tokens`` (the ``done`` still follows once every completion ended). Absent (None)
-    in every other delta, and in every delta of a request with ``n`` = 1, whose ``done`` ends it."""
+    ``cached_tokens`` (the ``done`` still follows once every completion ended). The request's
+    first delta also carries ``prompt_tokens`` and ``cached_tokens`` (as its ``done`` will),
+    ``n`` = 1 too. Absent (None) in every other delta."""
 
     TYPE = "delta"
     DIRECTION = "reply"
@@ -181,8 +182,8 @@ class DeltaReply(Message):
     prompt_logprobs: list | None = None  # in the request's first message only
     finish_reason: str | None = None     # n > 1: this completion ended (its last delta)
     completion_tokens: int | None = None  # with finish_reason: this completion's tokens
-    prompt_tokens: int | None = None      # with finish_reason: as done's
-    cached_tokens: int | None = None      # with finish_reason: as done's
+    prompt_tokens: int | None = None      # with finish_reason, and in the first delta: as done's
+    cached_tokens: int | None = None      # with finish_reason, and in the first delta: as done's
 
 
 @dataclass

@@ -57,6 +57,7 @@ class ClientRequest:
     done: list = field(default_factory=list)
     parts: dict = field(default_factory=dict)   # index -> (text parts, token ids, logprobs)
     prompt_logprobs_sent: bool = False
+    counts_sent: bool = False   # streamed: the first delta carries the prompt's counts
     prompt_logprobs: list | None = None  # wire entries not yet sent (they go with the done)
     logprobs_wanted: bool = False
     priority: int = 0
@@ -67,7 +68,9 @@ class ClientRequest:
         with output, or the end of one of ``n`` > 1 completions: the delta then carries its
         finish reason and counts, so that a client learns of each completion's end as it comes,
         not with the request's ``done``), else None: a request that is not streamed gathers
-        its output for the ``done``. Prompt log-probabilities not sent in a delta go with the done."""
+        its output for the ``done``. Prompt log-probabilities not sent in a delta go with the done.
+        The first delta also carries the prompt's counts (prompt and cached tokens): a stream's
+        header (the Messages API's ``message_start``) reports them as its ``done`` will."""
         if out.num_prompt_tokens:
             self.prompt_tokens = out.num_prompt_tokens
         if out.index == 0 and out.num_cached_tokens:
@@ -82,6 +85,9 @@ class ClientRequest:
                 delta = P.DeltaReply(self.client_id, out.new_text, list(out.new_token_ids), logprobs=logprobs,
                                      index=out.index, prompt_logprobs=prompt_lps)
                 self.prompt_logprobs_sent |= prompt_lps is not None
+                if not self.counts_sent:  # known once the prompt is scheduled: the answer's header
+                    delta.prompt_tokens, delta.cached_tokens = self.prompt_tokens, self.cached_tokens
+                    self.counts_sent = True
             if ends:
                 delta.finish_reason = out.finish_reason or "stop"
                 delta.completion_tokens = out.num_completion_tokens

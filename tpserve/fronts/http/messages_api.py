@@ -113,7 +113,7 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
                 async with aclosing(events):
                     result = None
                     try:
-                        for chunk in reply.start():
+                        for chunk in reply.start(first):
                             yield chunk
                         item = first
                         while True:

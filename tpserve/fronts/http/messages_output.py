@@ -11,13 +11,15 @@ one is held back until it is known not to: ``_StopHold``) or ``tool_use``.
 Usage: ``input_tokens`` counts the prompt tokens not read from the prefix cache,
 ``cache_read_input_tokens`` those read from it, ``cache_creation_input_tokens`` is 0 (tpserve
 caches every prompt without being asked); their sum is the prompt's length, which is what
-``count_tokens`` returns for the same body (the same rendering).
+``count_tokens`` returns for the same body (the same rendering). Streamed, ``message_start``
+already has this split (the daemon's first delta carries the counts), as the last
+``message_delta`` has.
 """
 from __future__ import annotations
 
 import json
 
-from tpserve.client.client import GenerateResult
+from tpserve.client.client import Delta, GenerateResult
 from tpserve.fronts.http import openai_api as O
 from tpserve.fronts.http.agent_common import named_event, new_id, tools_not_offered
 from tpserve.fronts.http.messages_input import Translation
@@ -31,12 +33,13 @@ def _tool_id() -> str:
     return new_id("toolu_", 24)
 
 
-def _usage(result: GenerateResult | None, prompt_tokens: int) -> dict:
-    total = result.prompt_tokens if result is not None else prompt_tokens
-    cached = result.cached_tokens if result is not None else 0
-    output = result.completion_tokens if result is not None else 0
-    return {"input_tokens": total - cached, "output_tokens": output,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _final_usage(result: GenerateResult) -> dict:
+    return _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
 
 def _cut_stop(text: str, stops: list[str], finish: str) -> tuple[str, str | None]:
@@ -127,12 +130,17 @@ class Message:
         self.num_calls = len(calls)
         return self._tail({**self._head(), "content": content,
                            "stop_reason": self.stop_reason(result.finish_reason, matched),
-                           "stop_sequence": matched, "usage": _usage(result, self.prompt_tokens)})
+                           "stop_sequence": matched, "usage": _final_usage(result)})
 
     # ---- streamed ----
-    def start(self) -> list[str]:
+    def start(self, first: Delta | GenerateResult) -> list[str]:
+        """``message_start`` and a ping. ``first``: the request's first Delta (or its result),
+        which carries the prompt's counts, so that the usage here splits the prompt into
+        uncached and cached tokens as the last ``message_delta`` does."""
+        cached = first.cached_tokens or 0
+        prompt = first.prompt_tokens or self.prompt_tokens
         message = self._tail({**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
-                              "usage": _usage(None, self.prompt_tokens)})
+                              "usage": _usage(prompt, cached, 0)})
         return [named_event("message_start", {"type": "message_start", "message": message}),
                 named_event("ping", {"type": "ping"})]
 
@@ -208,7 +216,7 @@ class Message:
     def end(self, result: GenerateResult) -> list[str]:
         rest, matched = self.hold.finish(result.finish_reason)
         out = self._route(rest, final=True) + self._close()
-        usage = _usage(result, self.prompt_tokens)
+        usage = _final_usage(result)
         reason = self.stop_reason(result.finish_reason, matched)
         out.append(named_event("message_delta", {"type": "message_delta",
                                                  "delta": {"stop_reason": reason, "stop_sequence": matched},
