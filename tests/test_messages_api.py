@@ -399,6 +399,31 @@ def test_typed_errors_through_the_client(daemon, client):
     assert client.messages.create(model=MODEL, max_tokens=2, messages=ASK).type == "message"
 
 
+def test_errors_before_the_routes_are_anthropics_on_messages_paths(daemon):
+    """The request guard's refusals (Content-Type 415, Host 400) and the app's own answers (a
+    method a path does not serve) come in Anthropic's format on /v1/messages*, and stay
+    OpenAI's elsewhere."""
+    def anthropic(r, status, kind):
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], body
+        assert "param" not in body["error"]
+
+    text = {"Content-Type": "text/plain", "x-api-key": API_KEY}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(daemon.url + path, content=json.dumps(GOOD), headers=text, timeout=60)
+        anthropic(r, 415, "invalid_request_error")
+        assert "Content-Type" in r.json()["error"]["message"]
+        anthropic(messages(daemon, GOOD, path=path, headers={"Host": "evil.example"}), 400,
+                  "invalid_request_error")
+    anthropic(httpx.get(daemon.url + "/v1/messages", headers={"x-api-key": API_KEY}, timeout=60), 405,
+              "invalid_request_error")
+    anthropic(httpx.get(daemon.url + "/v1/messages", timeout=60), 405, "invalid_request_error")
+    chat = httpx.post(daemon.url + "/v1/chat/completions", content=b"{}", headers=text, timeout=60)
+    assert chat.status_code == 415 and chat.json()["error"]["code"] == "unsupported_media_type"
+    assert messages(daemon, GOOD).status_code == 200
+
+
 def test_daemon_refusals_map_to_anthropics_statuses():
     """A full waiting queue and an unavailable daemon are 529 overloaded_error (Anthropic's
     overload, which its clients retry), too many requests 429 rate_limit_error, with Retry-After."""

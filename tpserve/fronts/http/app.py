@@ -34,6 +34,7 @@ from tpserve.client.client import AsyncClient, ClientTimeout, Delta, GenerateRes
 from tpserve.fronts.http.router_api import make_router
 from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.messages_api import make_messages_router
+from tpserve.fronts.http.messages_errors import anthropic_error, is_messages_path
 from tpserve.fronts.http.responses_api import make_responses_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
@@ -392,28 +393,33 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     app.add_middleware(RequestGuard, hosts=hosts)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
+    def answer(request, e: O.OpenAIError) -> JSONResponse:
+        """The answer of ``e``; on the Messages API's paths in Anthropic's format (messages_errors.py)."""
+        if is_messages_path(request.scope.get("path", "")):
+            e = anthropic_error(e)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
     @app.exception_handler(O.OpenAIError)
     async def openai_error(request, e: O.OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return answer(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e):
-        return JSONResponse(O.bad(None, str(e)).body(), status_code=400)
+        return answer(request, O.bad(None, str(e)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
-        return JSONResponse(O.OpenAIError(e.status_code, str(e.detail), code=None).body(),
-                            status_code=e.status_code)
+        return answer(request, O.OpenAIError(e.status_code, str(e.detail), code=None))
 
     @app.exception_handler(Exception)
     async def internal_error(request, e):
         refusal = input_error(e)
         if refusal is not None:  # the request's fault, found where no handler expected it
             log.warning("a request was refused by an unexpected check: %s: %s", type(e).__name__, e)
-            return JSONResponse(refusal.body(), status_code=refusal.status)
+            return answer(request, refusal)
         log.exception("request failed")  # quiet_log keeps the first traceback, then one line per interval
-        return JSONResponse(O.OpenAIError(500, f"internal error of the HTTP front ({type(e).__name__}); "
-                                          "see the daemon's log", type_="server_error").body(), status_code=500)
+        return answer(request, O.OpenAIError(500, f"internal error of the HTTP front ({type(e).__name__}); "
+                                             "see the daemon's log", type_="server_error"))
 
     async def read_json(request: Request):
         length = request.headers.get("content-length")

@@ -16,7 +16,8 @@ rebinding: the browser then treats the front as that page's origin and reads its
   (parameters such as ``charset`` allowed). A browser cannot send that cross-site without a
   preflight, which the front does not grant. Refused: 415 ``unsupported_media_type``.
 
-Both answers carry OpenAI's error body.
+Both answers carry OpenAI's error body, or Anthropic's on the Messages API's paths
+(messages_errors.py), as every other error there.
 """
 from __future__ import annotations
 
@@ -82,9 +83,14 @@ class HostPolicy:
                 or any(name.endswith(s) for s in self._suffixes))
 
 
-async def _refuse(send, status: int, message: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+async def _refuse(send, scope, status: int, message: str, code: str) -> None:
+    # imported here: the CLI imports this module, and must stay light
+    from tpserve.fronts.http.messages_errors import anthropic_body, is_messages_path
+    if is_messages_path(scope.get("path", "")):
+        body = json.dumps(anthropic_body(status, message)).encode()
+    else:
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -104,14 +110,14 @@ class RequestGuard:
         if self.hosts is not None and hosts:
             shown = hosts[0].decode("latin-1")[:100]
             if len(set(hosts)) > 1 or not self.hosts.allows(host_name(hosts[0].decode("latin-1"))):
-                return await _refuse(send, 400, f"Host {shown!r} is not served here: this front answers "
-                                     "loopback names (localhost, 127.0.0.1, [::1]); others need "
+                return await _refuse(send, scope, 400, f"Host {shown!r} is not served here: this front "
+                                     "answers loopback names (localhost, 127.0.0.1, [::1]); others need "
                                      "--http-allowed-hosts", "invalid_host")
         if scope["method"] in _BODY_METHODS:
             ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
             media = ctype.split(b";")[0].strip().lower()
             if media != b"application/json":
                 shown = ctype.decode("latin-1")[:100] or "none"
-                return await _refuse(send, 415, f"the body must be JSON: send 'Content-Type: application/json' "
-                                     f"(got {shown!r})", "unsupported_media_type")
+                return await _refuse(send, scope, 415, "the body must be JSON: send 'Content-Type: "
+                                     f"application/json' (got {shown!r})", "unsupported_media_type")
         return await self.app(scope, receive, send)

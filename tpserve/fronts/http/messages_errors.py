@@ -5,6 +5,11 @@
 ``anthropic_error`` makes one of an error raised by the shared chat path, its field respelled
 with this body's names and its status Anthropic's (a full waiting queue and an unavailable
 daemon are 529 ``overloaded_error``, Anthropic's own overload, which its clients retry).
+
+Every error of a Messages path (``is_messages_path``) is Anthropic's, also those raised before
+or outside its routes: the request guard's (guard.py: Host, Content-Type) and app.py's
+handlers' (a method the path does not serve, an error no route caught) use ``anthropic_body``
+or ``anthropic_error`` for these paths.
 """
 from __future__ import annotations
 
@@ -17,12 +22,22 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           504: "timeout_error", 529: "overloaded_error"}
 
 
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is one of the Messages API's (``/v1/messages``, ``/v1/messages/...``)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_body(status: int, message: str) -> dict:
+    """Anthropic's error body of an answer with ``status``."""
+    kind = _TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 class AnthropicError(O.OpenAIError):
     """An error answered with ``status`` and Anthropic's error body."""
 
     def body(self) -> dict:
-        kind = _TYPES.get(self.status) or ("api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return anthropic_body(self.status, self.message)
 
 
 def anthropic_error(e: O.OpenAIError, paths: dict | None = None) -> AnthropicError:
