@@ -3,16 +3,21 @@
 (`make test-peers` runs it), each pointed at tpserve as docs/agents.md says, unchanged.
 
 Their first request is large (Codex ~14k tokens, Claude Code ~28k with this tokenizer: their
-system prompts and tool schemas), so the daemon serves a tiny random-weight model with a 64k
-context: one layer, the bundled model's tokenizer and chat template (which renders tools). Its
-final norm is zeroed, so every token is equally likely, and 32 token ids end the answer
-(generation_config's eos_token_id): an answer of about a hundred tokens, never cut by the
-clients' large output limits (Claude Code's max_tokens 32000 is clamped to the context's rest).
+system prompts and tool schemas), so the daemon serves a tiny model with a 64k context: one
+layer, the bundled model's tokenizer and chat template (which renders tools). Its weights are
+set so that the next token depends only on the current one (the layer adds nothing, the final
+norm reads two features of the token's embedding): uniform over the vocabulary, except that the
+end token (id 0, generation_config's eos_token_id) can follow only a visible token (one whose
+text is not blank), and then about one time in a hundred. So an answer is about a hundred tokens,
+never cut by the clients' large output limits (Claude Code's max_tokens 32000 is clamped to the
+context's rest), and never empty or blank: the prompt ends in a blank token (the template's
+newline), and the end needs a visible token before it (its odds anywhere else: e^-30 of a token's).
 Each client must exit 0, print an answer, and show no protocol error; a second turn (the
 conversation resumed, resent whole) must answer too, its shared history from the prefix cache."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -36,26 +41,55 @@ MODEL = "tiny-agent"
 API_KEY = "sk-tpserve-agents"
 CONTEXT = 65536
 BLOCK_SIZE = 16
-EOS_IDS = [0] + list(range(3000, 3031))  # 32 of 4096 tokens: ~128 tokens per answer
+VOCAB = 4096
+EOS_ID = 0              # the tokenizer's <|endoftext|>
+ANSWER_TOKENS = 100     # the end's odds after a visible token: 1 in this many
 # What the clients print when the protocol fails them (their own words, 0.171 / 2.1).
 PROTOCOL_ERRORS = re.compile(r"ERROR|unexpected status|stream (disconnected|closed)|API Error|"
                              r"issue with the selected model|Bad Request|invalid_request|not_found|"
                              r"Unexpected event|Failed to parse|error decoding", re.I)
 
 
+def visible_tokens(tokenizer) -> list[int]:
+    """The ids whose text has a character that is not blank (a whole UTF-8 character), the end
+    token aside."""
+    texts = [tokenizer.decode([i]) for i in range(VOCAB)]
+    return [i for i, t in enumerate(texts) if i != EOS_ID and t.strip() and "\ufffd" not in t]
+
+
 def build_model(root: Path) -> Path:
-    """The tiny long-context model (see the module): random weights of one small layer, the
-    bundled tokenizer and chat template, uniform next-token odds, 32 end tokens."""
+    """The tiny long-context model (see the module): one small layer that adds nothing, the
+    bundled tokenizer and chat template; the next token uniform, the end only after a visible
+    token (its embedding's feature 1; every other token has feature 0)."""
     from safetensors.torch import load_file, save_file
-    path = make_tiny_model(root, "qwen3", vocab_size=4096, hidden_size=64, num_hidden_layers=1,
+
+    from tpserve.tokenizer import load_tokenizer
+    hidden = 64
+    path = make_tiny_model(root, "qwen3", vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                           max_position_embeddings=CONTEXT, generation_config={"eos_token_id": EOS_IDS})
+                           max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+                           generation_config={"eos_token_id": [EOS_ID]})
     for name in ("tokenizer.json", "special_tokens_map.json"):
         shutil.copy(BUNDLED / name, path / name)
     config = json.loads((BUNDLED / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": CONTEXT}))
+    visible = visible_tokens(load_tokenizer(path))
+    assert len(visible) > VOCAB // 2
     weights = load_file(path / "model.safetensors")
-    weights["model.norm.weight"].zero_()  # every logit 0: each token equally likely
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w.zero_()  # the layer adds nothing: the last hidden state is the token's embedding
+    embed, norm, head = (weights[k] for k in ("model.embed_tokens.weight", "model.norm.weight",
+                                              "lm_head.weight"))
+    embed.zero_()
+    embed[:, 0] = 1.0           # feature 0: blank (or the end, or part of a character)
+    embed[visible, 0] = 0.0
+    embed[visible, 1] = 1.0     # feature 1: visible
+    norm.zero_()
+    norm[:2] = hidden ** -0.5   # the normed one-hot feature back to 1
+    head.zero_()                # every other token's logit 0
+    head[EOS_ID, 0] = -30.0
+    head[EOS_ID, 1] = math.log((VOCAB - 1) / (ANSWER_TOKENS - 1))  # P(end | visible) = 1 / ANSWER_TOKENS
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
