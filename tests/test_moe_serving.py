@@ -121,7 +121,8 @@ def test_daemon_streams_a_moe_completion_and_metrics_count_it(moe, monkeypatch):
     monkeypatch.setenv("TPSERVE_MODEL", str(path))
     monkeypatch.setenv("TPSERVE_SERVED_MODEL_NAME", "tiny-moe")
     prompt = "Prefix caching lets"
-    want, = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    want, = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)
     daemon = HttpDaemon(api_key=None, num_kv_blocks=128)
     try:
         def scrape():
@@ -158,7 +159,8 @@ def _hf_bf16_routing(hf):
     return seen
 
 
-def test_bf16_moe_agrees_with_transformers_where_routing_is_clear(tiny_models_root, monkeypatch):  # noqa: F811
+def test_bf16_moe_agrees_with_transformers_where_routing_is_clear(tiny_models_root,  # noqa: F811
+                                                                   monkeypatch):
     """bf16 through the packed experts, the C++ router and the fused decode (the torch path
     where the C++ operators are not built), against
     transformers in bf16: on every token whose router has a clear margin between its k-th and
