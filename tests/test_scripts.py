@@ -61,6 +61,11 @@ SCRIPTS = {
                                  r"tpserve LLM.generate\s+[\d.]+ output tok/s"),
     "bench_spec.py": Smoke(("--shape", "tiny", "--quick", "--skip-throughput", "--repeats", "1"),
                            r"spec shape=tiny .* batch=1: plain=[\d.]+ spec=[\d.]+ decode tok/s"),
+    "bench_verify_cost.py": Smoke(("--shape", "tiny-moe", "--quick", "--sweep"),
+                                  r"(?s)verify-cost shape=tiny-moe \S+ batch=1 k=4: plain=[\d.]+ ms "
+                                  r"verify=[\d.]+ ms ratio=[\d.]+x .* experts/layer plain=[\d.]+ "
+                                  r"verify=[\d.]+ .*"
+                                  r"sweep shape=tiny-moe \S+ batch=2: plain=[\d.]+ spec=[\d.]+ decode tok/s"),
     "profile_step.py": Smoke(("--shape", "tiny", "--batch", "2", "--steps", "1", "--prompt-len", "16",
                               "--top", "3"), r"Self CPU time total"),
     "quickstart.py": Smoke(("--max-tokens", "16"), r"stopped tpserve daemon \(pid \d+\)"),
