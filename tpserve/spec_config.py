@@ -12,6 +12,16 @@ because verifying drafts costs compute that a large batch no longer has to spare
 DEFAULT_DISABLE_BY_BATCH_SIZE). vLLM leaves it unset (never disabled); tpserve's default is
 measured, and ``null`` turns the limit off.
 
+Mixtures of experts keep the same default. Verifying k drafts there touches more experts
+(each of a row's 1 + k queries picks its own top-k), and scripts/bench_verify_cost.py measured
+what that costs (docs/performance.md): on a Qwen3-MoE shape (128 experts, top-8) a verify step
+with k=4 costs 2.2-2.4x a plain decode step at batch 1-8, against 1.7x at batch 1 rising to 3.0x
+at batch 8 on the dense 0.6B shape; the break-even acceptance lengths meet at the limit (2.37
+and 2.35 tokens per step at batch 4). At every batch size the rule lets speculate, MoE's
+break-even (2.2-2.37) is no higher than the dense model's at the limit, so drafts that pay on
+a dense model at the limit pay on MoE wherever they are proposed; above the limit MoE's cost
+stays flat (2.4x at batch 8), so a workload with high acceptance may raise the limit there.
+
 Parsing raises ConfigError naming ``speculative_config.<key>``; an unknown key is an error,
 never ignored. Nothing here imports torch: the scheduler reads it.
 """
