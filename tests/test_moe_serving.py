@@ -1,8 +1,9 @@
 """The serving features on a mixture-of-experts model (a tiny random Qwen3-MoE: 8 experts,
 top-2), beyond the greedy-equality tests of test_models_moe.py: structured output, the
 sampling penalties, logit_bias and min_tokens (against a transformers decode loop with each
-control applied by hand, test_sampling_controls' reference), the daemon with its HTTP front
-and /metrics, and bf16 against transformers where routing is not near a tie.
+control applied by hand, test_sampling_controls' reference), the speculative decoding's
+batch-size rule, the daemon with its HTTP front and /metrics, and bf16 against transformers
+where routing is not near a tie.
 
 One engine serves the module, with n-gram speculation at every batch size, so that the
 controls are also checked on draft rows and constrained rows beside speculating ones.
@@ -79,6 +80,32 @@ def test_structured_output_on_moe(moe):
     assert re.fullmatch(pattern, outs[3].text) and outs[3].finish_reason == "stop", outs[3].text
     assert [outs[2].token_ids, outs[4].token_ids] == hf_greedy(path, [loop, loop[:-1]], max_tokens=12)
     assert llm.stats()["spec_decode_num_drafts"] > stats["spec_decode_num_drafts"]
+
+
+def test_the_batch_size_rule_turns_drafts_off_on_moe(moe):
+    """The default ``disable_by_batch_size`` (spec_config.py: measured to hold on MoE too): a
+    step with more decode rows than it proposes no drafts, smaller ones do, and the greedy
+    output stays transformers'."""
+    from tpserve.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE as LIMIT
+    path = moe[0]
+    prompts = [[7] * 12 + [i + 3, 7, 7] for i in range(LIMIT + 2)]
+    lengths = [3, 4, 5, 16, 16, 16]
+    spec = {k: v for k, v in SPEC.items() if k != "disable_by_batch_size"}
+    steps = []
+    with LLM(str(path), dtype="float32", num_kv_blocks=256, block_size=4, speculative_config=spec) as llm:
+        speculator = llm.engine.scheduler.speculator
+        add = speculator.add_drafts
+
+        def spy(batch, *a, **k):
+            add(batch, *a, **k)
+            if batch.num_decodes:
+                steps.append((batch.num_decodes, bool(batch.drafts)))
+        speculator.add_drafts = spy
+        outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                      for n in lengths], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r[:n] for r, n in zip(hf_greedy(path, prompts, 16), lengths)]
+    assert any(n > LIMIT for n, _ in steps) and not any(d for n, d in steps if n > LIMIT), steps
+    assert any(d for n, d in steps if n <= LIMIT), steps
 
 
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.8),
