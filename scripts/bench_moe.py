@@ -36,6 +36,7 @@ peers) is tests/test_scripts.py's run of seconds, not a measurement.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -246,6 +247,12 @@ def tpserve_memory(engine, cfg: dict, dtype: str) -> str:
             f"kv pool {kv / 2**30:.2f} GiB, excess {(rss - weights - kv) / 2**30:+.2f} GiB")
 
 
+def progress(name: str, res: dict) -> None:
+    """One engine done (to stderr: a full run takes half an hour; the table comes at the end)."""
+    cells = ", ".join(f"batch {b} {t:.1f}" for b, t in res.items())
+    print(f"bench_moe: {name} done: tok/s {cells}", file=sys.stderr, flush=True)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="30b-a3b-4l")
@@ -284,9 +291,11 @@ def main(argv=None) -> int:
             try:
                 res[engine.name] = measure(engine, vocab, args.batches, args.runs, outs)
                 memory.append(tpserve_memory(engine, cfg, "int8" if quant else "bf16"))
+                progress(engine.name, res[engine.name])
             finally:
                 engine.close()
             del engine
+            gc.collect()  # the next engine's RSS should not hold this one's memory
     if args.llamacpp:
         peer = Path(args.llamacpp)
         files = gguf_models(peer, path)
@@ -295,6 +304,7 @@ def main(argv=None) -> int:
             try:
                 res[server.name] = measure(server, vocab, args.batches, args.runs, outs)
                 notes[server.name] = server.note
+                progress(server.name, res[server.name])
             finally:
                 server.close()
     throughput = None
