@@ -138,3 +138,20 @@ def test_empty_batch_and_argument_errors():
         fused_experts(x, ids.float(), w, w13, w2)
     with pytest.raises(ValueError, match="w13"):
         fused_experts(x, ids, w, w13.double(), w2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_matches_the_models_experts_reference(dtype, tol):
+    """What FusedMoE.experts runs on a CUDA device (fused_experts) against what it runs without
+    a kernel (models/moe.py's experts_reference), routing by the model's own ``route``, on a
+    full layer and on an expert-parallel shard."""
+    from tpserve.kernels.triton_moe import fused_experts
+    from tpserve.models.moe import experts_reference, route
+    x, _, _, w13, w2 = make_case(9, 32, 24, 8, 2, seed=5, dtype=dtype)
+    weights, ids = route(torch.randn(9, 8, generator=torch.Generator().manual_seed(6)) * 2, 3, True)
+    assert torch.unique(ids).numel() >= 6  # the router spreads the tokens
+    for start, stop in ((0, 8), (3, 6)):
+        got = fused_experts(x, ids, weights, w13[start:stop], w2[start:stop], start)
+        want = experts_reference(x, ids, weights, w13[start:stop], w2[start:stop], start)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
