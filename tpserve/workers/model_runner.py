@@ -57,6 +57,7 @@ from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
+from tpserve.workers.thread_governor import ThreadGovernor, enabled as governor_enabled
 from tpserve.workers.warmup import kernel_warmup_plans, warmup_plan, warmup_sample
 
 log = logging.getLogger("tpserve.runner")
@@ -108,6 +109,9 @@ class ModelRunner:
         self.sampler = Sampler(device=self.device)
         self.stager = PlanStager(self.accel)
         self._own_threads = torch.get_num_threads()  # the cores this rank runs on (share_cpu_threads)
+        # Fewer threads while other processes busy this rank's cores (thread_governor.py).
+        self.governor = ThreadGovernor(self._own_threads) \
+            if self.device.type == "cpu" and governor_enabled() else None
         self.graphs = None  # the warm-up inside the sizing runs eagerly
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
@@ -229,6 +233,10 @@ class ModelRunner:
                              f"{plan.num_samples}")
         if plan.num_tokens == 0:
             return _empty_output(sample) if self.tp.is_first else None
+        if self.governor is not None:
+            threads = self.governor.tick()
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         t = self.stager.stage(plan)
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, t)
@@ -280,7 +288,8 @@ class ModelRunner:
         process (the daemon's tokenizer process) stalls every layer of every step, whatever that
         process's priority. Ranks on an accelerator ignore it."""
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, self._own_threads - max(0, cores)))
+            threads = max(1, self._own_threads - max(0, cores))
+            torch.set_num_threads(self.governor.set_max(threads) if self.governor is not None else threads)
 
     def handle(self, plan: StepPlan) -> np.ndarray | None:
         """Run a plan of any command; STEP returns tokens on rank 0."""
