@@ -45,6 +45,20 @@ constexpr int64_t kTile = 2;
 // Rows per work item: items are (panel, block of rows), so small panels counts still split.
 constexpr int64_t kRowBlock = 64;
 
+// The tile loops ask for the weights ~1 KB ahead of the ones they multiply. A panel is one
+// sequential stream, yet the hardware prefetchers alone kept a thread at ~12 GB/s: the bf16 LM head
+// of Qwen3-30B-A3B (151,936 x 2048, 622 MB) at one row took 27.3 ms on two threads, 19.7 ms
+// with these (512 B ahead: 21.2, 2 KB: 20.5, 4 KB: 21.5; a 2-core Xeon with AVX512-BF16, quiet).
+// Prefetches past the end of the buffer are harmless (they never fault).
+constexpr int64_t kPrefetchBytes = 1024;
+
+// Prefetch the `bytes` (a multiple of 64) that a tile step reads at p, kPrefetchBytes ahead.
+template <int64_t bytes>
+inline void prefetch_ahead(const void* p) {
+  const char* c = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
 #if defined(__AVX512BF16__)
 constexpr bool kNativeBf16 = true;
 #else
@@ -151,6 +165,7 @@ inline vfl load_w(const int8_t* p) { return load_i8(p); }
 template <int64_t TM, typename W>
 inline void tile_fma(const W* w, int64_t K, const float* x, int64_t ld, vfl (&acc)[kTile][4]) {
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
+    prefetch_ahead<kPanel * sizeof(W)>(w);
     const vfl w0 = load_w(w), w1 = load_w(w + kLanes), w2 = load_w(w + 2 * kLanes), w3 = load_w(w + 3 * kLanes);
     for (int64_t t = 0; t < TM; ++t) {
       const float xv = x[t * ld + k];
@@ -174,6 +189,7 @@ template <int64_t TM>
 inline void tile_bf16_widened(const uint16_t* w, int64_t K, const float* x, int64_t ld,
                               vfl (&acc)[kTile][4]) {
   for (int64_t k = 0; k < K; k += 2, w += 2 * kPanel) {
+    prefetch_ahead<2 * kPanel * 2>(w);
     vfl e[4], o[4];
     for (int64_t i = 0; i < 4; ++i) load_pair(w + 2 * i * kLanes, e[i], o[i]);
     for (int64_t t = 0; t < TM; ++t) {
@@ -191,6 +207,7 @@ inline void tile_bf16_dp(const uint16_t* w, int64_t K, const uint16_t* x, int64_
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) a[t][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2, w += 2 * kPanel) {
+    prefetch_ahead<2 * kPanel * 2>(w);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
@@ -229,6 +246,7 @@ inline void tile_i8i8(const int8_t* w, int64_t K, const int8_t* x, int64_t ld, v
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) a[t][i] = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += 4, w += 4 * kPanel) {
+    prefetch_ahead<4 * kPanel>(w);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
     const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
     for (int64_t t = 0; t < TM; ++t) {
@@ -249,6 +267,7 @@ inline void tile_i8i8(const int8_t* w, int64_t K, const int8_t* x, int64_t ld, v
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) a[t][i] = _mm256_setzero_si256();
   for (int64_t k = 0; k < K; k += 4, w += 4 * kPanel) {
+    prefetch_ahead<4 * kPanel>(w);
     __m256i wv[4];
     for (int64_t i = 0; i < 4; ++i) wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * i));
     for (int64_t t = 0; t < TM; ++t) {
