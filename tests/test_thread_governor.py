@@ -80,7 +80,7 @@ def test_proc_stat_is_read_for_all_cpus_and_a_subset():
     assert read_busy_seconds(frozenset()) == 0
 
 
-def test_the_runner_steps_with_the_governors_count_and_the_same_tokens(tiny_models_root, monkeypatch):  # noqa: F811
+def test_the_runner_steps_with_the_governors_count(tiny_models_root, monkeypatch):  # noqa: F811
     monkeypatch.setenv("TPSERVE_THREAD_GOVERNOR", "0")
     assert not thread_governor.enabled()
     monkeypatch.setenv("TPSERVE_THREAD_GOVERNOR", "1")
