@@ -44,11 +44,12 @@ def run_cli(*args, timeout=240, env=None):
 
 
 class HttpDaemon:
-    """A daemon on the bundled model with its HTTP front (``api_key`` None: /v1 is open)."""
+    """A daemon on the bundled model with its HTTP front (``api_key`` None: /v1 is open);
+    ``env``: more environment variables for it (options' ``TPSERVE_*`` spellings)."""
 
-    def __init__(self, api_key: str | None = API_KEY, num_kv_blocks: int = 300):
+    def __init__(self, api_key: str | None = API_KEY, num_kv_blocks: int = 300, env: dict | None = None):
         self.rd = tempfile.mkdtemp(prefix="tph-", dir="/tmp")
-        env = dict(os.environ, TPSERVE_API_KEY=api_key or "")
+        env = dict(os.environ, **(env or {}), TPSERVE_API_KEY=api_key or "")
         out = run_cli("start", "--runtime-dir", self.rd, "--num-kv-blocks", num_kv_blocks, "--block-size", 4,
                       "--http-port", 0, "--startup-timeout", 200, env=env)
         if out.returncode != 0:

@@ -5,7 +5,6 @@ blocks. Errors in Anthropic's format, each with its status; the daemon keeps ser
 from __future__ import annotations
 
 import json
-import os
 
 import anthropic
 import httpx
@@ -452,15 +451,8 @@ def test_daemon_refusals_map_to_anthropics_statuses():
 # ---- thinking ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def thinker():
-    old = os.environ.get("TPSERVE_REASONING_PARSER")
-    os.environ["TPSERVE_REASONING_PARSER"] = "deepseek_r1"  # the output is thoughts until </think>
-    try:
-        d = HttpDaemon(num_kv_blocks=120)
-    finally:
-        if old is None:
-            del os.environ["TPSERVE_REASONING_PARSER"]
-        else:
-            os.environ["TPSERVE_REASONING_PARSER"] = old
+    # the output is thoughts until </think>
+    d = HttpDaemon(num_kv_blocks=120, env={"TPSERVE_REASONING_PARSER": "deepseek_r1"})
     yield d
     d.stop()
 

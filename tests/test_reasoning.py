@@ -1,6 +1,5 @@
 """Reasoning output (--reasoning-parser): the parser alone, then through the HTTP front."""
 import json
-import os
 
 import pytest
 
@@ -60,15 +59,7 @@ def test_unknown_parser_is_refused():
 # ---- through the HTTP front -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemon():
-    old = os.environ.get("TPSERVE_REASONING_PARSER")
-    os.environ["TPSERVE_REASONING_PARSER"] = "deepseek_r1"  # the option's environment variable
-    try:
-        d = HttpDaemon()
-    finally:
-        if old is None:
-            del os.environ["TPSERVE_REASONING_PARSER"]
-        else:
-            os.environ["TPSERVE_REASONING_PARSER"] = old
+    d = HttpDaemon(env={"TPSERVE_REASONING_PARSER": "deepseek_r1"})  # the option's environment variable
     yield d
     d.stop()
 

@@ -4,7 +4,6 @@ responses store of one response; the store alone, without a daemon."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
@@ -34,17 +33,8 @@ def chat_weather(tool: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def daemon():
-    env = {"TPSERVE_REASONING_PARSER": "qwen3", "TPSERVE_RESPONSES_STORE_SIZE": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the options' environment variables
-    try:
-        d = HttpDaemon()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    # the options' environment variables
+    d = HttpDaemon(env={"TPSERVE_REASONING_PARSER": "qwen3", "TPSERVE_RESPONSES_STORE_SIZE": "1"})
     yield d
     d.stop()
 
