@@ -26,7 +26,6 @@ from test_models import (ATOL, RTOL, PagedKV, random_prompts, reference_prefill_
 from test_quantization import make_compressed
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
-from tpserve.kernels import cpu_extension
 from tpserve.models import CheckpointError, UnsupportedModelError
 from tpserve.models.decoder import MLP
 from tpserve.models.moe import FusedMoE, SparseMoeBlock, experts_reference, route
@@ -94,7 +93,7 @@ def assert_logits_equal(got, expected):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"forward {step}: {m}")
 
 
-MODES = ["torch"] + (["cpu-packed"] if cpu_extension.available() else [])
+MODES = ["torch", "cpu-packed"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -287,7 +286,7 @@ def test_int8_at_load_quantizes_the_experts_and_stays_close(tiny_models_root, mo
     assert blocks[0].shared_expert.down_proj.quantize_at_load
     pack(model)
     for b in blocks:  # packed by the kernel, or int8 in place for the torch path
-        if prepack == "0" or not cpu_extension.available():
+        if prepack == "0":
             assert b.experts.packed is None and b.experts.w13_weight.dtype == torch.int8
         else:
             assert b.experts.packed is not None
