@@ -33,6 +33,7 @@ from tpserve.fronts.http import openai_api as O
 from tpserve.fronts.http import tool_calls
 from tpserve.fronts.http.agent_common import respelled
 from tpserve.fronts.http.response_store import ResponseStore
+from tpserve.fronts.http.structured_api import format_constraint
 from tpserve.fronts.http.responses_items import (TemplateTraits, bad, conversation_messages, input_items,
                                                  namespaced_name, refuse)
 from tpserve.request import REST_OF_CONTEXT, Api, make_request
@@ -162,24 +163,8 @@ def text_format(body: dict) -> tuple[dict | None, str | None, dict]:
     echo = {"format": fmt if fmt is not None else {"type": "text"}, "verbosity": "medium"}
     if fmt is None:
         return None, None, echo
-    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise bad("text.format", 'must be an object with a "type"')
-    kind = fmt["type"]
-    if kind == "text":
-        return None, None, echo
-    if kind == "json_object":
-        return {"json_object": True}, "text.format", echo
-    if kind != "json_schema":
-        raise bad("text.format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'[:200])
-    name = fmt.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad("text.format.name", "must be a non-empty string")
-    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
-        raise bad("text.format.strict", "must be a boolean")
-    schema = fmt.get("schema")
-    if not isinstance(schema, dict):
-        raise bad("text.format.schema", "must be a JSON schema object")
-    return {"json": schema}, "text.format.schema", echo
+    so, where = format_constraint(fmt, "text.format", schema_required=True)
+    return so, where, echo
 
 
 def _tools(body: dict, tr: Translation) -> None:

@@ -40,27 +40,42 @@ def structured_outputs(body: dict) -> tuple[dict | None, str | None]:
         return so, None
     if fmt is None:
         return None, None
+    return format_constraint(fmt, "response_format", "json_schema")
+
+
+def format_constraint(fmt, field: str, spec_key: str | None = None, schema_required: bool = False
+                      ) -> tuple[dict | None, str | None]:
+    """OpenAI's output format object (chat's ``response_format``, the Responses API's
+    ``text.format``) -> ``(structured_outputs map or None, the field its errors name)``.
+
+    ``spec_key``: the key holding ``name``/``schema``/``strict`` (chat's ``json_schema``), or
+    None where they sit in the format itself (Responses). Chat allows an absent schema (any
+    object); ``schema_required`` refuses it."""
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise bad("response_format", 'must be an object with a "type"')
+        raise bad(field, 'must be an object with a "type"')
     kind = fmt["type"]
     if kind == "text":
         return None, None
     if kind == "json_object":
-        return {"json_object": True}, "response_format"
+        return {"json_object": True}, field
     if kind != "json_schema":
-        raise bad("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'[:200])
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise bad("response_format.json_schema", 'must be an object with "name" and "schema"')
+        raise bad(f"{field}.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'[:200])
+    spec, where = fmt, field
+    if spec_key is not None:
+        spec, where = fmt.get(spec_key), f"{field}.{spec_key}"
+        if not isinstance(spec, dict):
+            raise bad(where, 'must be an object with "name" and "schema"')
     name = spec.get("name")
     if not isinstance(name, str) or not name:
-        raise bad("response_format.json_schema.name", "must be a non-empty string")
+        raise bad(f"{where}.name", "must be a non-empty string")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise bad("response_format.json_schema.strict", "must be a boolean")
+        raise bad(f"{where}.strict", "must be a boolean")
     schema = spec.get("schema")
+    if schema_required and not isinstance(schema, dict):
+        raise bad(f"{where}.schema", "must be a JSON schema object")
     if schema is None:
-        schema = {"type": "object"}  # OpenAI allows an absent schema
-    return {"json": schema}, "response_format.json_schema.schema"
+        schema = {"type": "object"}  # OpenAI's chat allows an absent schema
+    return {"json": schema}, f"{where}.schema"
 
 
 #: Body fields whose constraint can take the front's CPU for a while (a megabyte of tools or
