@@ -32,6 +32,12 @@ def _decode_logits(path, dtype, quant, fused: bool, stack: bool = True):
         assert model.fused_decode.stack is not None  # one process: the whole stack in one call
         if not stack:
             model.fused_decode.stack = None  # the layer-by-layer calls tensor parallelism takes
+    return run_steps(model, kv, prompts, fused)
+
+
+def run_steps(model, kv, prompts, fused: bool) -> list:
+    """The logits of a prefill of ``prompts`` and three decode steps; asserts that exactly the
+    decode steps went through the fused decode when ``fused``."""
     out = []
     for new in [prompts] + [[[t] for t in row] for row in ([5, 7, 9], [11, 13, 15], [2, 3, 4])]:
         ids, pos, meta = kv.step(new)

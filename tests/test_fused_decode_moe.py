@@ -11,6 +11,7 @@ import torch
 
 from model_factory import make_tiny_model
 from test_models import PagedKV, random_prompts, tpserve_model
+from test_fused_decode import run_steps
 from test_models_tp import gloo_group, run_two_ranks
 from tpserve.kernels import cpu_extension
 from tpserve.models.fused_decode import why_not_fused
@@ -47,17 +48,7 @@ def _decode_logits(path, dtype, quant, fused: bool, stack: bool = True, tp=None,
         assert model.fused_decode.layer_stack is not None  # MoE layers: their MLP halves
         if not stack:
             model.fused_decode.stack = None  # the layer-by-layer calls tensor parallelism takes
-    out, chosen = [], set()
-    for new in [prompts] + [[[t] for t in row] for row in ([5, 7, 9], [11, 13, 15], [2, 3, 4])]:
-        ids, pos, meta = kv.step(new)
-        calls = []
-        if model.fused_decode is not None:
-            real = model.fused_decode
-            model.fused_decode = lambda *a, _r=real: calls.append(1) or _r(*a)
-        out.append(model.compute_logits(model.forward(ids, pos, meta)))
-        if model.fused_decode is not None:
-            model.fused_decode = real
-        assert len(calls) == (1 if fused and not meta.is_prefill else 0)
+    out, chosen = run_steps(model, kv, prompts, fused), set()
     for b in blocks:
         x = torch.randn(64, b.gate.input_size).to(model.dtype)
         chosen.update(b.gate(x).topk(b.top_k).indices.flatten().tolist())
