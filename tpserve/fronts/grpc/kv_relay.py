@@ -209,8 +209,9 @@ class KvRelay:
         events = [C.KvCacheEvent(cleared=C.KvCacheCleared())]
         for h in sorted(self.blocks, key=depth.__getitem__):
             parent, tokens, size = self.blocks[h]
-            events.append(_stored([C.KvBlock(block_hash=wire_hash(h), token_ids=tokens, block_size=size)],
-                                  parent if parent in self.blocks else None))
+            # A block whose parent left the cache still names it, as the live events did
+            # (BlockManager.cached_blocks): its hash is chained from it.
+            events.append(_stored([C.KvBlock(block_hash=wire_hash(h), token_ids=tokens, block_size=size)], parent))
         return C.KvEventBatch(sequence_number=seq, timestamp=time.time(), events=events, dp_rank=0,
                               snapshot=C.KvSnapshotChunk(index=0, count=count, blocks=len(self.blocks)))
 
