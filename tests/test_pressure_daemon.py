@@ -33,6 +33,7 @@ import soak  # noqa: E402
 TPSERVE = [sys.executable, "-m", "tpserve"]
 MODEL = "default-model"
 LONG = 60.0  # s: generous bounds on waits that only a broken daemon reaches
+DRAINED = 12000  # tokens of a holder that keeps a drain going for seconds
 HELD = 1500  # tokens of a request that keeps its slot for seconds, on a tiny model of a longer context
 
 
@@ -262,50 +263,65 @@ def test_a_request_held_in_front_of_a_full_engine_times_out_at_its_deadline(serv
 
 
 # ---- the drain -----------------------------------------------------------------------------------
-def test_sigterm_drains_20_streams_to_their_end_while_new_requests_get_503(serve):
-    d = serve("--num-kv-blocks", 3000)  # the default grace: 30 s
-    assert d.status()["shutdown_grace"] == 30.0
+def test_sigterm_drains_20_streams_to_their_end_while_new_requests_get_503(serve, tiny_models_root):  # noqa: F811
+    # The drain must outlast the test's look at the draining daemon: the bundled model writes
+    # 20 streams of 500 tokens in ~3 s, which a loaded machine's checks can outlast. A holder of
+    # DRAINED tokens on a tiny model of a long context keeps it draining for seconds more, and the
+    # grace is long enough for both on a slow machine (the default grace is checked below).
+    model = make_tiny_model(tiny_models_root, max_position_embeddings=DRAINED + 64)
+    d = serve("--model", model, "--served-model-name", MODEL, "--num-kv-blocks", 3000 + DRAINED // 4,
+              "--max-model-len", DRAINED + 64, "--shutdown-grace", 120)
+    assert d.status()["shutdown_grace"] == 120.0
     client = d.openai()
     tokens, started, results = 500, [threading.Event() for _ in range(20)], [None] * 20
 
     def stream(i):
         chunks = []
-        for ch in client.completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=tokens, stream=True,
+        for ch in client.completions.create(model=MODEL, prompt=[5, 6, i], max_tokens=tokens, stream=True,
                                             extra_body={"ignore_eos": True}, stream_options={"include_usage": True}):
             chunks.append(ch)
             started[i].set()
         results[i] = chunks
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(20)]
-    for t in threads:
-        t.start()
-    for e in started:
-        assert e.wait(LONG)
-    d.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + LONG
-    while (health := httpx.get(d.url + "/health", timeout=LONG)).status_code == 200:
-        assert time.monotonic() < deadline
-    body = health.json()
-    assert (health.status_code, body["status"], body["ready"]) == (503, "draining", False)
-    assert 0 < body["drain_left_s"] <= 30 and body["requests_in_flight"] >= 1
-    ready = httpx.get(d.url + "/ready", timeout=LONG)
-    assert ready.status_code == 503 and ready.json()["ready"] is False
-    with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(model=MODEL, prompt="too late", max_tokens=2)
-    assert e.value.status_code == 503 and 1 <= int(e.value.response.headers["retry-after"]) <= 30
-    with d.zmq() as c:
-        with pytest.raises(RequestError) as refused:
-            c.generate([1, 2], max_tokens=2)
-        assert refused.value.code == P.SHUTTING_DOWN
-        s = c.status()
-        assert (s["state"], s["ready"], s["refused_shutting_down"]) == ("shutting_down", False, 2)
-        assert 'tpserve:draining{model_name="default-model"} 1.0' in c.metrics()
+    with d.zmq() as holder_client:
+        holder = holder_client.stream([5, 6, 7], max_tokens=DRAINED, ignore_eos=True)
+        next(holder)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(LONG)
+        d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + LONG
+        while (health := httpx.get(d.url + "/health", timeout=LONG)).status_code == 200:
+            assert time.monotonic() < deadline
+        body = health.json()
+        assert (health.status_code, body["status"], body["ready"]) == (503, "draining", False)
+        assert 0 < body["drain_left_s"] <= 120 and body["requests_in_flight"] >= 1
+        ready = httpx.get(d.url + "/ready", timeout=LONG)
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="too late", max_tokens=2)
+        assert e.value.status_code == 503 and 1 <= int(e.value.response.headers["retry-after"]) <= 120
+        with d.zmq() as c:
+            with pytest.raises(RequestError) as refused:
+                c.generate([1, 2], max_tokens=2)
+            assert refused.value.code == P.SHUTTING_DOWN
+            s = c.status()
+            assert (s["state"], s["ready"], s["refused_shutting_down"]) == ("shutting_down", False, 2)
+            assert 'tpserve:draining{model_name="default-model"} 1.0' in c.metrics()
+        held = drain_stream(holder)
+        assert (holder.result.finish_reason, len(held) + 1) == ("length", DRAINED)
     for t in threads:
         t.join(LONG)
     for chunks in results:
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == tokens
     assert d.wait_gone() == 0
+
+
+def test_the_default_shutdown_grace_is_30_s(serve):
+    assert serve().status()["shutdown_grace"] == 30.0
 
 
 def test_stop_now_aborts_the_requests_in_flight_and_exits_cleanly(serve):
