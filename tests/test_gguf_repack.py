@@ -1,0 +1,118 @@
+"""GGUF quantized blocks repacked into codes/scales/mins (tpserve/models/gguf/repack.py):
+dequantizing the repacked tensors equals the ``gguf`` package's own dequantization exactly, for
+every supported type, on blocks its quantizers write and on random valid blocks built byte-wise;
+a GGUF file written and read back by the ``gguf`` package repacks the same way; bad input is
+refused with the type or size named."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from tpserve.models.errors import CheckpointError
+from tpserve.models.gguf.repack import (SUPPORTED_TYPES, UnsupportedGGUFType, group_size, repack,
+                                        repack_reader_tensor)
+from tpserve.models.gguf.repack import dequantize as group_dequantize
+
+TYPES = [T[name] for name in SUPPORTED_TYPES]
+assert {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"} <= set(SUPPORTED_TYPES)
+# Byte offsets of each block's fp16 fields (d, and dmin/m where the type has one).
+F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
+              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+
+
+def random_blocks(qtype, shape, seed=0) -> np.ndarray:
+    """A tensor of random valid blocks (every bit pattern of the codes and sub-block scales, finite
+    random fp16 super-scales of both signs), uint8 ``[*shape[:-1], bytes per row]``."""
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape)) // per_block
+    blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        vals = rng.normal(size=n) * 10.0 ** rng.integers(-6, 2, size=n)
+        blocks[:, off:off + 2] = vals.astype(np.float16).reshape(n, 1).view(np.uint8)
+    return blocks.reshape(*shape[:-1], shape[-1] // per_block * block_bytes)
+
+
+def assert_exact(qtype, raw, shape):
+    codes, scales, mins, bits = repack(qtype, raw, shape)
+    g = group_size(qtype)
+    assert codes.dtype == np.uint8 and codes.shape == tuple(shape)
+    assert scales.dtype == mins.dtype == np.float32
+    assert scales.shape == mins.shape == (*shape[:-1], shape[-1] // g)
+    assert bits in (4, 8) and int(codes.max()) < 2 ** bits
+    want = dequantize(raw, qtype)
+    assert want.dtype == np.float32 and want.shape == tuple(shape)
+    got = group_dequantize(codes, scales, mins)
+    np.testing.assert_array_equal(got, want)  # exact (+0 and -0 compare equal)
+    # The same in torch, with fused multiply-adds: a product scale * code is exact, so no difference.
+    t = torch.addcmul(torch.from_numpy(np.repeat(mins, g, -1)), torch.from_numpy(np.repeat(scales, g, -1)),
+                      torch.from_numpy(codes).float())
+    assert torch.equal(t, torch.from_numpy(want))
+    return codes, scales, mins, bits
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_blocks_repack_exactly(qtype):
+    per_block = GGML_QUANT_SIZES[qtype][0]
+    for seed, shape in enumerate([(3, 2 * per_block), (2, 3, per_block)]):
+        codes, scales, mins, bits = assert_exact(qtype, random_blocks(qtype, shape, seed), shape)
+    wanted_bits = {T.Q4_0: 4, T.Q4_1: 4, T.Q4_K: 4}.get(qtype, 8)
+    assert bits == wanted_bits
+    assert group_size(qtype) == (16 if qtype == T.Q6_K else 32)
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)],
+                         ids=lambda t: t.name)
+def test_blocks_from_gguf_quantizers_repack_exactly(qtype):
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(8, 96)).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block (scale 0)
+    raw = quantize(w, qtype)
+    codes, scales, mins, _ = assert_exact(qtype, raw, w.shape)
+    # Repacked, not requantized: the block scales are the file's fp16 scales.
+    d = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])[:, :2].copy().view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(scales.reshape(-1), d.reshape(-1))
+    assert np.abs(group_dequantize(codes, scales, mins) - w).max() < 0.2 * np.abs(w).max()
+
+
+def test_a_gguf_file_read_back_repacks_like_its_blocks(tmp_path):
+    """Written by GGUFWriter, read by GGUFReader: ReaderTensor.data and the reversed
+    ReaderTensor.shape are what repack takes."""
+    path = tmp_path / "t.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    tensors = {}
+    for i, qtype in enumerate(TYPES):
+        per_block = GGML_QUANT_SIZES[qtype][0]
+        shape = (4, 2 * per_block)  # [out, in]
+        tensors[f"w{i}"] = (qtype, random_blocks(qtype, shape, seed=10 + i), shape)
+        writer.add_tensor(f"w{i}", tensors[f"w{i}"][1], raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for t in GGUFReader(str(path)).tensors:
+        qtype, raw, shape = tensors[t.name]
+        assert t.tensor_type == qtype and tuple(reversed(t.shape.tolist())) == shape
+        codes, scales, mins, _ = repack_reader_tensor(t)
+        ref = repack(qtype, raw, shape)
+        assert np.array_equal(codes, ref[0]) and np.array_equal(scales, ref[1])
+        np.testing.assert_array_equal(group_dequantize(codes, scales, mins), dequantize(t.data, qtype))
+
+
+def test_unsupported_types_and_bad_sizes_are_refused():
+    for qtype in (T.Q2_K, T.IQ4_NL, T.F16, "MXFP4"):
+        with pytest.raises(UnsupportedGGUFType, match="cannot be repacked"):
+            repack(qtype, np.zeros(64, np.uint8), (1, 256))
+    assert issubclass(UnsupportedGGUFType, CheckpointError)
+    raw = random_blocks(T.Q4_K, (2, 256))
+    with pytest.raises(CheckpointError, match=r"expected 288 bytes \(2 blocks of 144\), got 287"):
+        repack(T.Q4_K, raw.reshape(-1)[:-1], (2, 256))
+    with pytest.raises(CheckpointError, match="not a whole number of 256-element blocks"):
+        repack("q4_k", raw, (3, 96))
+    codes, *_ = repack(int(T.Q4_K), raw, (2, 256))  # by name, by value
+    assert codes.shape == (2, 256)
