@@ -1,6 +1,6 @@
-"""Which weights are int8, and how: ``--quantization`` and a checkpoint's ``quantization_config``.
+"""Which weights are quantized, and how: ``--quantization`` and a checkpoint's ``quantization_config``.
 
-Two sources, one result (:class:`QuantConfig`):
+Several sources, one result (:class:`QuantConfig`):
 
 * ``--quantization int8``: a float checkpoint whose linear layers (the LM head included) are
   quantized when the model is loaded, symmetric int8 with one scale per output channel;
@@ -14,6 +14,15 @@ Two sources, one result (:class:`QuantConfig`):
   (int8 weights per channel, 16-bit activations; format ``pack-quantized``, four weights per
   int32, or ``naive-quantized``). Detected from config.json; ``--quantization
   compressed-tensors`` only asserts it.
+* ``--quantization int4`` (``int4-g128``, ``int4-g32``): a float checkpoint whose linear layers
+  are quantized at load to 4-bit codes, round-to-nearest, asymmetric (a scale and a min per
+  group of 128 or 32 input features), method ``"group"`` (``tpserve/models/group_quant.py``);
+  activations are quantized to int8 per row and group at each matmul (W4A8).
+* method ``"group"`` from a checkpoint or file: weights stored as group codes, scales and mins
+  (``<module>.weight_codes``, ``weight_group_scales``, ``weight_group_mins``; 4 or 8 bits per
+  code, any group size in :data:`GROUP_SIZES`, inferred per layer from the shapes). AWQ and GPTQ
+  checkpoints (``quant_method`` ``awq`` / ``gptq``) resolve to it with their ``checkpoint_format``
+  named, for their decoders to turn into those tensors. ``--quantization group`` asserts it.
 
 Anything else in a ``quantization_config`` (other methods, bit widths, group or block scales,
 asymmetric or static activation scales, sparsity, a KV-cache scheme) is refused when the engine
@@ -28,19 +37,27 @@ from dataclasses import dataclass, field
 
 from tpserve.errors import ConfigError
 
-QUANTIZATION_METHODS = ("int8", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "compressed-tensors", "int4", "int4-g128", "int4-g32", "group")
+# Group sizes of group-quantized weights (a group divides a layer's input size).
+GROUP_SIZES = (16, 32, 64, 128, 256)
+_INT4_GROUPS = {"int4": 128, "int4-g128": 128, "int4-g32": 32}
 _FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The int8 scheme of a model's linear layers.
+    """The quantization scheme of a model's linear layers.
 
-    ``int8_activations``: activations quantized per row (W8A8) or kept in the model dtype
+    ``method``: ``int8``, ``compressed-tensors`` (int8 per channel) or ``group`` (group codes,
+    ``tpserve/models/group_quant.py``). ``int8_activations``: activations quantized per row (W8A8) or kept in the model dtype
     (W8A16). ``from_checkpoint``: the checkpoint holds int8 weights and scales (else the float
     weights are quantized at load). ``packed_int32``: its weights come as ``weight_packed``
     int32 words (format pack-quantized). ``ignore``: Hugging Face module names (or ``re:``
-    patterns) left in the float dtype.
+    patterns) left in the float dtype. Group method only: ``group_size`` (quantized at load: the
+    group; from a checkpoint: 0, each layer's group is inferred from its tensors' shapes, or the
+    size the checkpoint's config declares), ``bits`` (4 or 8; at load: 4), ``checkpoint_format``
+    ("" for tpserve's tensor names, else the format whose decoder maps the checkpoint's
+    tensors onto them: ``awq``, ``gptq``).
     """
 
     method: str
@@ -48,6 +65,14 @@ class QuantConfig:
     from_checkpoint: bool
     packed_int32: bool = False
     ignore: tuple[str, ...] = field(default_factory=tuple)
+    group_size: int = 0
+    bits: int = 0
+    checkpoint_format: str = ""
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the weights are group-quantized (codes, scales and mins per group)."""
+        return self.method == "group"
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the Hugging Face linear module ``module_name`` (e.g.
@@ -118,6 +143,33 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
                        packed_int32=packed, ignore=tuple(ignore))
 
 
+def group_quant_config(group_size: int = 0, bits: int = 0, ignore: tuple[str, ...] = (),
+                       checkpoint_format: str = "") -> QuantConfig:
+    """The QuantConfig of a checkpoint (or file) holding group codes; ``group_size`` 0: inferred
+    per layer from the tensors' shapes; ``bits`` 0: from each layer's codes."""
+    if group_size and group_size not in GROUP_SIZES:
+        _fail("group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    if bits not in (0, 4, 8):
+        _fail("bits", f"tpserve supports 4- and 8-bit codes, got {bits!r}")
+    return QuantConfig("group", int8_activations=True, from_checkpoint=True, ignore=tuple(ignore),
+                       group_size=group_size, bits=bits, checkpoint_format=checkpoint_format)
+
+
+def _gptq_awq(method: str, qc: dict) -> QuantConfig:
+    """AWQ / GPTQ: the fields every such checkpoint shares, checked; the layout is the decoder's."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        _fail("bits", f"tpserve loads 4-bit {method} checkpoints, got {bits!r}")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if group not in GROUP_SIZES:
+        _fail("group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))} "
+                            f"(no per-channel -1), got {group!r}")
+    ignore = qc.get("modules_to_not_convert") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        _fail("modules_to_not_convert", f"expected a list of module names, got {ignore!r}")
+    return group_quant_config(group, 4, tuple(ignore), checkpoint_format=method)
+
+
 def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig | None:
     """The QuantConfig of ``--quantization`` (None: as the checkpoint says) and config.json.
 
@@ -127,18 +179,32 @@ def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig 
                                           f"(or unset), got {requested!r}")
     qc = hf_config.get("quantization_config")
     if qc is None:
-        if requested == "compressed-tensors":
-            raise ConfigError("quantization", "compressed-tensors needs a checkpoint with a "
+        if requested in ("compressed-tensors", "group"):
+            raise ConfigError("quantization", f"{requested} needs a checkpoint with a "
                                               "quantization_config in config.json; this one has none")
         if requested == "int8":
             return QuantConfig("int8", int8_activations=True, from_checkpoint=False)
+        if requested in _INT4_GROUPS:
+            return QuantConfig("group", int8_activations=True, from_checkpoint=False,
+                               group_size=_INT4_GROUPS[requested], bits=4)
         return None
     if not isinstance(qc, dict):
         _fail("", f"expected an object, got {qc!r}")
     method = qc.get("quant_method")
+    if requested in ("int8", *_INT4_GROUPS):
+        raise ConfigError("quantization", f"the checkpoint is already quantized ({method}): "
+                                          "leave --quantization unset")
+    if method == "group":  # tpserve's own names: weight_codes / weight_group_scales / _mins
+        ignore = qc.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+            _fail("ignore", f"expected a list of module names, got {ignore!r}")
+        return group_quant_config(qc.get("group_size") or 0, qc.get("bits") or 0, tuple(ignore))
+    if method in ("awq", "gptq"):
+        return _gptq_awq(method, qc)
     if method != "compressed-tensors":
-        _fail("quant_method", f"tpserve loads 'compressed-tensors' int8 checkpoints, got {method!r}")
-    if requested == "int8":
-        raise ConfigError("quantization", "the checkpoint is already quantized (compressed-tensors): "
-                                          "leave --quantization unset or pass compressed-tensors")
+        _fail("quant_method", f"tpserve loads 'compressed-tensors' int8, 'group', 'awq' and 'gptq' "
+                              f"checkpoints, got {method!r}")
+    if requested == "group":
+        raise ConfigError("quantization", "the checkpoint is compressed-tensors: leave --quantization unset "
+                                          "or pass compressed-tensors")
     return _compressed_tensors(qc)

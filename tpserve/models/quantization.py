@@ -28,6 +28,15 @@ embeddings can be int8 only when quantized at load (the embedding keeps the floa
 :func:`checkpoint_tensors` turns compressed-tensors names into tpserve's: ``weight_packed``
 (four int8 weights per int32, each stored + 128, low byte first) with its ``weight_shape``
 becomes ``weight``; a ``weight_zero_point`` must be all zeros (symmetric) and is dropped.
+
+Group-quantized layers (method ``"group"``: ``--quantization int4``, or a checkpoint holding
+``weight_codes`` / ``weight_group_scales`` / ``weight_group_mins``) are made by
+``group_quant.make_group_quant``, which also gives them their TP loaders (group-aligned row
+sharding). Their routers stay float; a mixture of experts' experts are int8 (quantized at load,
+as under ``--quantization int8``) with ``--quantization int4`` and refused from a group
+checkpoint. A tied LM head stays the float embedding with a group checkpoint; with
+``--quantization int4`` it is quantized from it (the embedding keeps the float table). A
+checkpoint's ``<module>.weight_bits`` is checked (4 or 8) and dropped here.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ from torch import nn
 
 from tpserve.models.embedding import ParallelLMHead
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
+from tpserve.models.group_quant import make_group_quant
 from tpserve.models.linear import RowParallelLinear
 from tpserve.models.moe import FusedMoE
 from tpserve.models.packed_gemm import PackableLinear
@@ -77,11 +87,15 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
     count = 0
     for name, layer in model.named_modules():
         if isinstance(layer, FusedMoE):
+            if qc.grouped and qc.from_checkpoint:
+                raise UnsupportedModelError(
+                    "quantization", f"{name}: mixture-of-experts layers are not supported in "
+                                    "group-quantized checkpoints")
             count += _prepare_experts(name, layer, qc)
             continue
         if not isinstance(layer, PackableLinear):
             continue
-        if getattr(layer, "is_router", False) and not qc.from_checkpoint:
+        if getattr(layer, "is_router", False) and (qc.grouped or not qc.from_checkpoint):
             continue
         parts = _hf_parts(name, mapping)
         flags = {qc.quantizes(p) for p in parts}
@@ -92,6 +106,12 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
         if not flags.pop():
             continue
         tied = isinstance(layer, ParallelLMHead) and model.spec.tie_word_embeddings
+        if qc.grouped:
+            if tied and qc.from_checkpoint:
+                continue  # the head is the (float) embedding
+            make_group_quant(layer, qc.from_checkpoint, qc.group_size, qc.bits)
+            count += 1
+            continue
         if tied and qc.from_checkpoint:
             raise UnsupportedModelError(
                 "quantization_config.ignore", "an int8 lm_head with tie_word_embeddings is not "
@@ -145,6 +165,11 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]
     shapes: dict[str, torch.Tensor] = {}
     for key, tensor in weights:
         prefix, _, leaf = key.rpartition(".")
+        if leaf == "weight_bits":
+            bits = tensor.reshape(-1).tolist() if tensor is not None else [4]
+            if len(bits) != 1 or bits[0] not in (4, 8):
+                raise CheckpointError(f"{key}: expected one value, 4 or 8, got {bits}")
+            continue
         if leaf == "weight_zero_point":
             if bool(tensor.any()):
                 raise CheckpointError(f"{key}: non-zero zero points (asymmetric int8) are not supported")

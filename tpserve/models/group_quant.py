@@ -1,0 +1,318 @@
+"""Group-quantized linear layers: 4- or 8-bit codes with a scale and a min per group of inputs.
+
+The representation (shared with the GGUF and AWQ/GPTQ decoders) of a weight ``[out, in]`` with
+group size ``g`` (dividing ``in``, a multiple of 16) and ``bits`` (4 or 8):
+
+    w[o, i] = scales[o, i // g] * codes[o, i] + mins[o, i // g]
+
+``codes`` uint8 ``[out, in]`` (one code per byte, each < 2**bits), ``scales`` and ``mins`` fp32
+``[out, in // g]``. A checkpoint holds them as ``<module>.weight_codes``,
+``<module>.weight_group_scales`` and ``<module>.weight_group_mins`` (plus an optional
+``weight_bits``, 4 or 8, checked and dropped by ``quantization.checkpoint_tensors``: a layer's
+codes all below 16 are packed as 4 bits, losslessly, whatever it says).
+
+:func:`make_group_quant` turns a parallel linear layer (column, merged gate/up, q/k/v, row, LM
+head) into its group-quantized form, in place (its class gains :class:`GroupQuantMixin`):
+
+* from a checkpoint: ``weight`` is dropped, ``weight_codes`` / ``weight_group_scales`` /
+  ``weight_group_mins`` are registered with loaders that shard them like the weight. Column
+  layers take their rows of all three; a row-parallel layer takes its columns of the codes and
+  the matching group columns of scales and mins, which must be whole groups (else a
+  CheckpointError with the sizes). The group size is read from each tensor's shape; parts of a
+  packed layer (q/k/v, gate/up) with different groups (a GGUF Q4_K_M file: Q4_K q, Q6_K v)
+  share the finest one, coarser scales repeated (exact). 5/6-bit codes come as bits=8.
+* quantized at load (``--quantization int4``): the float weight is loaded as usual, then
+  quantized round-to-nearest, asymmetric (:func:`quantize_groups`: per group scale =
+  (max - min) / 15, min = the group's minimum) when the model is packed or first run.
+
+Matmuls: once packed (``prepack``, called by ``prepack_model``) through the C++ kernels of
+``tpserve/kernels/csrc/quant_ops.cpp`` (the op ``linear`` of linear_ops.cpp with weight kinds
+``GROUP4`` / ``GROUP8``, so the fused decode stack takes these layers as any packed one):
+activations quantized to int8 per row and group (scale = absmax / 127), int32 dot products per
+group, ``scale * a_scale * dot + min * a_scale * sum(a_q)`` summed in fp32 (W4A8;
+:func:`w4a8_reference` is that arithmetic in plain torch). Without the C++ operators (or with
+``TPSERVE_PREPACK=0``) the plain-torch path dequantizes the weight and calls ``F.linear``.
+
+Packed layout (built here with torch reshapes; P = ``linear_panel_width()`` output channels, 4
+vectors of L = P / 4 int32 lanes): 8-bit ``[N/P][K/4][4][L][4]`` (each lane a quad of inputs,
+what vpdpbusd / vpmaddubsw multiply); 4-bit ``[N/P][K/8][4][L][4]`` bytes, each byte's low
+nibble the code of input ``8j + q``, its high nibble that of ``8j + 4 + q``; scales and mins
+``[N/P][K/g][P]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.models.errors import CheckpointError
+from tpserve.models.packed_gemm import PackedWeight, ops_ready
+
+# Weight kinds of the C++ op (linear_ops.h).
+GROUP4, GROUP8 = 4, 5
+_CODES, _SCALES, _MINS = "weight_codes", "weight_group_scales", "weight_group_mins"
+
+
+# ---- the arithmetic, in plain torch ----------------------------------------------------------
+
+def quantize_groups(weight: torch.Tensor, group_size: int = 128, bits: int = 4
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric group quantization of ``weight [out, in]``: ``(codes uint8,
+    scales fp32, mins fp32)`` with scale = (max - min) / (2**bits - 1) and min the group's
+    minimum (a constant group: scale 1, codes 0)."""
+    out, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"input size {k} is not a multiple of the group size {group_size}")
+    w = weight.detach().float().reshape(out, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    qmax = 2 ** bits - 1
+    scale = (hi - lo) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, qmax).to(torch.uint8)
+    return codes.reshape(out, k), scale.contiguous(), lo.contiguous()
+
+
+def group_size_of(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    return codes.shape[1] // scales.shape[1]
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight ``[out, in]`` of codes, scales and mins."""
+    g = group_size_of(codes, scales)
+    out, k = codes.shape
+    w = codes.float().view(out, k // g, g) * scales.float()[..., None] + mins.float()[..., None]
+    return w.view(out, k)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``x [M, K]`` quantized per group of ``group_size``, as the kernels do: ``(q int8
+    [M, K], a_scale fp32 [M, G], a_sum int32 [M, G])``; a_scale = absmax / 127 (1 for a zero
+    group), q = round-half-even(x * (1 / a_scale))."""
+    m, k = x.shape
+    xg = x.float().view(m, k // group_size, group_size)
+    amax = xg.abs().amax(-1)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    inv = 1.0 / s
+    q = torch.round(xg * inv[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8).view(m, k), s, q.sum(-1).to(torch.int32)
+
+
+def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the C++ kernels compute, in fp64: int8 activations per row and group times the codes,
+    ``sum_g a_scale * (scale * dot + min * sum(a_q))`` (+ bias); fp32 ``[M, N]``."""
+    g = group_size_of(codes, scales)
+    q, s, qsum = quantize_activations(x.reshape(-1, codes.shape[1]), g)
+    m, k = q.shape
+    n = codes.shape[0]
+    dots = torch.einsum("mgi,ngi->mng", q.double().view(m, k // g, g), codes.double().view(n, k // g, g))
+    y = (s.double()[:, None, :] * (scales.double()[None] * dots + mins.double()[None] * qsum.double()[:, None, :]))
+    y = y.sum(-1)
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+# ---- packing for the C++ kernels ---------------------------------------------------------------
+
+def _pad_rows(t: torch.Tensor, n_pad: int) -> torch.Tensor:
+    pad = n_pad - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      bits: int | None = None) -> PackedWeight:
+    """codes / scales / mins in the kernels' layout (module docstring) as a PackedWeight of kind
+    GROUP4 or GROUP8 (its ``colsum`` slot holds the mins). ``bits`` None: 4 when every code is
+    below 16."""
+    n, k = codes.shape
+    g = group_size_of(codes, scales)
+    if bits is None:
+        bits = 4 if int(codes.max()) < 16 else 8
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    lanes = panel // 4
+    n_pad = -(-n // panel) * panel
+    pn = n_pad // panel
+    c = _pad_rows(codes.detach().to(torch.uint8), n_pad)
+    if bits == 4:
+        c = c.view(pn, 4, lanes, k // 8, 2, 4).permute(0, 3, 1, 2, 4, 5)
+        data = (c[..., 0, :] | (c[..., 1, :] << 4)).contiguous().view(-1)
+    else:
+        data = c.view(pn, 4, lanes, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
+
+    def per_panel(t):
+        return _pad_rows(t.detach().float(), n_pad).view(pn, panel, k // g).permute(0, 2, 1).contiguous().view(-1)
+    return PackedWeight(data=data, kind=GROUP4 if bits == 4 else GROUP8, n=n, k=k,
+                        scales=per_panel(scales), colsum=per_panel(mins))
+
+
+def group_packable(k: int, group_size: int) -> bool:
+    return group_size % 16 == 0 and k % group_size == 0
+
+
+# ---- the layer -----------------------------------------------------------------------------------
+
+class GroupQuantMixin:
+    """A parallel linear layer with group-quantized weights (see the module docstring); placed
+    before the layer's class by :func:`make_group_quant`."""
+
+    group_size: int = 0  # 0: not known yet (a checkpoint's first scales set it)
+    group_bits: int = 0  # 0: from the codes when packed
+    group_rows: int = 0
+    group_in_full: int = 0
+    group_in_local: int = 0
+    quantize_groups_at_load: bool = False
+
+    # -- state
+    def group_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, scales, mins) of this rank, or None before an at-load layer is quantized."""
+        codes = getattr(self, _CODES, None)
+        if codes is None or codes.numel() == 0:
+            return None
+        return codes, getattr(self, _SCALES), getattr(self, _MINS)
+
+    def quantize_now(self, keep_weight: bool = True) -> None:
+        """An at-load layer's float weight -> codes, scales, mins (once)."""
+        if not self.quantize_groups_at_load or self.group_tensors() is not None:
+            return
+        codes, scales, mins = quantize_groups(self.weight, self.group_size, self.group_bits or 4)
+        for name, t in ((_CODES, codes), (_SCALES, scales), (_MINS, mins)):
+            setattr(self, name, t)  # plain tensors (the checkpoint never names them)
+        if not keep_weight:
+            self.weight.data = self.weight.data.new_empty(0)
+
+    # -- loaders of a checkpoint's codes / scales / mins
+    def _set_group(self, g: int) -> None:
+        if self.group_in_local % g:
+            raise CheckpointError(
+                f"{type(self).__name__}: this rank's {self.group_in_local} input features (of "
+                f"{self.group_in_full}) are not a whole number of groups of {g}; choose a "
+                f"tensor-parallel size that splits the groups evenly")
+        for name in (_SCALES, _MINS):
+            p = getattr(self, name)
+            if self.group_size == 0:
+                p.data = torch.zeros(self.group_rows, self.group_in_local // g, dtype=torch.float32,
+                                     device=p.device)
+            else:  # finer groups: every coarser scale repeated (exact)
+                p.data = p.data.repeat_interleave(self.group_size // g, dim=1)
+        self.group_size = g
+
+    def _group_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard) -> None:
+        what = f"{type(self).__name__} group scales/mins"
+        if loaded.dim() != 2 or loaded.shape[1] == 0 or self.group_in_full % loaded.shape[1]:
+            raise CheckpointError(f"{what}: expected [out, in // group] with the group dividing "
+                                  f"in={self.group_in_full}, got {tuple(loaded.shape)}")
+        g = self.group_in_full // loaded.shape[1]
+        if g % 16:
+            raise CheckpointError(f"{what}: group size {g} (from shape {tuple(loaded.shape)}) is not a "
+                                  f"multiple of 16")
+        if self.group_size == 0 or g < self.group_size:
+            if self.group_size and self.group_size % g:
+                raise CheckpointError(f"{what}: group size {g} does not divide {self.group_size}, "
+                                      f"the group of this layer's other parts")
+            self._set_group(g)
+        elif g > self.group_size:
+            if g % self.group_size:
+                raise CheckpointError(f"{what}: group size {g} is not a multiple of {self.group_size}, "
+                                      f"the group of this layer's other parts")
+            loaded = loaded.repeat_interleave(g // self.group_size, dim=1)
+        loaded = loaded.float()
+        self._load_group_cols(param, loaded, *shard)
+
+    def _load_group_cols(self, param, loaded, *shard):
+        """Copy this rank's part of a full ``[out, in // g]`` tensor (rows split like the weight)."""
+        from tpserve.models.embedding import ParallelLMHead
+        from tpserve.models.linear import RowParallelLinear
+        g = self.group_size
+        if isinstance(self, RowParallelLinear):
+            if loaded.shape[0] != self.output_size:
+                raise CheckpointError(f"RowParallelLinear group scales: {loaded.shape[0]} rows, the "
+                                      f"model config needs {self.output_size}")
+            per = self.input_size_per_rank // g
+            with torch.no_grad():
+                param.copy_(loaded.narrow(1, self.tp.rank * per, per))
+            return
+        if isinstance(self, ParallelLMHead):
+            if loaded.shape[0] != self.num_embeddings:
+                raise CheckpointError(f"ParallelLMHead group scales: {loaded.shape[0]} rows, the model "
+                                      f"config needs {self.num_embeddings}")
+            real = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
+            with torch.no_grad():
+                param[:real].copy_(loaded.narrow(0, self.vocab_start, real))
+                param[real:].zero_()
+            return
+        self.weight_loader(param, loaded, *shard)  # column layers: rows, by part
+
+    def _codes_loader(self, param, loaded, *shard):
+        if loaded.dtype != torch.uint8:
+            raise CheckpointError(f"{type(self).__name__} weight_codes: expected uint8 codes, got {loaded.dtype}")
+        self.weight_loader(param, loaded, *shard)
+
+    # -- matmul and packing
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.matmul(x, bias)
+        self.quantize_now()
+        codes, scales, mins = self.group_tensors()
+        return F.linear(x, dequantize(codes, scales, mins).to(x.dtype), bias)
+
+    def prepack(self, shared: bool) -> bool:
+        """Quantize (at-load layers), then pack for the C++ kernels when they are available;
+        the dense tensors are freed once packed (the float weight kept when ``shared``)."""
+        if self.packed is not None:
+            return False
+        self.quantize_now(keep_weight=shared or not ops_ready())
+        codes, scales, mins = self.group_tensors()
+        if self.group_bits == 4 and int(codes.max()) >= 16:
+            raise CheckpointError(f"{type(self).__name__}: 4-bit layer with codes >= 16")
+        if not ops_ready() or codes.device.type != "cpu" or not group_packable(codes.shape[1], self.group_size):
+            return False
+        self.packed = pack_group_weight(codes, scales, mins)
+        for name in (_CODES, _SCALES, _MINS):
+            getattr(self, name).data = getattr(self, name).data.new_empty(0)
+        if not shared and self.weight is not None and self.weight.numel():
+            self.weight.data = self.weight.data.new_empty(0)
+        return True
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _group_class(cls: type) -> type:
+    if issubclass(cls, GroupQuantMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"GroupQuant{cls.__name__}", (GroupQuantMixin, cls), {})
+    return _CLASSES[cls]
+
+
+def make_group_quant(layer: nn.Module, from_checkpoint: bool, group_size: int = 128, bits: int = 0) -> None:
+    """Turn ``layer`` (a PackableLinear: column, merged, q/k/v, row or LM head) into its
+    group-quantized form, in place. ``from_checkpoint``: its codes, scales and mins come from
+    the checkpoint (``group_size`` 0: inferred from their shapes); else its float weight is
+    quantized with ``group_size`` and ``bits`` (4 if 0)."""
+    rows, in_local = layer.weight.shape
+    layer.__class__ = _group_class(type(layer))
+    layer.group_rows, layer.group_in_local = rows, in_local
+    layer.group_in_full = getattr(layer, "input_size", None) or getattr(layer, "embedding_dim")
+    layer.group_bits = bits
+    layer.int8_activations = True
+    if not from_checkpoint:
+        if in_local % group_size:
+            raise CheckpointError(f"{type(layer).__name__}: {in_local} input features on this rank are not a "
+                                  f"multiple of the group size {group_size}")
+        layer.group_size = group_size
+        layer.quantize_groups_at_load = True
+        return
+    from tpserve.models.weights import attach_loader
+    device = layer.weight.device
+    layer.weight = None  # no float weight in the checkpoint; `weight` stays an attribute
+    codes = nn.Parameter(torch.empty(rows, in_local, dtype=torch.uint8, device=device), requires_grad=False)
+    layer.register_parameter(_CODES, attach_loader(codes, layer._codes_loader))
+    for name in (_SCALES, _MINS):
+        p = nn.Parameter(torch.empty(rows, 0, dtype=torch.float32, device=device), requires_grad=False)
+        layer.register_parameter(name, attach_loader(p, layer._group_loader))
+    layer.group_size = 0
+    if group_size:
+        layer._set_group(group_size)
