@@ -9,7 +9,7 @@ from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, Inva
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "Client", "AsyncClient", "AdmissionError",
            "ConfigError", "InvalidRequestError", "InvalidFieldError", "TpserveError", "WorkerDiedError",
-           "RequestOutput", "CompletionOutput", "Logprob"]
+           "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams"]
 
 
 def __getattr__(name):
@@ -20,6 +20,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from tpserve.sampling import SamplingParams
         return SamplingParams
+    if name == "PoolingParams":
+        from tpserve.pooling import PoolingParams
+        return PoolingParams
     if name == "LLM":
         from tpserve.llm import LLM
         return LLM

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tpserve.errors import ConfigError
+from tpserve.pooling import PoolerConfig, check_runner
 from tpserve.quantization import QUANTIZATION_METHODS, resolve_quantization
 from tpserve.spec_config import SpeculativeConfig
 
@@ -124,6 +125,10 @@ class EngineConfig:
     max_waiting_requests: int | str | None = None
     max_waiting_tokens: int | str | None = None
     grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT
+    # "generate" (default) or "pooling": embeddings and scores instead of tokens (vLLM's
+    # --runner; tpserve/pooling.py), with the pooler of ``pooler_config`` (vLLM's keys).
+    runner: str = "generate"
+    pooler_config: dict | str | None = None
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -183,6 +188,19 @@ class EngineConfig:
             raise ConfigError("model", f"must be a path, got {type(self.model).__name__}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config).to_dict()
+        check_runner(self.runner)
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.from_value(self.pooler_config).to_dict()
+            if self.runner != "pooling":
+                raise ConfigError("pooler_config", "applies to --runner pooling only")
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("speculative_config", "a --runner pooling engine generates no token to speculate")
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        """The parsed ``pooler_config`` (defaults when unset)."""
+        return PoolerConfig.from_value(self.pooler_config)
+
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -28,13 +28,17 @@ import numpy as np
 from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
-from tpserve.errors import InvalidFieldError, InvalidRequestError, OverloadedError, StepFailedError, WorkerDiedError
+from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, OverloadedError,
+                            StepFailedError, WorkerDiedError)
 from tpserve.grammar import GrammarCompiler, RequestGrammar
 from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
+from tpserve.pooling import (DEFAULT_SCORE_TOKENS, MAX_POOLING_INPUTS, PoolingParams, finish_embedding,
+                             finish_score, wrong_runner)
 from tpserve.plan import Command
 from tpserve.request import rest_of_context
-from tpserve.limits import MAX_SEED, check_priority, check_prompt_shape, check_request, check_timeout
+from tpserve.limits import (MAX_PROMPT_TOKENS, MAX_SEED, check_priority, check_prompt_shape, check_request,
+                            check_timeout, check_token_ids)
 from tpserve.sample_plan import draft_row_positions, kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
@@ -60,6 +64,8 @@ class _Completion:
     queue_time: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # sampled but not yet reported
     prompt_logprobs: list | None = None  # computed but not yet reported (None for position 0)
+    pooled: np.ndarray | None = None     # pooling: its rows pooled so far (float32 [hidden])
+    score: np.ndarray | None = None      # classify: the score head of ``pooled``
 
 
 @dataclass
@@ -79,6 +85,11 @@ class _Family:
     priority: int = 0
     arrival: float = 0.0                 # time.monotonic() of its arrival
     deadline: float | None = None        # arrival + timeout: every completion ends by then
+    # --runner pooling: one member per prompt (index i: prompt i), answered together
+    pooling: PoolingParams | None = None
+    results: list | None = None          # each prompt's embedding or [score], as it finishes
+    prompt_lens: list[int] | None = None
+    failed: str | None = None            # the finish reason of a member that did not finish "stop"
 
 
 # Separates a request id from a completion index in the internal id of completion i > 0.
@@ -105,6 +116,11 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(config.model_path)
+        self.runner = self.config.runner
+        self.pooler = self.config.pooler
+        self.can_classify = False
+        if self.runner == "pooling":
+            self._resolve_score_tokens()  # before the runners start: rank 0 reads their rows
         self.executor = make_executor(self.config)
         self.config.num_kv_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(self.config)
@@ -118,6 +134,9 @@ class Engine:
         # TokenLogprobs.rank wanted (the offline API's vLLM Logprob.rank): one more pass over the
         # vocabulary per logprobs row, which the daemon, reporting no ranks, does not pay.
         self.logprob_ranks = False
+        self.num_pooling_requests = 0       # pooling requests answered (all their prompts)
+        self.num_pooling_prompts = 0
+        self.pooling_prompt_tokens = 0
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -161,6 +180,8 @@ class Engine:
         ``detokenize`` False skips per-step text (the offline API decodes once at the end);
         requests with stop strings are always detokenized.
         """
+        if self.runner != "generate":
+            raise InvalidRequestError("runner", wrong_runner(self.runner, "generation"))
         params = params or SamplingParams()
         priority, timeout = check_priority(priority), check_timeout(timeout)
         arrival = time.monotonic() if arrival is None else arrival
@@ -195,6 +216,158 @@ class Engine:
                 self._grammars.release(fam.grammar)
         self.families[request_id] = fam
         return len(ids)
+
+    # ---- pooling (--runner pooling; tpserve/pooling.py) -------------------------------------
+    def _resolve_score_tokens(self) -> None:
+        """Find the yes/no reranker's two score tokens (``classifier_from_token``, default
+        "no"/"yes") in the vocabulary, for rank 0's score head; a sequence-classification
+        checkpoint has its own head. Without either, classify is refused (``task``)."""
+        cfg, pooler = self.config, self.pooler
+        archs = cfg.hf_config.get("architectures") or []
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            self.can_classify = True
+            return
+        ids = pooler.score_token_ids
+        if ids is None and self.tokenizer is not None:
+            names = pooler.classifier_from_token or DEFAULT_SCORE_TOKENS
+            found = [self.tokenizer.convert_tokens_to_ids(t) for t in names]
+            unk = getattr(self.tokenizer, "unk_token_id", None)
+            if all(isinstance(i, int) and i != unk for i in found):
+                ids = tuple(found)
+            elif pooler.classifier_from_token is not None:
+                raise ConfigError("pooler_config.classifier_from_token",
+                                  f"{list(names)!r} are not both tokens of this model's vocabulary")
+        vocab = self.vocab_size
+        if ids is not None and vocab is not None and not all(0 <= i < vocab for i in ids):
+            raise ConfigError("pooler_config.score_token_ids", f"{list(ids)!r} are not below vocab_size {vocab}")
+        if ids is not None:
+            cfg.pooler_config = dict(cfg.pooler_config or pooler.to_dict(), score_token_ids=list(ids))
+            self.pooler = cfg.pooler
+            self.can_classify = True
+
+    def add_pooling_request(self, request_id: str, prompts: list, params: PoolingParams | None = None, *,
+                            priority: int = 0, timeout: float | None = None,
+                            arrival: float | None = None) -> int:
+        """Queue an embed / classify request of one or more prompts (strings, tokenized with the
+        tokenizer's special tokens, or token ids), scheduled together and answered together:
+        one EngineOutput whose ``pooled`` holds each prompt's embedding (or ``[score]``) once
+        all of them are computed. Returns their prompt tokens in all.
+
+        Raises as ``add_request`` does (the field named: ``prompts``, ``prompts[i]``,
+        ``dimensions``, ``task``; AdmissionError for a prompt over ``max_model_len``), and
+        InvalidRequestError naming ``--runner`` on a generate engine. Nothing is queued when
+        it raises."""
+        if self.runner != "pooling":
+            raise InvalidRequestError("runner", wrong_runner(self.runner, "embed / classify"))
+        params = params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise InvalidFieldError("params", f"must be a PoolingParams, got {type(params).__name__}")
+        priority, timeout = check_priority(priority), check_timeout(timeout)
+        arrival = time.monotonic() if arrival is None else arrival
+        if not isinstance(request_id, str) or not request_id or _SEP in request_id:
+            raise InvalidFieldError("request_id", "must be a non-empty string without NUL characters")
+        if request_id in self.families:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidFieldError("prompts", "must hold at least one prompt")
+        if len(prompts) > MAX_POOLING_INPUTS:
+            raise InvalidFieldError("prompts", f"holds {len(prompts)} prompts; at most {MAX_POOLING_INPUTS}")
+        hidden = int(self.config.hf_config.get("hidden_size") or 0)
+        if params.task == "classify" and not self.can_classify:
+            raise InvalidFieldError("task", "this model has no score head: classify needs a "
+                                    "*ForSequenceClassification checkpoint, or score tokens in the vocabulary "
+                                    "(--pooler-config classifier_from_token)")
+        if params.dimensions is not None and hidden and params.dimensions > hidden:
+            raise InvalidFieldError("dimensions", f"{params.dimensions} is more than the model's "
+                                    f"{hidden} dimensions")
+        ids_list = []
+        for i, prompt in enumerate(prompts):
+            name = f"prompts[{i}]"
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise InvalidRequestError(name, "this model has no tokenizer: send token ids")
+                check_prompt_shape(prompt, name)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            else:
+                ids = check_token_ids(name, prompt, MAX_PROMPT_TOKENS, 1, self.vocab_size)
+            if not ids:
+                raise InvalidRequestError(name, "is empty after tokenization")
+            ids_list.append(ids)
+        kind = "SCORE" if params.task == "classify" else self.pooler.pooling
+        fam = _Family(request_id, [], SamplingParams(max_tokens=0), 0, [], [], False, priority=priority,
+                      arrival=arrival, deadline=None if timeout is None else arrival + timeout,
+                      pooling=params, results=[None] * len(ids_list), prompt_lens=[len(x) for x in ids_list])
+        try:
+            for i, ids in enumerate(ids_list):
+                rid = f"{request_id}{_SEP}{i}"
+                seq = Sequence(rid, ids, fam.params, priority=priority, deadline=fam.deadline)
+                seq.pooling = kind
+                try:
+                    self.scheduler.add(seq, limit_queue=i == 0)
+                except AdmissionError as e:  # a prompt that can never fit: name it
+                    raise InvalidFieldError(f"prompts[{i}]", f"has {len(ids)} tokens, more than {e.limit} "
+                                            f"{e.allowed} allows") from None
+                self.requests[rid] = _Completion(seq, None, fam, i, arrival=arrival)
+                fam.members.append(rid)
+                fam.unfinished += 1
+        except OverloadedError as e:
+            self._drop_members(fam)
+            e.retry_after = self._retry_after()
+            raise
+        except BaseException:
+            self._drop_members(fam)
+            raise
+        self.families[request_id] = fam
+        return sum(fam.prompt_lens)
+
+    def _drop_members(self, fam: _Family) -> None:
+        for rid in fam.members:
+            if self.requests.pop(rid, None) is not None:
+                self.scheduler.abort(rid)
+
+    def _keep_pooled(self, spans, pooled: np.ndarray, scores: np.ndarray | None) -> None:
+        """A step's pooled spans added to their requests (a chunk that starts the prompt
+        starts the sum over: a preempted request computes its prompt again)."""
+        for row, (seq, starts) in enumerate(spans):
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            if starts or req.pooled is None:
+                req.pooled = pooled[row].copy()
+                req.score = None if scores is None else scores[row].copy()
+            else:
+                req.pooled += pooled[row]
+                if scores is not None:
+                    req.score = scores[row].copy() if req.score is None else req.score + scores[row]
+
+    def _pool_output(self, seq: Sequence) -> EngineOutput | None:
+        """A pooling member finished: None until the last of its request's prompts has, then
+        the request's one output (``pooled``: each prompt's embedding or [score])."""
+        req = self.requests.pop(seq.request_id, None)
+        if req is None:
+            return None
+        fam = req.family
+        fam.unfinished -= 1
+        reason = seq.finish_reason
+        if reason == "stop" and req.pooled is not None:
+            n = fam.prompt_lens[req.index]
+            if fam.pooling.task == "classify":
+                fam.results[req.index] = [finish_score(req.score[0], self.pooler)]
+            else:
+                fam.results[req.index] = finish_embedding(req.pooled, fam.pooling, self.pooler, n)
+        elif fam.failed is None:
+            fam.failed = reason if reason != "stop" else "error"
+        if fam.unfinished:
+            return None
+        self.families.pop(fam.request_id, None)
+        total = sum(fam.prompt_lens)
+        if fam.failed is not None:
+            return EngineOutput(fam.request_id, finished=True, finish_reason=fam.failed, num_prompt_tokens=total)
+        self.num_pooling_requests += 1
+        self.num_pooling_prompts += len(fam.results)
+        self.pooling_prompt_tokens += total
+        return EngineOutput(fam.request_id, finished=True, finish_reason="stop", num_prompt_tokens=total,
+                            queue_time=req.queue_time, pooled=fam.results, pooled_prompt_tokens=fam.prompt_lens)
 
     def _add_member(self, fam: _Family, index: int) -> None:
         params, seed = fam.params, fam.seed
@@ -279,7 +452,7 @@ class Engine:
         """
         expired = self.scheduler.expire(time.monotonic())
         if expired:
-            return [self._output(seq) for seq in expired]
+            return [o for o in map(self._output, expired) if o is not None]
         batch = self.scheduler.schedule()
         failed = self.scheduler.take_grammar_failures()
         if failed:
@@ -321,6 +494,8 @@ class Engine:
             self._keep_logprobs(sampled, logprobs, row_seq)
         if out.prompt_logprobs is not None:
             self._keep_prompt_logprobs(batch.prompt_logprobs, out.prompt_logprobs)
+        if out.pooled is not None:
+            self._keep_pooled(batch.pool_spans, out.pooled, out.scores)
         dead = [sampled[p if row_seq is None else row_seq[p]] for p in np.flatnonzero(tokens < 0).tolist()]
         for seq in dead:  # no token left to sample: the request cannot go on
             log.warning("request %r: its logits controls left no token to sample", seq.request_id)
@@ -328,7 +503,7 @@ class Engine:
         self.num_steps += 1
         seqs = self.scheduler.postprocess(batch, np.maximum(tokens, 0) if dead else tokens, counts)
         self._recent.append((time.monotonic(), len(tokens), batch.num_tokens))
-        outputs = [self._output(seq) for seq in seqs]
+        outputs = [o for o in map(self._output, seqs) if o is not None]
         outputs += [self._output(seq) for seq in dead if seq.request_id in self.requests]
         return failed + outputs if failed else outputs
 
@@ -378,8 +553,10 @@ class Engine:
                 seq.num_prompt_logprobs_done = first + count
             row += count
 
-    def _output(self, seq: Sequence) -> EngineOutput:
-        req = self.requests[seq.request_id]
+    def _output(self, seq: Sequence) -> EngineOutput | None:
+        req = self.requests.get(seq.request_id)
+        if req is None or req.family.pooling is not None:
+            return self._pool_output(seq)
         fam = req.family
         completion = seq.completion_token_ids
         new_ids = completion[req.sent_tokens:]
@@ -518,7 +695,10 @@ class Engine:
             s["spec_decode_acceptance_rate"] = accepted / max(s["spec_decode_num_draft_tokens"], 1)
             # vLLM's mean acceptance length: tokens per verifying step of a sequence.
             s["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
+        s.update(runner=self.runner, pooling_requests=self.num_pooling_requests,
+                 pooling_prompts=self.num_pooling_prompts, pooling_prompt_tokens=self.pooling_prompt_tokens)
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
+                 batch_invariant=self.config.batch_invariant,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)
         s.update(cpu_extension.status())  # the C++ CPU operators: loaded, or why not (cpu_ops_reason)

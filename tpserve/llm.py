@@ -1,5 +1,8 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, named as in vLLM.
 
+With ``runner="pooling"``, ``embed``, ``classify`` and ``score`` return vLLM's pooling shapes
+(EmbeddingRequestOutput, ClassificationRequestOutput, ScoringRequestOutput).
+
 ``generate`` returns vLLM's shapes (``tpserve.outputs``: RequestOutput, CompletionOutput,
 Logprob). The engine reports compact ``EngineOutput``/``TokenLogprobs`` records step by step,
 the same ones the daemon's server loop reads; this module collects them per completion and
@@ -16,7 +19,10 @@ from typing import Sequence as Seq
 from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tpserve.engine import Engine
 from tpserve.errors import ConfigError
-from tpserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs, to_logprob_dict
+from tpserve.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+                             TokenLogprobs, to_logprob_dict)
+from tpserve.pooling import PoolingParams
 from tpserve.sampling import SamplingParams
 
 
@@ -138,6 +144,74 @@ class LLM:
         decode = _token_decoder(tok)
         return [results[rid].request_output(rid, decode) for rid in ids]
 
+    # ---- pooling (LLM(..., runner="pooling")) ----------------------------------------------
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, *, use_tqdm: bool = False,
+              dimensions: int | None = None, normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
+        """One vLLM ``EmbeddingRequestOutput`` per prompt (a string, token ids, or a list of
+        either), in input order: ``outputs.embedding``, pooled as the engine's pooler config
+        says (LAST unless configured), cut to ``dimensions``, L2-normalised unless ``normalize``
+        is false. Needs ``runner="pooling"``. ``use_tqdm`` is accepted for vLLM's signature."""
+        if pooling_params is None:
+            pooling_params = PoolingParams("embed", dimensions=dimensions, normalize=normalize)
+        elif pooling_params.task != "embed":
+            raise ConfigError("pooling_params", "embed takes task 'embed'")
+        ids, vectors = self._pool(_as_list(prompts), pooling_params)
+        return [EmbeddingRequestOutput(f"embed-{i}", EmbeddingOutput(v), t)
+                for i, (t, v) in enumerate(zip(ids, vectors))]
+
+    def classify(self, prompts, *, use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+        """One vLLM ``ClassificationRequestOutput`` per prompt: ``outputs.probs`` = [score], the
+        score head's sigmoid (a sequence-classification checkpoint, or a yes/no reranker)."""
+        ids, vectors = self._pool(_as_list(prompts), PoolingParams("classify"))
+        return [ClassificationRequestOutput(f"classify-{i}", ClassificationOutput(v), t)
+                for i, (t, v) in enumerate(zip(ids, vectors))]
+
+    def score(self, data_1, data_2, *, use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one ``ScoringRequestOutput`` per pair, ``outputs.score`` the
+        classify score of ``data_1``'s text followed by ``data_2``'s (one against many, or
+        pairwise); strings are tokenized as a pair (the tokenizer's pair template, if any),
+        token-id lists concatenated. The model's own prompt format (Qwen3-Reranker's
+        instruction) is the caller's to apply."""
+        first, second = _as_list(data_1), _as_list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ConfigError("data_1", f"got {len(first)} items for {len(second)} in data_2 (one, or as many)")
+        pairs = []
+        for a, b in zip(first, second):
+            if isinstance(a, str) and isinstance(b, str):
+                if self.tokenizer is None:
+                    raise ConfigError("data_1", "this model has no tokenizer: send token ids")
+                pairs.append(list(self.tokenizer(a, b)["input_ids"]))
+            elif isinstance(a, str) or isinstance(b, str):
+                raise ConfigError("data_2", "pairs a string with token ids; give both as the same kind")
+            else:
+                pairs.append(list(a) + list(b))
+        ids, vectors = self._pool(pairs, PoolingParams("classify"))
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(v[0]), t)
+                for i, (t, v) in enumerate(zip(ids, vectors))]
+
+    def _pool(self, prompts: list, params: PoolingParams) -> tuple[list[list[int]], list[list[float]]]:
+        engine = self.engine
+        rid = f"offline-{next(self._ids)}"
+        engine.add_pooling_request(rid, prompts, params)
+        tokens = [list(engine.requests[m].seq.prompt_token_ids) for m in engine.families[rid].members]
+        result = None
+        try:
+            while result is None:
+                outs = engine.step()
+                if not outs and not engine.has_unfinished():
+                    break
+                result = next((o for o in outs if o.request_id == rid), None)
+        except BaseException:
+            engine.abort_request(rid)
+            raise
+        if not engine.has_unfinished():
+            engine.check_integrity()
+        if result is None or result.pooled is None:
+            raise RuntimeError(f"pooling request ended with {getattr(result, 'finish_reason', None)!r}")
+        return tokens, result.pooled
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -219,6 +293,14 @@ class _Collected:
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, prompt_lps, outputs,
                              finished=all(c.finish_reason is not None for c in self.completions),
                              num_cached_tokens=self.num_cached_tokens)
+
+
+def _as_list(prompts) -> list:
+    """A prompt (a string or token ids) or a list of prompts, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _token_decoder(tokenizer):

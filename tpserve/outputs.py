@@ -14,6 +14,11 @@ Two representations of log-probabilities, on purpose:
   ``outs[0].outputs[0].logprobs[i][token_id].logprob`` runs unchanged.
   ``to_logprob_dict`` is the one conversion between the two.
 
+The pooling runner's results come in vLLM's shapes too: ``EmbeddingRequestOutput`` (``.outputs
+.embedding``), ``ClassificationRequestOutput`` (``.outputs.probs``) and ``ScoringRequestOutput``
+(``.outputs.score``), built by ``LLM.embed`` / ``classify`` / ``score`` from the engine's
+``EngineOutput.pooled``.
+
 Importing this module costs nothing (no torch, no numpy): ``tpserve.RequestOutput`` and the
 others are importable from a light ``import tpserve``.
 """
@@ -72,6 +77,10 @@ class EngineOutput:
     # (0 before that, and without prefix caching).
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
+    # --runner pooling: the request's one output (finished, "stop") holds each prompt's
+    # embedding, or [score] for classify, and each prompt's token count.
+    pooled: list[list[float]] | None = None
+    pooled_prompt_tokens: list[int] | None = None
 
 
 # ---- offline side: vLLM's shapes ---------------------------------------------------------
@@ -187,3 +196,56 @@ class RequestOutput:
                 f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
                 f"outputs={self.outputs}, finished={self.finished}, "
                 f"num_cached_tokens={self.num_cached_tokens})")
+
+
+# ---- offline side: vLLM's pooling shapes (LLM.embed / classify / score) -------------------
+@dataclass
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's ``ClassificationOutput``: one prompt's class probabilities (one label: [score])."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: the score of one (text_1, text_2) pair."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's ``PoolingRequestOutput``: the result of one prompt of a pooling call; the
+    subclasses name what ``outputs`` holds. ``finished`` is always True."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``outputs``: an EmbeddingOutput (``LLM.embed``)."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``outputs``: a ClassificationOutput (``LLM.classify``)."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``outputs``: a ScoringOutput (``LLM.score``)."""

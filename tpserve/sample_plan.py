@@ -49,6 +49,9 @@ the sampler runs its plain path.
                         j sampling the token after the first j drafts (row controls above are
                         per row, as if those drafts were accepted)
     draft_tokens        int32 [sum k] the drafts, sequence after sequence
+    pool_starts/ends    int32 [P] --runner pooling: span p pools hidden rows [start, end)
+                        (summed in float32; never sampled, no LM head), and
+    pool_scores         the spans also go through the score head (classify)
 
 The per-row arrays of a decode step over an unchanged running set may be the same read-only
 arrays step after step (``SlotTable.row_controls``): read them, never write.
@@ -118,6 +121,9 @@ class SamplePlan:
     penalty_draft_tokens: np.ndarray | None = None
     draft_counts: np.ndarray | None = None
     draft_tokens: np.ndarray | None = None
+    pool_starts: np.ndarray | None = None
+    pool_ends: np.ndarray | None = None
+    pool_scores: bool = False
     bitmask_pending: object = None  # a concurrent.futures.Future filling ``bitmask``, or None
 
     @classmethod
@@ -207,12 +213,16 @@ class StepOutput:
     prompt_logprobs   with StepPlan.logprob_rows: (float32 [L] the targets' log-probabilities,
                       int64 [L, k], float32 [L, k], int32 [L] the targets' ranks or None) with
                       k = SamplePlan.num_prompt_logprobs
+    pooled            with SamplePlan.pool_starts: float32 [P, hidden] each span's rows summed
+    scores            with SamplePlan.pool_scores: float32 [P, labels] the score head of ``pooled``
     """
 
     tokens: np.ndarray
     logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None
     accepted: np.ndarray | None = None
+    pooled: np.ndarray | None = None
+    scores: np.ndarray | None = None
 
 
 def draft_row_positions(draft_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

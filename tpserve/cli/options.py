@@ -14,6 +14,7 @@ from dataclasses import fields
 
 import click
 
+from tpserve.pooling import RUNNERS
 from tpserve.config import ATTENTION_BACKENDS, AUTO, DTYPES, SCHEDULING_ORDERS, SCHEDULING_POLICIES, EngineConfig
 from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
@@ -118,6 +119,14 @@ _OPTIONS = [
           help='speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", '
                '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
                '[default: off]')),
+    ("runner", ("--runner",),
+     dict(type=click.Choice(RUNNERS), help="generate: completions; pooling: embeddings and scores "
+                                          "(/v1/embeddings, /v1/rerank, /score; vLLM's --runner)")),
+    ("pooler_config", ("--pooler-config",),
+     dict(type=JsonMap(), default=None,
+          help='--runner pooling: vLLM\'s pooler keys as JSON, e.g. \'{"pooling_type": "MEAN", '
+               '"normalize": true}\'; a yes/no reranker\'s tokens: "classifier_from_token": ["no", "yes"] '
+               '[default: LAST pooling, normalized]')),
 ]
 
 

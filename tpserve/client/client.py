@@ -108,6 +108,25 @@ class GenerateResult:
     cached_tokens: int = 0  # prompt tokens the daemon served from its prefix cache
 
 
+@dataclass
+class PoolingResult:
+    """One prompt's result of ``embed`` (its embedding) or ``classify`` (``[score]``)."""
+
+    data: list[float]
+    prompt_tokens: int
+
+
+def _pool_results(msg: P.Message) -> list[PoolingResult]:
+    """The PoolingResults of a ``pool``'s reply (RequestError for an ``error``, or for a
+    ``done``: the request ended early, e.g. its timeout)."""
+    msg = _checked(msg)
+    if isinstance(msg, P.DoneReply):
+        raise RequestError(msg.finish_reason, f"the request ended ({msg.finish_reason}) before its results",
+                           msg.id)
+    assert isinstance(msg, P.PooledReply), msg
+    return [PoolingResult(v, n) for v, n in zip(msg.vectors(), msg.prompt_tokens)]
+
+
 def _make_params(params: SamplingParams | None, sampling: dict) -> SamplingParams:
     if params is not None and sampling:
         raise TypeError("pass either params=SamplingParams(...) or sampling keywords, not both")
@@ -159,6 +178,21 @@ class _ClientCore:
         if rid in in_use:
             raise ValueError(f"request id {rid!r} is already in use on this client")
         return rid, frame
+
+    def _pool_frame(self, prompts, task, dimensions, normalize, priority, request_timeout, request_id,
+                    in_use) -> tuple[str, bytes]:
+        """The id and frame of a ``pool`` request, checked locally before anything is sent
+        (a field the wire refuses raises RequestError naming it, as the daemon's answer would)."""
+        rid = request_id or self._new_id()
+        if rid in in_use:
+            raise ValueError(f"request id {rid!r} is already in use on this client")
+        prompts = [list(p) if isinstance(p, (list, tuple)) else p for p in prompts] \
+            if isinstance(prompts, (list, tuple)) else prompts
+        try:
+            return rid, P.encode(P.PoolRequest(rid, prompts, task, dimensions, normalize, priority or None,
+                                               request_timeout))
+        except P.ProtocolError as e:  # as the daemon would answer it: a RequestError naming the field
+            raise RequestError(e.code, e.message, rid, e.field) from None
 
     def _send_abort_nowait(self, rid: str) -> None:
         """Best effort: a full or closed socket loses the abort, never blocks."""
@@ -261,6 +295,36 @@ class Client(_ClientCore):
         rid = self._submit(prompt, _make_params(params, sampling), request_id, stream=True,
                            priority=priority, request_timeout=request_timeout)
         return Stream(self, rid, self._timeout(timeout))
+
+    def embed(self, prompts: list[list[int]], *, dimensions: int | None = None, normalize: bool | None = None,
+              priority: int = 0, timeout=_DEFAULT, request_timeout: float | None = None,
+              request_id: str | None = None) -> list["PoolingResult"]:
+        """The embedding of each prompt (token ids), one batch on a ``--runner pooling`` daemon:
+        ``data`` cut to ``dimensions`` and L2-normalised unless ``normalize`` is false. Errors
+        (RequestError): a field out of bounds names it; a generate daemon names ``--runner``."""
+        return self._pool(prompts, "embed", dimensions, normalize, priority, timeout, request_timeout, request_id)
+
+    def classify(self, prompts: list[list[int]], *, priority: int = 0, timeout=_DEFAULT,
+                 request_timeout: float | None = None, request_id: str | None = None) -> list["PoolingResult"]:
+        """One score per prompt (``data`` = [score]): a sequence-classification head's, or a yes/no
+        reranker's sigmoid(logit[yes] - logit[no]) at the last position."""
+        return self._pool(prompts, "classify", None, None, priority, timeout, request_timeout, request_id)
+
+    def _pool(self, prompts, task, dimensions, normalize, priority, timeout, request_timeout, request_id):
+        rid, frame = self._pool_frame(prompts, task, dimensions, normalize, priority, request_timeout,
+                                      request_id, self._open)
+        self._open[rid] = deque()
+        self._unacked[rid] = True
+        try:
+            self._sock.send(frame)
+            msg = self._next(rid, self._timeout(timeout))
+        except ClientTimeout:
+            self._send_abort_nowait(rid)
+            raise
+        finally:
+            self._open.pop(rid, None)
+            self._unacked.pop(rid, None)
+        return _pool_results(msg)
 
     def abort(self, request_id: str, timeout=_DEFAULT) -> bool:
         """Abort a request sent by this client. True if it was aborted, False if it had
@@ -486,6 +550,36 @@ class AsyncClient(_ClientCore):
             self._unacked.pop(rid, None)
             if not done:
                 self._send_abort_nowait(rid)
+
+    async def embed(self, prompts: list[list[int]], *, dimensions: int | None = None,
+                    normalize: bool | None = None, priority: int = 0, timeout=_DEFAULT,
+                    request_timeout: float | None = None, request_id: str | None = None) -> list[PoolingResult]:
+        """As ``Client.embed``."""
+        return await self._pool(prompts, "embed", dimensions, normalize, priority, timeout, request_timeout,
+                                request_id)
+
+    async def classify(self, prompts: list[list[int]], *, priority: int = 0, timeout=_DEFAULT,
+                       request_timeout: float | None = None, request_id: str | None = None) -> list[PoolingResult]:
+        """As ``Client.classify``."""
+        return await self._pool(prompts, "classify", None, None, priority, timeout, request_timeout, request_id)
+
+    async def _pool(self, prompts, task, dimensions, normalize, priority, timeout, request_timeout, request_id):
+        rid, frame = self._pool_frame(prompts, task, dimensions, normalize, priority, request_timeout,
+                                      request_id, self._queues)
+        self._queues[rid] = asyncio.Queue()
+        self._ensure_reader()
+        self._unacked[rid] = True
+        done = False
+        try:
+            await self._sock.send(frame)
+            msg = await self._get(rid, self._timeout(timeout))
+            done = True
+        finally:
+            self._queues.pop(rid, None)
+            self._unacked.pop(rid, None)
+            if not done:  # cancelled (or timed out): the daemon stops the request
+                self._send_abort_nowait(rid)
+        return _pool_results(msg)
 
     async def abort(self, request_id: str, timeout=_DEFAULT) -> bool:
         """True if the request was aborted, False if it was not in flight."""

@@ -17,11 +17,13 @@ limits, error codes and validators are wire_fields.py's, re-exported here.
 from __future__ import annotations
 
 import array
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import msgpack
 
+from tpserve.pooling import MAX_DIMENSIONS, MAX_POOLING_INPUTS, TASKS as POOLING_TASKS
 from tpserve.request import Request
 from tpserve.sampling import SamplingParams
 from tpserve.client.wire_fields import (
@@ -50,7 +52,7 @@ __all__ = [  # the wire contract: this module's messages, and wire_fields.py's n
     "prompt_logprobs_list", "completions_list", "request_id", "count", "prompt", "SAMPLING_FIELDS",
     "ZMQ", "sampling_params", "params_to_wire", "structured_to_wire", "status_map", "PROTOCOL_VERSION",
     "Message", "GenerateRequest", "AbortRequest", "StatusRequest", "PingRequest", "MAX_PROFILE_SECONDS",
-    "ProfileRequest", "MetricsRequest", "TokenizeRequest", "DeltaReply", "DoneReply", "ErrorReply",
+    "ProfileRequest", "MetricsRequest", "TokenizeRequest", "PoolRequest", "PooledReply", "DeltaReply", "DoneReply", "ErrorReply",
     "StatusReply", "ProfileReply", "PongReply", "MetricsReply", "TokensReply", "encode", "unpack_frame",
     "decode", "readable_id", "salvage_id",
 ]
@@ -152,6 +154,77 @@ class TokenizeRequest(Message):
     id: str
     text: str
     add_special_tokens: bool = False
+
+
+def _pool_prompts(name, v):
+    """The prompts of a ``pool`` request: 1..MAX_POOLING_INPUTS arrays of token ids."""
+    if not isinstance(v, (list, tuple)) or not v:
+        raise invalid(name, "must be a non-empty array of prompts (arrays of token ids)")
+    if len(v) > MAX_POOLING_INPUTS:
+        raise invalid(name, f"holds {len(v)} prompts; at most {MAX_POOLING_INPUTS}")
+    check = token_ids(MAX_PROMPT_TOKENS, 1)
+    return [check(f"{name}[{i}]", p) for i, p in enumerate(v)]
+
+
+def _packed_floats(name, v):
+    """float32 little-endian values as ``bin`` (an ``array.array("f")`` in a message)."""
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        if len(v) % 4:
+            raise invalid(name, f"must be float32 little-endian values, got {len(v)} bytes")
+        out = array.array("f")
+        out.frombytes(v)
+        if sys.byteorder != "little":
+            out.byteswap()
+        return out
+    if isinstance(v, array.array) and v.typecode == "f":
+        return v
+    raise invalid(name, f"must be packed float32 values (bin), got {type(v).__name__}")
+
+
+def _counts(name, v):
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_POOLING_INPUTS:
+        raise invalid(name, f"must be an array of at most {MAX_POOLING_INPUTS} counts")
+    return [count(f"{name}[{i}]", c) for i, c in enumerate(v)]
+
+
+@dataclass
+class PoolRequest(Message):
+    """Embed or classify ``prompts`` (--runner pooling), all in one batch. Reply: one
+    ``pooled``, or one ``error``; a request that ended early (timeout, abort): ``done``."""
+
+    TYPE = "pool"
+    DIRECTION = "request"
+    FIELDS = {"id": (request_id, True), "prompts": (_pool_prompts, True),
+              "task": (one_of(POOLING_TASKS), False), "dimensions": (nullable(integer(1, MAX_DIMENSIONS)), False),
+              "normalize": (nullable(boolean), False),
+              "priority": (nullable(priority), False), "timeout": (nullable(timeout), False)}
+    id: str
+    prompts: list[list[int]]
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    priority: int | None = None   # None: 0
+    timeout: float | None = None  # None: the daemon's --request-timeout
+
+
+@dataclass
+class PooledReply(Message):
+    """The results of a ``pool``: ``data`` holds each prompt's vector (its embedding, or
+    [score]) back to back, ``dim`` values each (float32, packed); ``prompt_tokens`` each
+    prompt's token count."""
+
+    TYPE = "pooled"
+    DIRECTION = "reply"
+    FIELDS = {"id": (request_id, True), "data": (_packed_floats, True),
+              "dim": (integer(0, MAX_DIMENSIONS), True), "prompt_tokens": (_counts, True)}
+    id: str
+    data: array.array
+    dim: int
+    prompt_tokens: list[int]
+
+    def vectors(self) -> list[list[float]]:
+        d, flat = self.dim, self.data.tolist()
+        return [flat[i * d:(i + 1) * d] for i in range(len(self.prompt_tokens))]
 
 
 @dataclass
@@ -297,10 +370,10 @@ class TokensReply(Message):
 
 REQUESTS: dict[str, type[Message]] = {c.TYPE: c for c in
                                       (GenerateRequest, AbortRequest, StatusRequest, PingRequest,
-                                       ProfileRequest, MetricsRequest, TokenizeRequest)}
+                                       ProfileRequest, MetricsRequest, TokenizeRequest, PoolRequest)}
 REPLIES: dict[str, type[Message]] = {c.TYPE: c for c in
                                      (DeltaReply, DoneReply, ErrorReply, StatusReply, PongReply, ProfileReply,
-                                      MetricsReply, TokensReply)}
+                                      MetricsReply, TokensReply, PooledReply)}
 
 
 # ---- encode / decode ---------------------------------------------------------------------
@@ -332,8 +405,15 @@ def encode(msg: Message) -> bytes:
         checked["params"] = params_to_wire(checked["params"])
     for name, value in checked.items():
         if isinstance(value, array.array):
-            checked[name] = packed(value)
+            checked[name] = packed(value) if value.typecode == "i" else _float_bytes(value)
     return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **checked}, use_bin_type=True)
+
+
+def _float_bytes(values: array.array) -> bytes:
+    if sys.byteorder != "little":
+        values = array.array("f", values)
+        values.byteswap()
+    return values.tobytes()
 
 
 class _MapKeyError(Exception):

@@ -264,6 +264,8 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
     for key, tensor in weights:
         if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and spec.tie_word_embeddings):
             continue
+        if spec.sequence_classification and key.startswith("score."):  # the pooler's (workers/pooler.py)
+            continue
         if spec.moe_module != "mlp" and ".mlp." in key:  # Mixtral under transformers' in-memory name
             key = key.replace(".mlp.", f".{spec.moe_module}.")
         expert = _expert_target(key, model) if experts else None

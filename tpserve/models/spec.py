@@ -34,6 +34,10 @@ from tpserve.models.rotary import SUPPORTED_ROPE_TYPES
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM") + MOE_ARCHITECTURES
+# Sequence-classification checkpoints (--runner pooling's classify): the same decoder, a score
+# head (``score.weight``, read by the pooling rank: workers/pooler.py) instead of an LM head.
+SEQ_CLS_ARCHITECTURES = {a.replace("ForCausalLM", "ForSequenceClassification"): a
+                         for a in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")}
 # Routing and expert-layout fields of other MoE families: any value but the neutral one means a
 # model tpserve would compute wrongly. (field, accepted values)
 _FOREIGN_MOE_FIELDS = (
@@ -91,6 +95,9 @@ class ModelSpec:
     # Top-k weights rounded to the activation dtype before they scale an expert's output
     # (transformers' Qwen routers do; Mixtral's keeps them in fp32).
     round_routing_weights: bool = False
+    # A *ForSequenceClassification checkpoint: its ``score.weight`` is the pooler's, not the
+    # decoder's (loader.py skips it).
+    sequence_classification: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -193,6 +200,9 @@ def model_spec(config) -> ModelSpec:
     """
     archs = getattr(config, "architectures", None) or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    seq_cls = arch is None and any(a in SEQ_CLS_ARCHITECTURES for a in archs)
+    if seq_cls:
+        arch = SEQ_CLS_ARCHITECTURES[next(a for a in archs if a in SEQ_CLS_ARCHITECTURES)]
     if arch is None:
         raise UnsupportedModelError(
             "architectures", f"{archs!r} names no supported architecture; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -241,7 +251,9 @@ def model_spec(config) -> ModelSpec:
         max_position=_positive_int(config, "max_position_embeddings"),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        # A classifier has no LM head: the (never computed) head shares the embedding.
+        tie_word_embeddings=seq_cls or bool(getattr(config, "tie_word_embeddings", False)),
+        sequence_classification=seq_cls,
         qk_norm=qwen3_like,
         qkv_bias=qkv_bias,
         o_bias=o_bias,

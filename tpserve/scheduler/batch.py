@@ -43,6 +43,10 @@ class ScheduledBatch:
     # The per-row arrays of the step's SamplePlan (temperatures, top_ks, top_ps, seeds,
     # steps), in sample-row order (set by build_plan).
     sample_rows: dict | None = None
+    # Pooling rows of this step (--runner pooling; set by build_plan): (seq, its chunk starts
+    # the prompt) per span, and the spans' [start, end) hidden rows (int32 arrays).
+    pool_spans: list = field(default_factory=list)
+    pool_rows: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)

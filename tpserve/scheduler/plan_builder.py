@@ -13,6 +13,8 @@ Row contents (``s`` a slot):
   ``tail_blocks[s]`` is its last block (where a decoding sequence writes its next KV).
 - ``seq_lens[s] == len(seq)`` and ``last_tokens[s] == seq.last_token`` while decoding (they are
   written when the prefill completes and bumped by every decode step).
+- Pooling sequences (--runner pooling) are prefill rows that are never sampled; the rows
+  they pool are ``batch.pool_rows`` (``_pool_rows``), read by rank 0 through the SamplePlan.
 - ``prompt_lens[s]``, ``stop_lens[s]`` (the length at which the sequence finishes with
   "length"), sampling parameters, and ``stop_ids[k, s]`` for k < K: the token ids that finish
   it with "stop" (EOS unless ignore_eos, plus stop_token_ids), padded with -1. Stored one
@@ -246,6 +248,8 @@ def _build_mixed(batch, bs: int) -> StepPlan:
     psampled = np.asarray(batch.sampled, dtype=bool)
     first = n0 + nv  # the first prefill token's row
     lp_rows = _prompt_logprob_rows(batch, pseqs, starts.tolist(), qlens.tolist(), (pcu[:-1] + first).tolist())
+    if any(s.pooling is not None for s in pseqs):
+        _pool_rows(batch, pseqs, starts.tolist(), qlens.tolist(), (pcu[:-1] + first).tolist())
     sidx = np.concatenate((didx, v["sample_slots"], pidx[psampled]))
     width = int(t.num_blocks[idx].max())
     batch.sample_rows = dict(
@@ -316,3 +320,31 @@ def _prompt_logprob_rows(batch, pseqs, starts, qlens, first_rows) -> np.ndarray:
         targets += seq.token_ids[lo:hi + 1]
     batch.prompt_logprob_targets = np.asarray(targets, dtype=np.int32)
     return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
+
+
+def _pool_rows(batch, pseqs, starts, qlens, first_rows) -> None:
+    """The hidden rows each pooling sequence's chunk contributes (--runner pooling), on
+    ``batch.pool_spans`` / ``batch.pool_rows``: LAST and SCORE the prompt's last row (in the
+    chunk that ends it), CLS its first (in the chunk that starts it), MEAN every row of the
+    chunk (rank 0 sums them; the engine adds the chunks up). Pooling rows are never sampled:
+    no LM head runs for them."""
+    spans, lo, hi = [], [], []
+    for seq, a, q, r in zip(pseqs, starts, qlens, first_rows):
+        kind = seq.pooling
+        if kind is None:
+            continue
+        if kind == "MEAN":
+            span = (r, r + q)
+        elif kind == "CLS":
+            if a:
+                continue
+            span = (r, r + 1)
+        elif a + q == len(seq.token_ids):  # LAST, SCORE
+            span = (r + q - 1, r + q)
+        else:
+            continue
+        spans.append((seq, a == 0))
+        lo.append(span[0])
+        hi.append(span[1])
+    batch.pool_spans = spans
+    batch.pool_rows = (np.asarray(lo, dtype=np.int32), np.asarray(hi, dtype=np.int32)) if spans else None

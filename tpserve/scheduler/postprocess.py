@@ -9,7 +9,9 @@ length limit (prompt + ``max_tokens``, or ``max_model_len``) with "length". Deco
 it vectorized over the batch (O(batch) in numpy: lengths, last tokens and stop ids are per-slot
 arrays of the SlotTable); the first token after a prefill goes through the same call; a decode
 row that verified drafts keeps its run up to the first token the rule ends it at (a
-constrained request never has drafts) and gives back the blocks reserved past it.
+constrained request never has drafts) and gives back the blocks reserved past it. A pooling
+sequence (--runner pooling) gets no token: it ends "stop" once its whole prompt is computed,
+its full blocks hashed into the prefix cache first (they outlive it there, evictable).
 
 The mixin reads the scheduler's ``table``, ``block_manager``, ``block_size``, ``grammars``,
 ``speculator`` and ``_dropped_in_flight``, counts ``decode_tokens``, and finishes sequences
@@ -133,6 +135,12 @@ class Postprocess:
             if seq.status is not RUNNING:  # aborted while the step ran
                 continue
             seq.num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if seq.pooling is not None:  # pooled, never sampled: done once its prompt is
+                if seq.num_cached_tokens == len(seq.token_ids):
+                    done.append((seq, "stop"))
+                    out.append(seq)
+                bm.hash_blocks(seq)
+                continue
             if sampled and seq.sampling_params.max_tokens == 0:  # score the prompt only
                 done.append((seq, "length"))
             elif sampled:

@@ -279,7 +279,8 @@ class Scheduler(Postprocess):
         if len(seqs) == nd:
             return None
         self.prompt_tokens_computed += total - budget
-        sampled = [s.num_cached_tokens + s.num_scheduled_tokens == len(s) for s in seqs[nd:]]
+        sampled = [s.pooling is None and s.num_cached_tokens + s.num_scheduled_tokens == len(s)
+                   for s in seqs[nd:]]
         return self._batch(seqs, True, sampled=sampled, num_decodes=nd)
 
     @staticmethod
@@ -287,6 +288,8 @@ class Scheduler(Postprocess):
         """Whether admitting ``seq`` may use the prefix cache. Prompt log-probabilities need the
         logits of every prompt row, so a request that still owes some computes its whole
         prompt (its blocks still enter the cache)."""
+        if seq.pooling is not None:  # MEAN and CLS pool rows that a cached block would skip
+            return seq.pooling in ("LAST", "SCORE")
         return (seq.sampling_params.prompt_logprobs is None
                 or seq.num_prompt_logprobs_done >= seq.num_prompt_tokens)
 
@@ -461,6 +464,9 @@ class Scheduler(Postprocess):
         sample = build_sample_plan(seqs, batch.slots[self._sample_rows(batch)], batch.sample_rows,
                                    self.table, max(ks, default=-1), self.vocab_size,
                                    batch.sample_drafts())
+        if batch.pool_spans:  # pooling rows (rank 0 pools them: sample_plan.py)
+            sample.pool_starts, sample.pool_ends = batch.pool_rows
+            sample.pool_scores = any(seq.pooling == "SCORE" for seq, _ in batch.pool_spans)
         if batch.prompt_logprobs:
             sample.prompt_targets = batch.prompt_logprob_targets
             sample.num_prompt_logprobs = max(s.sampling_params.prompt_logprobs for s, _, _ in batch.prompt_logprobs)

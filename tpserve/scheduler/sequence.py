@@ -42,7 +42,7 @@ class Sequence:
                  "_num_cached_tokens", "_cached_follows_len", "num_prefix_hit_tokens",
                  "num_hashed_blocks", "block_hashes", "finish_reason", "slot", "bad_words_ids",
                  "num_prompt_logprobs_done", "grammar", "proposer_state", "priority", "deadline",
-                 "num_cached_prompt_tokens")
+                 "num_cached_prompt_tokens", "pooling")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, seed: int = 0, *, block_size: int = 16,
@@ -86,6 +86,11 @@ class Sequence:
         self.priority = priority
         # time.monotonic() by which the request must end (finish_reason "timeout"), or None.
         self.deadline = deadline
+        # A pooling request (--runner pooling): its pooling type ("LAST", "MEAN", "CLS", or
+        # "SCORE": LAST through the score head, classify). It
+        # is a prefill that samples nothing: the plan pools its rows (plan_builder.py) and it
+        # finishes once its prompt is computed.
+        self.pooling: str | None = None
 
     # ---- KV accounting -------------------------------------------------------------------
     @property

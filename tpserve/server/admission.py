@@ -87,8 +87,12 @@ class Admission:
             self.peers.send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
 
         try:
-            req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params, priority=req.priority,
-                                                        timeout=req.timeout, arrival=req.arrival)
+            if req.pooling:  # params: a PoolingParams (--runner pooling)
+                req.prompt_tokens = self.engine.add_pooling_request(
+                    req.engine_id, prompt(), params, priority=req.priority, timeout=req.timeout, arrival=req.arrival)
+            else:
+                req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params, priority=req.priority,
+                                                            timeout=req.timeout, arrival=req.arrival)
         except OverloadedError as e:
             self._refuse_overloaded(req, e)
         except AdmissionError as e:

@@ -62,6 +62,7 @@ class ClientRequest:
     logprobs_wanted: bool = False
     priority: int = 0
     timeout: float | None = None  # seconds from ``arrival``
+    pooling: bool = False  # a ``pool`` request: one ``pooled`` reply (server._finish_pooling)
 
     def take(self, out) -> P.DeltaReply | None:
         """Count one engine output of this request; returns the ``delta`` to send (streamed,

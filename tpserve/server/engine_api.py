@@ -39,6 +39,13 @@ class ServingEngine(Protocol):
         (time.monotonic()) the request ends with finish_reason "timeout".
         """
 
+    def add_pooling_request(self, request_id: str, prompts: list, params=None, *, priority: int = 0,
+                            timeout: float | None = None, arrival: float | None = None) -> int:
+        """Queue an embed / classify request of several prompts (--runner pooling, a
+        tpserve.pooling.PoolingParams); one output answers them all (``EngineOutput.pooled``).
+        Raises as ``add_request`` does; InvalidRequestError naming ``--runner`` on a generate
+        engine (and ``add_request`` on a pooling one)."""
+
     def abort_request(self, request_id: str) -> bool:
         """Drop an unfinished request and free its blocks; False if it is not unfinished."""
 

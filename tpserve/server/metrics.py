@@ -98,6 +98,11 @@ class _EngineCollector:
                       s.get("num_timed_out", 0))
         yield gauge("num_waiting_tokens", "Prompt tokens of waiting requests not yet computed.",
                     s.get("num_waiting_tokens", 0))
+        if s.get("runner") == "pooling":  # --runner pooling: embed / classify requests answered
+            yield counter("pooling_requests", "Pooling requests (embed, classify) answered.",
+                          s.get("pooling_requests", 0))
+            yield counter("pooling_prompt_tokens", "Prompt tokens of the pooling requests answered.",
+                          s.get("pooling_prompt_tokens", 0))
         if "spec_decode_num_drafts" in s:
             yield from self._spec_decode(s, counter)
         if "cpu_ops" in s:

@@ -60,6 +60,7 @@ from the drain's first moment.
 """
 from __future__ import annotations
 
+import array
 import logging
 import math
 import threading
@@ -83,7 +84,8 @@ from tpserve.server.profiling import ProfileRecorder
 from tpserve.server.status import StatusReport
 from tpserve.server.tokenize_requests import TokenizeRequests
 from tpserve.server.tokenizing import CONTENDED_CPU_SHARE, PromptTokenizer
-from tpserve.errors import StepFailedError
+from tpserve.errors import InvalidFieldError, StepFailedError
+from tpserve.pooling import PoolingParams
 from tpserve.tokenizer import TokenizerProcess
 
 log = logging.getLogger("tpserve.daemon")
@@ -403,6 +405,8 @@ class Server(Admission, TokenizeRequests, StatusReport):
             reply(identity, P.MetricsReply(self.metrics.render(), id=msg.id))
         elif isinstance(msg, P.TokenizeRequest):
             self._on_tokenize(identity, msg)
+        elif isinstance(msg, P.PoolRequest):
+            self._on_pool(identity, msg)
         else:
             assert isinstance(msg, P.PingRequest)
             reply(identity, P.PongReply(id=msg.id))
@@ -447,6 +451,33 @@ class Server(Admission, TokenizeRequests, StatusReport):
             return
         self._queue_or_admit(req, lambda: request.prompt, request.params)
 
+    def _on_pool(self, identity: bytes, msg: P.PoolRequest) -> None:
+        """An embed / classify request (--runner pooling): its prompts admitted together, one
+        ``pooled`` reply once all are computed (``_finish_pooling``)."""
+        def error(code, message, **kw):
+            self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
+
+        if self._stopping:
+            self.metrics.on_refused("shutting_down")
+            return error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
+                         id=msg.id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
+        peer = self.peers.get(identity)
+        if peer is not None and msg.id in peer.requests:
+            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
+                         "that request continues", field="id")
+        try:
+            params = PoolingParams(msg.task, dimensions=msg.dimensions, normalize=msg.normalize)
+        except InvalidFieldError as e:
+            return error(P.INVALID_FIELD, e.reason, id=msg.id, field=e.field)
+        if self._refused_over_cap(identity, peer, msg.id):
+            return
+        peer = self.peers.peer(identity)
+        req = ClientRequest(peer, msg.id, f"{peer.tag}:{msg.id}", False, prompt_tokens=0, arrival=time.monotonic(),
+                            priority=msg.priority or 0, pooling=True,
+                            timeout=self.options.request_timeout if msg.timeout is None else msg.timeout)
+        prompts = msg.prompts
+        self._queue_or_admit(req, lambda: prompts, params)
+
     def _refused_over_cap(self, identity: bytes, peer: Peer | None, client_id: str) -> bool:
         """Refuse (too_many_requests) a request of a connection at its cap of requests in flight."""
         limit = self.options.max_requests_per_connection
@@ -482,6 +513,10 @@ class Server(Admission, TokenizeRequests, StatusReport):
             req = self._requests.get(out.request_id)
             if req is None:
                 continue  # aborted or dropped since the engine produced it
+            if req.pooling:
+                if out.finished:
+                    self._finish_pooling(req, out, now)
+                continue
             if out.error is not None:  # its grammar did not compile: no token was produced
                 self._close(req)
                 e = out.error
@@ -510,6 +545,19 @@ class Server(Admission, TokenizeRequests, StatusReport):
         self.metrics.on_finished(now, req.arrival)
         self._close(req)
         self.peers.send(req.peer, done)
+        self.peers.forget_if_idle(req.peer)
+
+    def _finish_pooling(self, req: ClientRequest, out, now: float) -> None:
+        """A pool request's one output: its ``pooled`` reply (a ``done`` if it ended early)."""
+        self._close(req)
+        self.metrics.on_finished(now, req.arrival)
+        if out.pooled is None:
+            reply = P.DoneReply(req.client_id, out.finish_reason or "abort", out.num_prompt_tokens, 0)
+        else:
+            dim = len(out.pooled[0]) if out.pooled else 0
+            data = array.array("f", [x for vec in out.pooled for x in vec])
+            reply = P.PooledReply(req.client_id, data, dim, list(out.pooled_prompt_tokens))
+        self.peers.send(req.peer, reply)
         self.peers.forget_if_idle(req.peer)
 
     def _abort(self, req: ClientRequest, reason: str) -> None:

@@ -55,6 +55,7 @@ from tpserve.plan import Command, StepPlan
 from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
+from tpserve.workers.pooler import Pooler
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
 from tpserve.workers.thread_governor import ThreadGovernor, enabled as governor_enabled
@@ -107,6 +108,9 @@ class ModelRunner:
                                 enable_expert_parallel=config.enable_expert_parallel)
         prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
         self.sampler = Sampler(device=self.device)
+        # --runner pooling: rank 0 pools the forward's rows (and scores them: pooler.py)
+        self.pooler = Pooler.from_config(config, self.device) \
+            if config.runner == "pooling" and tp.is_first else None
         self.stager = PlanStager(self.accel)
         self._own_threads = torch.get_num_threads()  # the cores this rank runs on (share_cpu_threads)
         # Fewer threads while other processes busy this rank's cores (thread_governor.py).
@@ -244,6 +248,13 @@ class ModelRunner:
             hidden = self.model(t["input_ids"], t["positions"], self.metadata(plan, t))
         prompt_lp = self._prompt_logprobs(hidden, t["logprob_rows"], sample) \
             if plan.logprob_rows.shape[0] else None
+        if plan.num_samples == 0:  # e.g. only pooling rows: no LM head on any rank
+            if not self.tp.is_first:
+                return None
+            out = _empty_output(sample)
+            out.prompt_logprobs = prompt_lp
+            self._pool(hidden, sample, out)
+            return out
         if plan.num_decodes == plan.num_tokens == plan.num_samples:
             rows = hidden  # one sampled row per sequence, in order: logits_indices is arange
         else:
@@ -253,11 +264,22 @@ class ModelRunner:
             return None
         tokens, accepted = self.sampler.sample(logits, sample)
         out = StepOutput(tokens.cpu().numpy(), prompt_logprobs=prompt_lp, accepted=accepted)
+        self._pool(hidden, sample, out)
         if sample.num_logprobs >= 0:
             out.logprobs = tuple(None if a is None else a.cpu().numpy() for a in
                                  compute_logprobs(logits, tokens.clamp(min=0), sample.num_logprobs,
                                                   sample.logprob_ranks))
         return out
+
+    def _pool(self, hidden: torch.Tensor, sample: SamplePlan, out: StepOutput) -> None:
+        """Rank 0: the step's pooling spans (SamplePlan.pool_starts) into ``out.pooled`` /
+        ``out.scores``."""
+        if sample.pool_starts is None or not len(sample.pool_starts):
+            return
+        if self.pooler is None:
+            raise RuntimeError("pooling rows in a plan of a --runner generate engine")
+        out.pooled, out.scores = self.pooler.pool(hidden, sample.pool_starts, sample.pool_ends,
+                                                  sample.pool_scores)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, sample: SamplePlan):
         """Log-probabilities of the prompt tokens that ``rows`` predict, in chunks of
