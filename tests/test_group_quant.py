@@ -142,19 +142,30 @@ def test_checkpoint_codes_equal_the_dequantized_model(float_model, tmp_path, mon
 
 def test_checkpoint_codes_on_the_kernels(float_model, tmp_path):
     """The same checkpoint packed for the C++ kernels (W4A8 / W8A8 per group): close to the
-    dequantized float model, and the fused decode stack takes its layers."""
+    dequantized float model."""
     assert cpu_extension.available()
     ck = make_group_checkpoint(float_model, tmp_path / "group")
     ref = make_group_checkpoint(float_model, tmp_path / "deq", dequantized=True)
     model, got = _logits(ck, backend="cpu")
     assert model.model.layers[0].self_attn.qkv_proj.packed.kind == 5  # v_proj's 8-bit codes
     assert model.model.layers[0].self_attn.o_proj.packed.kind == 4
-    assert model.fused_decode is not None and model.fused_decode.stack is not None
     _, want = _logits(ref, backend="cpu")
     for a, b in zip(got, want):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() < 0.05 * scale
         assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.75
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_fused_decode_takes_group_layers(float_model, tmp_path, stack):
+    """The fused decode (the whole stack in one call, or two calls per layer as under TP) runs
+    group layers through the same kernels as the modules: bit-identical logits."""
+    from test_fused_decode import _decode_logits
+    ck = make_group_checkpoint(float_model, tmp_path / "group")
+    fused = _decode_logits(ck, "float32", None, fused=True, stack=stack)
+    modules = _decode_logits(ck, "float32", None, fused=False)
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
 
 
 def test_bad_group_tensors_are_refused(float_model, tmp_path):

@@ -107,7 +107,8 @@ def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     m, k = q.shape
     n = codes.shape[0]
     dots = torch.einsum("mgi,ngi->mng", q.double().view(m, k // g, g), codes.double().view(n, k // g, g))
-    y = (s.double()[:, None, :] * (scales.double()[None] * dots + mins.double()[None] * qsum.double()[:, None, :]))
+    sums = scales.double()[None] * dots + mins.double()[None] * qsum.double()[:, None, :]
+    y = s.double()[:, None, :] * sums
     y = y.sum(-1)
     if bias is not None:
         y = y + bias.double()
@@ -142,7 +143,8 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
         data = c.view(pn, 4, lanes, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
 
     def per_panel(t):
-        return _pad_rows(t.detach().float(), n_pad).view(pn, panel, k // g).permute(0, 2, 1).contiguous().view(-1)
+        t = _pad_rows(t.detach().float(), n_pad).view(pn, panel, k // g)
+        return t.permute(0, 2, 1).contiguous().view(-1)
     return PackedWeight(data=data, kind=GROUP4 if bits == 4 else GROUP8, n=n, k=k,
                         scales=per_panel(scales), colsum=per_panel(mins))
 
@@ -246,7 +248,8 @@ class GroupQuantMixin:
 
     def _codes_loader(self, param, loaded, *shard):
         if loaded.dtype != torch.uint8:
-            raise CheckpointError(f"{type(self).__name__} weight_codes: expected uint8 codes, got {loaded.dtype}")
+            raise CheckpointError(f"{type(self).__name__} weight_codes: expected uint8 codes, "
+                                  f"got {loaded.dtype}")
         self.weight_loader(param, loaded, *shard)
 
     # -- matmul and packing
@@ -266,7 +269,8 @@ class GroupQuantMixin:
         codes, scales, mins = self.group_tensors()
         if self.group_bits == 4 and int(codes.max()) >= 16:
             raise CheckpointError(f"{type(self).__name__}: 4-bit layer with codes >= 16")
-        if not ops_ready() or codes.device.type != "cpu" or not group_packable(codes.shape[1], self.group_size):
+        if (not ops_ready() or codes.device.type != "cpu"
+                or not group_packable(codes.shape[1], self.group_size)):
             return False
         self.packed = pack_group_weight(codes, scales, mins)
         for name in (_CODES, _SCALES, _MINS):

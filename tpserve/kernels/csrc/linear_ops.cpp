@@ -29,6 +29,7 @@
 #endif
 
 #include "linear_ops.h"
+#include "quant_ops.h"
 #include "vec.h"
 
 namespace tpserve {
@@ -465,6 +466,7 @@ void check_x(const at::Tensor& x, const PackedLinear& w) {
 int64_t linear_panel_width() { return kPanel; }
 
 void check_packed(const PackedLinear& w, const char* what) {
+  if (is_group_kind(w.kind)) return check_group_packed(w, what);  // quant_ops.cpp
   TORCH_CHECK_VALUE(w.kind >= kFloat32 && w.kind <= kInt8Dynamic, what, ": unknown weight kind ", w.kind);
   TORCH_CHECK_VALUE(w.n >= 1 && w.k >= 1 && w.k % k_multiple(w.kind) == 0, what,
                     ": expected N >= 1 and K a multiple of ", k_multiple(w.kind), ", got N=", w.n, " K=", w.k);
@@ -502,6 +504,7 @@ void linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
                     "out: expected [M, N] of x's dtype with contiguous rows");
   TORCH_CHECK_VALUE(!w.bias.has_value() || w.bias->scalar_type() == dt, "bias: expected x's dtype");
   if (x.size(0) == 0) return;
+  if (is_group_kind(w.kind)) return group_linear_into(out, x, w);  // quant_ops.cpp
   if (dt == at::kFloat) {
     linear_typed<float>(out, x, w);
   } else {

@@ -15,6 +15,8 @@ enum WeightKind : int64_t {
   kBFloat16 = 1,     // bf16 weights, bf16 activations, fp32 sums
   kInt8 = 2,         // int8 weights with a scale per output channel; fp32/bf16 activations
   kInt8Dynamic = 3,  // the same weights; activations quantized to int8 per row at each call
+  kGroup4 = 4,       // 4-bit codes, a scale and a min per group (quant_ops.cpp); int8 activations
+  kGroup8 = 5,       // the same with 8-bit codes
 };
 
 // A weight packed in panels of linear_panel_width() output channels (see linear_ops.cpp), with
@@ -24,7 +26,8 @@ struct PackedLinear {
   int64_t kind = kFloat32;
   int64_t n = 0, k = 0;  // output and input features
   std::optional<at::Tensor> scales;  // fp32 [N_pad]: int8 kinds
-  std::optional<at::Tensor> colsum;  // int32 [N_pad]: kInt8Dynamic, the sums of each channel
+  std::optional<at::Tensor> colsum;  // int32 [N_pad]: kInt8Dynamic, the sums of each channel;
+                                     // kGroup4/8: the mins, fp32 like the scales (quant_ops.h)
   std::optional<at::Tensor> bias;    // [N] of the activations' dtype
 };
 

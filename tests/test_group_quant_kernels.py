@@ -1,0 +1,100 @@
+"""The C++ group-quantized linear kernels (tpserve/kernels/csrc/quant_ops.cpp) against the
+plain-torch reference of their arithmetic (``group_quant.w4a8_reference``: activations
+quantized to int8 per row and group the same way, exact integer dots, fp32/fp64 sums): 4- and
+8-bit codes, groups 16/32/128, odd shapes, 1..64 rows, fp32 and bf16, with and without bias;
+on this machine's ISA path and on an AVX2-only build (``TPSERVE_CPU_ARCH=haswell``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tpserve.kernels import cpu_extension
+from tpserve.models.group_quant import (GROUP4, GROUP8, dequantize, pack_group_weight, quantize_groups,
+                                        w4a8_reference)
+
+CASES = [  # (N, K, group, bits)
+    (67, 160, 32, 4), (64, 256, 128, 4), (130, 384, 128, 8), (33, 96, 32, 8), (5, 48, 16, 4),
+]
+ROWS = (1, 2, 3, 5, 17, 64)
+
+
+def _weights(n, k, g, bits, seed):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k)
+    codes, scales, mins = quantize_groups(w, g, bits)
+    if bits == 8:  # the whole byte range, and codes above 127 (signedness mistakes show)
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    return codes, scales, mins
+
+
+def check_kernels() -> None:
+    """Every case against the reference; raises AssertionError with the case on a mismatch."""
+    for n, k, g, bits in CASES:
+        codes, scales, mins = _weights(n, k, g, bits, seed=n + k)
+        packed = pack_group_weight(codes, scales, mins)
+        assert packed.kind == (GROUP4 if bits == 4 else GROUP8), (packed.kind, bits)
+        for rows in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, k) * 2).to(dtype)
+                x[0, :g] = 0  # a zero group: scale 1, all codes 0
+                bias = torch.randn(n).to(dtype) if rows % 2 else None
+                got = packed.matmul(x, bias)
+                want = w4a8_reference(x, codes, scales, mins, bias)
+                assert got.dtype == dtype and got.shape == (rows, n)
+                tol = 1e-4 if dtype == torch.float32 else 1e-2
+                err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                assert err < tol, f"N={n} K={k} g={g} bits={bits} rows={rows} {dtype}: {err}"
+        # the reference itself is close to the float matmul of the dequantized weight
+        x = torch.randn(3, k)
+        dense = x @ dequantize(codes, scales, mins).T
+        err = (w4a8_reference(x, codes, scales, mins) - dense).abs().max() / dense.abs().max()
+        assert err.item() < 0.05
+
+
+def test_kernels_match_the_reference():
+    assert cpu_extension.available()
+    flags = cpu_extension._cpu_flags()
+    want = 2 if "avx512_vnni" in flags and "avx512bw" in flags else 1 if "avx2" in flags else 0
+    assert torch.ops.tpserve_cpu.group_linear_path() == want
+    check_kernels()
+
+
+def test_strided_rows_and_the_linear_op_checks():
+    assert cpu_extension.available()
+    codes, scales, mins = _weights(40, 64, 32, 4, seed=1)
+    packed = pack_group_weight(codes, scales, mins)
+    x = torch.randn(4, 100)[:, 10:74]  # rows 100 apart
+    torch.testing.assert_close(packed.matmul(x, None), packed.matmul(x.contiguous(), None))
+    out = torch.empty(4, 40)
+    with pytest.raises(ValueError, match="packed codes"):
+        torch.ops.tpserve_cpu.linear(out, x.contiguous(), packed.data[:-1], packed.kind, 40, packed.scales,
+                                     packed.colsum, None)
+    with pytest.raises(ValueError, match="mins"):
+        torch.ops.tpserve_cpu.linear(out, x.contiguous(), packed.data, packed.kind, 40, packed.scales,
+                                     None, None)
+
+
+AVX2_CHECK = r"""
+import sys
+import torch
+from tpserve.kernels import cpu_extension
+assert cpu_extension.available(), cpu_extension._state.get("error")
+assert torch.ops.tpserve_cpu.group_linear_path() == 1
+sys.path.insert(0, TESTS_DIR)
+from test_group_quant_kernels import check_kernels
+check_kernels()
+print("ok")
+"""
+
+
+def test_an_avx2_build_runs_the_kernels():
+    """The AVX2 path (vpmaddubsw; 8-float vectors, panels of 32) on the operators built for an
+    AVX2-only CPU (runs on any x86-64 CPU with AVX2; the build test_kernels_cpu's AVX2 test uses)."""
+    env = dict(os.environ, TPSERVE_CPU_ARCH="haswell")
+    check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

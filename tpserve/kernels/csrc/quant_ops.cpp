@@ -1,0 +1,362 @@
+// Group-quantized linear layers on CPU: out = x W^T (+ bias) with
+//     W[o, i] = scale[o, i / g] * code[o, i] + min[o, i / g]
+// codes of 4 bits (two per byte) or 8 bits, one scale and one min (fp32) per group of g inputs
+// (g a multiple of 16; tpserve/models/group_quant.py describes the representation and packs it).
+//
+// Activations: each row of x is quantized to int8 per group of g, a_scale = absmax / 127 (1 for
+// a zero group), a_q = round-half-even(x * (1 / a_scale)), with sum(a_q) per group kept. Then
+// per (row, output, group) the int32 dot(code, a_q) is exact, and
+//     out[m, o] = sum_g a_scale * (scale * dot + min * sum(a_q))          (W4A8 / W8A8)
+// summed in fp32, group after group. The codes are unsigned and the activations signed, which
+// is the operand order of vpdpbusd (AVX512-VNNI: u8 x s8 quads summed into int32, no
+// saturation) and of vpmaddubsw (AVX2: u8 x s8 pairs into int16; a 4-bit code times |a_q| <= 127,
+// twice, stays below 2^15; an 8-bit code is split into its nibbles, 16 * hi + lo). No offset or
+// compensation is needed either way.
+//
+// Layout: panels of P = 4 vectors of output channels (P = 64 with AVX-512, 32 otherwise), as
+// linear_ops.cpp's, each lane of a vector holding a quad of consecutive inputs of one channel:
+//     8-bit codes [N/P][K/4][4][L][4]
+//     4-bit codes [N/P][K/8][4][L][4]  a byte: low nibble input 8j + q, high nibble 8j + 4 + q
+//     scales, mins [N/P][G][P]
+// so a panel is one stream read front to back, 4 bits per weight (plus 8 bytes per group and
+// channel for its scale and min). A decode row reads every weight once; prompt rows stream past
+// a panel while it sits in L2, in blocks of 64 rows, up to kGTile rows per register tile.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "linear_ops.h"
+#include "quant_ops.h"
+#include "vec.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int64_t kPanel = 4 * kLanes;
+constexpr int64_t kRowBlock = 64;
+constexpr int64_t kPrefetchBytes = 1024;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TPSERVE_GROUP_PATH 2  // vpdpbusd
+constexpr int64_t kGTile = 4;
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define TPSERVE_GROUP_PATH 1  // vpmaddubsw + vpmaddwd
+constexpr int64_t kGTile = 2;
+#else
+#define TPSERVE_GROUP_PATH 0  // scalar
+constexpr int64_t kGTile = 2;
+#endif
+constexpr int kPath = TPSERVE_GROUP_PATH;
+
+int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+int64_t bits_of(int64_t kind) { return kind == kGroup4 ? 4 : 8; }
+// Bytes of codes per panel.
+int64_t panel_code_bytes(int64_t kind, int64_t K) { return kind == kGroup4 ? K * kPanel / 2 : K * kPanel; }
+
+// ---- activations: int8 per row and group -------------------------------------------------------
+
+struct QRows {
+  const int8_t* q = nullptr;   // [M, K]
+  const float* s = nullptr;    // [M, G]: a_scale
+  const float* ms = nullptr;   // [M, G]: a_scale * sum(a_q)
+  int64_t K = 0, G = 0;
+};
+
+struct QBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> s, ms;
+};
+thread_local QBuffers t_buf;
+
+template <typename T>
+void quantize_row(const T* row, int64_t K, int64_t g, int8_t* q, float* s, float* ms) {
+  float tmp[256];
+  for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < g; ++k) {
+      tmp[k] = to_f<T>(row[k0 + k]);
+      amax = std::max(amax, std::fabs(tmp[k]));
+    }
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    const float inv = 1.f / sc;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < g; ++k) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(tmp[k] * inv)));
+      const int32_t c = static_cast<int32_t>(v);
+      q[k0 + k] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    s[gi] = sc;
+    ms[gi] = sc * static_cast<float>(sum);
+  }
+}
+
+template <typename T>
+QRows quantize_rows(const at::Tensor& x, int64_t g) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / g, xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  QBuffers& b = t_buf;
+  b.q.resize(static_cast<size_t>(M * K));
+  b.s.resize(static_cast<size_t>(M * G));
+  b.ms.resize(static_cast<size_t>(M * G));
+  int8_t* q = b.q.data();
+  float* s = b.s.data();
+  float* ms = b.ms.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 131072 / std::max<int64_t>(K, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) quantize_row(xp + m * xs, K, g, q + m * K, s + m * G, ms + m * G);
+  });
+  return QRows{q, s, ms, K, G};
+}
+
+// ---- the per-ISA integer dot products of one group --------------------------------------------
+
+#if TPSERVE_GROUP_PATH == 2
+using vi = __m512i;
+inline vi vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vi vzero() { return _mm512_setzero_si512(); }
+inline vi lo_nib(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline vi bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+// acc += quads of unsigned codes times signed activations (tied in asm: see linear_ops.cpp's
+// dpbusd for why).
+inline vi dot_small(vi acc, vi w, vi x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
+inline vi dot_byte(vi acc, vi w, vi x) { return dot_small(acc, w, x); }
+inline vfl to_fl(vi v) { return (vfl)_mm512_cvtepi32_ps(v); }
+#elif TPSERVE_GROUP_PATH == 1
+using vi = __m256i;
+inline vi vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi vzero() { return _mm256_setzero_si256(); }
+inline vi lo_nib(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline vi hi_nib(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline vi bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+// Codes below 16: pairs of products stay within int16, so vpmaddubsw never saturates.
+inline vi dot_small(vi acc, vi w, vi x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+// 8-bit codes: 16 * dot(high nibbles) + dot(low nibbles), each exact.
+inline vi dot_byte(vi acc, vi w, vi x) {
+  const vi lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo_nib(w), x), _mm256_set1_epi16(1));
+  const vi hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi_nib(w), x), _mm256_set1_epi16(16));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi));
+}
+inline vfl to_fl(vi v) { return (vfl)_mm256_cvtepi32_ps(v); }
+#endif
+
+template <int64_t bytes>
+inline void prefetch_ahead(const void* p) {
+  const char* c = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// TM rows (r0..) times one panel over all of K: acc[t][i] = output channels [i*L, (i+1)*L).
+template <int64_t TM, bool FOUR, bool PF>
+inline void group_tile(const uint8_t* w, const float* sc, const float* mn, int64_t g, const QRows& r,
+                       int64_t r0, vfl (&acc)[kGTile][4]) {
+  const int64_t K = r.K, G = r.G;
+  const int8_t* xq = r.q + r0 * K;
+#if TPSERVE_GROUP_PATH > 0
+  constexpr int64_t kStep = FOUR ? 8 : 4;  // inputs per step
+  constexpr int64_t kBytes = 4 * kLanes * 4;  // bytes of codes per step (4 vectors)
+  for (int64_t gi = 0; gi < G; ++gi) {
+    vi a[TM][4];
+    for (int64_t t = 0; t < TM; ++t)
+      for (int64_t i = 0; i < 4; ++i) a[t][i] = vzero();
+    const int64_t kend = (gi + 1) * g;
+    for (int64_t k = gi * g; k < kend; k += kStep, w += kBytes) {
+      if constexpr (PF) prefetch_ahead<kBytes>(w);
+      vi wv[4];
+      for (int64_t i = 0; i < 4; ++i) wv[i] = vload(w + i * (kBytes / 4));
+      if constexpr (FOUR) {
+        vi hv[4];
+        for (int64_t i = 0; i < 4; ++i) {
+          hv[i] = hi_nib(wv[i]);
+          wv[i] = lo_nib(wv[i]);
+        }
+        for (int64_t t = 0; t < TM; ++t) {
+          const vi xa = bcast4(xq + t * K + k), xb = bcast4(xq + t * K + k + 4);
+          for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_small(dot_small(a[t][i], wv[i], xa), hv[i], xb);
+        }
+      } else {
+        for (int64_t t = 0; t < TM; ++t) {
+          const vi xa = bcast4(xq + t * K + k);
+          for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_byte(a[t][i], wv[i], xa);
+        }
+      }
+    }
+    vfl s[4], m[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      s[i] = loadl(sc + gi * kPanel + i * kLanes);
+      m[i] = loadl(mn + gi * kPanel + i * kLanes);
+    }
+    for (int64_t t = 0; t < TM; ++t) {
+      const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
+      for (int64_t i = 0; i < 4; ++i) acc[t][i] += to_fl(a[t][i]) * (s[i] * as) + m[i] * ams;
+    }
+  }
+#else
+  (void)PF;
+  for (int64_t gi = 0; gi < G; ++gi) {
+    int32_t a[TM][kPanel] = {};
+    for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t i = j / kLanes, l = j % kLanes;
+        int32_t code;
+        if constexpr (FOUR) {
+          const uint8_t byte = w[(k / 8) * kPanel * 4 + i * kLanes * 4 + l * 4 + (k % 4)];
+          code = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+        } else {
+          code = w[(k / 4) * kPanel * 4 + i * kLanes * 4 + l * 4 + (k % 4)];
+        }
+        for (int64_t t = 0; t < TM; ++t) a[t][j] += code * static_cast<int32_t>(xq[t * K + k]);
+      }
+    }
+    for (int64_t t = 0; t < TM; ++t) {
+      const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
+      for (int64_t j = 0; j < kPanel; ++j) {
+        acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j]) * (sc[gi * kPanel + j] * as) +
+                                          mn[gi * kPanel + j] * ams;
+      }
+    }
+  }
+#endif
+}
+
+template <typename T>
+inline void store_row(T* dst, const vfl* v, int64_t valid) {
+  if (valid == kPanel) {
+    for (int64_t i = 0; i < 4; ++i) storel(dst + i * kLanes, v[i]);
+    return;
+  }
+  float buf[kPanel];
+  for (int64_t i = 0; i < 4; ++i) storel(buf + i * kLanes, v[i]);
+  for (int64_t j = 0; j < valid; ++j) dst[j] = from_f<T>(buf[j]);
+}
+
+template <typename T, int64_t TM, bool PF>
+void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64_t r0, T* out, int64_t ldo) {
+  const int64_t K = w.k, G = K / g;
+  vfl acc[kGTile][4];
+  for (int64_t t = 0; t < TM; ++t)
+    for (int64_t i = 0; i < 4; ++i) acc[t][i] = vfl{};
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data.data_ptr()) + p * panel_code_bytes(w.kind, K);
+  const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
+  const float* mn = w.colsum->data_ptr<float>() + p * G * kPanel;
+  if (w.kind == kGroup4) {
+    group_tile<TM, true, PF>(codes, sc, mn, g, r, r0, acc);
+  } else {
+    group_tile<TM, false, PF>(codes, sc, mn, g, r, r0, acc);
+  }
+  const int64_t n0 = p * kPanel;
+  const int64_t valid = std::min(kPanel, w.n - n0);
+  vfl bias[4];
+  if (w.bias.has_value()) {
+    float b[kPanel] = {};
+    const T* bp = w.bias->data_ptr<T>() + n0;
+    for (int64_t j = 0; j < valid; ++j) b[j] = to_f<T>(bp[j]);
+    for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(b + i * kLanes);
+  }
+  for (int64_t t = 0; t < TM; ++t) {
+    vfl v[4];
+    for (int64_t i = 0; i < 4; ++i) v[i] = w.bias.has_value() ? acc[t][i] + bias[i] : acc[t][i];
+    store_row(out + (r0 + t) * ldo + n0, v, valid);
+  }
+}
+
+template <typename T>
+void run_rows(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64_t r0, int64_t r1, T* out,
+              int64_t ldo) {
+  // The first tile of a block reads the panel from memory (with prefetches), the others from cache.
+  int64_t row = r0;
+  bool first = true;
+  for (; row + kGTile <= r1; row += kGTile, first = false) {
+    first ? run_tile<T, kGTile, true>(w, g, r, p, row, out, ldo)
+          : run_tile<T, kGTile, false>(w, g, r, p, row, out, ldo);
+  }
+  for (; row < r1; ++row, first = false) {
+    first ? run_tile<T, 1, true>(w, g, r, p, row, out, ldo) : run_tile<T, 1, false>(w, g, r, p, row, out, ldo);
+  }
+}
+
+template <typename T>
+void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w, int64_t g) {
+  const int64_t M = x.size(0);
+  const QRows r = quantize_rows<T>(x, g);
+  T* op = out.data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t panel_bytes = panel_code_bytes(w.kind, w.k) + 2 * (w.k / g) * kPanel * 4;
+  const int64_t grain = M > kGTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
+  at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / blocks, b = item % blocks;
+      run_rows<T>(w, g, r, p, b * kRowBlock, std::min(M, (b + 1) * kRowBlock), op, ldo);
+    }
+  });
+}
+
+int64_t group_of(const PackedLinear& w) {
+  const int64_t n_pad = panels(w.n) * kPanel;
+  const int64_t G = w.scales.has_value() && n_pad > 0 ? w.scales->numel() / n_pad : 0;
+  return G > 0 ? w.k / G : 0;
+}
+
+}  // namespace
+
+void check_group_packed(const PackedLinear& w, const char* what) {
+  TORCH_CHECK_VALUE(w.n >= 1 && w.k >= 1, what, ": expected N >= 1 and K >= 1, got N=", w.n, " K=", w.k);
+  const int64_t n_pad = panels(w.n) * kPanel;
+  TORCH_CHECK_VALUE(w.scales.has_value() && w.colsum.has_value(), what,
+                    ": a group weight needs its scales and mins");
+  const at::Tensor& s = *w.scales;
+  const at::Tensor& m = *w.colsum;
+  TORCH_CHECK_VALUE(s.is_contiguous() && s.scalar_type() == at::kFloat && s.numel() > 0 &&
+                        s.numel() % n_pad == 0,
+                    what, ": scales must be a contiguous float32 [", n_pad, " x groups]");
+  const int64_t G = s.numel() / n_pad;
+  TORCH_CHECK_VALUE(w.k % G == 0 && (w.k / G) % 16 == 0, what, ": ", G, " groups of K=", w.k,
+                    " inputs: the group must divide K and be a multiple of 16");
+  TORCH_CHECK_VALUE(m.is_contiguous() && m.scalar_type() == at::kFloat && m.numel() == s.numel(), what,
+                    ": mins must be a contiguous float32 of the scales' size");
+  const int64_t bytes = panels(w.n) * panel_code_bytes(w.kind, w.k);
+  TORCH_CHECK_VALUE(w.data.is_contiguous() && w.data.scalar_type() == at::kByte && w.data.numel() == bytes,
+                    what, ": packed codes must be a contiguous uint8 tensor of ", bytes, " bytes (",
+                    bits_of(w.kind), "-bit codes, ", panels(w.n), " panels of ", kPanel, " x ", w.k, ")");
+  if (w.bias.has_value()) {
+    TORCH_CHECK_VALUE(w.bias->is_contiguous() && w.bias->dim() == 1 && w.bias->size(0) == w.n, what,
+                      ": bias must be a contiguous [", w.n, "]");
+  }
+}
+
+void group_linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
+  const int64_t g = group_of(w);
+  TORCH_CHECK_VALUE(g > 0 && g <= 256, "group weight: group size ", g, " is not supported (16..256)");
+  if (x.size(0) == 0) return;
+  if (x.scalar_type() == at::kFloat) {
+    group_linear_typed<float>(out, x, w, g);
+  } else {
+    group_linear_typed<at::BFloat16>(out, x, w, g);
+  }
+}
+
+namespace {
+// The integer path of this build: 0 scalar, 1 AVX2 (vpmaddubsw), 2 AVX512-VNNI (vpdpbusd).
+int64_t group_linear_path() { return kPath; }
+}  // namespace
+}  // namespace tpserve
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) { m.def("group_linear_path() -> int", &tpserve::group_linear_path); }
