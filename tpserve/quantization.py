@@ -21,8 +21,10 @@ Several sources, one result (:class:`QuantConfig`):
 * method ``"group"`` from a checkpoint or file: weights stored as group codes, scales and mins
   (``<module>.weight_codes``, ``weight_group_scales``, ``weight_group_mins``; 4 or 8 bits per
   code, any group size in :data:`GROUP_SIZES`, inferred per layer from the shapes). AWQ and GPTQ
-  checkpoints (``quant_method`` ``awq`` / ``gptq``) resolve to it with their ``checkpoint_format``
-  named, for their decoders to turn into those tensors. ``--quantization group`` asserts it.
+  checkpoints (``quant_method`` ``awq`` / ``gptq``) and compressed-tensors 4-bit group schemes
+  (W4A16 / W4A8, format ``pack-quantized``) resolve to it with their ``checkpoint_format`` named
+  (``awq``, ``gptq``, ``gptq_v2``, ``compressed-tensors``), for the decoders of
+  ``tpserve/models/quant_formats.py`` to turn into those tensors. ``--quantization group`` asserts it.
 
 Anything else in a ``quantization_config`` (other methods, bit widths, group or block scales,
 asymmetric or static activation scales, sparsity, a KV-cache scheme) is refused when the engine
@@ -117,18 +119,27 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
         if targets != ["Linear"]:
             _fail(f"{where}.targets", f"tpserve supports ['Linear'] (every linear layer, less "
                                       f"'ignore'), got {targets!r}")
-        _check_args(group.get("weights"), f"{where}.weights", strategy="channel", dynamic=False)
+        weights = group.get("weights")
+        grouped = _is_ct_group(weights)
+        if grouped:
+            if weights.get("num_bits") != 4:
+                _fail(f"{where}.weights.num_bits", f"tpserve supports 4-bit group weights, got "
+                                                   f"{weights.get('num_bits')!r}")
+            group_scheme = _ct_group_weights(weights, f"{where}.weights")
+        else:
+            _check_args(weights, f"{where}.weights", strategy="channel", dynamic=False)
         acts = group.get("input_activations")
         if acts is not None:
             _check_args(acts, f"{where}.input_activations", strategy="token", dynamic=True)
         if group.get("output_activations") is not None:
             _fail(f"{where}.output_activations", "output quantization is not supported")
         fmt = group.get("format") or qc.get("format")
-        if fmt not in _FORMATS:
-            _fail("format", f"tpserve reads {', '.join(_FORMATS)}, got {fmt!r}")
-        schemes.add((acts is not None, fmt == "pack-quantized"))
+        if fmt not in (("pack-quantized",) if grouped else _FORMATS):
+            _fail("format", f"tpserve reads {'pack-quantized' if grouped else ', '.join(_FORMATS)}"
+                            f"{' 4-bit group weights' if grouped else ''}, got {fmt!r}")
+        schemes.add((acts is not None, fmt == "pack-quantized", group_scheme if grouped else None))
     if len(schemes) > 1:
-        _fail("config_groups", "all groups must share one scheme (W8A8 or W8A16) and format")
+        _fail("config_groups", "all groups must share one scheme (W8A8, W8A16, W4A16 or W4A8) and format")
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if qc.get(key):
             _fail(key, "not supported (must be null)")
@@ -138,7 +149,9 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         _fail("quantization_status", f"the checkpoint must be saved compressed, got {status!r}")
-    (int8_acts, packed), = schemes
+    (int8_acts, packed, group_scheme), = schemes
+    if group_scheme is not None:  # W4A16 / W4A8: decoded by tpserve/models/quant_formats.py
+        return group_quant_config(group_scheme[0], 4, tuple(ignore), checkpoint_format="compressed-tensors")
     return QuantConfig("compressed-tensors", int8_activations=int8_acts, from_checkpoint=True,
                        packed_int32=packed, ignore=tuple(ignore))
 
@@ -156,10 +169,12 @@ def group_quant_config(group_size: int = 0, bits: int = 0, ignore: tuple[str, ..
 
 
 def _gptq_awq(method: str, qc: dict) -> QuantConfig:
-    """AWQ / GPTQ: the fields every such checkpoint shares, checked; the layout is the decoder's."""
+    """AWQ / GPTQ: the fields every such checkpoint shares, checked; the layout is the decoder's
+    (``tpserve/models/quant_formats.py``)."""
     bits = qc.get("bits", qc.get("w_bit"))
-    if bits != 4:
-        _fail("bits", f"tpserve loads 4-bit {method} checkpoints, got {bits!r}")
+    if bits not in ((4,) if method == "awq" else (4, 8)):
+        _fail("bits", f"tpserve loads {'4' if method == 'awq' else '4- and 8'}-bit {method} checkpoints, "
+                      f"got {bits!r}")
     group = qc.get("group_size", qc.get("q_group_size"))
     if group not in GROUP_SIZES:
         _fail("group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))} "
@@ -167,7 +182,57 @@ def _gptq_awq(method: str, qc: dict) -> QuantConfig:
     ignore = qc.get("modules_to_not_convert") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         _fail("modules_to_not_convert", f"expected a list of module names, got {ignore!r}")
-    return group_quant_config(group, 4, tuple(ignore), checkpoint_format=method)
+    # AutoAWQ and GPTQ skip a module whose name contains an entry; both leave the LM head float
+    # (GPTQModel quantizes it with "lm_head": true).
+    ignore = [f"re:.*{re.escape(x)}.*" for x in ignore]
+    if qc.get("lm_head") is not True:
+        ignore.append("lm_head")
+    for key in ("dynamic", "modules_in_block_to_quantize"):
+        if qc.get(key):
+            _fail(key, "per-module quantization choices are not supported (must be null)")
+    fmt = method
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            _fail("version", f"tpserve reads AWQ's 'gemm' layout, got {qc.get('version')!r}")
+        if qc.get("zero_point", True) is not True:
+            _fail("zero_point", f"tpserve reads AWQ checkpoints with zero points (true), got "
+                                f"{qc.get('zero_point')!r}")
+    else:
+        fmt = qc.get("checkpoint_format") or "gptq"
+        if fmt not in ("gptq", "gptq_v2"):
+            _fail("checkpoint_format", f"tpserve reads 'gptq' and 'gptq_v2' layouts, got {fmt!r}")
+        if qc.get("is_marlin_format"):
+            _fail("is_marlin_format", "Marlin-repacked GPTQ weights are not supported (must be false)")
+        if not isinstance(qc.get("sym", True), bool):
+            _fail("sym", f"expected true or false, got {qc.get('sym')!r}")
+        # desc_act: allowed; a g_idx that reorders the groups is refused when the weights load.
+    return group_quant_config(group, bits, tuple(ignore), checkpoint_format=fmt)
+
+
+def _ct_group_weights(args: dict, name: str) -> tuple[int, bool]:
+    """compressed-tensors 4-bit group weights (W4A16 / W4A8, what llm-compressor writes as
+    pack-quantized): ``(group_size, symmetric)``, or a ConfigError naming the field."""
+    if args.get("type") != "int":
+        _fail(f"{name}.type", f"tpserve supports 'int' 4-bit weights, got {args.get('type')!r}")
+    if args.get("group_size") not in GROUP_SIZES:
+        _fail(f"{name}.group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))}, "
+                                    f"got {args.get('group_size')!r}")
+    if not isinstance(args.get("symmetric", True), bool):
+        _fail(f"{name}.symmetric", f"expected true or false, got {args.get('symmetric')!r}")
+    if args.get("dynamic") not in (None, False):
+        _fail(f"{name}.dynamic", f"weights must be static (false), got {args.get('dynamic')!r}")
+    # actorder 'weight' / 'static' keeps the groups contiguous; 'group' stores a reordering g_idx.
+    if args.get("actorder") not in (None, False, "weight", "static"):
+        _fail(f"{name}.actorder", f"tpserve loads contiguous groups only (null, 'weight' or 'static'), "
+                                  f"got {args.get('actorder')!r}")
+    if args.get("block_structure") is not None:
+        _fail(f"{name}.block_structure", f"must be null, got {args.get('block_structure')!r}")
+    return args["group_size"], bool(args.get("symmetric", True))
+
+
+def _is_ct_group(args) -> bool:
+    return isinstance(args, dict) and args.get("strategy") == "group" and args.get("num_bits") != 8
 
 
 def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig | None:

@@ -39,6 +39,7 @@ from tpserve.models.decoder import CausalLM
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
 from tpserve.models.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, FusedMoE
 from tpserve.models.parallel import TPContext
+from tpserve.models.quant_formats import decoded_tensors
 from tpserve.models.quantization import checkpoint_tensors, prepare_model
 from tpserve.models.spec import model_spec
 from tpserve.models.weights import default_weight_loader
@@ -105,7 +106,8 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
     device = torch.device(device)
     if backend is None:
         backend = get_backend("auto", device=device, block_size=block_size)
-    qc = resolve_quantization(quantization, json.loads((path / "config.json").read_text()))
+    hf_config = json.loads((path / "config.json").read_text())
+    qc = resolve_quantization(quantization, hf_config)
     with _default_dtype(torch_dtype), device:
         model = CausalLM(spec, tp, backend, expert_parallel=enable_expert_parallel)
         if qc is not None:
@@ -113,6 +115,7 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
     files = checkpoint_files(path)
     show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
     tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
+    tensors = decoded_tensors(tensors, qc, hf_config)  # AWQ, GPTQ, compressed-tensors 4-bit
     load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
 
