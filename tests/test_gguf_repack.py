@@ -115,4 +115,6 @@ def test_unsupported_types_and_bad_sizes_are_refused():
     with pytest.raises(CheckpointError, match="not a whole number of 256-element blocks"):
         repack("q4_k", raw, (3, 96))
     codes, *_ = repack(int(T.Q4_K), raw, (2, 256))  # by name, by value
+    with pytest.raises(TypeError, match="the tensor type comes first"):
+        repack(raw, "Q4_K", (2, 256))
     assert codes.shape == (2, 256)

@@ -188,6 +188,8 @@ def repack(tensor_type, raw: np.ndarray, shape: Sequence[int]
     ``shape``: numpy order (rows..., cols), blocks along the last axis (see the module docstring).
     Raises UnsupportedGGUFType for a type it cannot repack and CheckpointError when ``raw`` does
     not hold exactly ``shape``'s blocks."""
+    if isinstance(tensor_type, np.ndarray):
+        raise TypeError("repack(tensor_type, raw, shape): the tensor type comes first, then its raw blocks")
     per_block, block_bytes, g, bits = _layout(tensor_type)
     name = _type_name(tensor_type)
     shape = tuple(int(s) for s in shape)
