@@ -42,6 +42,11 @@ the KV pool is smaller), so the clamped request is admitted.
 
 ``n`` (SamplingParams.n) is handled by the engine for every API: one request, n completions
 sharing the prompt's KV blocks, reported with their index.
+
+Pooling (``--runner pooling``: embeddings, scores) has its one request model too:
+``make_pooling_request`` checks a call's prompts (one batch, at most ``MAX_POOLING_INPUTS``),
+its PoolingParams (tpserve/pooling.py) and priority, errors spelled with the caller's ``Api``
+(the HTTP front's embeddings and rerank translators declare theirs).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from typing import Any, Mapping
 
 from tpserve.errors import InvalidFieldError
 from tpserve.limits import check_priority, check_prompt_shape, check_timeout
+from tpserve.pooling import MAX_POOLING_INPUTS, PoolingParams
 from tpserve.sampling import SamplingParams
 
 #: ``Api.default_max_tokens`` of an API whose unset max_tokens is the rest of the context.
@@ -224,3 +230,43 @@ def make_request(api: Api, sampling: Mapping[str, Any] | SamplingParams | None =
     except InvalidFieldError as e:
         raise InvalidFieldError(api.spell(e.field, names), e.reason) from None
     return Request(params, prompt, messages, request_id, priority, timeout, stream, tools, api, names)
+
+
+@dataclass
+class PoolingRequest:
+    """One embed / classify call, whatever API it came from: its prompts are one batch."""
+
+    params: PoolingParams
+    prompts: list
+    priority: int = 0
+    api: Api = OFFLINE
+    names: dict[str, str] = field(default_factory=dict)
+
+    def spell(self, name: str | None) -> str | None:
+        return self.api.spell(name, self.names)
+
+    def spell_wire(self, name: str | None) -> str | None:
+        return self.api.spell_wire(name, self.names)
+
+
+def make_pooling_request(api: Api, pooling: Mapping[str, Any] | PoolingParams | None, prompts: Any, *,
+                         priority: Any = None, names: Mapping[str, str] | None = None) -> PoolingRequest:
+    """The PoolingRequest of one API call: ``pooling`` is a map of PoolingParams fields (vLLM's
+    names) or one already built; ``prompts`` a non-empty list of texts or token-id lists.
+    Raises InvalidFieldError naming the field as the caller spells it (``prompt`` for the
+    prompts, ``prompt[i]`` for one)."""
+    names = dict(names or {})
+    try:
+        params = pooling if isinstance(pooling, PoolingParams) else PoolingParams(**dict(pooling or {}))
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidFieldError("prompt", "must be a non-empty list of prompts")
+        if len(prompts) > MAX_POOLING_INPUTS:
+            raise InvalidFieldError("prompt",
+                                    f"at most {MAX_POOLING_INPUTS} prompts in one call, got {len(prompts)}")
+        checked = [check_prompt_shape(p, f"prompt[{i}]") for i, p in enumerate(prompts)]
+        priority = check_priority(0 if priority is None else priority)
+    except TypeError as e:  # a field PoolingParams does not have
+        raise InvalidFieldError(None, str(e)) from None
+    except InvalidFieldError as e:
+        raise InvalidFieldError(api.spell(e.field, names), e.reason) from None
+    return PoolingRequest(params, checked, priority, api, names)

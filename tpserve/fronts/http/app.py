@@ -36,6 +36,8 @@ from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
 from tpserve.fronts.http.messages_api import make_messages_router
 from tpserve.fronts.http.messages_errors import anthropic_error, is_messages_path
 from tpserve.fronts.http.responses_api import make_responses_router
+from tpserve.fronts.http.embeddings_api import make_embeddings_router
+from tpserve.fronts.http.rerank_api import make_rerank_router
 from tpserve.fronts.http.guard import HostPolicy, RequestGuard
 from tpserve.fronts.upstream import UpstreamLost
 from tpserve.fronts.http.reasoning import prompt_opens_thinking
@@ -80,6 +82,7 @@ class Front:
         self._client = None
         self._in_flight: dict[asyncio.Queue, float] = {}  # each request's queue -> loop time it began
         self.restarts = 0            # times the daemon restarted this front (reported by /health)
+        self._daemon_info: dict | None = None  # the daemon's status when first asked (daemon_info)
         self.last_exit: str | None = None
 
     @property
@@ -92,6 +95,13 @@ class Front:
         if self._client is not None:
             await self._client.close()
         self._pool.shutdown(wait=False)
+
+    async def daemon_info(self) -> dict:
+        """The daemon's status as first asked, for what does not change while this front runs
+        (its ``runner``, pooling task): a daemon started again starts a front of its own."""
+        if self._daemon_info is None:
+            self._daemon_info = await self.client.status(timeout=10.0)
+        return self._daemon_info
 
     # ---- tokenizing ----------------------------------------------------------------------
     async def _in_pool(self, fn, *args):
@@ -320,6 +330,8 @@ def daemon_error(e, job) -> O.OpenAIError:
         # The daemon names the field as the wire does; the request's Api spells it for the body
         # (the field itself, not an item of it: the body's arrays are the caller's).
         param = job.request.spell_wire(e.field) if job.request is not None else e.field
+        if e.field == "runner":  # a daemon of the other --runner (generation on a pooling daemon)
+            param = "--runner"
         return O.bad((param or "").split("[")[0] or None, e.message)
     if e.code == P.TOO_MANY_REQUESTS:
         return O.OpenAIError(429, e.message, type_="server_error", code="too_many_requests")
@@ -533,6 +545,9 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     app.include_router(make_tokenizer_router(front, authorize, read_json))  # /tokenize, ... (tokenizer_api.py)
     # /v1/messages, /v1/messages/count_tokens, HEAD / (messages_api.py)
     app.include_router(make_messages_router(front, authorize, read_json, daemon_error))
+    # /v1/embeddings (embeddings_api.py); /rerank, /v1/rerank, /v2/rerank, /score (rerank_api.py)
+    app.include_router(make_embeddings_router(front, authorize, read_json, daemon_error, _DAEMON_ERRORS))
+    app.include_router(make_rerank_router(front, authorize, read_json, daemon_error, _DAEMON_ERRORS))
 
     @app.get("/metrics")
     async def metrics():
