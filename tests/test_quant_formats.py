@@ -17,11 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import make_tiny_model
-from test_models import PagedKV, random_prompts, tpserve_model
+from test_models import PagedKV, random_prompts, run_prefill_then_decode, tpserve_model
 from test_models_tp import gloo_group, run_two_ranks
 from tpserve.errors import ConfigError
+from tpserve.kernels import cpu_extension
 from tpserve.models.errors import CheckpointError
-from tpserve.models.group_quant import dequantize
+from tpserve.models.group_quant import GROUP4, dequantize
+from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.quant_formats import AWQ_ORDER, decode_checkpoint, unpack_words
 from tpserve.quantization import resolve_quantization
 
@@ -257,6 +259,39 @@ def test_checkpoint_loads_greedy_equal_to_its_dequantized_weights(float_model, t
     assert got == want
     for g, w in zip(got_logits, want_logits):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+def test_a_gptq_v2_qwen2_checkpoint_keeps_its_biases(tmp_path_factory, tmp_path):
+    """Qwen2's q/k/v biases stay float next to the codes (the formats quantize weights only)."""
+    qwen2 = make_tiny_model(tmp_path_factory.mktemp("qwen2"), arch="qwen2", tie_word_embeddings=True)
+    quant, ref = write_checkpoint(qwen2, tmp_path / "gptq2", "gptq_v2", sym=False)
+    assert "model.layers.0.self_attn.q_proj.bias" in load_file(str(quant / "model.safetensors"))
+    model = tpserve_model(quant)
+    assert model.model.layers[0].self_attn.qkv_proj.weight_codes.shape == (128, 64)
+    got, got_logits = greedy(model, PROMPTS, 6)
+    want, want_logits = greedy(tpserve_model(ref), PROMPTS, 6)
+    assert got == want
+    for g, w in zip(got_logits, want_logits):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+def test_a_w4a8_checkpoint_runs_on_the_kernels(float_model, tmp_path):
+    """compressed-tensors W4A8 (asymmetric) packed for the C++ kernels: int8 activations per group,
+    so close to (not equal to) the dequantized float model."""
+    assert cpu_extension.available()
+    quant, ref = write_checkpoint(float_model, tmp_path / "w4a8", "compressed-tensors", sym=False, acts=True)
+    prompts = random_prompts([9, 4], 384, seed=2)
+    decode = [[5, 7], [11, 13]]
+    model = tpserve_model(quant, backend="cpu")
+    assert prepack_model(model) > 0
+    layer = model.model.layers[1]
+    assert layer.self_attn.qkv_proj.packed.kind == GROUP4 and layer.mlp.down_proj.packed.kind == GROUP4
+    assert model.lm_head.packed.kind != GROUP4  # ignored: float
+    got = run_prefill_then_decode(model, prompts, decode)
+    want = run_prefill_then_decode(tpserve_model(ref, backend="cpu"), prompts, decode)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.75
 
 
 def _tp_worker(rank: int, store: str, quant: str, ref: str, out_dir: str) -> None:
