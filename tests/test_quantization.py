@@ -149,7 +149,7 @@ def _bad(mutate):
 
 
 @pytest.mark.parametrize("hf, requested, field", [
-    (_bad(lambda q: q.update(quant_method="gptq")), None, "quant_method"),
+    (_bad(lambda q: q.update(quant_method="bitsandbytes")), None, "quant_method"),
     (_bad(lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4)), None, "weights.num_bits"),
     (_bad(lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=128)),
      None, "weights.strategy"),
@@ -162,7 +162,7 @@ def _bad(mutate):
     (_bad(lambda q: q["config_groups"]["group_0"].update(targets=["re:.*q_proj"])), None, "targets"),
     (_bad(lambda q: None), "int8", "already quantized"),
     ({}, "compressed-tensors", "has none"),
-    ({}, "int4", "must be one of"),
+    ({}, "int3", "must be one of"),
 ])
 def test_unsupported_quantization_is_refused_naming_the_field(hf, requested, field):
     with pytest.raises(ConfigError, match=field) as e:
@@ -174,9 +174,9 @@ def test_the_engine_refuses_it_at_start(float_model, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(float_model, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="quant_method: tpserve loads 'compressed-tensors'"):
+    with pytest.raises(ConfigError, match="version: tpserve reads AWQ's 'gemm' layout"):
         EngineConfig(model=str(bad)).resolve()
     with pytest.raises(ConfigError, match="quantization"):
         EngineConfig(model=str(float_model), quantization="fp8")
