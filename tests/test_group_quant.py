@@ -100,7 +100,7 @@ def test_int4_configs():
     assert awq.checkpoint_format == "awq" and awq.group_size == 128
     with pytest.raises(ConfigError, match="group_size"):
         resolve_quantization(None, {"quantization_config": {"quant_method": "gptq", "bits": 4,
-                                                            "group_size": -1}})
+                                                            "group_size": 100}})
     with pytest.raises(ConfigError, match="bits"):
         resolve_quantization(None, {"quantization_config": {"quant_method": "gptq", "bits": 3,
                                                             "group_size": 128}})

@@ -51,6 +51,7 @@ def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 
     Returns ``(q, z, s)`` as ``[out, in]``, ``[out, G]``, ``[out, G]`` (s float16) and the
     dequantized fp32 weight."""
     out, k = w.shape
+    group = k if group == -1 else group  # -1: one group per row (GPTQ's per channel)
     maxq = 2 ** bits - 1
     wg = w.float().reshape(out, k // group, group)
     if sym:
@@ -78,7 +79,8 @@ def gptq_tensors(w, group, bits=4, sym=True, v2=False):
     stored = z if v2 else z - 1
     k = w.shape[1]
     return {"qweight": pack(q.t().numpy(), bits, 0), "qzeros": pack(stored.t().numpy(), bits, 1),
-            "scales": s.t().contiguous(), "g_idx": torch.arange(k, dtype=torch.int32) // group}, deq
+            "scales": s.t().contiguous(), "g_idx": torch.arange(k, dtype=torch.int32) // (k // s.shape[1])
+            }, deq
 
 
 def ct_tensors(w, group, sym=True, bits=4):
@@ -93,7 +95,9 @@ def ct_tensors(w, group, sym=True, bits=4):
 
 
 def ct_config(group, sym=True, acts=False, bits=4, actorder=None):
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group,
+    channel = group == -1  # strategy "channel": one scale per output row
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym,
+               "strategy": "channel" if channel else "group", "group_size": None if channel else group,
                "dynamic": False, "actorder": actorder, "observer": "minmax", "block_structure": None}
     token = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
              "group_size": None, "actorder": None, "block_structure": None, "observer": None}
@@ -116,6 +120,15 @@ def format_config(fmt: str, group: int, **kw) -> dict:
     return ct_config(group, sym=kw.get("sym", True), acts=kw.get("acts", False), bits=kw.get("bits", 4))
 
 
+def format_tensors(fmt, w, group, kw):
+    """One weight in ``fmt``: (its tensors by leaf name, the weight they dequantize to)."""
+    if fmt == "awq":
+        return awq_tensors(w, group)
+    if fmt.startswith("gptq"):
+        return gptq_tensors(w, group, kw.get("bits", 4), kw.get("sym", True), fmt == "gptq_v2")
+    return ct_tensors(w, group, kw.get("sym", True), kw.get("bits", 4))
+
+
 def write_checkpoint(src: Path, dst: Path, fmt: str, group: int = GROUP, **kw) -> tuple[Path, Path]:
     """``src``'s linear layers (not the embedding, not the LM head) in ``fmt`` at ``dst``, and the
     same weights dequantized as a float checkpoint at ``dst``-float; returns both paths."""
@@ -130,12 +143,7 @@ def write_checkpoint(src: Path, dst: Path, fmt: str, group: int = GROUP, **kw) -
         if not linear or module == "lm_head":
             quant[name] = deq_all[name] = t
             continue
-        if fmt == "awq":
-            parts, deq = awq_tensors(t, group)
-        elif fmt.startswith("gptq"):
-            parts, deq = gptq_tensors(t, group, kw.get("bits", 4), kw.get("sym", True), fmt == "gptq_v2")
-        else:
-            parts, deq = ct_tensors(t, group, kw.get("sym", True), kw.get("bits", 4))
+        parts, deq = format_tensors(fmt, t, group, kw)
         quant.update({f"{module}.{leaf}": v for leaf, v in parts.items()})
         deq_all[name] = deq
     for d, ts in ((dst, quant), (ref, deq_all)):
@@ -163,26 +171,26 @@ def test_unpack_words_orders():
 
 CASES = [("awq", {}), ("gptq", {"sym": True}), ("gptq", {"sym": False}), ("gptq_v2", {"sym": False}),
          ("gptq", {"sym": True, "bits": 8}), ("compressed-tensors", {"sym": True}),
-         ("compressed-tensors", {"sym": False}), ("compressed-tensors", {"sym": False, "bits": 8})]
+         ("compressed-tensors", {"sym": False}), ("compressed-tensors", {"sym": False, "bits": 8}),
+         ("gptq", {"sym": False, "group": -1}), ("compressed-tensors", {"sym": True, "group": -1}),
+         ("gptq", {"sym": True, "group": 512})]
 
 
 @pytest.mark.parametrize("fmt, kw", CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in CASES])
 def test_decoding_gives_the_formats_dequantized_weights_exactly(fmt, kw):
     torch.manual_seed(0)
-    w = torch.randn(48, 128) * 0.3
-    if fmt == "awq":
-        parts, deq = awq_tensors(w, 64)
-    elif fmt.startswith("gptq"):
-        parts, deq = gptq_tensors(w, 64, kw.get("bits", 4), kw["sym"], fmt == "gptq_v2")
-    else:
-        parts, deq = ct_tensors(w, 64, kw["sym"], kw.get("bits", 4))
+    group = kw.get("group", 64)
+    w = torch.randn(48, 1024 if group == 512 else 128) * 0.3
+    parts, deq = format_tensors(fmt, w, group, kw)
     stream = [("m.bias", torch.ones(3))] + [(f"m.proj.{k}", v) for k, v in sorted(parts.items())]
     bits = kw.get("bits", 4)
     out = dict(decode_checkpoint(stream, fmt, bits, zero_points=not kw.get("sym", True)))
     codes, scales, mins = (out[f"m.proj.weight_{n}"] for n in ("codes", "group_scales", "group_mins"))
     assert torch.equal(out["m.bias"], torch.ones(3))
-    assert codes.dtype == torch.uint8 and codes.shape == (48, 128) and int(codes.max()) < 2 ** bits
-    assert scales.dtype == mins.dtype == torch.float32 and scales.shape == (48, 2)
+    assert codes.dtype == torch.uint8 and codes.shape == w.shape and int(codes.max()) < 2 ** bits
+    # groups the kernels have: 64 as written; per channel (128 inputs) -> 128; 512 -> 256
+    want_groups = w.shape[1] // {64: 64, -1: 128, 512: 256}[group]
+    assert scales.dtype == mins.dtype == torch.float32 and scales.shape == (48, want_groups)
     assert ("m.proj.weight_bits" in out) == (bits == 8)
     assert torch.equal(dequantize(codes, scales, mins), deq)
     assert (deq - w).abs().max() < 0.2 * w.abs().max()  # and it is the weight, quantized
@@ -246,14 +254,16 @@ PROMPTS = random_prompts([7, 3, 11], 384, seed=5)
 
 @pytest.mark.parametrize("fmt, kw", [("awq", {}), ("gptq", {"sym": True}), ("gptq", {"sym": False}),
                                      ("compressed-tensors", {"sym": True}),
-                                     ("compressed-tensors", {"sym": False, "acts": True})],
-                         ids=["awq", "gptq-sym", "gptq-asym", "ct-w4a16", "ct-w4a8-asym"])
+                                     ("compressed-tensors", {"sym": False, "acts": True}),
+                                     ("gptq", {"sym": False, "group": -1})],
+                         ids=["awq", "gptq-sym", "gptq-asym", "ct-w4a16", "ct-w4a8-asym", "gptq-per-channel"])
 def test_checkpoint_loads_greedy_equal_to_its_dequantized_weights(float_model, tmp_path, fmt, kw):
     quant, ref = write_checkpoint(float_model, tmp_path / fmt, fmt, **kw)
     model = tpserve_model(quant)
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight_codes.dtype == torch.uint8
-    assert layer.mlp.down_proj.group_size == GROUP
+    # per channel: down_proj's rows of 128 inputs become groups of 128
+    assert layer.mlp.down_proj.group_size == (128 if kw.get("group") == -1 else GROUP)
     got, got_logits = greedy(model, PROMPTS, 6)
     want, want_logits = greedy(tpserve_model(ref), PROMPTS, 6)
     assert got == want
@@ -342,6 +352,8 @@ def _ct_weights(**kw):
     (_cfg("gptq", lambda q: q.update(group_size=100)), "group_size"),
     (_cfg("gptq", lambda q: q.update(checkpoint_format="marlin")), "checkpoint_format"),
     (_cfg("compressed-tensors", _ct_weights(num_bits=2)), "weights.num_bits"),
+    (_cfg("compressed-tensors", _ct_weights(strategy="channel")), "weights.group_size: must be null"),
+    (_cfg("gptq", lambda q: q.update(group_size=8)), "group_size"),
     (_cfg("compressed-tensors", _ct_weights(group_size=100)), "weights.group_size"),
     (_cfg("compressed-tensors", _ct_weights(actorder="group")), "weights.actorder"),
     (_cfg("compressed-tensors", _ct_weights(type="float")), "weights.type"),
@@ -361,3 +373,7 @@ def test_supported_variants_resolve():
         qc = resolve_quantization(None, {"quantization_config": format_config(fmt, 128, **kw)})
         assert qc.grouped and qc.from_checkpoint and qc.group_size == 128 and qc.bits == 4
         assert qc.checkpoint_format == want
+    # per channel, or groups the kernels lack: each layer's group from its shapes (decoder re-expresses)
+    for fmt, group in [("gptq", -1), ("gptq", 512), ("compressed-tensors", -1), ("awq", 1024)]:
+        qc = resolve_quantization(None, {"quantization_config": format_config(fmt, group)})
+        assert qc.grouped and qc.group_size == 0

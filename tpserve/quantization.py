@@ -120,7 +120,8 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
             _fail(f"{where}.targets", f"tpserve supports ['Linear'] (every linear layer, less "
                                       f"'ignore'), got {targets!r}")
         weights = group.get("weights")
-        grouped = _is_ct_group(weights)
+        fmt = group.get("format") or qc.get("format")
+        grouped = _is_ct_group(weights, fmt)
         if grouped:
             if weights.get("num_bits") != 4:
                 _fail(f"{where}.weights.num_bits", f"tpserve supports 4-bit group weights, got "
@@ -133,7 +134,6 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
             _check_args(acts, f"{where}.input_activations", strategy="token", dynamic=True)
         if group.get("output_activations") is not None:
             _fail(f"{where}.output_activations", "output quantization is not supported")
-        fmt = group.get("format") or qc.get("format")
         if fmt not in (("pack-quantized",) if grouped else _FORMATS):
             _fail("format", f"tpserve reads {'pack-quantized' if grouped else ', '.join(_FORMATS)}"
                             f"{' 4-bit group weights' if grouped else ''}, got {fmt!r}")
@@ -175,10 +175,7 @@ def _gptq_awq(method: str, qc: dict) -> QuantConfig:
     if bits not in ((4,) if method == "awq" else (4, 8)):
         _fail("bits", f"tpserve loads {'4' if method == 'awq' else '4- and 8'}-bit {method} checkpoints, "
                       f"got {bits!r}")
-    group = qc.get("group_size", qc.get("q_group_size"))
-    if group not in GROUP_SIZES:
-        _fail("group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))} "
-                            f"(no per-channel -1), got {group!r}")
+    group = _format_group(qc.get("group_size", qc.get("q_group_size")), "group_size")
     ignore = qc.get("modules_to_not_convert") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         _fail("modules_to_not_convert", f"expected a list of module names, got {ignore!r}")
@@ -210,14 +207,30 @@ def _gptq_awq(method: str, qc: dict) -> QuantConfig:
     return group_quant_config(group, bits, tuple(ignore), checkpoint_format=fmt)
 
 
+def _format_group(value, name: str) -> int:
+    """A checkpoint format's group size: one of GROUP_SIZES, or 0 (per layer, from the shapes)
+    for per-channel scales (-1) and multiples of a kernel group, which the decoders re-express
+    in smaller groups exactly (``tpserve/models/quant_formats.py``)."""
+    if value in GROUP_SIZES:
+        return value
+    if value == -1 or (isinstance(value, int) and value > 0 and any(value % g == 0 for g in GROUP_SIZES)):
+        return 0
+    _fail(name, f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))} (or multiples of "
+                f"them, or -1 per channel), got {value!r}")
+
+
 def _ct_group_weights(args: dict, name: str) -> tuple[int, bool]:
     """compressed-tensors 4-bit group weights (W4A16 / W4A8, what llm-compressor writes as
     pack-quantized): ``(group_size, symmetric)``, or a ConfigError naming the field."""
     if args.get("type") != "int":
         _fail(f"{name}.type", f"tpserve supports 'int' 4-bit weights, got {args.get('type')!r}")
-    if args.get("group_size") not in GROUP_SIZES:
-        _fail(f"{name}.group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))}, "
-                                    f"got {args.get('group_size')!r}")
+    if args.get("strategy") == "channel":  # one scale per output row: groups of the whole row
+        if args.get("group_size") is not None:
+            _fail(f"{name}.group_size", f"must be null with strategy 'channel', got "
+                                        f"{args.get('group_size')!r}")
+        group = 0
+    else:
+        group = _format_group(args.get("group_size"), f"{name}.group_size")
     if not isinstance(args.get("symmetric", True), bool):
         _fail(f"{name}.symmetric", f"expected true or false, got {args.get('symmetric')!r}")
     if args.get("dynamic") not in (None, False):
@@ -228,11 +241,16 @@ def _ct_group_weights(args: dict, name: str) -> tuple[int, bool]:
                                   f"got {args.get('actorder')!r}")
     if args.get("block_structure") is not None:
         _fail(f"{name}.block_structure", f"must be null, got {args.get('block_structure')!r}")
-    return args["group_size"], bool(args.get("symmetric", True))
+    return group, bool(args.get("symmetric", True))
 
 
-def _is_ct_group(args) -> bool:
-    return isinstance(args, dict) and args.get("strategy") == "group" and args.get("num_bits") != 8
+def _is_ct_group(args, fmt) -> bool:
+    """Group weights not of 8 bits (4; other widths are refused naming num_bits) or pack-quantized
+    4-bit channel weights: the group-quant layer's, through quant_formats.py."""
+    if not isinstance(args, dict):
+        return False
+    return (args.get("strategy") == "group" and args.get("num_bits") != 8) or \
+        (args.get("strategy") == "channel" and args.get("num_bits") == 4 and fmt == "pack-quantized")
 
 
 def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig | None:

@@ -33,6 +33,10 @@ Every other tensor passes through unchanged. The formats (``QuantConfig.checkpoi
     ``weight_g_idx`` (must be trivial). ``w = (q - zp) * s`` with signed ``q``, ``zp``: code
     ``q + 2**(bits-1)``, min ``-(zp + 2**(bits-1)) * s``.
 
+A group size the kernels do not have (GPTQ's per-channel ``group_size: -1``, compressed-tensors'
+4-bit ``channel`` strategy, groups of 512...) is re-expressed in the largest of
+``GROUP_SIZES`` that divides it, each scale and min repeated: the same weights.
+
 Every product above is of a 16-bit float scale and an integer below 2**9: exact in float32, so
 the decoded tensors dequantize to exactly the weights the format's own dequantization gives (in
 float32). Row (TP) sharding is the loader's: every rank decodes the full tensors.
@@ -44,6 +48,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from tpserve.models.errors import CheckpointError
+from tpserve.quantization import GROUP_SIZES
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column AWQ_ORDER[k]
 FORMATS = ("awq", "gptq", "gptq_v2", "compressed-tensors")
@@ -176,6 +181,15 @@ def decode_compressed(prefix: str, t: dict[str, torch.Tensor], bits: int) -> dic
 
 def _result(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
             ) -> dict[str, torch.Tensor]:
+    g = codes.shape[1] // scales.shape[1]
+    if g not in GROUP_SIZES:  # per channel (GPTQ's group_size -1) or a multiple of a kernel group
+        finer = [s for s in GROUP_SIZES if g % s == 0]
+        if not finer:
+            raise CheckpointError(f"groups of {g} inputs cannot be expressed as groups of "
+                                  f"{', '.join(map(str, GROUP_SIZES))}")
+        # The same scale and min repeated over each smaller group: the same weights, exactly.
+        scales = scales.repeat_interleave(g // finer[-1], dim=1)
+        mins = mins.repeat_interleave(g // finer[-1], dim=1)
     out = {"weight_codes": codes.contiguous(), "weight_group_scales": scales.contiguous(),
            "weight_group_mins": mins.contiguous()}
     if bits != 4:
