@@ -124,6 +124,10 @@ class FakeEngine:
         self.added.append(request_id)
         return len(ids)
 
+    def add_pooling_request(self, request_id, prompts, params=None, *, priority=0, timeout=None, arrival=None):
+        from tpserve.pooling import wrong_runner
+        raise InvalidRequestError("runner", wrong_runner("generate", "embed / classify"))
+
     def lend_cores(self, cores):
         self.lent.append(cores)
 
@@ -1824,7 +1828,8 @@ def test_engine_and_fake_engine_satisfy_the_serving_interface():
     from tpserve.engine import Engine
     assert isinstance(FakeEngine(), ServingEngine)
     names = [n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_")]
-    assert set(names) == {"tokenize", "tokenizer_path", "add_request", "abort_request", "has_unfinished", "has_room",
+    assert set(names) == {"tokenize", "tokenizer_path", "add_request", "add_pooling_request", "abort_request",
+                          "has_unfinished", "has_room",
                           "check_queue_room",
                           "step", "stats",
                           "start_profile", "stop_profile", "lend_cores", "check_integrity", "health_fd", "check_health",

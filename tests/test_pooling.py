@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -207,6 +208,14 @@ def test_bad_input_names_the_field_and_leaks_nothing(model):
         assert not engine.has_unfinished() and not engine.requests and not engine.families
         engine.check_integrity()
         assert run(engine, "ok", [[1, 2, 3]]).pooled  # still serving
+        # past its deadline: one output, finish_reason "timeout", no result; aborted midway: nothing
+        engine.add_pooling_request("late", PROMPTS, timeout=1.0, arrival=time.monotonic() - 5)
+        (out,) = engine.step()
+        assert (out.request_id, out.finished, out.finish_reason, out.pooled) == ("late", True, "timeout", None)
+        engine.add_pooling_request("gone", [list(range(1, 99))] * 3)
+        engine.step()
+        assert engine.abort_request("gone") and not engine.has_unfinished()
+        engine.check_integrity()
     finally:
         engine.shutdown()
     with pytest.raises(InvalidFieldError, match="dimensions"):
@@ -271,3 +280,84 @@ def test_pooling_call_to_a_generate_daemon_names_the_runner(model):
             assert c.generate([1, 2, 3], max_tokens=2).completion_tokens == 2  # still serving
     finally:
         engine.shutdown()
+
+
+def test_pooling_blocks_are_evicted_before_generation_prefixes():
+    """A finished pooling request's blocks stay in the prefix cache but are evicted first (the
+    tail before the head); those its admission found cached (a shared prefix) keep their place."""
+    from tpserve.blockpool import BlockManager
+    from tpserve.scheduler import Sequence
+
+    bm = BlockManager(8, 4, True)
+
+    def done(seq):
+        seq.num_cached_tokens = len(seq)
+        bm.hash_blocks(seq)
+        bm.deallocate(seq)
+
+    def admit(seq):
+        n = bm.can_allocate(seq)
+        bm.allocate(seq, n)
+        return n
+
+    gen = Sequence("g", list(range(8)), SamplingParams(max_tokens=1), block_size=4)
+    admit(gen)
+    gen_blocks = list(gen.block_table)
+    done(gen)
+    pool = Sequence("p", list(range(100, 108)), SamplingParams(max_tokens=0), block_size=4)
+    pool.pooling = "LAST"
+    admit(pool)
+    pool_blocks = list(pool.block_table)
+    done(pool)
+    assert list(bm._free.cached) == [pool_blocks[1], pool_blocks[0], gen_blocks[1], gen_blocks[0]]
+    # a pooling request that hits the generation's prefix leaves those blocks last in line
+    again = Sequence("q", list(range(8)) + [1, 2, 3, 4], SamplingParams(max_tokens=0), block_size=4)
+    again.pooling = "LAST"
+    assert admit(again) == 2
+    new = again.block_table[2]
+    done(again)
+    assert list(bm._free.cached) == [new, pool_blocks[1], pool_blocks[0], gen_blocks[1], gen_blocks[0]]
+    bm.check_integrity()
+
+
+def test_tp2_embeddings_and_scores_equal_transformers(model):
+    """Two ranks: the forward is sharded, rank 0 pools and scores; a mixed step of embed and
+    classify requests; a sequence-classification head and the LM head's rows are rank 0's."""
+    path, ref = model
+    with LLM(str(path), runner="pooling", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+             pooler_config={"classifier_from_token": ["a", "b"]}) as llm:
+        tok = llm.tokenizer
+        no, yes = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+        for ids, o in zip(PROMPTS, llm.embed(PROMPTS)):
+            assert cosine(o.outputs.embedding, reference(ref, ids)) >= 0.9999
+        for ids, o in zip(PROMPTS, llm.classify(PROMPTS)):
+            with torch.no_grad():
+                logits = ref(torch.tensor([ids])).logits[0, -1].double()
+            assert abs(o.outputs.probs[0] - float(torch.sigmoid(logits[yes] - logits[no]))) < 1e-5
+
+
+def test_tpserve_start_runner_pooling_status_and_stop(model):
+    """`tpserve start --runner pooling --pooler-config ...`: embeddings through the client,
+    `tpserve status` names the runner and counts the pooling requests; a bad pooler key is
+    refused naming the option before anything starts."""
+    from test_cli import Daemon, run_cli
+    path, ref = model
+    bad = run_cli("start", "--model", path, "--runner", "pooling", "--pooler-config", '{"pooling": "MEAN"}',
+                  "--runtime-dir", "/tmp/tps-never")
+    assert bad.returncode != 0 and "--pooler-config" in bad.stderr and "pooling" in bad.stderr
+    d = Daemon(path, "--runner", "pooling", "--dtype", "float32", "--pooler-config",
+               json.dumps({"pooling_type": "MEAN", "score_token_ids": [NO, YES]}))
+    try:
+        with Client(d.address, timeout=60) as c:
+            got = c.embed(PROMPTS[:2])
+            assert cosine(got[1].data, reference(ref, PROMPTS[1], "MEAN")) >= 0.9999
+            assert abs(c.classify(PROMPTS[:1])[0].data[0] - yes_no(ref, PROMPTS[0])) < 1e-5
+        status = d.cli("status")
+        assert status.returncode == 0, status.stderr
+        lines = {line[2:20].strip(): line[20:].strip() for line in status.stdout.splitlines()[1:]}
+        assert lines["runner"] == "pooling"
+        assert lines["pooling requests"] == f"2 (3 prompts, {len(PROMPTS[0]) * 2 + len(PROMPTS[1])} tokens)"
+        d.stop()
+        d.assert_gone()
+    finally:
+        d.kill()

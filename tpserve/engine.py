@@ -34,7 +34,7 @@ from tpserve.grammar import GrammarCompiler, RequestGrammar
 from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
 from tpserve.pooling import (DEFAULT_SCORE_TOKENS, MAX_POOLING_INPUTS, PoolingParams, finish_embedding,
-                             finish_score, wrong_runner)
+                             finish_scores, wrong_runner)
 from tpserve.plan import Command
 from tpserve.request import rest_of_context
 from tpserve.limits import (MAX_PROMPT_TOKENS, MAX_SEED, check_priority, check_prompt_shape, check_request,
@@ -352,7 +352,7 @@ class Engine:
         if reason == "stop" and req.pooled is not None:
             n = fam.prompt_lens[req.index]
             if fam.pooling.task == "classify":
-                fam.results[req.index] = [finish_score(req.score[0], self.pooler)]
+                fam.results[req.index] = finish_scores(req.score, self.pooler)
             else:
                 fam.results[req.index] = finish_embedding(req.pooled, fam.pooling, self.pooler, n)
         elif fam.failed is None:
@@ -695,8 +695,10 @@ class Engine:
             s["spec_decode_acceptance_rate"] = accepted / max(s["spec_decode_num_draft_tokens"], 1)
             # vLLM's mean acceptance length: tokens per verifying step of a sequence.
             s["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
-        s.update(runner=self.runner, pooling_requests=self.num_pooling_requests,
-                 pooling_prompts=self.num_pooling_prompts, pooling_prompt_tokens=self.pooling_prompt_tokens)
+        s["runner"] = self.runner
+        if self.runner == "pooling":
+            s.update(pooling_requests=self.num_pooling_requests, pooling_prompts=self.num_pooling_prompts,
+                     pooling_prompt_tokens=self.pooling_prompt_tokens)
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)

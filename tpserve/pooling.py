@@ -10,7 +10,7 @@ vector per prompt instead of tokens (vLLM's pooling runner):
   (Matryoshka representations: the leading components) and then L2-normalised unless
   ``normalize`` is false.
 - **classify**: one score per prompt from the last token's hidden state through a score head
-  of one label: ``score.weight`` of a ``*ForSequenceClassification`` checkpoint, or, for a
+  of one label (several labels: their softmax): ``score.weight`` of a ``*ForSequenceClassification`` checkpoint, or, for a
   causal LM read as a yes/no reranker (Qwen3-Reranker), the difference of the LM head's rows
   of the two score tokens (``classifier_from_token``: ["no", "yes"] unless configured), so
   that the score is ``sigmoid(logit[yes] - logit[no])`` without computing the LM head.
@@ -176,12 +176,19 @@ def finish_embedding(vec, params: PoolingParams, config: PoolerConfig, num_token
     return v.astype(np.float32).tolist()
 
 
-def finish_score(logit: float, config: PoolerConfig) -> float:
-    """A classify score from its head's logit: its sigmoid (unless ``use_activation`` false)."""
-    x = float(logit)
+def finish_scores(logits, config: PoolerConfig) -> list[float]:
+    """A classify result from its head's logits: one label's sigmoid, several labels' softmax
+    (vLLM's activations), or the logits themselves when ``use_activation`` is false."""
+    xs = [float(x) for x in logits]
     if not config.use_activation:
-        return x
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)
-    return e / (1.0 + e)
+        return xs
+    if len(xs) == 1:
+        x = xs[0]
+        if x >= 0:
+            return [1.0 / (1.0 + math.exp(-x))]
+        e = math.exp(x)
+        return [e / (1.0 + e)]
+    top = max(xs)
+    es = [math.exp(x - top) for x in xs]
+    total = sum(es)
+    return [e / total for e in es]

@@ -114,11 +114,12 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         self.used_block_ids.add(block_id)
 
-    def _deallocate_block(self, block_id: int) -> None:
+    def _deallocate_block(self, block_id: int, evict_first: bool = False) -> None:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         self.used_block_ids.remove(block_id)
-        self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id)
+        self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id,
+                        evict_first=evict_first)
 
     def prefix_hits(self, seq, use_cache: bool = True) -> list[int]:
         """The cached blocks holding ``seq``'s leading full blocks, in order (the prefix-cache
@@ -171,13 +172,24 @@ class BlockManager:
         self._live[seq] = None
 
     def deallocate(self, seq) -> None:
-        """Release every block of ``seq`` (tail first); hash entries stay for later hits."""
-        blocks = self.blocks
-        for block_id in reversed(seq.block_table):
+        """Release every block of ``seq`` (tail first); hash entries stay for later hits.
+
+        A pooling request's blocks (``seq.pooling``, --runner pooling) stay in the prefix cache
+        but are evicted before any other cached block, unless its admission found them there
+        (a prefix shared by requests is worth keeping): one-off texts to embed must not push
+        out the prefixes generation reuses."""
+        blocks, table = self.blocks, seq.block_table
+        shared = seq.num_prefix_hit_tokens // self.block_size if getattr(seq, "pooling", None) else len(table)
+        for block_id in reversed(table[:shared]):
             block = blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._deallocate_block(block_id)
+        for block_id in table[shared:]:  # each to the front: the tail is evicted before the head
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._deallocate_block(block_id, evict_first=True)
         seq.num_cached_tokens = 0
         seq.num_prefix_hit_tokens = 0
         seq.num_hashed_blocks = 0

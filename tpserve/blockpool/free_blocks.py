@@ -33,10 +33,14 @@ class FreeBlocks:
             return self.plain.popleft()
         return self.cached.popitem(last=False)[0]
 
-    def push(self, block_id: int, cached: bool) -> None:
-        """A block became free; ``cached`` when it is still reachable from the prefix cache."""
+    def push(self, block_id: int, cached: bool, evict_first: bool = False) -> None:
+        """A block became free; ``cached`` when it is still reachable from the prefix cache.
+        ``evict_first``: a cached block goes to the front of its class (the least recently
+        used end), as if unused for longest (a pooling request's prefix nobody shared yet)."""
         if cached:
             self.cached[block_id] = None
+            if evict_first:
+                self.cached.move_to_end(block_id, last=False)
         else:
             self.plain.append(block_id)
 

@@ -134,6 +134,7 @@ def _continue_stopped(pids: list[int]) -> None:
 _STATUS_LINES = [
     ("pid", "pid", "{}"),
     ("model", "model", "{}"),
+    ("runner", "runner", "{}"),  # generate, or pooling: embeddings and scores (--runner)
     ("tensor parallel", "tensor_parallel_size", "{}"),
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
@@ -164,6 +165,8 @@ _STATUS_LINES = [
     ("tokens/s", "tokens_per_s", "{:.1f}"),
     ("prompt tokens", "prompt_tokens", "{}"),
     ("generated tokens", "generation_tokens", "{}"),
+    ("pooling requests", ("pooling_requests", "pooling_prompts", "pooling_prompt_tokens"),
+     "{} ({} prompts, {} tokens)"),  # --runner pooling
 ]
 
 
