@@ -168,6 +168,28 @@ def test_messages_are_rendered_by_the_chat_template():
     assert pool.calls[-1][1] == [tokenizer("user: Hello\n", add_special_tokens=False)["input_ids"]]
 
 
+# ---- the request model ---------------------------------------------------------------------------
+@pytest.mark.parametrize("pooling,prompts,priority,field", [
+    ({"dimensions": 0}, ["a"], None, "dimensions"),
+    ({"normalize": "yes"}, ["a"], None, "normalize"),
+    ({"dimension": 2}, ["a"], None, None),
+    ({}, [], None, "input"),
+    ({}, ["a", ""], None, "input"),  # an item of a mapped field names the field
+    ({}, [[1, -2]], None, "input"),
+    ({}, ["a"] * 2049, None, "input"),
+    ({}, ["a"], "high", "priority"),
+])
+def test_make_pooling_request_names_the_callers_field(pooling, prompts, priority, field):
+    from tpserve.errors import InvalidFieldError
+    from tpserve.fronts.http.embeddings_api import EMBEDDINGS
+    from tpserve.request import make_pooling_request
+    with pytest.raises(InvalidFieldError) as e:
+        make_pooling_request(EMBEDDINGS, pooling, prompts, priority=priority)
+    assert e.value.field == field
+    ok = make_pooling_request(EMBEDDINGS, {"dimensions": 8, "normalize": False}, ["a", [5, 6]], priority=2)
+    assert (ok.params.dimensions, ok.params.normalize, ok.prompts, ok.priority) == (8, False, ["a", [5, 6]], 2)
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,param", [
     ({}, "input"),
