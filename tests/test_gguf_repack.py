@@ -2,8 +2,14 @@
 dequantizing the repacked tensors equals the ``gguf`` package's own dequantization exactly, for
 every supported type, on blocks its quantizers write and on random valid blocks built byte-wise;
 a GGUF file written and read back by the ``gguf`` package repacks the same way; bad input is
-refused with the type or size named."""
+refused with the type or size named. With llama.cpp's build (``peers``): every tensor of a tiny
+model that ``llama-quantize`` writes in each file type (K-quant mixes included) repacks exactly."""
 from __future__ import annotations
+
+import collections
+import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,3 +124,68 @@ def test_unsupported_types_and_bad_sizes_are_refused():
     with pytest.raises(TypeError, match="the tensor type comes first"):
         repack(raw, "Q4_K", (2, 256))
     assert codes.shape == (2, 256)
+
+
+LLAMACPP = Path(os.environ.get("TPSERVE_LLAMACPP_DIR")
+                or Path(__file__).resolve().parents[1] / ".peers" / "llamacpp")
+
+
+def write_tiny_llama(path: Path, hidden=256, ffn=512, layers=2, vocab=512, heads=4) -> None:
+    """A float32 llama-architecture GGUF of random weights (rows multiples of 256, so every
+    K-quant applies): enough metadata for llama-quantize, no tokenizer."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_file_type(0)
+    rng = np.random.default_rng(0)
+
+    def add(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    add("token_embd.weight", vocab, hidden)
+    add("output_norm.weight", hidden)
+    add("output.weight", vocab, hidden)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", hidden)
+        add(f"blk.{i}.ffn_norm.weight", hidden)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            add(f"blk.{i}.{name}.weight", hidden, hidden)
+        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.peers
+@pytest.mark.timeout(300)
+def test_llama_quantize_files_repack_exactly(tmp_path):
+    """llama.cpp's own quantizer (scripts/peer_llamacpp.sh builds it): each file type's tensors,
+    the Q6_K output layer of the K-quant mixes included, dequantize from codes/scales/mins to
+    exactly the ``gguf`` package's values."""
+    quantize = LLAMACPP / "bin" / "llama-quantize"
+    assert quantize.is_file(), f"{quantize}: missing; run scripts/peer_llamacpp.sh"
+    src = tmp_path / "tiny-f32.gguf"
+    write_tiny_llama(src)
+    seen = collections.Counter()
+    for ftype in ("Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        out = tmp_path / f"tiny-{ftype}.gguf"
+        run = subprocess.run([str(quantize), str(src), str(out), ftype, "1"], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        for t in GGUFReader(str(out)).tensors:
+            if t.tensor_type.name in ("F32", "F16"):
+                continue
+            codes, scales, mins, _ = repack_reader_tensor(t)
+            np.testing.assert_array_equal(group_dequantize(codes, scales, mins),
+                                          dequantize(t.data, t.tensor_type),
+                                          err_msg=f"{ftype}: {t.name} ({t.tensor_type.name})")
+            seen[t.tensor_type.name] += 1
+    assert set(seen) == set(SUPPORTED_TYPES), seen
