@@ -45,7 +45,7 @@ def pack(values: np.ndarray, bits: int, axis: int, order=None) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32))
 
 
-def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 0):
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 0, scale_dtype=torch.float16):
     """Round-to-nearest group quantization of ``w [out, in]`` the way GPTQ/AWQ define it:
     ``w ~ (q - z) * s`` with unsigned ``q``, fp16 ``s``; symmetric: ``z = 2**(bits-1)``.
     Returns ``(q, z, s)`` as ``[out, in]``, ``[out, G]``, ``[out, G]`` (s float16) and the
@@ -55,11 +55,11 @@ def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int = 
     maxq = 2 ** bits - 1
     wg = w.float().reshape(out, k // group, group)
     if sym:
-        s = (wg.abs().amax(-1) / (maxq / 2)).clamp_min(1e-4).half()
+        s = (wg.abs().amax(-1) / (maxq / 2)).clamp_min(1e-4).to(scale_dtype)
         z = torch.full_like(s, 2 ** (bits - 1), dtype=torch.int64)
     else:
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-        s = ((hi - lo) / maxq).clamp_min(1e-4).half()
+        s = ((hi - lo) / maxq).clamp_min(1e-4).to(scale_dtype)
         z = torch.round(-lo / s.float()).clamp(min_zero, maxq).to(torch.int64)
     q = torch.clamp(torch.round(wg / s.float()[..., None]) + z[..., None], 0, maxq).to(torch.int64)
     deq = ((q - z[..., None]).float() * s.float()[..., None]).reshape(out, k)
@@ -83,8 +83,8 @@ def gptq_tensors(w, group, bits=4, sym=True, v2=False):
             }, deq
 
 
-def ct_tensors(w, group, sym=True, bits=4):
-    q, z, s, deq = quantize(w, bits, group, sym)
+def ct_tensors(w, group, sym=True, bits=4, scale_dtype=torch.float16):
+    q, z, s, deq = quantize(w, bits, group, sym, scale_dtype=scale_dtype)
     # compressed-tensors packs signed values plus 2**(bits-1): the unsigned q here; its signed
     # zero point z - 2**(bits-1) likewise, packed along the output axis.
     out = {"weight_packed": pack(q.numpy(), bits, 1), "weight_shape": torch.tensor(list(w.shape)),
@@ -126,7 +126,7 @@ def format_tensors(fmt, w, group, kw):
         return awq_tensors(w, group)
     if fmt.startswith("gptq"):
         return gptq_tensors(w, group, kw.get("bits", 4), kw.get("sym", True), fmt == "gptq_v2")
-    return ct_tensors(w, group, kw.get("sym", True), kw.get("bits", 4))
+    return ct_tensors(w, group, kw.get("sym", True), kw.get("bits", 4), kw.get("scale_dtype", torch.float16))
 
 
 def write_checkpoint(src: Path, dst: Path, fmt: str, group: int = GROUP, **kw) -> tuple[Path, Path]:
@@ -173,7 +173,8 @@ CASES = [("awq", {}), ("gptq", {"sym": True}), ("gptq", {"sym": False}), ("gptq_
          ("gptq", {"sym": True, "bits": 8}), ("compressed-tensors", {"sym": True}),
          ("compressed-tensors", {"sym": False}), ("compressed-tensors", {"sym": False, "bits": 8}),
          ("gptq", {"sym": False, "group": -1}), ("compressed-tensors", {"sym": True, "group": -1}),
-         ("gptq", {"sym": True, "group": 512})]
+         ("gptq", {"sym": True, "group": 512}),
+         ("compressed-tensors", {"sym": False, "scale_dtype": torch.bfloat16})]
 
 
 @pytest.mark.parametrize("fmt, kw", CASES, ids=[f"{f}-{'-'.join(map(str, k.values()))}" for f, k in CASES])
