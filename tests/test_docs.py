@@ -97,7 +97,7 @@ def test_docs_links_resolve():
 
 CONTRACTS = ("tpserve.config", "tpserve.spec_config", "tpserve.quantization", "tpserve.errors",
              "tpserve.limits", "tpserve.sampling", "tpserve.request", "tpserve.plan", "tpserve.sample_plan",
-             "tpserve.outputs", "tpserve.procs", "tpserve.tokenizer")
+             "tpserve.outputs", "tpserve.procs", "tpserve.tokenizer", "tpserve.gguf_file")
 SCHEDULER_SIDE = ("tpserve.blockpool", "tpserve.grammar", "tpserve.scheduler")
 ENGINE = ("tpserve.engine", "tpserve.llm", "tpserve.launch")
 ABOVE_ENGINE = ("tpserve.server", "tpserve.fronts", "tpserve.client", "tpserve.cli")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tpserve.errors import ConfigError
+from tpserve.gguf_file import GGUFFileError, is_gguf, materialize, model_dir, model_stem
 from tpserve.pooling import PoolerConfig, check_runner
 from tpserve.quantization import QUANTIZATION_METHODS, resolve_quantization
 from tpserve.spec_config import SpeculativeConfig
@@ -18,6 +19,8 @@ from tpserve.spec_config import SpeculativeConfig
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "cpu", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --quantization none: no quantization at all; a GGUF file's tensors are dequantized at load.
+NO_QUANTIZATION = "none"
 SCHEDULING_POLICIES = ("mixed", "prefill-first")
 SCHEDULING_ORDERS = ("fcfs", "priority")
 #: max_waiting_requests / max_waiting_tokens: sized from the KV pool when the engine starts.
@@ -42,7 +45,8 @@ class EngineConfig:
     model); `tpserve start` waits as long for the daemon to be ready.
     ``quantization``: None (the checkpoint as it is, int8 if its config.json says
     compressed-tensors), "int8" (quantize the linear layers at load) or "compressed-tensors";
-    see tpserve/quantization.py. ``resolve`` refuses a quantization it cannot load.
+    see tpserve/quantization.py; "none": no quantization (a GGUF file's tensors dequantized at
+    load, docs/gguf.md). ``resolve`` refuses a quantization it cannot load.
 
     ``scheduling_policy``: "mixed" (default) fills each step's ``max_num_batched_tokens``
     budget with every running decode first, then prefill chunks, so running streams never wait
@@ -99,6 +103,8 @@ class EngineConfig:
     """
 
     model: str | None = None
+    # A .gguf model's tokenizer from this directory instead of the file's metadata (docs/gguf.md).
+    tokenizer: str | None = None
     tensor_parallel_size: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
@@ -175,8 +181,8 @@ class EngineConfig:
         for name in ("max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) not in (None, AUTO):
                 pos_int(name)
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} "
+        if self.quantization not in (None, *QUANTIZATION_METHODS, NO_QUANTIZATION):
+            raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, none "
                                               f"(or unset), got {self.quantization!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ConfigError("enable_expert_parallel",
@@ -186,6 +192,14 @@ class EngineConfig:
                               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ConfigError("model", f"must be a path, got {type(self.model).__name__}")
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, os.PathLike)):
+                raise ConfigError("tokenizer", f"must be a path, got {type(self.tokenizer).__name__}")
+            if not is_gguf(self.model):
+                raise ConfigError("tokenizer", "applies to a .gguf model only (a model directory "
+                                               "holds its own tokenizer)")
+            if not Path(self.tokenizer).is_dir():
+                raise ConfigError("tokenizer", f"{self.tokenizer} is not a directory")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config).to_dict()
         check_runner(self.runner)
@@ -211,10 +225,30 @@ class EngineConfig:
     # ---- model directory -----------------------------------------------------------------
     @property
     def model_path(self) -> Path:
+        """The model directory; for a .gguf model the one made from the file's metadata
+        (tpserve/gguf_file/model_dir.py), which ``resolve`` writes if it is not there yet."""
+        if is_gguf(self.model):
+            try:
+                return model_dir(self.model, self.tokenizer)
+            except GGUFFileError as e:
+                raise ConfigError("model", str(e)) from None
         return Path(self.model) if self.model is not None else DEFAULT_MODEL_DIR
+
+    @property
+    def model_name(self) -> str:
+        """The name the APIs know the model by (unless --served-model-name): a GGUF file's
+        stem, else the model directory's name."""
+        if is_gguf(self.model):
+            return model_stem(self.model)
+        return os.path.basename(os.path.normpath(str(self.model_path)))
 
     def resolve(self) -> "EngineConfig":
         """Read config.json (and generation_config.json) of the model; fill derived fields."""
+        if is_gguf(self.model):
+            try:
+                materialize(self.model, self.tokenizer)
+            except GGUFFileError as e:
+                raise ConfigError("model", str(e)) from None
         path = self.model_path
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -229,7 +263,12 @@ class EngineConfig:
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
         if not self.eos_token_ids:
             self.eos_token_ids = _eos_ids(path, self.hf_config)
-        resolve_quantization(self.quantization, self.hf_config)  # refuses what cannot be loaded
+        if self.quantization == NO_QUANTIZATION and self.hf_config.get("quantization_config") is not None:
+            raise ConfigError("quantization", "none: this checkpoint is quantized (its config.json has a "
+                                              "quantization_config); none applies to float checkpoints "
+                                              "and GGUF files (dequantized at load)")
+        requested = None if self.quantization == NO_QUANTIZATION else self.quantization
+        resolve_quantization(requested, self.hf_config)  # refuses what cannot be loaded
         tp = self.tensor_parallel_size
         heads = int(self.hf_config.get("num_attention_heads", tp))
         if heads % tp:

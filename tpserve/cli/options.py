@@ -15,7 +15,8 @@ from dataclasses import fields
 import click
 
 from tpserve.pooling import RUNNERS
-from tpserve.config import ATTENTION_BACKENDS, AUTO, DTYPES, SCHEDULING_ORDERS, SCHEDULING_POLICIES, EngineConfig
+from tpserve.config import (ATTENTION_BACKENDS, AUTO, DTYPES, NO_QUANTIZATION, SCHEDULING_ORDERS,
+                            SCHEDULING_POLICIES, EngineConfig)
 from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
 
@@ -61,7 +62,11 @@ class AutoOrCount(click.ParamType):
 # (EngineConfig field, option declarations, click kwargs). Flags map to booleans in _to_config.
 _OPTIONS = [
     ("model", ("--model",), dict(type=str, default=None, metavar="PATH",
-                                 help="Hugging Face model directory [default: the bundled default model]")),
+                                 help="Hugging Face model directory, or a .gguf file (docs/gguf.md) "
+                                      "[default: the bundled default model]")),
+    ("tokenizer", ("--tokenizer",), dict(type=str, default=None, metavar="DIR",
+                                         help="a .gguf model's tokenizer from this directory instead of "
+                                              "the file's metadata")),
     ("tensor_parallel_size", ("--tp", "--tensor-parallel-size"),
      dict(type=int, envvar=["TPSERVE_TENSOR_PARALLEL_SIZE", "TPSERVE_TP"],
           help="number of tensor-parallel ranks (GPUs, or CPU processes without a GPU)")),
@@ -97,9 +102,10 @@ _OPTIONS = [
      dict(type=int, help="KV-cache blocks, overriding the memory-based size")),
     ("dtype", ("--dtype",), dict(type=click.Choice(DTYPES), help="model weight and activation dtype")),
     ("quantization", ("--quantization",),
-     dict(type=click.Choice(QUANTIZATION_METHODS),
+     dict(type=click.Choice((*QUANTIZATION_METHODS, NO_QUANTIZATION)),
           help="int8: quantize the linear layers at load (int8 weights per channel, int8 activations "
-               "per row); compressed-tensors: an int8 checkpoint (detected from config.json without it)")),
+               "per row); compressed-tensors: an int8 checkpoint (detected from config.json without it); "
+               "none: no quantization (a .gguf file's tensors dequantized at load to --dtype)")),
     ("enable_expert_parallel", ("--enable-expert-parallel",),
      dict(is_flag=True, help="mixture-of-experts models: each tensor-parallel rank holds whole experts "
                              "(default: every rank a slice of every expert)")),
@@ -169,7 +175,7 @@ def config_from_options(kwargs: dict, resolve: bool = True) -> EngineConfig:
         value = values[name]
         if field_name == "enable_prefix_caching":
             value = not value
-        if field_name == "model" and value is not None:
+        if field_name in ("model", "tokenizer") and value is not None:
             value = os.path.abspath(os.path.expanduser(value))
         cfg_kwargs[field_name] = value
     try:

@@ -34,9 +34,11 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from tpserve.gguf_file import gguf_files
 from tpserve.kernels.backend_factory import get_backend
 from tpserve.models.decoder import CausalLM
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
+from tpserve.models.gguf import gguf_quant_config, gguf_weights
 from tpserve.models.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, FusedMoE
 from tpserve.models.parallel import TPContext
 from tpserve.models.quant_formats import decoded_tensors
@@ -107,15 +109,22 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
     if backend is None:
         backend = get_backend("auto", device=device, block_size=block_size)
     hf_config = json.loads((path / "config.json").read_text())
-    qc = resolve_quantization(quantization, hf_config)
+    gguf = gguf_files(path)  # a model directory made from a GGUF file (tpserve/gguf_file/)
+    if gguf is not None:
+        qc = gguf_quant_config(gguf, quantization, spec, hf_config)
+    else:
+        qc = resolve_quantization(None if quantization == "none" else quantization, hf_config)
     with _default_dtype(torch_dtype), device:
         model = CausalLM(spec, tp, backend, expert_parallel=enable_expert_parallel)
         if qc is not None:
             prepare_model(model, qc)
-    files = checkpoint_files(path)
-    show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
-    tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
-    tensors = decoded_tensors(tensors, qc, hf_config)  # AWQ, GPTQ, compressed-tensors 4-bit
+    if gguf is not None:
+        tensors = gguf_weights(gguf, spec, qc, torch_dtype)
+    else:
+        files = checkpoint_files(path)
+        show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
+        tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
+        tensors = decoded_tensors(tensors, qc, hf_config)  # AWQ, GPTQ, compressed-tensors 4-bit
     load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
 

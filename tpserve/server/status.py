@@ -24,7 +24,11 @@ def served_model_name(engine, options) -> str:
     """The name clients and metrics know the model by."""
     if options.served_model_name:
         return options.served_model_name
-    path = getattr(getattr(engine, "config", None), "model_path", None)
+    config = getattr(engine, "config", None)
+    name = getattr(config, "model_name", None)  # a GGUF file's stem, a directory's name
+    if isinstance(name, str) and name:
+        return name
+    path = getattr(config, "model_path", None)
     return os.path.basename(os.path.normpath(str(path))) if path else "tpserve"
 
 

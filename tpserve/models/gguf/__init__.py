@@ -1,0 +1,157 @@
+"""A GGUF file's tensors as the loader's Hugging Face-named checkpoint tensors.
+
+``tpserve/gguf_file/`` makes a model directory from a GGUF file's metadata (config, tokenizer)
+and lists the file(s) in its ``gguf.json``; ``tpserve/models/loader.py`` then reads the weights
+through this package instead of safetensors:
+
+* names: llama.cpp's ``token_embd``, ``blk.N.attn_q``, ``blk.N.ffn_gate_exps``, ... become
+  ``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, one
+  ``...experts.E.gate_proj`` per expert (``names.py``);
+* llama.cpp's converter permutes the rows of a llama-architecture (and Mixtral) model's q and
+  k projections (rotary pairs interleaved, for its rope kernel); the reverse permutation
+  restores the Hugging Face order (``names.py``), for float weights and for the rows of
+  group codes, scales and mins alike;
+* ``--quantization none``: every tensor is dequantized at load (``dequant.py``: numpy, equal to
+  the ``gguf`` package's reference dequantizer) and cast to ``--dtype``;
+* default (native): each quantized linear weight is handed to ``repack.py``, which turns its
+  blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) into group codes, scales and mins without
+  requantizing, and yielded as ``<module>.weight_codes`` / ``weight_group_scales`` /
+  ``weight_group_mins`` / ``weight_bits`` for the group-quantized layer
+  (``tpserve/models/group_quant.py``, which gives the parts of a merged layer the finest group
+  among them). A merged layer (q/k/v, gate/up) with a float part is dequantized whole. The
+  embedding table is always dequantized (a lookup, not a matmul; a tied LM head stays that
+  float table); float tensors stay float. Mixtures of experts run dequantized only
+  (``--quantization none``) for now: the default refuses them, naming the option.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpserve.errors import ConfigError
+from tpserve.gguf_file.reader import FLOAT_TYPES, GGUFFileError, TensorEntry, scan
+from tpserve.models.errors import CheckpointError
+from tpserve.models.gguf.dequant import dequantize, raw_blocks
+from tpserve.models.gguf.names import TensorNames
+from tpserve.models.spec import ModelSpec
+from tpserve.quantization import QuantConfig, resolve_quantization
+
+NO_QUANTIZATION = "none"
+
+
+def gguf_tensors(files: list[Path]) -> list[TensorEntry]:
+    """Every tensor of the model's GGUF file(s), checked (``tpserve/gguf_file/reader.py``)."""
+    out = []
+    try:
+        for f in files:
+            out += scan(f)
+    except GGUFFileError as e:
+        raise CheckpointError(str(e)) from None
+    return out
+
+
+def native_modules(tensors: list[TensorEntry], names: TensorNames) -> set[str]:
+    """The HF linear modules whose weights run as group codes: quantized in the file, and so
+    are the other parts of their merged layer (a q/k/v or gate/up layer with a float part is
+    dequantized whole: exact, as float)."""
+    quantized: dict[str, bool] = {}
+    merged: dict[str, bool] = {}
+    for t in tensors:
+        if t.name == "token_embd.weight" or not t.name.endswith(".weight") or len(t.shape) < 2:
+            continue
+        for hf, _ in names.hf_names(t):
+            module = hf.removesuffix(".weight")
+            quantized[module] = t.type_name not in FLOAT_TYPES
+            packed = names.packed_module(module)
+            merged[packed] = merged.get(packed, True) and quantized[module]
+    return {m for m, q in quantized.items() if q and merged[names.packed_module(m)]}
+
+
+def gguf_quant_config(files: list[Path], quantization: str | None, spec: ModelSpec,
+                      hf_config: dict) -> QuantConfig | None:
+    """The QuantConfig a GGUF model loads with: ``none`` -> None (every tensor dequantized);
+    unset -> the group layout for the quantized linear weights (None for an all-float file);
+    ``int8`` / ``int4`` -> that, quantized at load from the dequantized weights."""
+    if quantization == NO_QUANTIZATION:
+        return None
+    if quantization is not None and quantization != "group":
+        return resolve_quantization(quantization, hf_config)
+    tensors = gguf_tensors(files)
+    names = TensorNames(spec)
+    native = native_modules(tensors, names)
+    if not native:
+        return None
+    if spec.is_moe:
+        raise ConfigError("quantization", f"{files[0]}: a mixture of experts' quantized GGUF tensors do not "
+                                          "run natively yet; pass --quantization none to dequantize them "
+                                          "at load")
+    if importlib.util.find_spec("tpserve.models.gguf.repack") is None:
+        raise ConfigError(
+            "quantization", f"{files[0]}: running its quantized tensors natively (repacked onto tpserve's "
+                            "group-quantized layers) is not available in this build; pass --quantization "
+                            "none to dequantize them at load")
+    from tpserve.quantization import group_quant_config
+
+    ignore = tuple(sorted(names.linear_modules(tensors) - native))
+    return group_quant_config(0, 0, ignore)
+
+
+def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, tensor)`` for every tensor of the GGUF model: dequantized to
+    ``dtype``, or (``qc`` a group config from the file) quantized linear weights as group
+    codes, scales, mins and bits."""
+    tensors = gguf_tensors(files)
+    names = TensorNames(spec)
+    native = native_modules(tensors, names) if qc is not None and qc.grouped and qc.from_checkpoint else set()
+    maps: dict[Path, np.memmap] = {}
+    try:
+        for t in tensors:
+            targets = names.hf_names(t)
+            if not targets:
+                raise CheckpointError(f"{t.file}: tensor {t.name!r} has no place in a {spec.architecture} model")
+            buf = maps.get(t.file)
+            if buf is None:
+                buf = maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
+            raw = raw_blocks(buf, t)
+            if targets[0][0].removesuffix(".weight") in native:
+                yield from _native(t, raw, targets, names)
+                continue
+            full = dequantize(raw, t)
+            for hf, index in targets:
+                part = full if index is None else full[index]
+                part = _permute(part, hf, names)
+                if part.ndim == 1 and hf.endswith("shared_expert_gate.weight"):
+                    part = part.reshape(1, -1)  # [H] in the file, a [1, H] linear in the model
+                yield hf, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)
+    except GGUFFileError as e:
+        raise CheckpointError(str(e)) from None
+    finally:
+        maps.clear()
+
+
+def _permute(array, hf: str, names: TensorNames):
+    perm = names.row_permutation(hf)
+    return array if perm is None else array[perm]
+
+
+def _native(t: TensorEntry, raw, targets, names: TensorNames) -> Iterator[tuple[str, torch.Tensor]]:
+    from tpserve.models.gguf.repack import repack
+
+    try:
+        codes, scales, mins, bits = repack(t.type_name, raw, t.shape)
+    except CheckpointError as e:
+        raise CheckpointError(f"{t.file}: tensor {t.name!r}: {e}") from None
+    (hf, _), = targets  # dense layers only: one HF tensor per GGUF tensor
+    module = hf.removesuffix(".weight")
+    perm = names.row_permutation(hf)
+    if perm is not None:
+        codes, scales, mins = codes[perm], scales[perm], mins[perm]
+    yield f"{module}.weight_codes", torch.from_numpy(np.ascontiguousarray(codes))
+    yield f"{module}.weight_group_scales", torch.from_numpy(np.ascontiguousarray(scales))
+    yield f"{module}.weight_group_mins", torch.from_numpy(np.ascontiguousarray(mins))
+    yield f"{module}.weight_bits", torch.tensor([bits], dtype=torch.int64)

@@ -1,0 +1,109 @@
+"""llama.cpp's tensor names as Hugging Face names, and the reverse of its q/k row permutation.
+
+A GGUF tensor maps to one Hugging Face tensor, or (a mixture of experts' stacked
+``ffn_{gate,up,down}_exps`` [E, ...]) to one per expert, each with the index of its slice.
+
+llama.cpp's converter reorders the rows of a llama-architecture model's q and k projections
+(Mixtral's too: it is written as ``llama``): within each head of ``d`` rows, Hugging Face's
+order (the first halves of the rotary pairs, then the second halves) becomes interleaved pairs,
+row ``h*d + 2*i + j`` holding Hugging Face's row ``h*d + j*d/2 + i``. Qwen models are written
+unpermuted (their rope kernel takes halves). :meth:`TensorNames.row_permutation` gives the
+index array that puts the rows back, for a weight, a bias, or group codes, scales and mins.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from tpserve.gguf_file.reader import TensorEntry
+from tpserve.models.spec import ModelSpec
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+# blk.N.<gguf> -> model.layers.N.<hf>; "{moe}" is the spec's sparse block (mlp / block_sparse_moe).
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index into expert_proj_names
+_LAYER_KEY = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>[a-z_]+?)(?:\.(?P<expert>\d+))?\.(?P<leaf>weight|bias)")
+_MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def qk_row_permutation(rows: int, heads: int) -> np.ndarray:
+    """Index array ``p`` with ``hf = gguf[p]`` for a permuted q (or k) projection of
+    ``heads`` heads."""
+    d = rows // heads
+    return np.arange(rows).reshape(heads, d // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+class TensorNames:
+    """The name mapping of one model (its architecture, experts and heads)."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.permuted = spec.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def hf_names(self, t: TensorEntry) -> list[tuple[str, int | None]]:
+        """``[(hf name, expert index or None)]`` for the GGUF tensor ``t`` ([] if unknown)."""
+        if t.name in _GLOBAL:
+            return [(_GLOBAL[t.name], None)]
+        m = _LAYER_KEY.fullmatch(t.name)
+        if m is None:
+            return []
+        prefix = f"model.layers.{m['layer']}"
+        spec, name, leaf = self.spec, m["name"], m["leaf"]
+        if name in _EXPERTS:
+            if m["expert"] is not None or len(t.shape) != 3:
+                return []
+            proj = spec.expert_proj_names[_EXPERTS[name]]
+            return [(f"{prefix}.{spec.moe_module}.experts.{e}.{proj}.{leaf}", e) for e in range(t.shape[0])]
+        if m["expert"] is not None:  # older Mixtral files: blk.N.ffn_gate.E.weight, one per expert
+            index = {"ffn_gate": 0, "ffn_up": 1, "ffn_down": 2}.get(name)
+            if index is None:
+                return []
+            proj = spec.expert_proj_names[index]
+            return [(f"{prefix}.{spec.moe_module}.experts.{m['expert']}.{proj}.{leaf}", None)]
+        hf = _LAYER.get(name)
+        if hf is None:
+            return []
+        return [(f"{prefix}.{hf.format(moe=spec.moe_module)}.{leaf}", None)]
+
+    def row_permutation(self, hf_name: str) -> np.ndarray | None:
+        """The reverse of llama.cpp's q/k row permutation for ``hf_name``, or None."""
+        if not self.permuted:
+            return None
+        if ".self_attn.q_proj." in hf_name:
+            heads = self.spec.num_heads
+        elif ".self_attn.k_proj." in hf_name:
+            heads = self.spec.num_kv_heads
+        else:
+            return None
+        rows = heads * self.spec.head_dim
+        key = (rows, heads)
+        if key not in self._perms:
+            self._perms[key] = qk_row_permutation(rows, heads)
+        return self._perms[key]
+
+    def linear_modules(self, tensors: list[TensorEntry]) -> set[str]:
+        """The HF names of the linear layers' modules among ``tensors`` (2-D weights, less the
+        embedding and norms)."""
+        out = set()
+        for t in tensors:
+            if t.name == "token_embd.weight" or not t.name.endswith(".weight") or len(t.shape) < 2:
+                continue
+            out.update(hf.removesuffix(".weight") for hf, _ in self.hf_names(t))
+        return out
+
+    @staticmethod
+    def packed_module(hf_module: str) -> str:
+        """The merged layer a HF module is part of (itself when it is not merged)."""
+        head, _, last = hf_module.rpartition(".")
+        return f"{head}.{_MERGED[last]}" if last in _MERGED else hf_module
