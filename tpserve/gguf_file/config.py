@@ -60,7 +60,8 @@ def _rope_scaling(meta: dict, arch: str, where: str) -> dict | None:
     if kind in (None, "none") and factor in (None, 0, 0.0, 1, 1.0):
         return None
     if kind == "linear" or (kind is None and factor is not None):
-        return {"rope_type": "linear", "factor": _float(meta, f"{arch}.rope.scaling.factor", 1.0, where=where)}
+        factor = _float(meta, f"{arch}.rope.scaling.factor", 1.0, where=where)
+        return {"rope_type": "linear", "factor": factor}
     raise GGUFFileError(f"{where}: metadata key '{arch}.rope.scaling.type': {kind!r} is not supported "
                         "(supported: none, linear)")
 

@@ -27,12 +27,14 @@ import tempfile
 from pathlib import Path
 
 from tpserve.gguf_file.config import hf_config
-from tpserve.gguf_file.reader import GGUFFileError, check_types, field_value, gguf_parts, model_stem, open_reader, scan
+from tpserve.gguf_file.reader import (GGUFFileError, check_types, field_value, gguf_parts, model_stem,
+                                     open_reader, scan)
 
 LAYOUT_VERSION = 1
 MANIFEST = "gguf.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
 
 
 def cache_root() -> Path:

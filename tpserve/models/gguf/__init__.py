@@ -113,7 +113,8 @@ def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
         for t in tensors:
             targets = names.hf_names(t)
             if not targets:
-                raise CheckpointError(f"{t.file}: tensor {t.name!r} has no place in a {spec.architecture} model")
+                raise CheckpointError(f"{t.file}: tensor {t.name!r} has no place in a "
+                                      f"{spec.architecture} model")
             buf = maps.get(t.file)
             if buf is None:
                 buf = maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")

@@ -22,7 +22,8 @@ def raw_blocks(buf: np.ndarray, t: TensorEntry) -> np.ndarray:
     """The bytes of ``t`` in ``buf`` (the whole file as uint8), shaped per row (see above)."""
     data = buf[t.offset:t.offset + t.nbytes]
     if data.size != t.nbytes:
-        raise GGUFFileError(f"{t.file}: tensor {t.name!r}: {t.nbytes} bytes expected, {data.size} in the file")
+        raise GGUFFileError(f"{t.file}: tensor {t.name!r}: {t.nbytes} bytes expected, "
+                            f"{data.size} in the file")
     if t.type_name == "F32":
         return data.view(np.float32).reshape(t.shape)
     if t.type_name == "F16":

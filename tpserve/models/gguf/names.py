@@ -32,7 +32,8 @@ _LAYER = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index into expert_proj_names
-_LAYER_KEY = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>[a-z_]+?)(?:\.(?P<expert>\d+))?\.(?P<leaf>weight|bias)")
+_LAYER_KEY = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>[a-z_]+?)(?:\.(?P<expert>\d+))?"
+                        r"\.(?P<leaf>weight|bias)")
 _MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
