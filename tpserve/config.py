@@ -100,6 +100,13 @@ class EngineConfig:
     serving loop, and a grammar over the budget is refused with an error naming its field. The
     default bounds the worst input the request limits allow (a GBNF grammar of 20,000 rules
     converts for minutes) while common schemas, regexes and grammars compile in milliseconds.
+
+    ``batch_invariant``: a token's logits (so its greedy or seeded choice and its logprobs) do
+    not depend on the other requests of its steps, on how its prompt was chunked, on prefix-cache
+    hits, preemption or speculative verification (docs/protocol.md "Reproducibility" states the
+    guarantee; tpserve/workers/invariance.py puts the engine's paths in the mode). A path that has
+    no invariant form is refused with a ConfigError naming it (``TPSERVE_PREPACK=0``, the torch
+    and flash attention backends, fp16 or unpacked layers on CPU, CUDA's matrix libraries).
     """
 
     model: str | None = None
@@ -131,6 +138,7 @@ class EngineConfig:
     max_waiting_requests: int | str | None = None
     max_waiting_tokens: int | str | None = None
     grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT
+    batch_invariant: bool = False
     # "generate" (default) or "pooling": embeddings and scores instead of tokens (vLLM's
     # --runner; tpserve/pooling.py), with the pooler of ``pooler_config`` (vLLM's keys).
     runner: str = "generate"
@@ -202,6 +210,10 @@ class EngineConfig:
                 raise ConfigError("tokenizer", f"{self.tokenizer} is not a directory")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config).to_dict()
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError("batch_invariant", f"must be true or false, got {self.batch_invariant!r}")
+        if self.batch_invariant:
+            self._check_invariant_options()
         check_runner(self.runner)
         if self.pooler_config is not None:
             self.pooler_config = PoolerConfig.from_value(self.pooler_config).to_dict()
@@ -215,6 +227,19 @@ class EngineConfig:
         """The parsed ``pooler_config`` (defaults when unset)."""
         return PoolerConfig.from_value(self.pooler_config)
 
+
+    def _check_invariant_options(self) -> None:
+        """The options whose paths have no batch-invariant form (the runner checks the rest once
+        the model is loaded: tpserve/workers/invariance.py)."""
+        if self.attention_backend in ("torch", "flash"):
+            raise ConfigError("attention_backend",
+                              f"{self.attention_backend!r} has no batch-invariant mode (its kernels split "
+                              f"a row's work by the batch's shape); with batch_invariant use auto, cpu "
+                              f"or triton")
+        if os.environ.get("TPSERVE_PREPACK", "1") == "0":
+            raise ConfigError("batch_invariant",
+                              "TPSERVE_PREPACK=0 runs the matmuls through torch's F.linear, whose "
+                              "blocking follows the row count; unset it to use the mode")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -700,6 +700,7 @@ class Engine:
             s.update(pooling_requests=self.num_pooling_requests, pooling_prompts=self.num_pooling_prompts,
                      pooling_prompt_tokens=self.pooling_prompt_tokens)
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
+                 batch_invariant=self.config.batch_invariant,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)
         s.update(cpu_extension.status())  # the C++ CPU operators: loaded, or why not (cpu_ops_reason)

@@ -136,6 +136,7 @@ _STATUS_LINES = [
     ("model", "model", "{}"),
     ("runner", "runner", "{}"),  # generate, or pooling: embeddings and scores (--runner)
     ("tensor parallel", "tensor_parallel_size", "{}"),
+    ("batch invariant", "batch_invariant", "{}"),  # --batch-invariant (docs/protocol.md)
     ("uptime", "uptime_s", "{:.0f} s"),
     ("state", "state", "{}"),
     ("ready", "ready", "{}"),

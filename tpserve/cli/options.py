@@ -120,6 +120,11 @@ _OPTIONS = [
     ("grammar_timeout", ("--grammar-timeout",),
      dict(type=float, help="seconds one request's grammar (structured_outputs, chat tools) may take to "
                            "convert and build, off the serving loop; a grammar over it is refused (HTTP 400)")),
+    ("batch_invariant", ("--batch-invariant",),
+     dict(is_flag=True, help="a token's logits and log-probabilities independent of the other requests "
+                             "in its steps, of prompt chunking, prefix-cache hits, preemption and "
+                             "speculation (docs/protocol.md, Reproducibility); paths without such a form "
+                             "are refused")),
     ("speculative_config", ("--speculative-config",),
      dict(type=JsonMap(), default=None,
           help='speculative decoding, vLLM\'s keys as JSON, e.g. \'{"method": "ngram", '

@@ -35,6 +35,16 @@ class AttentionBackend(abc.ABC):
     def __init__(self, block_size: int = 16):
         self.block_size = block_size
 
+    def set_batch_invariant(self, dtype: torch.dtype, head_dim: int) -> None:
+        """Put the backend in the batch-invariant mode (a row's attention independent of the
+        other rows of its step, docs/protocol.md "Reproducibility"), or refuse with ValueError.
+        Backends that have the mode (cpu, triton) override this."""
+        why = {"torch": "its padded SDPA runs over the batch's longest sequence, so a row's sums "
+                        "follow the batch",
+               "flash": "flash-attn chooses its split of the keys by batch size"}.get(self.name, "")
+        raise ValueError(f"the {self.name} attention backend has no batch-invariant mode"
+                         + (f" ({why})" if why else "") + "; use the cpu backend on CPU or triton")
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

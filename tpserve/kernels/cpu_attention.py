@@ -37,6 +37,13 @@ depends only on its position and its keys (tiles are aligned to absolute positio
 reads exactly its visible keys), never on which rows share its call. So every prompt row, even a
 prefill plan's single row left by a hit, is sent with ``prompt=True``; a lone row must not take
 the decode path, whose sums run in another order.
+
+In the batch-invariant mode (``batch_invariant``, docs/protocol.md "Reproducibility") every row
+goes to the operator with ``rows=True``: each query row, prompt or decode, speculative
+verification or a preempted sequence's recomputation, is computed with the decode path's
+arithmetic over exactly its visible keys, so a token's attention does not depend on what shares
+its step, how its prompt was chunked, nor on the path that computed its row. Rows the operator
+cannot take that way (fp16, head_dim % 16 != 0) are refused when the backend is put in the mode.
 """
 from __future__ import annotations
 
@@ -54,6 +61,9 @@ class CpuAttention(AttentionBackend):
     name = "cpu"
     supports_cuda_graphs = False
 
+    #: every row with the decode arithmetic (the batch-invariant mode): see the module docstring
+    batch_invariant = False
+
     def __init__(self, block_size: int = 16):
         super().__init__(block_size)
         if not cpu_extension.available():
@@ -70,6 +80,8 @@ class CpuAttention(AttentionBackend):
         if k_cache is None:
             return varlen_causal_attention(q, k, v, meta, scale)
         meta.derived("cpu.tables_checked", lambda: self._check_tables(k_cache, meta) or True)
+        if self.batch_invariant:
+            return self._paged(q, k_cache, v_cache, meta, scale, rows=True)
         if not meta.is_prefill:
             return self._paged(q, k_cache, v_cache, meta, scale)
         tiled = self._tiles_prompts(q)
@@ -84,19 +96,27 @@ class CpuAttention(AttentionBackend):
             return torch.cat([decode, self._paged(q[dq:], k_cache, v_cache, pmeta, scale, prompt=True)])
         return torch.cat([decode, self._torch.attend(q[dq:], None, None, k_cache, v_cache, pmeta, scale)])
 
+    def set_batch_invariant(self, dtype: torch.dtype, head_dim: int) -> None:
+        """Compute every row with the decode arithmetic from now on; refuses (ValueError) a model
+        whose rows the operator cannot take that way."""
+        if dtype not in (torch.float32, torch.bfloat16) or head_dim % 16:
+            raise ValueError(f"the cpu attention backend computes rows batch-invariantly in float32 or "
+                             f"bfloat16 with head_dim % 16 == 0, got {dtype} and head_dim {head_dim}")
+        self.batch_invariant = True
+
     @staticmethod
     def _tiles_prompts(q: torch.Tensor) -> bool:
         """Whether the operator's tiled prompt path takes these rows (see the module docstring)."""
         return q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0
 
     def _paged(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               prompt: bool = False) -> torch.Tensor:
+               prompt: bool = False, rows: bool = False) -> torch.Tensor:
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = -1 if meta.num_decodes is None else meta.num_decodes
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                  meta.context_lens, scale, prompt, nd, True)  # checked in attend
+                                  meta.context_lens, scale, prompt, nd, True, rows)  # checked in attend
         return out
 
     def _check_tables(self, k_cache, meta: AttentionMetadata) -> None:

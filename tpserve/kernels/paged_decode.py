@@ -23,6 +23,12 @@ the grid's third dimension, not a compile-time constant: whether there are parti
 (``PARTIAL``) is, so the kernel has two compiled variants per dtype and head shape, not one per
 split count an eager step happens to need.
 
+In the batch-invariant mode (``invariant=True``) the split count is ``INVARIANT_DECODE_SPLITS``
+whatever the shapes (the default count follows the batch and the block-table width, so a row's
+sums changed with what shared its step), and the shares are merged in split order with
+element-wise operations only (``_combine_ordered``), no reduction whose order torch may choose by
+shape. A row's result is then a function of its query, its keys and their count.
+
 Softmax is online (running max and sum in fp32, exp2 with log2(e) folded into the scale);
 keys past ``context_lens[b]`` are masked with -inf and loaded as 0, so stale or uninitialised
 cache contents never reach the output. Cache offsets are int64 (caches over 2^31 elements).
@@ -35,7 +41,7 @@ import triton.language as tl
 
 from tpserve.kernels.checks import check_paged_args
 from tpserve.kernels.online_softmax import online_softmax_tile
-from tpserve.kernels.tiles import LOG2E, decode_splits, dot_options, max_tile
+from tpserve.kernels.tiles import INVARIANT_DECODE_SPLITS, LOG2E, decode_splits, dot_options, max_tile
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
@@ -103,16 +109,35 @@ def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Ten
     out.copy_(merged.to(out.dtype))
 
 
+def _combine_ordered(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Tensor) -> None:
+    """``_combine`` with every sum over the shares taken in split order, element-wise (the
+    batch-invariant mode): no torch reduction, whose blocking may follow the tensor's shape."""
+    splits = m.shape[-1]
+    m_max = m[..., 0]
+    for s in range(1, splits):
+        m_max = torch.maximum(m_max, m[..., s])
+    total = torch.zeros_like(m_max)
+    merged = torch.zeros_like(acc[..., 0, :])
+    for s in range(splits):
+        w = torch.exp2(m[..., s] - m_max)           # empty shares: exp2(-inf) = 0
+        total = total + l[..., s] * w
+        merged = merged + acc[..., s, :] * w.unsqueeze(-1)
+    out.copy_((merged / total.unsqueeze(-1)).to(out.dtype))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None,
+                           invariant: bool = False) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
     q ``[B, Hq, D]`` (token b is sequence b's last token, already stored in the cache);
     caches ``[num_blocks, block_size, Hkv, D]`` contiguous with block_size % 16 == 0;
     block_tables int32 ``[B, W]``; context_lens int32 ``[B]`` (>= 1, keys per sequence,
     the new token included). ``num_splits`` None chooses split-K from the shapes
-    (``tiles.decode_splits``); an int >= 1 forces it. Returns ``[B, Hq, D]`` in q's dtype.
+    (``tiles.decode_splits``); an int >= 1 forces it. ``invariant`` (the batch-invariant mode)
+    fixes it to ``INVARIANT_DECODE_SPLITS`` and merges the shares in order (see the module
+    docstring). Returns ``[B, Hq, D]`` in q's dtype.
     """
     check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
     if context_lens.shape[0] != q.shape[0]:
@@ -129,7 +154,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = hq // hkv
     tile = max_tile(q.dtype)
-    splits = num_splits or decode_splits(b, hkv, block_tables.shape[1] * block_size, tile)
+    if invariant:
+        splits = INVARIANT_DECODE_SPLITS
+    else:
+        splits = num_splits or decode_splits(b, hkv, block_tables.shape[1] * block_size, tile)
     if splits > 1:
         f32 = dict(dtype=torch.float32, device=q.device)
         m = torch.empty((b, hq, splits), **f32)
@@ -145,5 +173,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=tile,
         PARTIAL=splits > 1, **dot_options(q))
     if splits > 1:
-        _combine(m, l, acc, out)
+        (_combine_ordered if invariant else _combine)(m, l, acc, out)
     return out

@@ -37,3 +37,9 @@ def decode_splits(batch: int, kv_heads: int, max_keys: int, tile: int) -> int:
     wanted = -(-DECODE_TARGET_PROGRAMS // programs)
     longest = max(max_keys // max(DECODE_MIN_SHARE_KEYS, tile), 1)
     return max(1, min(wanted, longest))
+
+
+# The batch-invariant mode (docs/protocol.md "Reproducibility") splits every row's keys into this
+# many shares whatever the batch, the heads or the block-table width: a share's bounds are then a
+# function of the row's key count alone, so are its sums and the merge (paged_decode.py).
+INVARIANT_DECODE_SPLITS = 4

@@ -28,6 +28,8 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup, or None for the default group
+    # The batch-invariant mode: all-reduce sums every element in rank order (see all_reduce).
+    fixed_order: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -41,8 +43,22 @@ class TPContext:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group, in place; returns ``x``."""
+        """Sum ``x`` over the group, in place; returns ``x``.
+
+        With ``fixed_order`` (the batch-invariant mode) every element is ``((x0 + x1) + x2) + ...``
+        in rank order: a ring all-reduce over three or more ranks cuts the tensor into chunks by
+        its size (the step's row count) and starts each chunk's sum at another rank, so an
+        element's sum order, hence its last bits, would follow the batch. Two ranks need no
+        care (x0 + x1 == x1 + x0 exactly), and keep the plain all-reduce."""
         if self.size == 1:
+            return x
+        if self.fixed_order and self.size > 2:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for p in parts[1:]:
+                total = total + p
+            x.copy_(total)
             return x
         dist.all_reduce(x, group=self.group)
         return x

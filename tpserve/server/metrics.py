@@ -107,6 +107,10 @@ class _EngineCollector:
             yield from self._spec_decode(s, counter)
         if "cpu_ops" in s:
             yield from self._cpu_ops(s, gauge)
+        if "batch_invariant" in s:
+            yield gauge("batch_invariant", "1 when the engine runs in the batch-invariant mode "
+                        "(--batch-invariant): a token's logits do not depend on what shares its steps.",
+                        int(bool(s["batch_invariant"])))
         yield from self._gie(s, gauge, total)
 
     def _cpu_ops(self, s: dict, gauge):

@@ -55,6 +55,7 @@ from tpserve.plan import Command, StepPlan
 from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
+from tpserve.workers import invariance
 from tpserve.workers.pooler import Pooler
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
@@ -96,7 +97,7 @@ class ModelRunner:
         if not config.hf_config:
             config.resolve()
         self.config = config
-        self.tp = tp
+        self.tp = tp = invariance.tp_context(config, tp)  # batch_invariant: fixed-order all-reduce
         self.accel = accelerator_for(device)
         self.device = self.accel.device
         self.dtype = compute_dtype(resolve_dtype(config.dtype, load_config(config.model_path)),
@@ -107,6 +108,8 @@ class ModelRunner:
                                 device=self.device, quantization=config.quantization,
                                 enable_expert_parallel=config.enable_expert_parallel)
         prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
+        # batch_invariant: every path in its invariant form, or a ConfigError (invariance.py)
+        invariance.enable(config, self.model, self.backend, self.device, self.dtype)
         self.sampler = Sampler(device=self.device)
         # --runner pooling: rank 0 pools the forward's rows (and scores them: pooler.py)
         self.pooler = Pooler.from_config(config, self.device) \

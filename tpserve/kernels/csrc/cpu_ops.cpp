@@ -293,6 +293,53 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   });
 }
 
+// ---- batch-invariant rows: every query row as a decode row ------------------------------------------
+//
+// The batch-invariant mode (EngineConfig.batch_invariant, docs/protocol.md "Reproducibility")
+// computes every query row, a prompt's as well as a decode's or a speculative verification's, with
+// the decode path's arithmetic: row t of sequence b is a one-row "sequence" whose keys are the
+// first offset + r + 1 of b's (r its index among b's rows). decode_item's sums depend only on the
+// row's query, its keys and their count, never on the other rows of the call, how they are split
+// into work items or threads, nor on whether the row came as a prompt chunk, a prefix-cache hit's
+// remainder, a preempted sequence's recomputation or a draft being verified. So a token's
+// attention is the same bits in every situation, and equal to what a pure decode step (this path,
+// decode_attention, the DecodeStack) computes. Its cost: a prompt's keys are read once per row
+// instead of once per tile of rows (prompt attention is a small part of a step at the lengths the
+// benchmark serves; the matmuls dominate).
+template <typename T>
+void paged_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const int32_t* tables, int64_t width,
+                const int32_t* cu, const int32_t* ctx, int64_t B, float scale) {
+  const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
+  const int64_t block_size = k_cache.size(1), T_rows = q.size(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const DecodeFn<T> fn = decode_for<T>(D);
+  std::vector<int32_t> seq_of(static_cast<size_t>(T_rows)), keys_of(static_cast<size_t>(T_rows));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b], offset = ctx[b] - q_len;
+    for (int64_t r = 0; r < q_len; ++r) {
+      seq_of[cu[b] + r] = static_cast<int32_t>(b);
+      keys_of[cu[b] + r] = static_cast<int32_t>(offset + r + 1);
+    }
+  }
+  // Work items as paged_decode splits them (a row, or a run of its KV heads): each head's
+  // arithmetic is the same either way.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = T_rows >= threads ? 1 : std::min(hkv, (threads + T_rows - 1) / T_rows);
+  const int64_t chunk = (hkv + parts - 1) / parts, per_row = (hkv + chunk - 1) / chunk;
+  at::parallel_for(0, T_rows * per_row, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / per_row, kv0 = item % per_row * chunk;
+      fn(t, qp, q.stride(0), q.stride(1), op, kp, vp, tables + seq_of[t] * width, block_size, hkv, group,
+         D, keys_of[t], scale, scratch, kv0, std::min(hkv, kv0 + chunk));
+    }
+  });
+}
+
 // ---- prompt rows: tiles of query rows against tiles of keys ---------------------------------------
 //
 // Prompt rows are GEMM-shaped: many query rows of one sequence see the same keys. A work item is
@@ -527,10 +574,12 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& cu_seq
 // `prompt`, takes the tiled prompt path, whose rows do not depend on how a prompt was split.
 // `num_decodes` (>= 0) says how many leading sequences have one row each, as the plan states it
 // (-1: count them); `checked`: check_block_tables already ran on these arrays for this step.
+// `rows` (the batch-invariant mode): every row takes the decode arithmetic (paged_rows), whatever
+// the plan; fp32/bf16 with head_dim % 16 == 0 only.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-                     double scale, bool prompt, int64_t num_decodes, bool checked) {
+                     double scale, bool prompt, int64_t num_decodes, bool checked, bool rows) {
   check_dtype(q, "q: expected float32, bfloat16 or float16");
   check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
   check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
@@ -564,10 +613,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   if (q.size(0) == 0) return;
   const bool vector_path = q.size(2) % 16 == 0 &&
       (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16);
+  check_value(!rows || vector_path, "rows: the batch-invariant path takes fp32 or bf16 with head_dim % 16 == 0");
   if (vector_path) {
     auto run = [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      if (prompt || !one_row_each) {
+      if (rows) {  // the batch-invariant mode: every row with the decode path's arithmetic
+        paged_rows<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale));
+      } else if (prompt || !one_row_each) {
         paged_prompt<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale));
       } else {
         paged_decode<T>(out, q, k_cache, v_cache, tables, width, ctx, B, static_cast<float>(scale));
@@ -1381,7 +1433,7 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
-        "bool prompt=False, int num_decodes=-1, bool checked=False) -> ()");
+        "bool prompt=False, int num_decodes=-1, bool checked=False, bool rows=False) -> ()");
   m.def("check_block_tables(Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, "
         "int num_blocks, int block_size) -> ()");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
