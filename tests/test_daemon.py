@@ -124,7 +124,8 @@ class FakeEngine:
         self.added.append(request_id)
         return len(ids)
 
-    def add_pooling_request(self, request_id, prompts, params=None, *, priority=0, timeout=None, arrival=None):
+    def add_pooling_request(self, request_id, prompts, params=None, *, priority=0, timeout=None,
+                            arrival=None):
         from tpserve.pooling import wrong_runner
         raise InvalidRequestError("runner", wrong_runner("generate", "embed / classify"))
 

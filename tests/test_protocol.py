@@ -65,7 +65,8 @@ ROUND_TRIP = [
     ("request", P.TokenizeRequest("t", "wörld")),
     ("request", P.TokenizeRequest("t", "x", add_special_tokens=True)),
     ("reply", P.TokensReply("t", array.array("i", [1, 2, 3, 2**31 - 1]))),
-    ("request", P.PoolRequest("p", [[1, 2], [3]], "embed", dimensions=8, normalize=False, priority=1, timeout=2.0)),
+    ("request", P.PoolRequest("p", [[1, 2], [3]], "embed", dimensions=8, normalize=False, priority=1,
+                              timeout=2.0)),
     ("request", P.PoolRequest("p", [[5]], "classify")),
     ("reply", P.PooledReply("p", array.array("f", [0.5, -1.25, 3.0, 0.0]), 2, [2, 1])),
 ]

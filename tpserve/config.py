@@ -220,7 +220,8 @@ class EngineConfig:
             if self.runner != "pooling":
                 raise ConfigError("pooler_config", "applies to --runner pooling only")
         if self.runner == "pooling" and self.speculative_config is not None:
-            raise ConfigError("speculative_config", "a --runner pooling engine generates no token to speculate")
+            raise ConfigError("speculative_config",
+                              "a --runner pooling engine generates no token to speculate")
 
     @property
     def pooler(self) -> PoolerConfig:

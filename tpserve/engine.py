@@ -28,8 +28,8 @@ import numpy as np
 from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
-from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError, OverloadedError,
-                            StepFailedError, WorkerDiedError)
+from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError,
+                            OverloadedError, StepFailedError, WorkerDiedError)
 from tpserve.grammar import GrammarCompiler, RequestGrammar
 from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
@@ -239,7 +239,8 @@ class Engine:
                                   f"{list(names)!r} are not both tokens of this model's vocabulary")
         vocab = self.vocab_size
         if ids is not None and vocab is not None and not all(0 <= i < vocab for i in ids):
-            raise ConfigError("pooler_config.score_token_ids", f"{list(ids)!r} are not below vocab_size {vocab}")
+            raise ConfigError("pooler_config.score_token_ids",
+                              f"{list(ids)!r} are not below vocab_size {vocab}")
         if ids is not None:
             cfg.pooler_config = dict(cfg.pooler_config or pooler.to_dict(), score_token_ids=list(ids))
             self.pooler = cfg.pooler
@@ -275,8 +276,8 @@ class Engine:
         hidden = int(self.config.hf_config.get("hidden_size") or 0)
         if params.task == "classify" and not self.can_classify:
             raise InvalidFieldError("task", "this model has no score head: classify needs a "
-                                    "*ForSequenceClassification checkpoint, or score tokens in the vocabulary "
-                                    "(--pooler-config classifier_from_token)")
+                                    "*ForSequenceClassification checkpoint, or score tokens in the "
+                                    "vocabulary (--pooler-config classifier_from_token)")
         if params.dimensions is not None and hidden and params.dimensions > hidden:
             raise InvalidFieldError("dimensions", f"{params.dimensions} is more than the model's "
                                     f"{hidden} dimensions")
@@ -362,12 +363,14 @@ class Engine:
         self.families.pop(fam.request_id, None)
         total = sum(fam.prompt_lens)
         if fam.failed is not None:
-            return EngineOutput(fam.request_id, finished=True, finish_reason=fam.failed, num_prompt_tokens=total)
+            return EngineOutput(fam.request_id, finished=True, finish_reason=fam.failed,
+                                num_prompt_tokens=total)
         self.num_pooling_requests += 1
         self.num_pooling_prompts += len(fam.results)
         self.pooling_prompt_tokens += total
         return EngineOutput(fam.request_id, finished=True, finish_reason="stop", num_prompt_tokens=total,
-                            queue_time=req.queue_time, pooled=fam.results, pooled_prompt_tokens=fam.prompt_lens)
+                            queue_time=req.queue_time, pooled=fam.results,
+                            pooled_prompt_tokens=fam.prompt_lens)
 
     def _add_member(self, fam: _Family, index: int) -> None:
         params, seed = fam.params, fam.seed

@@ -19,9 +19,9 @@ from typing import Sequence as Seq
 from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tpserve.engine import Engine
 from tpserve.errors import ConfigError
-from tpserve.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
-                             TokenLogprobs, to_logprob_dict)
+from tpserve.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
+                             EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                             ScoringRequestOutput, TokenLogprobs, to_logprob_dict)
 from tpserve.pooling import PoolingParams
 from tpserve.sampling import SamplingParams
 
@@ -176,7 +176,8 @@ class LLM:
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
-            raise ConfigError("data_1", f"got {len(first)} items for {len(second)} in data_2 (one, or as many)")
+            raise ConfigError("data_1", f"got {len(first)} items for {len(second)} in data_2 "
+                                        "(one, or as many)")
         pairs = []
         for a, b in zip(first, second):
             if isinstance(a, str) and isinstance(b, str):

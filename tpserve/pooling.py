@@ -10,8 +10,8 @@ vector per prompt instead of tokens (vLLM's pooling runner):
   (Matryoshka representations: the leading components) and then L2-normalised unless
   ``normalize`` is false.
 - **classify**: one score per prompt from the last token's hidden state through a score head
-  of one label (several labels: their softmax): ``score.weight`` of a ``*ForSequenceClassification`` checkpoint, or, for a
-  causal LM read as a yes/no reranker (Qwen3-Reranker), the difference of the LM head's rows
+  of one label (several labels: their softmax): ``score.weight`` of a
+  ``*ForSequenceClassification`` checkpoint, or, for a causal LM read as a yes/no reranker (Qwen3-Reranker), the difference of the LM head's rows
   of the two score tokens (``classifier_from_token``: ["no", "yes"] unless configured), so
   that the score is ``sigmoid(logit[yes] - logit[no])`` without computing the LM head.
   ``use_activation`` false reports the raw logit instead of its sigmoid.
@@ -110,13 +110,15 @@ class PoolerConfig:
         known = {f for f in cls.__dataclass_fields__}
         for key in value:
             if key not in known:
-                raise ConfigError(f"pooler_config.{key}", f"is not a pooler option; known: {', '.join(sorted(known))}")
+                raise ConfigError(f"pooler_config.{key}",
+                                  f"is not a pooler option; known: {', '.join(sorted(known))}")
         v = dict(value)
         name = "pooler_config."
         ptype = v.get("pooling_type")
         if ptype is not None:
             if not isinstance(ptype, str) or ptype.upper() not in POOLING_TYPES:
-                raise ConfigError(name + "pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {ptype!r}")
+                raise ConfigError(name + "pooling_type",
+                                  f"must be one of {', '.join(POOLING_TYPES)}, got {ptype!r}")
             v["pooling_type"] = ptype.upper()
         for key in ("normalize", "use_activation"):
             if key in v:

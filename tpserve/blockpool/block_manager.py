@@ -118,8 +118,8 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         self.used_block_ids.remove(block_id)
-        self._free.push(block_id, cached=block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id,
-                        evict_first=evict_first)
+        cached = block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id
+        self._free.push(block_id, cached=cached, evict_first=evict_first)
 
     def prefix_hits(self, seq, use_cache: bool = True) -> list[int]:
         """The cached blocks holding ``seq``'s leading full blocks, in order (the prefix-cache

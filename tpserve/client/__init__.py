@@ -5,8 +5,8 @@ Importing this package loads no engine, and nothing in it imports the server: cl
 CLI stay light. Its names are imported on first use, so that a module that needs only
 addresses.py (`tpserve stop`) does not load zmq, msgpack or numpy either.
 """
-__all__ = ["AsyncClient", "Client", "ClientTimeout", "Delta", "GenerateResult", "PoolingResult", "RequestError",
-           "ProtocolError", "PROTOCOL_VERSION"]
+__all__ = ["AsyncClient", "Client", "ClientTimeout", "Delta", "GenerateResult", "PoolingResult",
+           "RequestError", "ProtocolError", "PROTOCOL_VERSION"]
 
 _FROM_CLIENT = ("AsyncClient", "Client", "ClientTimeout", "Delta", "GenerateResult", "PoolingResult",
                 "RequestError")

@@ -302,10 +302,12 @@ class Client(_ClientCore):
         """The embedding of each prompt (token ids), one batch on a ``--runner pooling`` daemon:
         ``data`` cut to ``dimensions`` and L2-normalised unless ``normalize`` is false. Errors
         (RequestError): a field out of bounds names it; a generate daemon names ``--runner``."""
-        return self._pool(prompts, "embed", dimensions, normalize, priority, timeout, request_timeout, request_id)
+        return self._pool(prompts, "embed", dimensions, normalize, priority, timeout, request_timeout,
+                          request_id)
 
     def classify(self, prompts: list[list[int]], *, priority: int = 0, timeout=_DEFAULT,
-                 request_timeout: float | None = None, request_id: str | None = None) -> list["PoolingResult"]:
+                 request_timeout: float | None = None,
+                 request_id: str | None = None) -> list["PoolingResult"]:
         """One score per prompt (``data`` = [score]): a sequence-classification head's, or a yes/no
         reranker's sigmoid(logit[yes] - logit[no]) at the last position."""
         return self._pool(prompts, "classify", None, None, priority, timeout, request_timeout, request_id)
@@ -553,17 +555,21 @@ class AsyncClient(_ClientCore):
 
     async def embed(self, prompts: list[list[int]], *, dimensions: int | None = None,
                     normalize: bool | None = None, priority: int = 0, timeout=_DEFAULT,
-                    request_timeout: float | None = None, request_id: str | None = None) -> list[PoolingResult]:
+                    request_timeout: float | None = None,
+                    request_id: str | None = None) -> list[PoolingResult]:
         """As ``Client.embed``."""
         return await self._pool(prompts, "embed", dimensions, normalize, priority, timeout, request_timeout,
                                 request_id)
 
     async def classify(self, prompts: list[list[int]], *, priority: int = 0, timeout=_DEFAULT,
-                       request_timeout: float | None = None, request_id: str | None = None) -> list[PoolingResult]:
+                       request_timeout: float | None = None,
+                       request_id: str | None = None) -> list[PoolingResult]:
         """As ``Client.classify``."""
-        return await self._pool(prompts, "classify", None, None, priority, timeout, request_timeout, request_id)
+        return await self._pool(prompts, "classify", None, None, priority, timeout, request_timeout,
+                                request_id)
 
-    async def _pool(self, prompts, task, dimensions, normalize, priority, timeout, request_timeout, request_id):
+    async def _pool(self, prompts, task, dimensions, normalize, priority, timeout, request_timeout,
+                    request_id):
         rid, frame = self._pool_frame(prompts, task, dimensions, normalize, priority, request_timeout,
                                       request_id, self._queues)
         self._queues[rid] = asyncio.Queue()

@@ -52,7 +52,8 @@ __all__ = [  # the wire contract: this module's messages, and wire_fields.py's n
     "prompt_logprobs_list", "completions_list", "request_id", "count", "prompt", "SAMPLING_FIELDS",
     "ZMQ", "sampling_params", "params_to_wire", "structured_to_wire", "status_map", "PROTOCOL_VERSION",
     "Message", "GenerateRequest", "AbortRequest", "StatusRequest", "PingRequest", "MAX_PROFILE_SECONDS",
-    "ProfileRequest", "MetricsRequest", "TokenizeRequest", "PoolRequest", "PooledReply", "DeltaReply", "DoneReply", "ErrorReply",
+    "ProfileRequest", "MetricsRequest", "TokenizeRequest", "PoolRequest", "PooledReply",
+    "DeltaReply", "DoneReply", "ErrorReply",
     "StatusReply", "ProfileReply", "PongReply", "MetricsReply", "TokensReply", "encode", "unpack_frame",
     "decode", "readable_id", "salvage_id",
 ]
@@ -195,7 +196,8 @@ class PoolRequest(Message):
     TYPE = "pool"
     DIRECTION = "request"
     FIELDS = {"id": (request_id, True), "prompts": (_pool_prompts, True),
-              "task": (one_of(POOLING_TASKS), False), "dimensions": (nullable(integer(1, MAX_DIMENSIONS)), False),
+              "task": (one_of(POOLING_TASKS), False),
+              "dimensions": (nullable(integer(1, MAX_DIMENSIONS)), False),
               "normalize": (nullable(boolean), False),
               "priority": (nullable(priority), False), "timeout": (nullable(timeout), False)}
     id: str

@@ -87,12 +87,10 @@ class Admission:
             self.peers.send(peer, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], id=req.client_id, **kw))
 
         try:
-            if req.pooling:  # params: a PoolingParams (--runner pooling)
-                req.prompt_tokens = self.engine.add_pooling_request(
-                    req.engine_id, prompt(), params, priority=req.priority, timeout=req.timeout, arrival=req.arrival)
-            else:
-                req.prompt_tokens = self.engine.add_request(req.engine_id, prompt(), params, priority=req.priority,
-                                                            timeout=req.timeout, arrival=req.arrival)
+            add = self.engine.add_pooling_request if req.pooling else self.engine.add_request
+            # params: a PoolingParams for a ``pool`` request (--runner pooling)
+            req.prompt_tokens = add(req.engine_id, prompt(), params, priority=req.priority, timeout=req.timeout,
+                                    arrival=req.arrival)
         except OverloadedError as e:
             self._refuse_overloaded(req, e)
         except AdmissionError as e:

@@ -472,8 +472,8 @@ class Server(Admission, TokenizeRequests, StatusReport):
         if self._refused_over_cap(identity, peer, msg.id):
             return
         peer = self.peers.peer(identity)
-        req = ClientRequest(peer, msg.id, f"{peer.tag}:{msg.id}", False, prompt_tokens=0, arrival=time.monotonic(),
-                            priority=msg.priority or 0, pooling=True,
+        req = ClientRequest(peer, msg.id, f"{peer.tag}:{msg.id}", False, prompt_tokens=0,
+                            arrival=time.monotonic(), priority=msg.priority or 0, pooling=True,
                             timeout=self.options.request_timeout if msg.timeout is None else msg.timeout)
         prompts = msg.prompts
         self._queue_or_admit(req, lambda: prompts, params)

@@ -85,10 +85,12 @@ class Pooler:
         if (lens == 1).all():
             pooled = hidden[torch.from_numpy(starts.astype(np.int64)).to(hidden.device)].float()
         else:
-            rows = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) + np.arange(int(lens.sum()))
-            seg = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(hidden.device)
-            pooled = torch.zeros((len(lens), hidden.shape[-1]), dtype=torch.float32, device=hidden.device)
-            pooled.index_add_(0, seg, hidden[torch.from_numpy(rows.astype(np.int64)).to(hidden.device)].float())
+            offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
+            rows = np.repeat(starts - offsets, lens) + np.arange(int(lens.sum()))
+            device = hidden.device
+            seg = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(device)
+            pooled = torch.zeros((len(lens), hidden.shape[-1]), dtype=torch.float32, device=device)
+            pooled.index_add_(0, seg, hidden[torch.from_numpy(rows.astype(np.int64)).to(device)].float())
         out_scores = None
         if scores:
             if self.score_head is None:
