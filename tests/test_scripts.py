@@ -56,12 +56,14 @@ SCRIPTS = {
                                 r"tpserve"),
     "bench_sampler.py": Smoke(("--rows", "4", "--vocab", "1000", "--repeat", "1"),
                               r"bench_sampler device=cpu .* rows=4 vocab=1000 race_ms"),
-    "determinism.py": Smoke(("--smoke",), r"alone again\s+max\|dlogit\| 0, steps differing 0/4"),
+    "determinism.py": Smoke(("--smoke",), r"default  : alone again\s+max\|dlogit\| 0, steps differing 0/4"
+                                          r"(.|\n)*invariant: speculated .* max\|dlogit\| 0, steps differing 0/4"),
     "bench_embed.py": Smoke(("--shape", "tiny", "--texts", "12", "--max-tokens", "48", "--skip-vllm"),
                             r"bench_embed shape=tiny \S+ \S+ texts=12 tokens=\d+ embeddings/s tpserve=[\d.]+ "
                             r"transformers=[\d.]+ ratio-transformers=[\d.]+x least-cosine=(0\.99\d*|1\.0*)"),
     "bench_throughput.py": Smoke(("--shape", "tiny", "--skip-hf", "--skip-controls"),
-                                 r"tpserve LLM.generate\s+[\d.]+ output tok/s"),
+                                 r"tpserve LLM.generate\s+[\d.]+ output tok/s(.|\n)*batch-invariant shape=tiny "
+                                 r".* streams=8: invariant=[\d.]+ default=[\d.]+ tok/s ratio=[\d.]+x; streams=1"),
     "bench_spec.py": Smoke(("--shape", "tiny", "--quick", "--skip-throughput", "--repeats", "1"),
                            r"spec shape=tiny .* batch=1: plain=[\d.]+ spec=[\d.]+ decode tok/s"),
     "bench_verify_cost.py": Smoke(("--shape", "tiny-moe", "--quick", "--sweep"),
