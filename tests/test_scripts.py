@@ -96,6 +96,12 @@ SCRIPTS = {
     "bench_http.py": Smoke(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
                            r"bench_http model=default-model .* streams=1 max_tokens=2 zmq_tok_s=[\d.]+ "
                            r"http_tok_s=[\d.]+"),
+    "bench_int4.py": Smoke(("--shape", "tiny", "--runs", "1", "--tokens", "8"),
+                           r"int4 shape=tiny isa=\S+ path=\S+ threads=\d+ .*\n"
+                           r"tpserve int8 +dtype=int8 w/ int8 act +tok/s +[\d.]+ .*rss MB +[\d.]+\n"
+                           r"tpserve int4-g32 +dtype=int4-g32 w/ int8 act per group +tok/s +[\d.]+ .*\n"
+                           r"ratio int4-g32 / int8: tok/s [\d.]+x .*linear bytes [\d.]+ .*\n"
+                           r"load average"),
     "bench_latency.py": Smoke(("--shape", "tiny", "--runs", "1"),  # tpserve's engines only, no llama-server
                               r"latency shape=tiny isa=\S+ threads=\d+ prompt=64 .*\n"
                               r"tpserve bf16 +dtype=bf16 +tok/s: batch  1 +[\d.]+  batch  8 +[\d.]+\n"

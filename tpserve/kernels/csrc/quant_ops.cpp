@@ -72,24 +72,39 @@ struct QBuffers {
 };
 thread_local QBuffers t_buf;
 
+typedef int32_t vi32l __attribute__((vector_size(kLanes * 4)));
+typedef int8_t vi8l __attribute__((vector_size(kLanes)));
+
+// One row, group by group, a vector of kLanes inputs at a time (g is a multiple of 16, so of
+// kLanes). Rounding to nearest even by adding and subtracting 1.5 * 2^23 (|x / a_scale| <= 127
+// here), as torch.round rounds the reference's.
 template <typename T>
 void quantize_row(const T* row, int64_t K, int64_t g, int8_t* q, float* s, float* ms) {
-  float tmp[256];
+  const vfl zero = vfl{} * 0.f;
   for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < g; ++k) {
-      tmp[k] = to_f<T>(row[k0 + k]);
-      amax = std::max(amax, std::fabs(tmp[k]));
+    vfl vmax = zero;
+    for (int64_t k = k0; k < k0 + g; k += kLanes) {
+      vfl v = loadl(row + k);
+      v = v < zero ? -v : v;
+      vmax = v > vmax ? v : vmax;
     }
+    float amax = 0.f;
+    for (int64_t l = 0; l < kLanes; ++l) amax = std::max(amax, vmax[l]);
     const float sc = amax > 0.f ? amax / 127.f : 1.f;
     const float inv = 1.f / sc;
-    int32_t sum = 0;
-    for (int64_t k = 0; k < g; ++k) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(tmp[k] * inv)));
-      const int32_t c = static_cast<int32_t>(v);
-      q[k0 + k] = static_cast<int8_t>(c);
-      sum += c;
+    vi32l vsum = vi32l{} * 0;
+    for (int64_t k = k0; k < k0 + g; k += kLanes) {
+      vfl v = loadl(row + k) * inv;
+      v = (v + 12582912.f) - 12582912.f;
+      v = v > 127.f ? zero + 127.f : v;
+      v = v < -127.f ? zero - 127.f : v;
+      const vi32l c = __builtin_convertvector(v, vi32l);
+      vsum += c;
+      const vi8l b = __builtin_convertvector(c, vi8l);
+      std::memcpy(q + k, &b, sizeof(b));
     }
+    int32_t sum = 0;
+    for (int64_t l = 0; l < kLanes; ++l) sum += vsum[l];
     s[gi] = sc;
     ms[gi] = sc * static_cast<float>(sum);
   }
