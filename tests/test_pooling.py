@@ -366,3 +366,22 @@ def test_tpserve_start_runner_pooling_status_and_stop(model):
         d.assert_gone()
     finally:
         d.kill()
+
+
+@pytest.mark.parametrize("quantization,tolerance", [(None, 1e-5), ("int8", 2e-2)])
+def test_yes_no_head_of_a_tied_model_is_its_own_lm_head(tiny_models_root, quantization, tolerance):  # noqa: F811
+    """The yes/no score head comes from the loaded LM head (here the tied embedding; also
+    quantized to int8 at load): the score is sigmoid(logit[yes] - logit[no]) of the same model's
+    next-token log-probabilities (prompt logprobs of the two continuations). With int8 the
+    generate path also quantizes the activations, which the score head does not: close, not equal."""
+    import math
+    path = make_tiny_model(tiny_models_root, arch="qwen3", tie_word_embeddings=True)
+    opts = dict(dtype="float32", num_kv_blocks=64, quantization=quantization)
+    with LLM(str(path), runner="pooling", pooler_config={"score_token_ids": [NO, YES]}, **opts) as llm:
+        scores = [o.outputs.probs[0] for o in llm.classify(PROMPTS)]
+    with LLM(str(path), **opts) as gen:  # log p(no | prompt), log p(yes | prompt): prompt logprobs
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        outs = gen.generate([p + [t] for p in PROMPTS for t in (NO, YES)], params, use_tqdm=False)
+    for i, score in enumerate(scores):
+        no, yes = (outs[2 * i + k].prompt_logprobs[-1][t].logprob for k, t in enumerate((NO, YES)))
+        assert abs(score - 1 / (1 + math.exp(no - yes))) < tolerance

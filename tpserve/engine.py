@@ -28,13 +28,13 @@ import numpy as np
 from tpserve.blockpool.kv_events import KVEventSink, resync_events
 from tpserve.config import EngineConfig
 from tpserve.detokenizer import IncrementalDetokenizer
-from tpserve.errors import (AdmissionError, ConfigError, InvalidFieldError, InvalidRequestError,
+from tpserve.errors import (AdmissionError, InvalidFieldError, InvalidRequestError,
                             OverloadedError, StepFailedError, WorkerDiedError)
 from tpserve.grammar import GrammarCompiler, RequestGrammar
 from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
-from tpserve.pooling import (DEFAULT_SCORE_TOKENS, MAX_POOLING_INPUTS, PoolingParams, finish_embedding,
-                             finish_scores, wrong_runner)
+from tpserve.pooling import (MAX_POOLING_INPUTS, PoolingParams, finish_embedding, finish_scores,
+                             is_sequence_classifier, resolve_score_tokens, wrong_runner)
 from tpserve.plan import Command
 from tpserve.request import rest_of_context
 from tpserve.limits import (MAX_PROMPT_TOKENS, MAX_SEED, check_priority, check_prompt_shape, check_request,
@@ -222,27 +222,13 @@ class Engine:
         """Find the yes/no reranker's two score tokens (``classifier_from_token``, default
         "no"/"yes") in the vocabulary, for rank 0's score head; a sequence-classification
         checkpoint has its own head. Without either, classify is refused (``task``)."""
-        cfg, pooler = self.config, self.pooler
-        archs = cfg.hf_config.get("architectures") or []
-        if any(a.endswith("ForSequenceClassification") for a in archs):
+        cfg = self.config
+        if is_sequence_classifier(cfg.hf_config):
             self.can_classify = True
             return
-        ids = pooler.score_token_ids
-        if ids is None and self.tokenizer is not None:
-            names = pooler.classifier_from_token or DEFAULT_SCORE_TOKENS
-            found = [self.tokenizer.convert_tokens_to_ids(t) for t in names]
-            unk = getattr(self.tokenizer, "unk_token_id", None)
-            if all(isinstance(i, int) and i != unk for i in found):
-                ids = tuple(found)
-            elif pooler.classifier_from_token is not None:
-                raise ConfigError("pooler_config.classifier_from_token",
-                                  f"{list(names)!r} are not both tokens of this model's vocabulary")
-        vocab = self.vocab_size
-        if ids is not None and vocab is not None and not all(0 <= i < vocab for i in ids):
-            raise ConfigError("pooler_config.score_token_ids",
-                              f"{list(ids)!r} are not below vocab_size {vocab}")
-        if ids is not None:
-            cfg.pooler_config = dict(cfg.pooler_config or pooler.to_dict(), score_token_ids=list(ids))
+        ids = resolve_score_tokens(self.pooler, self.tokenizer, self.vocab_size)
+        if ids is not None:  # written down: spawned ranks then need no tokenizer to agree
+            cfg.pooler_config = dict(cfg.pooler_config or self.pooler.to_dict(), score_token_ids=list(ids))
             self.pooler = cfg.pooler
             self.can_classify = True
 

@@ -147,6 +147,31 @@ class PoolerConfig:
         return d
 
 
+def is_sequence_classifier(hf_config: dict) -> bool:
+    """A ``*ForSequenceClassification`` checkpoint (its own score head, ``score.weight``)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in hf_config.get("architectures") or [])
+
+
+def resolve_score_tokens(config: PoolerConfig, tokenizer, vocab_size: int | None) -> tuple[int, int] | None:
+    """The [no, yes] token ids of a yes/no reranker's score head: ``score_token_ids``, else the
+    ids of ``classifier_from_token`` (default "no", "yes") in ``tokenizer``'s vocabulary. None
+    when the default tokens are not both in it (the model then has no score head); ConfigError
+    when configured ones are not."""
+    ids = config.score_token_ids
+    if ids is None and tokenizer is not None:
+        names = config.classifier_from_token or DEFAULT_SCORE_TOKENS
+        found = [tokenizer.convert_tokens_to_ids(t) for t in names]
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if all(isinstance(i, int) and i != unk for i in found):
+            ids = tuple(found)
+        elif config.classifier_from_token is not None:
+            raise ConfigError("pooler_config.classifier_from_token",
+                              f"{list(names)!r} are not both tokens of this model's vocabulary")
+    if ids is not None and vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
+        raise ConfigError("pooler_config.score_token_ids", f"{list(ids)!r} are not below vocab_size {vocab_size}")
+    return None if ids is None else (int(ids[0]), int(ids[1]))
+
+
 def check_runner(value: Any) -> str:
     if value not in RUNNERS:
         raise ConfigError("runner", f"must be one of {', '.join(RUNNERS)}, got {value!r}")

@@ -56,7 +56,7 @@ from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers import invariance
-from tpserve.workers.pooler import Pooler
+from tpserve.workers.pooler import Pooler, build_score_head
 from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
 from tpserve.workers.thread_governor import ThreadGovernor, enabled as governor_enabled
@@ -111,9 +111,12 @@ class ModelRunner:
         # batch_invariant: every path in its invariant form, or a ConfigError (invariance.py)
         invariance.enable(config, self.model, self.backend, self.device, self.dtype)
         self.sampler = Sampler(device=self.device)
-        # --runner pooling: rank 0 pools the forward's rows (and scores them: pooler.py)
-        self.pooler = Pooler.from_config(config, self.device) \
-            if config.runner == "pooling" and tp.is_first else None
+        # --runner pooling: rank 0 pools the forward's rows and scores them (pooler.py); every
+        # rank takes part in making the score head of a yes/no reranker
+        self.pooler = None
+        if config.runner == "pooling":
+            head = build_score_head(config, self.model, self.tp, self.device)
+            self.pooler = Pooler(head) if self.tp.is_first else None
         self.stager = PlanStager(self.accel)
         self._own_threads = torch.get_num_threads()  # the cores this rank runs on (share_cpu_threads)
         # Fewer threads while other processes busy this rank's cores (thread_governor.py).

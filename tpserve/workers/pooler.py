@@ -4,19 +4,20 @@ The forward's final hidden states are identical on every rank, so only rank 0 po
 SamplePlan (rank 0's alone) names each span of rows (``pool_starts``/``pool_ends``), this
 module sums each span in float32 (one row for LAST, SCORE and CLS; a chunk's rows for MEAN)
 and, for classify, applies the score head. The engine finishes the vectors in numpy
-(tpserve/pooling.py: mean, dimensions, normalisation, sigmoid). No LM head runs.
+(tpserve/pooling.py: mean, dimensions, normalisation, sigmoid). No LM head runs in a step.
 
-The score head ``[labels, hidden]`` (float32, rank 0 only) is read straight from the
-checkpoint, so no other rank takes part:
+The score head ``[labels, hidden]`` (float32, kept by rank 0) is made once, at start:
 
-- a ``*ForSequenceClassification`` checkpoint: its ``score.weight``;
-- a causal LM read as a yes/no reranker: ``W[yes] - W[no]`` from the LM head's rows of the
-  two score tokens (``lm_head.weight``, or the embedding when tied), since
-  ``logit[yes] - logit[no] = (W[yes] - W[no]) . h``.
+- a ``*ForSequenceClassification`` checkpoint: its ``score.weight``, read by rank 0 alone;
+- a causal LM read as a yes/no reranker: ``W[yes] - W[no]``, since
+  ``logit[yes] - logit[no] = (W[yes] - W[no]) . h``. The two rows are taken from the loaded LM
+  head itself -- its logits of the identity matrix, in chunks of rows, two columns kept --, so
+  they are right whatever form the head has (sharded by vocabulary across ranks, packed,
+  quantized, dequantized from a GGUF file). Every rank takes part (the head gathers to rank 0),
+  and every rank resolves the same two tokens (``resolve_score_tokens``), so they agree.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -25,69 +26,78 @@ import torch
 from safetensors import safe_open
 
 from tpserve.models.loader import checkpoint_files
+from tpserve.pooling import is_sequence_classifier, resolve_score_tokens
+from tpserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("tpserve.pooler")
 
+# Rows of the identity matrix run through the LM head at once when its two rows are read.
+_EYE_CHUNK = 256
 
-def _read_rows(path: Path, names: tuple[str, ...], rows: list[int] | None) -> torch.Tensor | None:
-    """Rows ``rows`` (None: all) of the first tensor of ``names`` found in the checkpoint."""
+
+def _read_tensor(path: Path, name: str) -> torch.Tensor | None:
     for f in checkpoint_files(path):
         with safe_open(f, framework="pt", device="cpu") as st:
-            keys = set(st.keys())
-            for name in names:
-                if name in keys:
-                    if rows is None:
-                        return st.get_tensor(name).float()
-                    sl = st.get_slice(name)
-                    return torch.stack([sl[r:r + 1][0] for r in rows]).float()
+            if name in set(st.keys()):
+                return st.get_tensor(name).float()
     return None
 
 
-def load_score_head(path: Path, hf_config: dict, score_token_ids) -> torch.Tensor | None:
-    """The score head of the model in ``path`` as float32 ``[labels, hidden]``, or None when it
-    has none (an embedding model without score tokens)."""
-    archs = hf_config.get("architectures") or []
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        head = _read_rows(path, ("score.weight",), None)
+@torch.inference_mode()
+def lm_head_rows(model, token_ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """The LM head's rows of ``token_ids`` as float32 ``[len(token_ids), hidden]`` on rank 0 (None
+    on the others, which must call it too): its logits of the identity matrix's rows."""
+    hidden = model.spec.hidden_size
+    cols = torch.tensor(token_ids, dtype=torch.long, device=device)
+    parts = []
+    for a in range(0, hidden, _EYE_CHUNK):
+        n = min(_EYE_CHUNK, hidden - a)
+        eye = torch.zeros((n, hidden), dtype=model.dtype, device=device)
+        eye[torch.arange(n, device=device), torch.arange(a, a + n, device=device)] = 1
+        logits = model.compute_logits(eye)
+        if logits is not None:
+            parts.append(logits.index_select(1, cols).float())
+    return torch.cat(parts).T.contiguous() if parts else None
+
+
+def build_score_head(config, model, tp, device: torch.device) -> torch.Tensor | None:
+    """The score head on rank 0 (None elsewhere, and for a model without one). Every rank calls
+    it at the same point of its start (a yes/no head runs the sharded LM head)."""
+    hf = config.hf_config
+    if is_sequence_classifier(hf):
+        if not tp.is_first:
+            return None
+        head = _read_tensor(Path(config.model_path), "score.weight")
         if head is None:
-            raise ValueError(f"{path}: a {archs[0]} checkpoint without score.weight")
-        return head.reshape(head.shape[0], -1)
-    if score_token_ids is None:
+            raise ValueError(f"{config.model_path}: a sequence-classification checkpoint without score.weight")
+        return head.reshape(head.shape[0], -1).to(device)
+    pooler = config.pooler
+    tokenizer = None
+    if pooler.score_token_ids is None:  # a torchrun rank: find the tokens as the engine did
+        tokenizer = load_tokenizer(config.model_path)
+    ids = resolve_score_tokens(pooler, tokenizer, int(hf.get("vocab_size") or 0) or None)
+    if ids is None:
         return None
-    no, yes = (int(t) for t in score_token_ids)
-    names = ("lm_head.weight", "model.embed_tokens.weight")
-    if hf_config.get("tie_word_embeddings"):
-        names = names[1:]
-    w = _read_rows(path, names, [no, yes])
-    if w is None:
-        raise ValueError(f"{path}: no LM head to read the score tokens' rows from")
-    return (w[1] - w[0]).reshape(1, -1)
+    rows = lm_head_rows(model, ids, device)
+    return None if rows is None else (rows[1] - rows[0]).reshape(1, -1)
 
 
 class Pooler:
     """Rank 0's pooling of a step's spans (see the module docstring)."""
 
-    def __init__(self, path: Path, hf_config: dict, pooler_config: dict | None, device: torch.device):
-        self.device = device
-        ids = (pooler_config or {}).get("score_token_ids")
-        head = load_score_head(Path(path), hf_config, ids)
-        self.score_head = None if head is None else head.to(device)
-
-    @staticmethod
-    def from_config(config, device: torch.device) -> "Pooler":
-        hf = config.hf_config or json.loads((Path(config.model_path) / "config.json").read_text())
-        return Pooler(config.model_path, hf, config.pooler_config, device)
+    def __init__(self, score_head: torch.Tensor | None):
+        self.score_head = score_head
 
     def pool(self, hidden: torch.Tensor, starts: np.ndarray, ends: np.ndarray,
              scores: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """(float32 [P, hidden] each span's rows summed, float32 [P, labels] their scores or None)."""
         lens = ends - starts
+        device = hidden.device
         if (lens == 1).all():
-            pooled = hidden[torch.from_numpy(starts.astype(np.int64)).to(hidden.device)].float()
+            pooled = hidden[torch.from_numpy(starts.astype(np.int64)).to(device)].float()
         else:
             offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
             rows = np.repeat(starts - offsets, lens) + np.arange(int(lens.sum()))
-            device = hidden.device
             seg = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(device)
             pooled = torch.zeros((len(lens), hidden.shape[-1]), dtype=torch.float32, device=device)
             pooled.index_add_(0, seg, hidden[torch.from_numpy(rows.astype(np.int64)).to(device)].float())
