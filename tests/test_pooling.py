@@ -385,3 +385,17 @@ def test_yes_no_head_of_a_tied_model_is_its_own_lm_head(tiny_models_root, quanti
     for i, score in enumerate(scores):
         no, yes = (outs[2 * i + k].prompt_logprobs[-1][t].logprob for k, t in enumerate((NO, YES)))
         assert abs(score - 1 / (1 + math.exp(no - yes))) < tolerance
+
+
+def test_lm_head_rows_from_the_loaded_head_equal_the_checkpoint(model):
+    """The fallback for heads the checkpoint does not hold as float rows (GGUF, quantized): the
+    loaded head's logits of the identity matrix give back its rows (packed fp32: exactly)."""
+    from tpserve.models import load_model
+    from tpserve.models.packed_gemm import prepack_model
+    from tpserve.workers.pooler import lm_head_rows
+    path, ref = model
+    m = load_model(path, dtype="float32")
+    prepack_model(m)
+    rows = lm_head_rows(m, (NO, YES, 3), torch.device("cpu"))
+    want = ref.lm_head.weight[[NO, YES, 3]].float()
+    assert rows.shape == want.shape and torch.allclose(rows, want, atol=1e-6)

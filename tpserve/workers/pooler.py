@@ -10,11 +10,12 @@ The score head ``[labels, hidden]`` (float32, kept by rank 0) is made once, at s
 
 - a ``*ForSequenceClassification`` checkpoint: its ``score.weight``, read by rank 0 alone;
 - a causal LM read as a yes/no reranker: ``W[yes] - W[no]``, since
-  ``logit[yes] - logit[no] = (W[yes] - W[no]) . h``. The two rows are taken from the loaded LM
-  head itself -- its logits of the identity matrix, in chunks of rows, two columns kept --, so
-  they are right whatever form the head has (sharded by vocabulary across ranks, packed,
-  quantized, dequantized from a GGUF file). Every rank takes part (the head gathers to rank 0),
-  and every rank resolves the same two tokens (``resolve_score_tokens``), so they agree.
+  ``logit[yes] - logit[no] = (W[yes] - W[no]) . h``. When the checkpoint's safetensors hold the
+  head in a float dtype, rank 0 reads the two rows from it (a slice read, no other rank
+  involved). Otherwise (a GGUF file's model directory, a quantized head) they are taken from
+  the loaded LM head itself -- its logits of the identity matrix, in chunks of rows, two columns
+  kept: H x V x H multiply-adds once, right whatever form the head has. Every rank decides the
+  same way from the same files, and resolves the same two tokens (``resolve_score_tokens``).
 """
 from __future__ import annotations
 
@@ -35,11 +36,34 @@ log = logging.getLogger("tpserve.pooler")
 _EYE_CHUNK = 256
 
 
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
 def _read_tensor(path: Path, name: str) -> torch.Tensor | None:
     for f in checkpoint_files(path):
         with safe_open(f, framework="pt", device="cpu") as st:
             if name in set(st.keys()):
                 return st.get_tensor(name).float()
+    return None
+
+
+def _float_rows(path: Path, names: tuple[str, ...], rows: tuple[int, ...], read: bool):
+    """True (or, with ``read``, the rows as float32) when the first of ``names`` that the
+    checkpoint's safetensors hold is a float matrix; None when there is no such tensor (no
+    safetensors at all, or a quantized one). Reads headers only, unless ``read``."""
+    try:
+        files = checkpoint_files(path)
+    except ValueError:  # no safetensors: e.g. a GGUF file's model directory
+        return None
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as st:
+            keys = set(st.keys())
+            for name in names:
+                if name in keys:
+                    sl = st.get_slice(name)
+                    if sl.get_dtype() not in _FLOAT_DTYPES or len(sl.get_shape()) != 2:
+                        return None
+                    return torch.stack([sl[r:r + 1][0] for r in rows]).float() if read else True
     return None
 
 
@@ -78,8 +102,15 @@ def build_score_head(config, model, tp, device: torch.device) -> torch.Tensor | 
     ids = resolve_score_tokens(pooler, tokenizer, int(hf.get("vocab_size") or 0) or None)
     if ids is None:
         return None
-    rows = lm_head_rows(model, ids, device)
-    return None if rows is None else (rows[1] - rows[0]).reshape(1, -1)
+    names = ("lm_head.weight", "model.embed_tokens.weight")
+    if hf.get("tie_word_embeddings") or model.spec.tie_word_embeddings:
+        names = names[1:]
+    path = Path(config.model_path)
+    if _float_rows(path, names, ids, read=False):  # same files, same answer on every rank
+        rows = _float_rows(path, names, ids, read=True) if tp.is_first else None
+    else:
+        rows = lm_head_rows(model, ids, device)
+    return None if rows is None else (rows[1] - rows[0]).reshape(1, -1).to(device)
 
 
 class Pooler:
