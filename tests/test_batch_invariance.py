@@ -140,6 +140,17 @@ def test_the_layer_by_layer_path_and_float32(model, monkeypatch):
         assert _differing(_run(llm, False), _run(llm, False, together=False)) == []
 
 
+@pytest.mark.parametrize("kind", ["int8", "qwen3_moe"])
+def test_int8_and_mixture_of_experts(tiny_models_root, kind):  # noqa: F811
+    """int8 weights with int8 activations (quantized per row) and a mixture of experts (tokens
+    grouped by expert through the packed kernels): 16 prompts together equal each alone."""
+    arch = "qwen3" if kind == "int8" else kind
+    path = str(make_tiny_model(tiny_models_root, arch=arch, **SHAPE))
+    quant = dict(quantization="int8") if kind == "int8" else {}
+    with LLM(path, dtype="bfloat16", num_kv_blocks=256, batch_invariant=True, **quant) as llm:
+        assert _differing(_run(llm, True, n=16), _run(llm, True, together=False, n=16)) == []
+
+
 def test_tp2_batched_equals_alone(model):
     """TP=2 (each rank's shard, the all-reduce between them): 48 prompts together equal each
     alone, seeded (the first 16 run alone: a TP=2 engine's start costs most of this test)."""
