@@ -399,3 +399,17 @@ def test_lm_head_rows_from_the_loaded_head_equal_the_checkpoint(model):
     rows = lm_head_rows(m, (NO, YES, 3), torch.device("cpu"))
     want = ref.lm_head.weight[[NO, YES, 3]].float()
     assert rows.shape == want.shape and torch.allclose(rows, want, atol=1e-6)
+
+
+def test_tp2_daemon_embeds_through_the_client(model):
+    path, ref = model
+    engine = pooling_engine(path, tensor_parallel_size=2, pooler_config={"score_token_ids": [NO, YES]})
+    try:
+        with ServerThread(engine) as s, Client(s.address, timeout=120) as c:
+            for ids, r in zip(PROMPTS, c.embed(PROMPTS, dimensions=32)):
+                assert len(r.data) == 32 and cosine(r.data, reference(ref, ids, dims=32)) >= 0.9999
+            for ids, r in zip(PROMPTS, c.classify(PROMPTS)):
+                assert abs(r.data[0] - yes_no(ref, ids)) < 1e-5
+            assert c.status()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
