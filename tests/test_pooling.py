@@ -369,7 +369,8 @@ def test_tpserve_start_runner_pooling_status_and_stop(model):
 
 
 @pytest.mark.parametrize("quantization,tolerance", [(None, 1e-5), ("int8", 2e-2)])
-def test_yes_no_head_of_a_tied_model_is_its_own_lm_head(tiny_models_root, quantization, tolerance):  # noqa: F811
+def test_yes_no_head_of_a_tied_model_is_its_own_lm_head(tiny_models_root, quantization,  # noqa: F811
+                                                         tolerance):
     """The yes/no score head comes from the loaded LM head (here the tied embedding; also
     quantized to int8 at load): the score is sigmoid(logit[yes] - logit[no]) of the same model's
     next-token log-probabilities (prompt logprobs of the two continuations). With int8 the
