@@ -12,8 +12,10 @@ vector per prompt instead of tokens (vLLM's pooling runner):
 - **classify**: one score per prompt from the last token's hidden state through a score head
   of one label (several labels: their softmax): ``score.weight`` of a
   ``*ForSequenceClassification`` checkpoint, or, for a causal LM read as a yes/no reranker (Qwen3-Reranker), the difference of the LM head's rows
-  of the two score tokens (``classifier_from_token``: ["no", "yes"] unless configured), so
-  that the score is ``sigmoid(logit[yes] - logit[no])`` without computing the LM head.
+  of the two score tokens, configured as vLLM configures them (``classifier_from_token``, e.g.
+  ``["no", "yes"]``, or ``score_token_ids``), so that the score is
+  ``sigmoid(logit[yes] - logit[no])`` without computing the LM head. A causal LM without them
+  has no score head (an embedding model: rerank and score compare embeddings instead).
   ``use_activation`` false reports the raw logit instead of its sigmoid.
 
 ``PoolerConfig`` takes vLLM's ``--pooler-config`` keys (``pooling_type``, ``normalize``,
@@ -37,7 +39,6 @@ RUNNERS = ("generate", "pooling")
 MAX_POOLING_INPUTS = 2048
 #: The most dimensions a request may ask for (above any model's hidden size).
 MAX_DIMENSIONS = 1 << 16
-DEFAULT_SCORE_TOKENS = ("no", "yes")
 
 
 def _bool(name: str, value: Any, error=InvalidFieldError) -> bool:
@@ -154,17 +155,17 @@ def is_sequence_classifier(hf_config: dict) -> bool:
 
 def resolve_score_tokens(config: PoolerConfig, tokenizer, vocab_size: int | None) -> tuple[int, int] | None:
     """The [no, yes] token ids of a yes/no reranker's score head: ``score_token_ids``, else the
-    ids of ``classifier_from_token`` (default "no", "yes") in ``tokenizer``'s vocabulary. None
-    when the default tokens are not both in it (the model then has no score head); ConfigError
-    when configured ones are not."""
+    ids of ``classifier_from_token`` in ``tokenizer``'s vocabulary. None when neither is
+    configured (the model then has no score head: a causal LM is an embedding model unless told
+    it is a reranker, as in vLLM); ConfigError when configured tokens are not in it."""
     ids = config.score_token_ids
-    if ids is None and tokenizer is not None:
-        names = config.classifier_from_token or DEFAULT_SCORE_TOKENS
+    if ids is None and tokenizer is not None and config.classifier_from_token is not None:
+        names = config.classifier_from_token
         found = [tokenizer.convert_tokens_to_ids(t) for t in names]
         unk = getattr(tokenizer, "unk_token_id", None)
         if all(isinstance(i, int) and i != unk for i in found):
             ids = tuple(found)
-        elif config.classifier_from_token is not None:
+        else:
             raise ConfigError("pooler_config.classifier_from_token",
                               f"{list(names)!r} are not both tokens of this model's vocabulary")
     if ids is not None and vocab_size is not None and not all(0 <= i < vocab_size for i in ids):
