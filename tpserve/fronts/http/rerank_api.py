@@ -7,9 +7,10 @@ check and daemon call they share). How a (query, document) pair is scored depend
 model the pooling daemon serves:
 
 * a reranker (a ``*ForSequenceClassification`` checkpoint with one label, or a causal LM read as
-  a yes/no reranker, Qwen3-Reranker's way): the pair is one prompt, the query's text followed by
-  the document's (vLLM's rule for a decoder used as a reranker: no separator; a model's prompt
-  format, e.g. Qwen3-Reranker's instruction around them, is the client's to write), and its
+  a yes/no reranker, Qwen3-Reranker's way): the pair is one prompt, tokenized as a pair by the
+  model's tokenizer (its pair template: a cross-encoder's separator; a decoder's tokenizer
+  just follows the query's tokens with the document's), as vLLM and ``LLM.score`` do; a model's
+  prompt format, e.g. Qwen3-Reranker's instruction around them, is the client's to write; the
   score is ``Client.classify``'s;
 * a model the daemon cannot classify with (no score head, no score tokens: its refusal names
   ``task``): the cosine similarity of the two texts' embeddings (one ``Client.embed`` call for
@@ -182,7 +183,15 @@ async def score_pairs(front, request: Request, job: PoolJob, pairs: list[tuple[s
 
     if not scores_by_embedding(info):
         try:
-            results = await run([a + b for a, b in pairs], classify_call)
+            if front.tokenizer is None:
+                raise O.bad(field, "this model has no tokenizer: send token ids")
+            tok, firsts, seconds = front.tokenizer, [a for a, _ in pairs], [b for _, b in pairs]
+            job.build([a + b for a, b in pairs])
+            prompts = [list(ids) for ids in await front._in_pool(lambda: tok(firsts, seconds)["input_ids"])]
+            prompts = truncated(job, prompts, front.max_model_len)
+            too_long(job, prompts, front.max_model_len)
+            results = await call_daemon(front, request, job, classify_call(front, job, prompts), daemon_error,
+                                        daemon_errors)
             return [float(r.data[0]) for r in results], sum(r.prompt_tokens for r in results)
         except O.OpenAIError as e:
             if e.param != "task":  # anything but "this model has no score head"
