@@ -415,14 +415,20 @@ def test_native_codes_equal_the_reference_dequantization(tiny):
             assert torch.equal(got[name], torch.from_numpy(np.ascontiguousarray(expected[name]))), name
 
 
-def test_native_model_loads_and_generates(tiny):
+def test_native_model_generates_alike_on_one_and_two_ranks(tiny):
+    """Two tensor-parallel ranks: the worker finds the same model directory, and the group
+    codes, scales and mins are split by rows or whole groups; the greedy tokens do not move."""
     from tpserve import LLM, SamplingParams
 
     path, _ = tiny
-    with LLM(str(path), num_kv_blocks=32, block_size=16) as llm:
-        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                           use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 4 and all(0 <= t < VOCAB for t in out.outputs[0].token_ids)
+    tokens = []
+    for tp in (1, 2):
+        with LLM(str(path), num_kv_blocks=32, block_size=16, tensor_parallel_size=tp) as llm:
+            outs = llm.generate([[5, 6, 7], [300, 2, 9, 11]],
+                                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert all(len(t) == 4 and all(0 <= i < VOCAB for i in t) for t in tokens[0])
+    assert tokens[0] == tokens[1]
 
 
 def test_moe_default_is_refused_by_name(tmp_path):
