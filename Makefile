@@ -57,7 +57,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_channel.py
 	$(PY) scripts/bench_throughput.py
 
-# What make created: the virtualenv, the peers, build outputs. The C++ operators' build cache
+# What make created: the virtualenv, the peers, the tests' GGUF model, build outputs. The C++ operators' build cache
 # (~/.cache/tpserve, shared by every checkout on the machine) stays.
 clean:
-	rm -rf $(VENV) $(PEERS) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) .test-models build dist *.egg-info .pytest_cache .hypothesis
