@@ -96,6 +96,10 @@ SCRIPTS = {
     "bench_http.py": Smoke(("--streams", "1", "--max-tokens", "2", "--rounds", "1"),
                            r"bench_http model=default-model .* streams=1 max_tokens=2 zmq_tok_s=[\d.]+ "
                            r"http_tok_s=[\d.]+"),
+    "bench_gguf.py": Smoke(("--smoke",),
+                           r"gguf isa=\S+ threads=\d+ .*\n"
+                           r"tpserve smollm2 +dtype=Q4_1 \(repacked\) +tok/s: +batch +1 +[\d.]+ +batch +2 +[\d.]+ "
+                           r"+load rss [\d.]+ GiB"),
     "bench_int4.py": Smoke(("--shape", "tiny", "--runs", "1", "--tokens", "8"),
                            r"int4 shape=tiny isa=\S+ path=\S+ threads=\d+ .*\n"
                            r"tpserve int8 +dtype=int8 w/ int8 act +tok/s +[\d.]+ .*rss MB +[\d.]+\n"
