@@ -1,6 +1,6 @@
 """GGUF files the tests write themselves (gguf's GGUFWriter): tiny random-weight models.
 
-* every tensor type tpserve runs (F32, F16, BF16, Q8_0, Q4_0, Q4_1 through gguf's quantizers;
+* every tensor type tpserve runs (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 through gguf's quantizers;
   Q4_K, Q5_K, Q6_K as random blocks with finite scales, written directly) read back, named
   and un-permuted: each loaded tensor equals the `gguf` package's reference dequantization
   of the bytes written, exactly;
@@ -37,7 +37,7 @@ K_BLOCK = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q5_K": (176, [(0, 2), (2, 4)]), "Q6
 # HF tensor -> type, covering every supported type (rows of the K-quants are whole 256-blocks).
 TYPES = {
     "model.embed_tokens.weight": "Q8_0",
-    "lm_head.weight": "Q6_K",
+    "lm_head.weight": "Q5_1",
     "model.norm.weight": "F32",
     "model.layers.0.self_attn.q_proj.weight": "Q4_K",
     "model.layers.0.self_attn.k_proj.weight": "Q4_0",
@@ -45,7 +45,7 @@ TYPES = {
     "model.layers.0.self_attn.o_proj.weight": "Q8_0",
     "model.layers.0.mlp.gate_proj.weight": "Q4_1",
     "model.layers.0.mlp.up_proj.weight": "F16",
-    "model.layers.0.mlp.down_proj.weight": "BF16",
+    "model.layers.0.mlp.down_proj.weight": "Q5_0",
     "model.layers.1.self_attn.q_proj.weight": "Q6_K",
     "model.layers.1.self_attn.k_proj.weight": "BF16",
     "model.layers.1.self_attn.v_proj.weight": "F32",
@@ -334,11 +334,14 @@ def test_a_tensor_whose_size_does_not_match_its_type(tmp_path):
 
 
 def test_an_unsupported_type_or_architecture_is_named(tmp_path):
-    path = tmp_path / "q50.gguf"
-    types = dict(TYPES, **{"model.layers.1.mlp.up_proj.weight": "Q5_0"})
-    write_model(path, types=types)
+    path = tmp_path / "q3k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 256), np.float32))
+    q3k = np.random.default_rng(0).integers(0, 256, size=(4, 110), dtype=np.uint8)  # one 256-block a row
+    w.add_tensor("blk.0.ffn_up.weight", q3k, raw_shape=q3k.shape, raw_dtype=Q.Q3_K)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     reason = resolve_error(path)
-    assert "blk.1.ffn_up.weight" in reason and "Q5_0" in reason
+    assert "blk.0.ffn_up.weight" in reason and "Q3_K" in reason
     arch = tmp_path / "gpt2.gguf"
     w = gguf.GGUFWriter(str(arch), "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
@@ -393,12 +396,13 @@ def test_native_codes_equal_the_reference_dequantization(tiny):
     qc = gguf_quant_config(files, None, spec, {})
     assert qc.grouped and qc.from_checkpoint
     assert set(qc.ignore) == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
-                              "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                              "model.layers.1.self_attn.q_proj",
                               "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"}
     got = dict(gguf_weights(files, spec, qc, torch.float32))
     native = {n.removesuffix(".weight_codes") for n in got if n.endswith(".weight_codes")}
     assert native == {"lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                       "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj",
+                      "model.layers.0.mlp.down_proj",
                       "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_proj",
                       "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"}
     for module in native:
