@@ -4,7 +4,7 @@
   Q4_K, Q5_K, Q6_K as random blocks with finite scales, written directly) read back, named
   and un-permuted: each loaded tensor equals the `gguf` package's reference dequantization
   of the bytes written, exactly;
-* a tiny llama (q/k rows permuted as llama.cpp's converter does) and a tiny Qwen3 served from
+* a tiny llama (q/k rows permuted as llama.cpp's converter does), Qwen3 and Qwen2 served from
   their files: greedy tokens equal transformers' own GGUF loader on the same file;
 * split files (gguf-split's naming), found from any part; a missing part is named;
 * bad files: truncated, corrupt lengths, unknown version, a tensor whose size does not match
@@ -87,9 +87,15 @@ def hf_float_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
         if arch == "qwen3":
             w.update({f"{p}.self_attn.q_norm.weight": (HEAD_DIM,),
                       f"{p}.self_attn.k_norm.weight": (HEAD_DIM,)})
+        if arch == "qwen2":
+            w.update({f"{p}.self_attn.q_proj.bias": (HEADS * HEAD_DIM,),
+                      f"{p}.self_attn.k_proj.bias": (KV_HEADS * HEAD_DIM,),
+                      f"{p}.self_attn.v_proj.bias": (KV_HEADS * HEAD_DIM,)})
     out = {}
     for name, shape in w.items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            out[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif len(shape) == 1:
             out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             out[name] = (rng.standard_normal(shape) * (0.5 if "embed" in name else 0.08)).astype(np.float32)
@@ -222,7 +228,7 @@ def ref_greedy_agrees(path: Path, prompts, generated) -> None:
         assert logits[len(ids) - 1:-1].argmax(-1).tolist() == gen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_tiny_model_greedy_equals_transformers(tmp_path, arch):
     from tpserve import LLM, SamplingParams
 
