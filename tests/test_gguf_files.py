@@ -481,6 +481,14 @@ def test_moe_default_is_refused_by_name(tmp_path):
     assert len(out.outputs[0].token_ids) == 3
 
 
+def test_an_unwritable_cache_is_named(tiny, tmp_path, monkeypatch):
+    path, _ = tiny
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TPSERVE_GGUF_CACHE_DIR", str(blocker / "cache"))
+    assert "TPSERVE_GGUF_CACHE_DIR" in resolve_error(path)
+
+
 def test_cache_is_keyed_by_the_file(tmp_path):
     path = tmp_path / "m.gguf"
     write_model(path, seed=1)

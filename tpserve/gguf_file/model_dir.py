@@ -78,8 +78,13 @@ def materialize(path, tokenizer: str | None = None) -> Path:
     meta = _metadata(reader, parts[0])
     _check_split(meta, parts)
     config, generation = hf_config(meta, tensors, str(parts[0]))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise GGUFFileError(f"{parts[0]}: its model directory cannot be made in {target.parent} "
+                            f"({e.strerror or e}); set TPSERVE_GGUF_CACHE_DIR to a writable "
+                            "directory") from None
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
