@@ -19,6 +19,9 @@ module path on packed experts calls the same functions, so the bits are the same
 parallelism a MoE layer's half is the stack object's ``mlp`` method (its experts' views are
 built once with the stack), and the all-reduce stays here between the calls, as for dense layers.
 
+Group-quantized layers (``group_quant.py``: 4/8-bit codes) are packed weights of kinds 4 and 5,
+which the C++ ``linear_into`` runs through ``quant_ops.cpp``: the stack takes them unchanged.
+
 It takes pure decode steps (``meta.is_prefill`` False) of a model whose every layer is packed
 (``prepack_model``; a MoE layer's experts, router and shared expert too), with the C++ attention
 backend, fp32 or bf16, head_dim % 16 == 0 and its KV cache set; :func:`why_not_fused` says why a

@@ -273,8 +273,13 @@ class GroupQuantMixin:
                 or not group_packable(codes.shape[1], self.group_size)):
             return False
         self.packed = pack_group_weight(codes, scales, mins)
+        del codes, scales, mins
         for name in (_CODES, _SCALES, _MINS):
-            getattr(self, name).data = getattr(self, name).data.new_empty(0)
+            t = getattr(self, name)
+            if isinstance(t, nn.Parameter):  # a checkpoint's: the parameter stays, empty
+                t.data = t.data.new_empty(0)
+            else:  # quantized at load: a view would keep its base (all codes) alive
+                setattr(self, name, None)
         if not shared and self.weight is not None and self.weight.numel():
             self.weight.data = self.weight.data.new_empty(0)
         return True
