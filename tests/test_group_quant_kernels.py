@@ -1,7 +1,8 @@
 """The C++ group-quantized linear kernels (tpserve/kernels/csrc/quant_ops.cpp) against the
 plain-torch reference of their arithmetic (``group_quant.w4a8_reference``: activations
 quantized to int8 per row and group the same way, exact integer dots, fp32/fp64 sums): 4- and
-8-bit codes, groups 16/32/128, odd shapes, 1..64 rows, fp32 and bf16, with and without bias;
+8-bit codes, groups 16/32/128, fp16 and fp32 scales, odd shapes, 1..64 rows, fp32 and bf16,
+with and without bias;
 on this machine's ISA path and on an AVX2-only build (``TPSERVE_CPU_ARCH=haswell``)."""
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def check_kernels() -> None:
     """Every case against the reference; raises AssertionError with the case on a mismatch."""
     for n, k, g, bits in CASES:
         codes, scales, mins = _weights(n, k, g, bits, seed=n + k)
+        if n % 2:  # scales that are not fp16 values: the kernels read fp32 ones
+            scales = scales * 1.0001
         packed = pack_group_weight(codes, scales, mins)
         assert packed.kind == (GROUP4 if bits == 4 else GROUP8), (packed.kind, bits)
+        assert packed.scales.dtype == (torch.float32 if n % 2 else torch.float16)
         for rows in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(rows, k) * 2).to(dtype)

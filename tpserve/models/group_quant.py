@@ -37,7 +37,7 @@ Packed layout (built here with torch reshapes; P = ``linear_panel_width()`` outp
 vectors of L = P / 4 int32 lanes): 8-bit ``[N/P][K/4][4][L][4]`` (each lane a quad of inputs,
 what vpdpbusd / vpmaddubsw multiply); 4-bit ``[N/P][K/8][4][L][4]`` bytes, each byte's low
 nibble the code of input ``8j + q``, its high nibble that of ``8j + 4 + q``; scales and mins
-``[N/P][K/g][P]``.
+``[N/P][K/g][P]``, fp16 when every value is exactly one, else fp32.
 """
 from __future__ import annotations
 
@@ -55,11 +55,13 @@ _CODES, _SCALES, _MINS = "weight_codes", "weight_group_scales", "weight_group_mi
 
 # ---- the arithmetic, in plain torch ----------------------------------------------------------
 
-def quantize_groups(weight: torch.Tensor, group_size: int = 128, bits: int = 4
+def quantize_groups(weight: torch.Tensor, group_size: int = 128, bits: int = 4, fp16: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest asymmetric group quantization of ``weight [out, in]``: ``(codes uint8,
     scales fp32, mins fp32)`` with scale = (max - min) / (2**bits - 1) and min the group's
-    minimum (a constant group: scale 1, codes 0)."""
+    minimum (a constant group: scale 1, codes 0). With ``fp16`` scales and mins are rounded to
+    fp16 values first (as GGUF stores them; the kernels then read half the bytes of them),
+    unless one would not be a positive finite fp16."""
     out, k = weight.shape
     if k % group_size:
         raise ValueError(f"input size {k} is not a multiple of the group size {group_size}")
@@ -68,6 +70,10 @@ def quantize_groups(weight: torch.Tensor, group_size: int = 128, bits: int = 4
     qmax = 2 ** bits - 1
     scale = (hi - lo) / qmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if fp16:
+        s16, lo16 = scale.half().float(), lo.half().float()
+        if bool(torch.isfinite(s16).all() and (s16 > 0).all() and torch.isfinite(lo16).all()):
+            scale, lo = s16, lo16
     codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, qmax).to(torch.uint8)
     return codes.reshape(out, k), scale.contiguous(), lo.contiguous()
 
@@ -122,6 +128,11 @@ def _pad_rows(t: torch.Tensor, n_pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
+def _exact_fp16(t: torch.Tensor) -> bool:
+    t = t.detach().float()
+    return bool(torch.equal(t.half().float(), t))
+
+
 def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                       bits: int | None = None) -> PackedWeight:
     """codes / scales / mins in the kernels' layout (module docstring) as a PackedWeight of kind
@@ -142,9 +153,12 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     else:
         data = c.view(pn, 4, lanes, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
 
+    # fp16 scales and mins when that loses nothing (quant_ops.cpp reads either)
+    dtype = torch.float16 if all(_exact_fp16(t) for t in (scales, mins)) else torch.float32
+
     def per_panel(t):
         t = _pad_rows(t.detach().float(), n_pad).view(pn, panel, k // g)
-        return t.permute(0, 2, 1).contiguous().view(-1)
+        return t.permute(0, 2, 1).contiguous().view(-1).to(dtype)
     return PackedWeight(data=data, kind=GROUP4 if bits == 4 else GROUP8, n=n, k=k,
                         scales=per_panel(scales), colsum=per_panel(mins))
 

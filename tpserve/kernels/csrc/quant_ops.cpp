@@ -17,7 +17,7 @@
 // linear_ops.cpp's, each lane of a vector holding a quad of consecutive inputs of one channel:
 //     8-bit codes [N/P][K/4][4][L][4]
 //     4-bit codes [N/P][K/8][4][L][4]  a byte: low nibble input 8j + q, high nibble 8j + 4 + q
-//     scales, mins [N/P][G][P]
+//     scales, mins [N/P][G][P]  (fp32, or fp16 when exact)
 // so a panel is one stream read front to back, 4 bits per weight (plus 8 bytes per group and
 // channel for its scale and min). A decode row reads every weight once; prompt rows stream past
 // a panel while it sits in L2, in blocks of 64 rows, up to kGTile rows per register tile.
@@ -178,9 +178,25 @@ inline void prefetch_ahead(const void* p) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+// Scales and mins are fp32, or fp16 when every one of a weight's is exactly an fp16 (GGUF's
+// Q4_0 / Q8_0 blocks; --quantization int4 rounds its own to fp16): 2 bytes fewer per group
+// and channel, which at group 32 is a sixth of the bytes a decode step reads.
+inline vfl load_scales(const float* p) { return loadl(p); }
+inline vfl load_scales(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (vfl)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return (vfl)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vfl v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
 // TM rows (r0..) times one panel over all of K: acc[t][i] = output channels [i*L, (i+1)*L).
-template <int64_t TM, bool FOUR, bool PF>
-inline void group_tile(const uint8_t* w, const float* sc, const float* mn, int64_t g, const QRows& r,
+template <int64_t TM, bool FOUR, bool PF, typename S>
+inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int64_t g, const QRows& r,
                        int64_t r0, vfl (&acc)[kGTile][4]) {
   const int64_t K = r.K, G = r.G;
   const int8_t* xq = r.q + r0 * K;
@@ -215,8 +231,8 @@ inline void group_tile(const uint8_t* w, const float* sc, const float* mn, int64
     }
     vfl s[4], m[4];
     for (int64_t i = 0; i < 4; ++i) {
-      s[i] = loadl(sc + gi * kPanel + i * kLanes);
-      m[i] = loadl(mn + gi * kPanel + i * kLanes);
+      s[i] = load_scales(sc + gi * kPanel + i * kLanes);
+      m[i] = load_scales(mn + gi * kPanel + i * kLanes);
     }
     for (int64_t t = 0; t < TM; ++t) {
       const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
@@ -243,8 +259,8 @@ inline void group_tile(const uint8_t* w, const float* sc, const float* mn, int64
     for (int64_t t = 0; t < TM; ++t) {
       const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
       for (int64_t j = 0; j < kPanel; ++j) {
-        acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j]) * (sc[gi * kPanel + j] * as) +
-                                          mn[gi * kPanel + j] * ams;
+        acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j]) * (static_cast<float>(sc[gi * kPanel + j]) * as) +
+                                          static_cast<float>(mn[gi * kPanel + j]) * ams;
       }
     }
   }
@@ -269,12 +285,16 @@ void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) acc[t][i] = vfl{};
   const uint8_t* codes = static_cast<const uint8_t*>(w.data.data_ptr()) + p * panel_code_bytes(w.kind, K);
-  const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
-  const float* mn = w.colsum->data_ptr<float>() + p * G * kPanel;
-  if (w.kind == kGroup4) {
-    group_tile<TM, true, PF>(codes, sc, mn, g, r, r0, acc);
+  if (w.scales->scalar_type() == at::kHalf) {
+    const at::Half* sc = w.scales->data_ptr<at::Half>() + p * G * kPanel;
+    const at::Half* mn = w.colsum->data_ptr<at::Half>() + p * G * kPanel;
+    w.kind == kGroup4 ? group_tile<TM, true, PF>(codes, sc, mn, g, r, r0, acc)
+                      : group_tile<TM, false, PF>(codes, sc, mn, g, r, r0, acc);
   } else {
-    group_tile<TM, false, PF>(codes, sc, mn, g, r, r0, acc);
+    const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
+    const float* mn = w.colsum->data_ptr<float>() + p * G * kPanel;
+    w.kind == kGroup4 ? group_tile<TM, true, PF>(codes, sc, mn, g, r, r0, acc)
+                      : group_tile<TM, false, PF>(codes, sc, mn, g, r, r0, acc);
   }
   const int64_t n0 = p * kPanel;
   const int64_t valid = std::min(kPanel, w.n - n0);
@@ -339,14 +359,14 @@ void check_group_packed(const PackedLinear& w, const char* what) {
                     ": a group weight needs its scales and mins");
   const at::Tensor& s = *w.scales;
   const at::Tensor& m = *w.colsum;
-  TORCH_CHECK_VALUE(s.is_contiguous() && s.scalar_type() == at::kFloat && s.numel() > 0 &&
-                        s.numel() % n_pad == 0,
-                    what, ": scales must be a contiguous float32 [", n_pad, " x groups]");
+  const bool dtype_ok = s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf;
+  TORCH_CHECK_VALUE(s.is_contiguous() && dtype_ok && s.numel() > 0 && s.numel() % n_pad == 0,
+                    what, ": scales must be a contiguous float32 or float16 [", n_pad, " x groups]");
   const int64_t G = s.numel() / n_pad;
   TORCH_CHECK_VALUE(w.k % G == 0 && (w.k / G) % 16 == 0, what, ": ", G, " groups of K=", w.k,
                     " inputs: the group must divide K and be a multiple of 16");
-  TORCH_CHECK_VALUE(m.is_contiguous() && m.scalar_type() == at::kFloat && m.numel() == s.numel(), what,
-                    ": mins must be a contiguous float32 of the scales' size");
+  TORCH_CHECK_VALUE(m.is_contiguous() && m.scalar_type() == s.scalar_type() && m.numel() == s.numel(), what,
+                    ": mins must be contiguous, of the scales' dtype and size");
   const int64_t bytes = panels(w.n) * panel_code_bytes(w.kind, w.k);
   TORCH_CHECK_VALUE(w.data.is_contiguous() && w.data.scalar_type() == at::kByte && w.data.numel() == bytes,
                     what, ": packed codes must be a contiguous uint8 tensor of ", bytes, " bytes (",
