@@ -51,15 +51,15 @@ class QuantConfig:
     """The quantization scheme of a model's linear layers.
 
     ``method``: ``int8``, ``compressed-tensors`` (int8 per channel) or ``group`` (group codes,
-    ``tpserve/models/group_quant.py``). ``int8_activations``: activations quantized per row (W8A8) or kept in the model dtype
-    (W8A16). ``from_checkpoint``: the checkpoint holds int8 weights and scales (else the float
-    weights are quantized at load). ``packed_int32``: its weights come as ``weight_packed``
-    int32 words (format pack-quantized). ``ignore``: Hugging Face module names (or ``re:``
-    patterns) left in the float dtype. Group method only: ``group_size`` (quantized at load: the
-    group; from a checkpoint: 0, each layer's group is inferred from its tensors' shapes, or the
-    size the checkpoint's config declares), ``bits`` (4 or 8; at load: 4), ``checkpoint_format``
-    ("" for tpserve's tensor names, else the format whose decoder maps the checkpoint's
-    tensors onto them: ``awq``, ``gptq``).
+    ``tpserve/models/group_quant.py``). ``int8_activations``: activations quantized per row
+    (W8A8) or kept in the model dtype (W8A16). ``from_checkpoint``: the checkpoint holds int8
+    weights and scales (else the float weights are quantized at load). ``packed_int32``: its
+    weights come as ``weight_packed`` int32 words (format pack-quantized). ``ignore``: Hugging
+    Face module names (or ``re:`` patterns) left in the float dtype. Group method only:
+    ``group_size`` (quantized at load: the group; from a checkpoint: 0, each layer's group is
+    inferred from its tensors' shapes, or the size the checkpoint's config declares), ``bits``
+    (4 or 8; at load: 4), ``checkpoint_format`` ("" for tpserve's tensor names, else the format
+    whose decoder maps the checkpoint's tensors onto them: ``awq``, ``gptq``).
     """
 
     method: str
@@ -161,7 +161,8 @@ def group_quant_config(group_size: int = 0, bits: int = 0, ignore: tuple[str, ..
     """The QuantConfig of a checkpoint (or file) holding group codes; ``group_size`` 0: inferred
     per layer from the tensors' shapes; ``bits`` 0: from each layer's codes."""
     if group_size and group_size not in GROUP_SIZES:
-        _fail("group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+        _fail("group_size", f"tpserve supports groups of {', '.join(map(str, GROUP_SIZES))}, "
+                            f"got {group_size!r}")
     if bits not in (0, 4, 8):
         _fail("bits", f"tpserve supports 4- and 8-bit codes, got {bits!r}")
     return QuantConfig("group", int8_activations=True, from_checkpoint=True, ignore=tuple(ignore),
