@@ -228,7 +228,6 @@ class EngineConfig:
         """The parsed ``pooler_config`` (defaults when unset)."""
         return PoolerConfig.from_value(self.pooler_config)
 
-
     def _check_invariant_options(self) -> None:
         """The options whose paths have no batch-invariant form (the runner checks the rest once
         the model is loaded: tpserve/workers/invariance.py)."""

@@ -14,9 +14,9 @@ from dataclasses import fields
 
 import click
 
-from tpserve.pooling import RUNNERS
 from tpserve.config import (ATTENTION_BACKENDS, AUTO, DTYPES, NO_QUANTIZATION, SCHEDULING_ORDERS,
                             SCHEDULING_POLICIES, EngineConfig)
+from tpserve.pooling import RUNNERS
 from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
 
