@@ -160,6 +160,16 @@ class Engine:
         """The model directory ``tokenize``'s tokenizer was loaded from (None without one)."""
         return str(self.config.model_path) if self.tokenizer is not None else None
 
+    def _check_common(self, request_id, priority, timeout, arrival) -> tuple:
+        """The checks every request kind shares: its id (non-empty, no NUL, not in use), its
+        priority and timeout; returns (priority, timeout, arrival)."""
+        priority, timeout = check_priority(priority), check_timeout(timeout)
+        if not isinstance(request_id, str) or not request_id or _SEP in request_id:
+            raise InvalidFieldError("request_id", "must be a non-empty string without NUL characters")
+        if request_id in self.families:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        return priority, timeout, time.monotonic() if arrival is None else arrival
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     detokenize: bool = True, *, priority: int = 0, timeout: float | None = None,
                     arrival: float | None = None) -> int:
@@ -183,12 +193,7 @@ class Engine:
         if self.runner != "generate":
             raise InvalidRequestError("runner", wrong_runner(self.runner, "generation"))
         params = params or SamplingParams()
-        priority, timeout = check_priority(priority), check_timeout(timeout)
-        arrival = time.monotonic() if arrival is None else arrival
-        if not isinstance(request_id, str) or not request_id or _SEP in request_id:
-            raise InvalidFieldError("request_id", "must be a non-empty string without NUL characters")
-        if request_id in self.families:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        priority, timeout, arrival = self._check_common(request_id, priority, timeout, arrival)
         prompt = check_request(prompt, params, self.vocab_size)
         if (params.stop or params.bad_words) and self.tokenizer is None:
             name = "params.stop" if params.stop else "params.bad_words"
@@ -249,12 +254,7 @@ class Engine:
         params = params or PoolingParams()
         if not isinstance(params, PoolingParams):
             raise InvalidFieldError("params", f"must be a PoolingParams, got {type(params).__name__}")
-        priority, timeout = check_priority(priority), check_timeout(timeout)
-        arrival = time.monotonic() if arrival is None else arrival
-        if not isinstance(request_id, str) or not request_id or _SEP in request_id:
-            raise InvalidFieldError("request_id", "must be a non-empty string without NUL characters")
-        if request_id in self.families:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        priority, timeout, arrival = self._check_common(request_id, priority, timeout, arrival)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidFieldError("prompts", "must hold at least one prompt")
         if len(prompts) > MAX_POOLING_INPUTS:

@@ -424,19 +424,29 @@ class Server(Admission, TokenizeRequests, StatusReport):
             return None
         return rid
 
+    def _refused_on_arrival(self, identity: bytes, msg_id: str, error) -> bool:
+        """Refuse a new request while the daemon drains, or whose id is already in flight on
+        its connection (``error(code, message, **kw)`` replies); whether it was refused."""
+        if self._stopping:
+            self.metrics.on_refused("shutting_down")
+            error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
+                  id=msg_id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
+            return True
+        peer = self.peers.get(identity)
+        if peer is not None and msg_id in peer.requests:
+            # No ``id``: an error with an id ends that request, and this one keeps running.
+            error(P.DUPLICATE_ID, f"request id {msg_id!r} is already in flight on this connection; "
+                  "that request continues", field="id")
+            return True
+        return False
+
     def _on_generate(self, identity: bytes, msg: P.GenerateRequest) -> None:
         def error(code, message, **kw):
             self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
 
-        if self._stopping:
-            self.metrics.on_refused("shutting_down")
-            return error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
-                         id=msg.id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
+        if self._refused_on_arrival(identity, msg.id, error):
+            return
         peer = self.peers.get(identity)
-        if peer is not None and msg.id in peer.requests:
-            # No ``id``: an error with an id ends that request, and this one keeps running.
-            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
-                         "that request continues", field="id")
         if self._refused_over_cap(identity, peer, msg.id):
             return
         peer = self.peers.peer(identity)
@@ -457,14 +467,9 @@ class Server(Admission, TokenizeRequests, StatusReport):
         def error(code, message, **kw):
             self.peers.reply(identity, P.ErrorReply(code, message[:P.MAX_MESSAGE_CHARS], **kw))
 
-        if self._stopping:
-            self.metrics.on_refused("shutting_down")
-            return error(P.SHUTTING_DOWN, "the daemon is shutting down (draining) and admits no new requests",
-                         id=msg.id, retry_after=float(max(1, math.ceil(self._stop_deadline - time.monotonic()))))
+        if self._refused_on_arrival(identity, msg.id, error):
+            return
         peer = self.peers.get(identity)
-        if peer is not None and msg.id in peer.requests:
-            return error(P.DUPLICATE_ID, f"request id {msg.id!r} is already in flight on this connection; "
-                         "that request continues", field="id")
         try:
             params = PoolingParams(msg.task, dimensions=msg.dimensions, normalize=msg.normalize)
         except InvalidFieldError as e:
