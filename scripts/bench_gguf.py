@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_latency import PROMPT, LlamaServer, gguf_models, prompts_for  # noqa: E402
+from bench_moe import rss_bytes  # noqa: E402
 from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
@@ -60,14 +61,6 @@ def q4_0_file(peer: Path, path: Path, vocab: int) -> Path:
 
 
 # ---- one tpserve engine, in a child process ------------------------------------------------
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
 
 def child(spec: dict) -> dict:
     """Measure one tpserve engine (``spec``: model, quantization, vocab, batches, outs, runs)."""
