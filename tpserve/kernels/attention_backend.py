@@ -12,6 +12,7 @@ import abc
 
 import torch
 
+from tpserve.kernels.attention_options import PLAIN, AttentionOptions, attention_options
 from tpserve.kernels.checks import check_attention_args, has_cache
 from tpserve.kernels.metadata import AttentionMetadata
 
@@ -31,6 +32,8 @@ class AttentionBackend(abc.ABC):
     # Whether a decode forward can be captured in a CUDA graph: no host synchronisation and no
     # per-step index tensors cached on the metadata (a graph replays with new metadata values).
     supports_cuda_graphs: bool = False
+    #: the ``forward`` keywords (attention_options.py) this backend implements; others are refused
+    options: frozenset[str] = frozenset()
 
     def __init__(self, block_size: int = 16):
         self.block_size = block_size
@@ -47,25 +50,33 @@ class AttentionBackend(abc.ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens (already rotary-embedded).
 
         Stores k/v into the cache at meta.slot_mapping, then returns attention output
         [T, Hq, D] (a new tensor, q's dtype). Hq % Hkv == 0 (GQA: query head h reads KV head
         h // (Hq // Hkv)). If k_cache is None/empty (profiling/warm-up run without a cache),
         attends over the new k/v only (plain causal varlen attention on cu_seqlens_q).
+        ``window`` (sliding window), ``sinks`` ([Hq] sink logits) and ``softcap`` (logit
+        soft-cap): see attention_options.py; a backend refuses one it lacks (``options``).
         Raises ValueError naming an argument whose shape, dtype or device is wrong.
         """
         check_attention_args(q, k, v, k_cache, v_cache, meta, scale)
+        opts = attention_options(window, sinks, softcap, q)
+        lacking = opts.names() - self.options
+        if lacking:
+            raise ValueError(f"{'/'.join(sorted(lacking))}: the {self.name} attention backend does "
+                             f"not implement {' or '.join(sorted(lacking))}")
         # Metadata built directly (not via from_arrays) is validated once per step, not per layer.
         meta.derived("validated", lambda: meta.validate() or True)
         if not has_cache(k_cache, v_cache):
-            return self.attend(q, k, v, None, None, meta, float(scale))
+            return self.attend(q, k, v, None, None, meta, float(scale), opts=opts)
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"k_cache: block_size {k_cache.shape[1]} differs from the "
                              f"{self.name} backend's block_size {self.block_size}")
         self.store(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, float(scale))
+        return self.attend(q, k, v, k_cache, v_cache, meta, float(scale), opts=opts)
 
     __call__ = forward
 
@@ -75,8 +86,9 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """Attention after the store; k_cache/v_cache are None when running without a cache."""
+               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
+        """Attention after the store; k_cache/v_cache are None when running without a cache.
+        ``opts`` holds only options named in ``options``."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"

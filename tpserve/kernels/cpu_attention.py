@@ -51,6 +51,7 @@ import torch
 
 from tpserve.kernels import cpu_extension
 from tpserve.kernels.attention_backend import AttentionBackend
+from tpserve.kernels.attention_options import PLAIN, AttentionOptions
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.torch_attention import TorchAttention, split_decode_rows, varlen_causal_attention
 
@@ -76,7 +77,7 @@ class CpuAttention(AttentionBackend):
         self._ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if k_cache is None:
             return varlen_causal_attention(q, k, v, meta, scale)
         meta.derived("cpu.tables_checked", lambda: self._check_tables(k_cache, meta) or True)

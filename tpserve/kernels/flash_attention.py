@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.kernels.attention_backend import FLASH_DTYPES, AttentionBackend
+from tpserve.kernels.attention_options import PLAIN, AttentionOptions
 from tpserve.kernels.metadata import AttentionMetadata
 
 
@@ -43,7 +44,7 @@ class FlashAttention(AttentionBackend):
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if q.dtype not in FLASH_DTYPES:
             raise ValueError(f"q: the flash backend computes in float16/bfloat16, got {q.dtype}; "
                              "use the triton or torch backend for this dtype")

@@ -29,11 +29,15 @@ class PagedBatch:
 
 
 def reference_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                        q_lens: list[int], scale: float) -> torch.Tensor:
+                        q_lens: list[int], scale: float, *, window: int | None = None,
+                        sinks: torch.Tensor | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Per-sequence causal attention in float64; the new tokens are each sequence's last ones.
 
     q [T, Hq, D] flat over sequences (q_lens[i] rows each); keys[i]/values[i] [K_i, Hkv, D].
-    Returns float64 [T, Hq, D].
+    ``window``, ``sinks``, ``softcap`` as transformers applies them (attention_options.py):
+    soft-cap the scaled scores, mask keys with ``q_pos - k_pos >= window``, append the sink
+    logit as one more softmax column and drop its probability. Returns float64 [T, Hq, D].
     """
     outs, start = [], 0
     for kk, vv, n in zip(keys, values, q_lens):
@@ -43,9 +47,20 @@ def reference_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[
         vi = vv.double().repeat_interleave(group, dim=1).transpose(0, 1)
         k_len = kk.shape[0]
         scores = (qi @ ki.transpose(1, 2)) * scale                    # [Hq, n, K]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(k_len - n, k_len)[:, None]
-        scores = scores.masked_fill(torch.arange(k_len)[None, :] > qpos, float("-inf"))
-        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        kpos = torch.arange(k_len)[None, :]
+        hidden = kpos > qpos
+        if window is not None:
+            hidden = hidden | (qpos - kpos >= window)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double().cpu()[:, None, None].expand(-1, n, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append((probs @ vi).transpose(0, 1))
         start += n
     return torch.cat(outs)
 
@@ -107,13 +122,18 @@ def random_paged_batch(context_lens: list[int], new_lens: list[int], *, num_head
 
 def backend_vs_reference(backend, context_lens: list[int], new_lens: list[int], *,
                          is_prefill: bool, num_heads: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Run ``backend.forward`` on a random paged batch; return (batch, output, float64 reference)."""
+                         dtype: torch.dtype = torch.float32, seed: int = 0,
+                         window: int | None = None, sinks: torch.Tensor | None = None,
+                         softcap: float | None = None, device: str | torch.device = "cpu"):
+    """Run ``backend.forward`` on a random paged batch; return (batch, output, float64 reference).
+    ``window`` / ``sinks`` / ``softcap`` go to both (attention_options.py)."""
     batch = random_paged_batch(context_lens, new_lens, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, head_dim=head_dim,
                                block_size=backend.block_size, dtype=dtype, is_prefill=is_prefill,
-                               seed=seed)
+                               seed=seed, device=device)
     scale = 1 / math.sqrt(head_dim)
+    dev_sinks = None if sinks is None else sinks.to(batch.q.device)
     out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta,
-                          scale)
-    return batch, out, reference_attention(batch.q, batch.keys, batch.values, new_lens, scale)
+                          scale, window=window, sinks=dev_sinks, softcap=softcap)
+    return batch, out, reference_attention(batch.q.cpu(), batch.keys, batch.values, new_lens, scale,
+                                           window=window, sinks=sinks, softcap=softcap)

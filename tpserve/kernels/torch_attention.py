@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.kernels.attention_backend import AttentionBackend
+from tpserve.kernels.attention_options import PLAIN, AttentionOptions
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.torch_store import store_kvcache_torch
 
@@ -52,7 +53,7 @@ class TorchAttention(AttentionBackend):
         store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if k_cache is None or (meta.is_prefill and not meta.has_context):
             # The new tokens are whole sequences: attend over them directly, no gather.
             return varlen_causal_attention(q, k, v, meta, scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.kernels.attention_backend import AttentionBackend
+from tpserve.kernels.attention_options import PLAIN, AttentionOptions
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.paged_decode import paged_decode_attention
 from tpserve.kernels.paged_prefill import paged_prefill_attention, varlen_prefill_attention
@@ -45,7 +46,7 @@ class TritonAttention(AttentionBackend):
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if self.batch_invariant and k_cache is not None:
             return self._rows_as_decodes(q, k_cache, v_cache, meta, scale)
         if k_cache is None or (meta.is_prefill and not meta.has_context):

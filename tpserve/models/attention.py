@@ -8,6 +8,19 @@ attends) -> o_proj (row-parallel, all-reduce).
 The KV cache tensors are owned by the runner, which assigns ``k_cache`` / ``v_cache``
 (``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) before the first forward; while
 they are None the backend attends over the step's own k/v only (a cache-less prefill).
+
+Per-layer attention options, with the semantics transformers gives them (each layer builds its
+own module, so a model mixes sliding and full layers through ``layer_types``):
+
+* ``sliding_window=W``: a query at position p attends to keys at positions p - W + 1 .. p (the
+  last W keys including itself; transformers' ``q_pos - k_pos < sliding_window``).
+* ``sinks=True``: a learned logit per query head (parameter ``sinks`` [heads of this rank],
+  checkpoint name ``<layer>.self_attn.sinks``) joins each softmax's denominator and contributes no
+  value (gpt-oss).
+* ``logit_softcap=c``: scores become ``c * tanh(scores / c)`` after scaling, before masking
+  (Gemma 2's ``attn_logit_softcapping``).
+* ``scale``: the factor on q.k, ``head_dim ** -0.5`` unless given (Gemma: ``query_pre_attn_scalar
+  ** -0.5``).
 """
 from __future__ import annotations
 
@@ -20,6 +33,7 @@ from tpserve.models.linear import QKVParallelLinear, RowParallelLinear
 from tpserve.models.norm import RMSNorm
 from tpserve.models.parallel import TPContext
 from tpserve.models.rotary import RotaryEmbedding
+from tpserve.models.weights import attach_loader, check_shape, new_param
 
 if TYPE_CHECKING:
     from tpserve.kernels.metadata import AttentionMetadata
@@ -29,15 +43,31 @@ class SelfAttention(nn.Module):
     """Grouped-query self-attention for one decoder layer, sharded by heads.
 
     Checkpoint names below this module: ``q_proj``/``k_proj``/``v_proj`` (packed into
-    ``qkv_proj``), ``o_proj``, and with ``qk_norm`` also ``q_norm``/``k_norm``.
+    ``qkv_proj``), ``o_proj``, with ``qk_norm`` also ``q_norm``/``k_norm``, with ``sinks`` also
+    ``sinks`` ([num_heads], sliced to this rank's heads). Window, sinks, softcap and scale: see the
+    module docstring.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  tp: TPContext, rotary: RotaryEmbedding, backend, *, qkv_bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False, rms_norm_eps: float = 1e-6):
+                 o_bias: bool = False, qk_norm: bool = False, rms_norm_eps: float = 1e-6,
+                 sliding_window: int | None = None, sinks: bool = False,
+                 logit_softcap: float | None = None, scale: float | None = None):
         super().__init__()
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window: expected an int >= 1 or None, got {sliding_window!r}")
+        if logit_softcap is not None and not (isinstance(logit_softcap, (int, float))
+                                              and not isinstance(logit_softcap, bool) and logit_softcap > 0):
+            raise ValueError(f"logit_softcap: expected a positive float or None, got {logit_softcap!r}")
+        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                      and scale > 0):
+            raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
+        self.sliding_window = sliding_window
+        self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
+        self._tp = tp
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
@@ -45,6 +75,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
+        self.sinks = (attach_loader(new_param(self.num_heads), self.sinks_loader) if sinks else None)
         # Plain attributes, not modules: the backend is shared by all layers and holds no weights.
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
@@ -59,5 +90,13 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale,
+                                   window=self.sliding_window, sinks=self.sinks,
+                                   softcap=self.logit_softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def sinks_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """The checkpoint's sinks for every head; this rank keeps its own query heads' logits."""
+        check_shape(loaded_weight, (self.num_heads * self._tp.size,), "self_attn.sinks")
+        with torch.no_grad():
+            param.copy_(loaded_weight.narrow(0, self._tp.rank * self.num_heads, self.num_heads))

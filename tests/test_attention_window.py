@@ -1,0 +1,120 @@
+"""Per-layer attention options (sliding window, sinks, logit soft-cap): the interface."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.kernels.attention_options import PLAIN, AttentionOptions
+from tpserve.kernels.reference import random_paged_batch, reference_attention
+from tpserve.kernels.torch_attention import TorchAttention
+from tpserve.models.attention import SelfAttention
+from tpserve.models.parallel import TPContext
+from tpserve.models.rotary import RotaryEmbedding
+
+
+class Recording(TorchAttention):
+    """Records the options each call passes down to ``attend``."""
+
+    options = frozenset({"window", "sinks", "softcap"})
+
+    def __init__(self):
+        super().__init__(16)
+        self.seen: list[AttentionOptions] = []
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, opts=PLAIN):
+        self.seen.append((scale, opts))
+        return torch.zeros_like(q)
+
+
+def _batch():
+    return random_paged_batch([0], [3], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"window": 0}, "window"), ({"window": True}, "window"), ({"window": 2.0}, "window"),
+    ({"sinks": torch.zeros(3)}, "sinks"), ({"sinks": [0.0] * 4}, "sinks"),
+    ({"sinks": torch.zeros(4, dtype=torch.int64)}, "sinks"),
+    ({"softcap": 0.0}, "softcap"), ({"softcap": -1.0}, "softcap"), ({"softcap": "5"}, "softcap"),
+])
+def test_forward_rejects_bad_options_naming_them(kwargs, msg):
+    b = _batch()
+    with pytest.raises(ValueError, match=msg):
+        Recording().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.25, **kwargs)
+
+
+def test_backend_refuses_options_it_lacks():
+    class Plain(Recording):
+        options = frozenset({"window"})
+
+    b = _batch()
+    Plain().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.25, window=2)
+    with pytest.raises(ValueError, match="sinks/softcap: the torch attention backend"):
+        Plain().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.25, window=2,
+                        sinks=torch.zeros(4), softcap=30.0)
+
+
+def test_options_reach_attend_and_plain_calls_stay_plain():
+    b, backend = _batch(), Recording()
+    backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.25)
+    sinks = torch.ones(4)
+    backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, 0.25, window=5, sinks=sinks,
+                    softcap=50)
+    (_, first), (_, second) = backend.seen
+    assert first is PLAIN and first.plain
+    assert second.window == 5 and second.sinks is sinks and second.softcap == 50.0
+    assert second.names() == {"window", "sinks", "softcap"}
+    assert [second.keys_from(p) for p in (0, 4, 5, 9)] == [0, 0, 1, 5]
+
+
+def _layer(tp, backend, **kwargs):
+    rope = RotaryEmbedding(16, max_position=64, base=10_000.0)
+    return SelfAttention(64, 4, 2, 16, tp, rope, backend, **kwargs)
+
+
+def test_self_attention_passes_its_options_and_scale():
+    backend = Recording()
+    layer = _layer(TPContext(), backend, sliding_window=8, sinks=True, logit_softcap=20.0, scale=0.125)
+    assert layer.sinks.shape == (4,) and layer.scale == 0.125
+    with torch.no_grad():
+        layer.sinks.copy_(torch.arange(4.0))
+    b = _batch()
+    layer(torch.arange(3), torch.randn(3, 64), b.meta)
+    scale, opts = backend.seen[0]
+    assert scale == 0.125 and opts.window == 8 and opts.softcap == 20.0
+    assert torch.equal(opts.sinks, torch.arange(4.0))
+    plain = _layer(TPContext(), Recording())
+    assert plain.sinks is None and plain.scale == 16 ** -0.5
+    assert "sinks" not in dict(plain.named_parameters())
+
+
+def test_sinks_loader_keeps_this_ranks_heads():
+    layer = _layer(TPContext(rank=1, size=2), Recording(), sinks=True)
+    assert layer.sinks.shape == (2,)
+    layer.sinks.weight_loader(layer.sinks, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert torch.equal(layer.sinks, torch.tensor([3.0, 4.0]))
+    with pytest.raises(Exception, match="sinks"):
+        layer.sinks.weight_loader(layer.sinks, torch.zeros(3))
+
+
+@pytest.mark.parametrize("kwargs, msg", [({"sliding_window": 0}, "sliding_window"),
+                                         ({"logit_softcap": 0}, "logit_softcap"),
+                                         ({"scale": -1.0}, "scale")])
+def test_self_attention_rejects_bad_options(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        _layer(TPContext(), Recording(), **kwargs)
+
+
+def test_reference_window_sinks_softcap_change_the_answer():
+    b = random_paged_batch([20], [4], num_heads=2, num_kv_heads=1, head_dim=8, block_size=16)
+    plain = reference_attention(b.q, b.keys, b.values, [4], 0.3)
+    wide = reference_attention(b.q, b.keys, b.values, [4], 0.3, window=24)
+    assert torch.equal(plain, wide)  # a window covering every key changes nothing
+    one = reference_attention(b.q, b.keys, b.values, [4], 0.3, window=1)
+    torch.testing.assert_close(one, b.values[0][20:].double().repeat_interleave(2, dim=1))
+    assert not torch.allclose(reference_attention(b.q, b.keys, b.values, [4], 0.3, window=5), plain)
+    sunk = reference_attention(b.q, b.keys, b.values, [4], 0.3, sinks=torch.tensor([0.5, -1.0]))
+    assert not torch.allclose(sunk, plain)
+    huge = reference_attention(b.q, b.keys, b.values, [4], 0.3, sinks=torch.full((2,), 60.0))
+    assert huge.abs().max() < 1e-12  # a dominant sink leaves almost nothing of the values
+    capped = reference_attention(b.q, b.keys, b.values, [4], 0.3, softcap=0.5)
+    assert not torch.allclose(capped, plain)
