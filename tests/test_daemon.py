@@ -1612,10 +1612,12 @@ def test_the_engine_lends_a_core_while_a_long_prompt_is_tokenized():
         r = Raw(s.address)
         try:
             r.send_msg(gen("long", "y" * 50 + engine.hold_marker, max_tokens=2))
-            assert engine.tokenize_started.wait(10)
-            r.send_msg(P.PingRequest(id="p"))  # a turn of the loop while the tokenizer works
+            # Sent at once, so usually drained in the same turn: the core is lent on submission,
+            # before the loop answers the next message.
+            r.send_msg(P.PingRequest(id="p"))
             assert r.recv() == P.PongReply(id="p")
             assert engine.lent == [1]
+            assert engine.tokenize_started.wait(10)
             engine.release_tokenize.set()
             assert r.recv_until_done("long")[-1].finish_reason == "length"
             assert engine.lent == [1, 0]

@@ -458,6 +458,7 @@ class Server(Admission, TokenizeRequests, StatusReport):
         if isinstance(request.prompt, str) and len(request.prompt) > self.options.inline_tokenize_chars:
             peer.requests[msg.id] = req
             self._tokenizer.submit(req.engine_id, req, request.prompt, request.params)
+            self._lend_cores()  # now, not after the rest of this turn's messages
             return
         self._queue_or_admit(req, lambda: request.prompt, request.params)
 

@@ -59,6 +59,7 @@ class TokenizeRequests:
             return
         if len(msg.text) > self.options.inline_tokenize_chars:
             self._encodes[identity, msg.id] = self._tokenizer.encode(msg.text, msg.add_special_tokens)
+            self._lend_cores()  # now, not after the rest of this turn's messages
             return
         self._answer_encode(identity, msg.id, lambda: self.engine.tokenize(msg.text, msg.add_special_tokens))
 
