@@ -1,4 +1,4 @@
-"""Gated SiLU activation of the MLP."""
+"""Gated activations of the MLP: SiLU (Llama, Qwen, Mistral, Phi-3) and GELU-tanh (Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +23,17 @@ class SiluAndMul(nn.Module):
             return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh``), same ``[gate | up]`` layout as
+    :class:`SiluAndMul`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The gated activation module for a ModelSpec's ``hidden_act`` ("silu" or "gelu_tanh")."""
+    return GeluTanhAndMul() if name == "gelu_tanh" else SiluAndMul()

@@ -67,6 +67,11 @@ def why_not_fused(model: CausalLM) -> str | None:
         return "needs a CPU model and the C++ operators"
     if model.dtype not in (torch.float32, torch.bfloat16) or model.head_dim % 16:
         return "needs fp32/bf16 and head_dim % 16 == 0"
+    spec = model.spec
+    if (spec.sliding_windows or spec.gemma_norms or spec.hidden_act != "silu" or spec.rope_layers
+            or spec.rotary_dim or spec.embedding_scale or spec.attn_logit_softcap is not None):
+        return ("needs Llama-shaped layers (no sliding window, Gemma norms, GELU, soft-capping, "
+                "partial or skipped rotary)")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.feed_forward
         if not isinstance(attn.backend, CpuAttention):

@@ -16,6 +16,13 @@ under ``block_sparse_moe``), or the fused ``<block>.experts.gate_up_proj [E, 2I,
 ``<block>.experts.down_proj [E, H, I]`` that transformers holds in memory; Mixtral's block may
 also be called ``mlp`` (transformers' in-memory name).
 
+Phi-3 checkpoints store each layer's q/k/v as one ``self_attn.qkv_proj`` tensor (rows: q, k, v)
+and gate/up as one ``mlp.gate_up_proj`` (rows: gate, up); they are split into the per-module
+names above as they are read. A ``Gemma3ForConditionalGeneration`` checkpoint's language model
+lives under ``language_model.model.`` / ``language_model.lm_head.`` (or transformers' newer
+``model.language_model.``); those prefixes are dropped and its vision tower and projector
+(``vision_tower.``, ``multi_modal_projector.``) are not read.
+
 Every parameter (and every part of a packed one) must be loaded
 exactly from the checkpoint, and every checkpoint tensor must land somewhere: otherwise
 :class:`CheckpointError` lists the offending names.
@@ -43,7 +50,7 @@ from tpserve.models.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, FusedMoE
 from tpserve.models.parallel import TPContext
 from tpserve.models.quant_formats import decoded_tensors
 from tpserve.models.quantization import checkpoint_tensors, prepare_model
-from tpserve.models.spec import model_spec
+from tpserve.models.spec import ModelSpec, model_spec
 from tpserve.models.weights import default_weight_loader
 from tpserve.quantization import resolve_quantization
 
@@ -125,8 +132,52 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
         show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
         tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
         tensors = decoded_tensors(tensors, qc, hf_config)  # AWQ, GPTQ, compressed-tensors 4-bit
+        tensors = architecture_names(tensors, spec)
     load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
+
+
+_TEXT_TOWER_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                        ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
+                       spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Checkpoint tensors under the decoder's names: a multimodal checkpoint's text tower without
+    its prefix (vision weights dropped), Phi-3's fused q/k/v and gate/up split per module."""
+    q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    for key, tensor in tensors:
+        if spec.text_tower:
+            if key.startswith(_VISION_PREFIXES):
+                continue
+            for old, new in _TEXT_TOWER_PREFIXES:
+                if key.startswith(old):
+                    key = new + key[len(old):]
+                    break
+        if spec.fused_checkpoint and tensor is not None and key.endswith((".weight", ".bias")):
+            owner, _, leaf = key.rpartition(".")
+            if owner.endswith(".self_attn.qkv_proj"):
+                base = owner[:-len("qkv_proj")]
+                _check_rows(key, tensor, q_rows + 2 * kv_rows)
+                for name, part in zip(("q_proj", "k_proj", "v_proj"),
+                                      tensor.split([q_rows, kv_rows, kv_rows])):
+                    yield f"{base}{name}.{leaf}", part
+                continue
+            if owner.endswith(".mlp.gate_up_proj"):
+                base = owner[:-len("gate_up_proj")]
+                _check_rows(key, tensor, 2 * spec.intermediate_size)
+                gate, up = tensor.split(spec.intermediate_size)
+                yield f"{base}gate_proj.{leaf}", gate
+                yield f"{base}up_proj.{leaf}", up
+                continue
+        yield key, tensor
+
+
+def _check_rows(key: str, tensor: torch.Tensor, rows: int) -> None:
+    if tensor.dim() < 1 or tensor.shape[0] != rows:
+        raise CheckpointError(f"{key}: expected {rows} rows (a fused tensor), got shape {tuple(tensor.shape)}")
 
 
 @contextmanager

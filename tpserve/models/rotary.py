@@ -5,8 +5,17 @@ The head dimension is split into halves ``(x1, x2)`` rotated pairwise by angle
 ``[0, max_position)`` and cast to the activations' dtype when applied, as Hugging Face does.
 
 Supported ``rope_type``: "default" (plain ``rope_theta``), "linear" (positions divided by
-``factor``) and "llama3" (Llama 3.1 frequency-dependent scaling: ``factor``, ``low_freq_factor``,
-``high_freq_factor``, ``original_max_position_embeddings``).
+``factor``), "llama3" (Llama 3.1 frequency-dependent scaling: ``factor``, ``low_freq_factor``,
+``high_freq_factor``, ``original_max_position_embeddings``) and "longrope" (Phi-3: per-frequency
+``short_factor`` / ``long_factor`` divisors, cos/sin scaled by ``attention_factor``).
+
+LongRoPE picks its factors per forward pass, as transformers does: a sequence whose length at
+this step (its largest position + 1) exceeds ``original_max_position_embeddings`` rotates every
+row of the step with the long factors, otherwise with the short ones (keys already cached keep
+the rotation they were stored with). The table holds both sets, the long one at rows
+``[max_position, 2 * max_position)``; :meth:`RotaryEmbedding.table_positions` maps positions to
+rows. With a partial rotary dimension (Phi's ``partial_rotary_factor``) only the first
+``rotary_dim`` features of a head are rotated; the rest pass through.
 """
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ from torch import nn
 from tpserve.kernels import cpu_extension
 from tpserve.models.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def _require(scaling: dict, key: str, rope_type: str):
@@ -27,10 +36,20 @@ def _require(scaling: dict, key: str, rope_type: str):
     return scaling[key]
 
 
-def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[rotary_dim / 2]`` (float32) for ``rope_theta=base`` and a scaling dict."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None,
+                  long: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32) for ``rope_theta=base`` and a scaling dict
+    (``long``: LongRoPE's long factors instead of its short ones)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "longrope":
+        key = "long_factor" if long else "short_factor"
+        factors = _require(scaling, key, rope_type)
+        if not isinstance(factors, (list, tuple)) or len(factors) != rotary_dim // 2:
+            raise UnsupportedModelError(f"rope_scaling.{key}", f"must be a list of rotary_dim / 2 = "
+                                                               f"{rotary_dim // 2} numbers")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    inv_freq = 1.0 / (base ** exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -52,18 +71,55 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
         "rope_scaling.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to flat query/key rows given their absolute positions."""
+def longrope_attention_factor(scaling: dict, max_position: int) -> float:
+    """LongRoPE's cos/sin multiplier: ``attention_factor``, else derived from the context extension
+    ``factor`` (default ``max_position / original_max_position_embeddings``) as transformers does."""
+    old_len = float(_require(scaling, "original_max_position_embeddings", "longrope"))
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling.get("factor")
+    factor = max_position / old_len if factor is None else float(factor)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embedding to flat query/key rows given their absolute positions.
+
+    ``rotary_dim`` (default ``head_dim``): how many leading features of a head rotate.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.max_position = max_position
-        inv_freq = rope_inv_freq(head_dim, base, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.float32)[:, None]
+        # LongRoPE: sequences longer than this use the long factors (rows offset by max_position).
+        self.long_after: int | None = None
+        if (scaling or {}).get("rope_type") == "longrope":
+            self.long_after = int(_require(scaling, "original_max_position_embeddings", "longrope"))
+            mscale = longrope_attention_factor(scaling, max_position)
+            tables = [positions * rope_inv_freq(self.rotary_dim, base, scaling, long=long)[None, :]
+                      for long in (False, True)]
+            freqs = torch.cat(tables)
+            cos, sin = freqs.cos() * mscale, freqs.sin() * mscale
+        else:
+            freqs = positions * rope_inv_freq(self.rotary_dim, base, scaling)[None, :]
+            cos, sin = freqs.cos(), freqs.sin()
         # Not persistent: derived from config, never part of a checkpoint.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def table_positions(self, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The table rows of flat ``positions`` in a step described by ``meta``: the positions
+        themselves, or with LongRoPE the long factors' rows for sequences past the original length."""
+        if self.long_after is None:
+            return positions
+        q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+        seq_len = torch.repeat_interleave(meta.context_lens.to(positions.device), q_lens.to(positions.device),
+                                          output_size=positions.shape[0])
+        return positions + (seq_len > self.long_after).to(positions.dtype) * self.max_position
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> rotated ``(q, k)``.
@@ -71,6 +127,14 @@ class RotaryEmbedding(nn.Module):
         On CPU (the C++ operator) q and k are rotated in place and returned; callers must use
         the returned tensors and not rely on the inputs keeping their values.
         """
+        if self.rotary_dim < self.head_dim:
+            # Rotate the leading features (views: in place on CPU), the rest pass through.
+            rd = self.rotary_dim
+            q_rot, k_rot = self._rotate_qk(positions, q[..., :rd], k[..., :rd])
+            return torch.cat((q_rot, q[..., rd:]), -1), torch.cat((k_rot, k[..., rd:]), -1)
+        return self._rotate_qk(positions, q, k)
+
+    def _rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         ops = cpu_extension.ops_for(q)
         if (ops is not None and q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1
                 and k.stride(2) == 1 and k.dtype == q.dtype):
@@ -79,6 +143,15 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+class NoRotary(nn.Module):
+    """A layer without rotary embedding (SmolLM3's ``no_rope_layers``): q and k pass unchanged."""
+
+    rotary_dim = 0
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,27 @@ and three mixtures of experts, whose layers' MLP is a sparse block of experts (`
 
 (step: layer i is sparse when ``(i + 1) % decoder_sparse_step == 0``.)
 
+and five whose layers differ in how they attend or normalise:
+
+| architecture        | per-layer attention                         | other switches                           |
+|---------------------|---------------------------------------------|------------------------------------------|
+| MistralForCausalLM  | ``sliding_window`` on every layer           | Llama's layer                            |
+| Phi3ForCausalLM     | ``sliding_window`` on every layer           | fused ``qkv_proj`` / ``gate_up_proj``    |
+|                     |                                             | checkpoint weights, LongRoPE, partial    |
+|                     |                                             | rotary (``partial_rotary_factor``)       |
+| SmolLM3ForCausalLM  | ``layer_types`` with ``use_sliding_window`` | no rotary where ``no_rope_layers[i]`` 0  |
+| Gemma2ForCausalLM   | ``layer_types`` (sliding / full)            | Gemma's layer (below), attention logit   |
+|                     |                                             | soft-capping                             |
+| Gemma3ForCausalLM   | ``layer_types`` (sliding / full), rotary    | Gemma's layer, (1 + w) q/k RMSNorm       |
+|                     | base per type (``rope_local_base_freq``)    |                                          |
+
+Gemma's layer: (1 + w) RMSNorm in float32, a norm on the attention output and around the MLP
+(``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``), embeddings scaled by
+sqrt(hidden_size) in the model dtype, ``query_pre_attn_scalar ** -0.5`` as the attention scale,
+GELU-tanh (``hidden_activation``) and ``final_logit_softcapping`` on the LM head's logits.
+``Gemma3ForConditionalGeneration`` checkpoints run as their text tower (``text_config``); the
+vision weights are not loaded.
+
 Every router is a softmax over the experts followed by top-k; a config asking for another
 routing (``scoring_func``, grouped top-k, a routed scaling factor, DeepSeek-style dense first
 layers or shared-expert counts) is refused with the field named, never run approximately.
@@ -33,7 +54,11 @@ from tpserve.models.errors import UnsupportedModelError
 from tpserve.models.rotary import SUPPORTED_ROPE_TYPES
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM") + MOE_ARCHITECTURES
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM") + GEMMA_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = (("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM") + MOE_ARCHITECTURES
+                           + WINDOWED_ARCHITECTURES)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 # Sequence-classification checkpoints (--runner pooling's classify): the same decoder, a score
 # head (``score.weight``, read by the pooling rank: workers/pooler.py) instead of an LM head.
 SEQ_CLS_ARCHITECTURES = {a.replace("ForCausalLM", "ForSequenceClassification"): a
@@ -98,6 +123,29 @@ class ModelSpec:
     # A *ForSequenceClassification checkpoint: its ``score.weight`` is the pooler's, not the
     # decoder's (loader.py skips it).
     sequence_classification: bool = False
+    # Per-layer attention (empty tuples: every layer full, with rotary).
+    sliding_windows: tuple[int | None, ...] = ()  # layer i's window, None for a full layer
+    rope_layers: tuple[bool, ...] = ()  # whether layer i applies rotary (SmolLM3)
+    local_rope_theta: float | None = None  # sliding layers' rotary base (Gemma 3); None: rope_theta
+    local_rope_scaling: dict | None = None
+    rotary_dim: int = 0  # rotated features per head (0: head_dim)
+    # Layer shape switches (Gemma's: see the module docstring).
+    gemma_norms: bool = False  # (1 + w) RMSNorm, post-attention norm on the attention output,
+    #                            pre/post-feedforward norms
+    hidden_act: str = "silu"  # the MLP's gated activation: "silu" or "gelu_tanh"
+    embedding_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    fused_checkpoint: bool = False  # Phi-3: q/k/v and gate/up stored as one tensor each
+    text_tower: bool = False  # a multimodal checkpoint whose language model is under ``language_model``
+
+    def window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window, None when it attends to the whole sequence."""
+        return self.sliding_windows[i] if self.sliding_windows else None
+
+    def uses_rope(self, i: int) -> bool:
+        return self.rope_layers[i] if self.rope_layers else True
 
     @property
     def is_moe(self) -> bool:
@@ -113,26 +161,44 @@ class ModelSpec:
         return not all(self.is_sparse_layer(i) for i in range(self.num_layers))
 
 
-def _rope(config) -> tuple[float, dict | None]:
-    """``(rope_theta, scaling dict or None)`` from either config layout.
+def _rope(config, params: dict | None = None, default_theta: float = 10000.0,
+          partial_rotary: bool = False) -> tuple[float, dict | None, float]:
+    """``(rope_theta, scaling dict or None, partial_rotary_factor)`` from either config layout.
 
-    Newer transformers keep both in ``rope_parameters``; older configs have a top-level
-    ``rope_theta`` and a ``rope_scaling`` dict whose type key may be called ``type``.
+    Newer transformers keep all in ``rope_parameters`` (Gemma 3: one such dict per layer type,
+    passed as ``params``); older configs have a top-level ``rope_theta`` and a ``rope_scaling``
+    dict whose type key may be called ``type``. ``partial_rotary``: whether the architecture
+    rotates part of a head (else a factor other than 1 is refused).
     """
-    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params:
         scaling = dict(params)
-        theta = scaling.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        theta = scaling.pop("rope_theta", getattr(config, "rope_theta", default_theta))
     else:
         scaling = dict(getattr(config, "rope_scaling", None) or {})
-        theta = getattr(config, "rope_theta", 10000.0)
+        theta = getattr(config, "rope_theta", default_theta)
     if "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    factor = scaling.pop("partial_rotary_factor", None)
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None)
+    factor = 1.0 if factor is None else factor
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise UnsupportedModelError("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    if factor != 1 and not partial_rotary:
+        raise UnsupportedModelError("partial_rotary_factor", f"{factor!r} is not supported for this "
+                                                             "architecture; must be 1.0")
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             "rope_scaling.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    return float(theta), (scaling if rope_type != "default" else None)
+    if rope_type == "longrope" and "original_max_position_embeddings" not in scaling:
+        old = getattr(config, "original_max_position_embeddings", None)
+        if old is not None:
+            scaling["original_max_position_embeddings"] = old
+    return float(theta), (scaling if rope_type != "default" else None), float(factor)
 
 
 def _positive_int(config, field: str) -> int:
@@ -193,6 +259,88 @@ def _moe_fields(config, arch: str, num_layers: int) -> dict:
                 round_routing_weights=True)
 
 
+def _positive_number(config, field: str) -> float:
+    value = getattr(config, field, None)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise UnsupportedModelError(field, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _optional_cap(config, field: str) -> float | None:
+    return None if getattr(config, field, None) is None else _positive_number(config, field)
+
+
+def _layer_types(config, num_layers: int) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if (not isinstance(types, (list, tuple)) or len(types) != num_layers
+            or any(t not in _LAYER_TYPES for t in types)):
+        raise UnsupportedModelError(
+            "layer_types", f"must list {num_layers} entries (num_hidden_layers), each one of "
+                           f"{', '.join(_LAYER_TYPES)}; got {types!r}")
+    return list(types)
+
+
+def _windows(config, arch: str, num_layers: int, max_pos: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers decides per arch."""
+    window = getattr(config, "sliding_window", None)
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        # Every layer slides (transformers' Mistral and Phi-3 have no per-layer types).
+        types = getattr(config, "layer_types", None)
+        if window is not None and types is not None and any(t != "sliding_attention" for t in types):
+            raise UnsupportedModelError(
+                "layer_types", f"{arch} slides every layer; a full_attention entry is not supported")
+        if window is None:
+            return ()
+        window = _positive_int(config, "sliding_window")
+        # A window as long as the longest sequence never drops a key.
+        return () if window >= max_pos else (window,) * num_layers
+    if arch == "SmolLM3ForCausalLM":
+        if not getattr(config, "use_sliding_window", False) or window is None:
+            return ()
+        types = _layer_types(config, num_layers)
+    elif arch in GEMMA_ARCHITECTURES:
+        types = _layer_types(config, num_layers)
+    else:
+        return ()
+    if "sliding_attention" not in types:
+        return ()
+    window = _positive_int(config, "sliding_window")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _rope_layers(config, arch: str, num_layers: int) -> tuple[bool, ...]:
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    flags = getattr(config, "no_rope_layers", None)
+    if (not isinstance(flags, (list, tuple)) or len(flags) != num_layers
+            or any(f not in (0, 1) or isinstance(f, float) for f in flags)):
+        raise UnsupportedModelError(
+            "no_rope_layers", f"must list {num_layers} flags (num_hidden_layers), 1 where a layer "
+                              f"uses rotary and 0 where not; got {flags!r}")
+    return () if all(flags) else tuple(bool(f) for f in flags)
+
+
+def _gemma_fields(config, arch: str) -> dict:
+    """The Gemma 2 / Gemma 3 switches, validated."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    act = getattr(config, "hidden_activation", None)
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError("hidden_activation", f"{act!r} is not supported; supported: 'gelu_pytorch_tanh'")
+    if getattr(config, "use_bidirectional_attention", None):
+        raise UnsupportedModelError("use_bidirectional_attention", "bidirectional attention is not supported; "
+                                                                   "must be false")
+    attn_cap = _optional_cap(config, "attn_logit_softcapping")
+    if attn_cap is not None and arch != "Gemma2ForCausalLM":
+        # transformers' Gemma 3 attention never applies it: refused rather than guessed.
+        raise UnsupportedModelError("attn_logit_softcapping", f"{arch} does not soft-cap attention logits; "
+                                                              "must be null")
+    return dict(gemma_norms=True, hidden_act="gelu_tanh", embedding_scale=True,
+                attn_scale=_positive_number(config, "query_pre_attn_scalar") ** -0.5,
+                attn_logit_softcap=attn_cap,
+                final_logit_softcap=_optional_cap(config, "final_logit_softcapping"))
+
+
 def model_spec(config) -> ModelSpec:
     """Validate a transformers ``PretrainedConfig`` and describe the model it defines.
 
@@ -206,10 +354,17 @@ def model_spec(config) -> ModelSpec:
     if arch is None:
         raise UnsupportedModelError(
             "architectures", f"{archs!r} names no supported architecture; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError("hidden_act", f"{act!r} is not supported; supported: 'silu'")
-    if getattr(config, "use_sliding_window", False):
+    outer = config
+    text_tower = arch == "Gemma3ForConditionalGeneration"
+    if text_tower:  # the language model's own config; its vision tower is not run
+        config = getattr(config, "text_config", None)
+        if config is None:
+            raise UnsupportedModelError("text_config", f"{arch} needs a text_config")
+    if arch not in GEMMA_ARCHITECTURES:
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError("hidden_act", f"{act!r} is not supported; supported: 'silu'")
+    if arch not in ("SmolLM3ForCausalLM",) and getattr(config, "use_sliding_window", False):
         raise UnsupportedModelError("use_sliding_window", "sliding-window attention is not supported; must be false")
 
     hidden = _positive_int(config, "hidden_size")
@@ -221,22 +376,41 @@ def model_spec(config) -> ModelSpec:
             "num_key_value_heads", f"{kv_heads} must divide num_attention_heads={heads}")
     if head_dim % 2:
         raise UnsupportedModelError("head_dim", f"must be even for rotary embedding, got {head_dim}")
-    theta, scaling = _rope(config)
+    local_theta = local_scaling = None
+    params = getattr(config, "rope_parameters", None)
+    if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        by_type = params if isinstance(params, dict) and "full_attention" in params else {}
+        theta, scaling, _ = _rope(config, by_type.get("full_attention") or None, 1_000_000.0)
+        if by_type.get("sliding_attention"):
+            local_theta, local_scaling, _ = _rope(config, by_type["sliding_attention"])
+        else:
+            local_theta = float(getattr(config, "rope_local_base_freq", 10000.0))
+        rotary_factor = 1.0
+    else:
+        theta, scaling, rotary_factor = _rope(config, partial_rotary=arch == "Phi3ForCausalLM")
+    rotary_dim = int(head_dim * rotary_factor)
+    if rotary_dim % 2 or rotary_dim < 2:
+        raise UnsupportedModelError("partial_rotary_factor", f"head_dim {head_dim} x {rotary_factor} must give "
+                                                             f"an even rotary dimension, got {rotary_dim}")
     attention_bias = bool(getattr(config, "attention_bias", False))
     num_layers = _positive_int(config, "num_hidden_layers")
+    max_pos = _positive_int(config, "max_position_embeddings")
     moe = _moe_fields(config, arch, num_layers)
     qwen3_like = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if arch == "Qwen2ForCausalLM":
         qkv_bias, o_bias = True, False
     elif arch == "Qwen2MoeForCausalLM":
         qkv_bias, o_bias = bool(getattr(config, "qkv_bias", True)), False
-    elif arch == "MixtralForCausalLM":
+    elif arch in ("MixtralForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"):
         qkv_bias = o_bias = False
     else:
         qkv_bias = o_bias = attention_bias
     dense_needed = not moe or any(
         i in moe.get("mlp_only_layers", ()) or (i + 1) % moe.get("decoder_sparse_step", 1)
         for i in range(num_layers))
+    tied = getattr(outer, "tie_word_embeddings", None)
+    if tied is None:
+        tied = getattr(config, "tie_word_embeddings", False)
     return ModelSpec(
         architecture=arch,
         vocab_size=_positive_int(config, "vocab_size"),
@@ -248,16 +422,25 @@ def model_spec(config) -> ModelSpec:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-        max_position=_positive_int(config, "max_position_embeddings"),
+        max_position=max_pos,
         rope_theta=theta,
         rope_scaling=scaling,
         # A classifier has no LM head: the (never computed) head shares the embedding.
-        tie_word_embeddings=seq_cls or bool(getattr(config, "tie_word_embeddings", False)),
+        tie_word_embeddings=seq_cls or bool(tied),
         sequence_classification=seq_cls,
-        qk_norm=qwen3_like,
+        qk_norm=qwen3_like or arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+        mlp_bias=(bool(getattr(config, "mlp_bias", False))
+                  if arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM") else False),
+        sliding_windows=_windows(config, arch, num_layers, max_pos),
+        rope_layers=_rope_layers(config, arch, num_layers),
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        fused_checkpoint=arch == "Phi3ForCausalLM",
+        text_tower=text_tower,
+        **_gemma_fields(config, arch),
         **moe,
     )
 
