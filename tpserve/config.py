@@ -143,6 +143,11 @@ class EngineConfig:
     # --runner; tpserve/pooling.py), with the pooler of ``pooler_config`` (vLLM's keys).
     runner: str = "generate"
     pooler_config: dict | str | None = None
+    # KV tiers below the pool (tpserve/kv_tiers, docs/kv_tiers.md): host RAM (GiB, all ranks
+    # together; 0: none) and a disk directory (None: none) bounded by ``kv_offload_disk_gb``.
+    kv_offload_host_gb: float = 0.0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gb: float = 16.0
     # Filled in by resolve() from the model directory.
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -215,6 +220,7 @@ class EngineConfig:
         if self.batch_invariant:
             self._check_invariant_options()
         check_runner(self.runner)
+        self._check_kv_offload()
         if self.pooler_config is not None:
             self.pooler_config = PoolerConfig.from_value(self.pooler_config).to_dict()
             if self.runner != "pooling":
@@ -222,6 +228,27 @@ class EngineConfig:
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ConfigError("speculative_config",
                               "a --runner pooling engine generates no token to speculate")
+
+    def _check_kv_offload(self) -> None:
+        for name in ("kv_offload_host_gb", "kv_offload_disk_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ConfigError(name, f"must be a number of GiB >= 0, got {v!r}")
+        d = self.kv_offload_dir
+        if d is not None:
+            if not isinstance(d, (str, os.PathLike)) or not str(d):
+                raise ConfigError("kv_offload_dir", f"must be a directory path, got {d!r}")
+            self.kv_offload_dir = str(d)
+            if Path(d).exists() and not Path(d).is_dir():
+                raise ConfigError("kv_offload_dir", f"{d} exists and is not a directory")
+            if self.kv_offload_disk_gb <= 0:
+                raise ConfigError("kv_offload_disk_gb", "must be > 0 with kv_offload_dir set")
+        if (self.kv_offload_host_gb or d is not None) and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_host_gb" if self.kv_offload_host_gb else "kv_offload_dir",
+                              "KV tiers serve prefix-cache misses: they need the prefix cache on")
+        if (self.kv_offload_host_gb or d is not None) and self.runner != "generate":
+            raise ConfigError("kv_offload_host_gb" if self.kv_offload_host_gb else "kv_offload_dir",
+                              "KV tiers apply to --runner generate")
 
     @property
     def pooler(self) -> PoolerConfig:

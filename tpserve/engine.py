@@ -35,7 +35,8 @@ from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
 from tpserve.pooling import (MAX_POOLING_INPUTS, PoolingParams, finish_embedding, finish_scores,
                              is_sequence_classifier, resolve_score_tokens, wrong_runner)
-from tpserve.plan import Command
+from tpserve.kv_tiers import KVTierIndex
+from tpserve.plan import Command, StepPlan
 from tpserve.request import rest_of_context
 from tpserve.limits import (MAX_PROMPT_TOKENS, MAX_SEED, check_priority, check_prompt_shape, check_request,
                             check_timeout, check_token_ids)
@@ -124,6 +125,7 @@ class Engine:
         self.executor = make_executor(self.config)
         self.config.num_kv_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(self.config)
+        self._attach_kv_tiers()
         self.requests: dict[str, _Completion] = {}   # by internal id (completion i > 0: id + _SEP + i)
         self.families: dict[str, _Family] = {}
         self._rng = random.Random(self.config.seed)
@@ -137,6 +139,27 @@ class Engine:
         self.num_pooling_requests = 0       # pooling requests answered (all their prompts)
         self.num_pooling_prompts = 0
         self.pooling_prompt_tokens = 0
+
+    def _attach_kv_tiers(self) -> None:
+        """With KV tiers configured, the scheduler side (kv_tiers/index.py) sized from rank 0's
+        worker side (its block bytes and disk layout; every rank's shard is the same size)."""
+        cfg = self.config
+        if not (cfg.kv_offload_host_gb or cfg.kv_offload_dir):
+            return
+        runner = self.executor.runner
+        gib = 1 << 30
+        index = KVTierIndex(cfg.block_size, runner.kv_tiers.block_bytes, int(cfg.kv_offload_host_gb * gib),
+                            cfg.kv_offload_dir, int(cfg.kv_offload_disk_gb * gib), runner.kv_layout,
+                            cfg.tensor_parallel_size)
+        self.scheduler.attach_kv_tiers(index)
+
+    def _kv_step(self, wait: bool) -> None:
+        """A plan of KV-tier commands only (no tokens): saves, loads to start, polls."""
+        meta = self.scheduler.kv_meta(wait)
+        if meta is None:
+            return
+        out = self.executor.execute(StepPlan(args={"kv": meta}, step_id=self.num_steps))
+        self.scheduler.kv_results(out.kv)
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -447,6 +470,9 @@ class Engine:
         if failed:
             failed = [self._output(seq) for seq in failed if seq.request_id in self.requests]
         if not batch:
+            if self.scheduler.kv_has_work():  # KV-tier commands, or loads to wait for
+                self._kv_step(wait=True)
+                return failed
             if not failed:  # only grammars compiling: wait for one rather than spin
                 self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return failed
@@ -471,6 +497,8 @@ class Engine:
             if self.config.tensor_parallel_size > 1:
                 raise
             raise self._fail_step(batch, e) from e
+        if out.kv is not None:
+            self.scheduler.kv_results(out.kv)
         sampled = batch.sampled_seqs()
         tokens, logprobs, counts = out.tokens, out.logprobs, out.accepted
         row_seq = None  # the sampled sequence of each kept token (None: the i-th has the i-th)
@@ -658,7 +686,9 @@ class Engine:
             return []
         events = sink.drain()
         if sink.take_overflow() or resync:
-            return resync_events(bm.cached_blocks(), bm.block_size)
+            tiers = self.scheduler.kv_tiers
+            return resync_events(bm.cached_blocks(), bm.block_size,
+                                 tiers.tier_blocks() if tiers is not None else ())
         return events
 
     def start_profile(self) -> None:
@@ -701,8 +731,24 @@ class Engine:
             self._grammars = None
         ex = getattr(self, "executor", None)
         if ex is not None:
+            self._flush_kv_tiers()
             ex.shutdown()
             self.executor = None
+
+    def _flush_kv_tiers(self) -> None:
+        """Before the runners stop: finish the loads in flight and put the cached pool blocks
+        on disk, so that a daemon started on the same directory finds them."""
+        s = getattr(self, "scheduler", None)
+        if s is None or s.kv_tiers is None:
+            return
+        try:
+            s.kv_flush()
+            for _ in range(1000):
+                if not s.kv_has_work():
+                    break
+                self._kv_step(wait=True)
+        except Exception as e:  # a dead worker: the tiers are a cache, shut down anyway
+            log.warning("could not flush the KV tiers (%s: %s)", type(e).__name__, e)
 
     def __enter__(self):
         return self

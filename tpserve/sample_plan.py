@@ -215,6 +215,8 @@ class StepOutput:
                       k = SamplePlan.num_prompt_logprobs
     pooled            with SamplePlan.pool_starts: float32 [P, hidden] each span's rows summed
     scores            with SamplePlan.pool_scores: float32 [P, labels] the score head of ``pooled``
+    kv                with KV-tier polls in the plan: {job id: [1/0 per block]} of the loads
+                      finished on every rank (tpserve/workers/kv_transfer.py)
     """
 
     tokens: np.ndarray
@@ -223,6 +225,7 @@ class StepOutput:
     accepted: np.ndarray | None = None
     pooled: np.ndarray | None = None
     scores: np.ndarray | None = None
+    kv: dict | None = None
 
 
 def draft_row_positions(draft_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -42,6 +42,13 @@ class BlockManager:
 
     With ``kv_events`` set to a KVEventSink, every key that enters or leaves
     ``hash_to_block_id`` is recorded there (kv_events.py); None (the default) records nothing.
+
+    KV tiers (tpserve/kv_tiers): with ``offload`` set (the tiers' scheduler side), a cached
+    block handed out fresh, the only moment a full, hashed block's KV is lost, is first
+    reported to ``offload.on_evict`` with its hash, parent hash and tokens; the tiers save its
+    KV before the step that overwrites it. Blocks a tier is loading into belong to one
+    sequence (ref_count 1, no hash until the load is done): they are used, never free, so no
+    allocation can evict them (checked by the tiers' check_integrity).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -58,6 +65,7 @@ class BlockManager:
         self._live: dict[object, None] = {}
         self._next_serial = 0
         self.kv_events: KVEventSink | None = None
+        self.offload = None  # the KV tiers' scheduler side (on_evict), or None
 
     # ---- views ---------------------------------------------------------------------------
     @property
@@ -103,6 +111,8 @@ class BlockManager:
             del self.hash_to_block_id[block.hash]
             if self.kv_events is not None:
                 self.kv_events.add(BlockRemoved([block.hash]))
+            if self.offload is not None:
+                self.offload.on_evict(block_id, block.hash, block.parent_hash, block.token_ids)
         block.reset(self._next_serial)
         self._next_serial += 1
         self.used_block_ids.add(block_id)

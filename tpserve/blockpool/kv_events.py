@@ -14,6 +14,11 @@ Replaying the events in order onto an empty set (stored: add the hashes; removed
 cleared: empty the set) gives exactly the keys of ``hash_to_block_id``. A hash entry taken over
 by a newer block with the same contents is not an event: the set of cached hashes is unchanged.
 
+Each event names the ``medium`` that gained or lost the blocks, with vLLM's names: "GPU" for
+the engine's KV pool (also on a CPU engine), "CPU" for the host-RAM tier and "STORAGE" for the
+disk tier (tpserve/kv_tiers). The replay rule holds per medium; the pool's events are exactly
+the changes of ``hash_to_block_id``, the tiers' those of their indexes.
+
 The sink is bounded: a reader that does not drain it for ``capacity`` events loses the oldest
 ones, counted in ``num_dropped``; it then rebuilds its view from :meth:`BlockManager.cached_blocks`
 (``overflowed`` tells it to). The event classes are plain tuples so they cross threads freely.
@@ -29,10 +34,12 @@ class BlockStored(NamedTuple):
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    medium: str = "GPU"
 
 
 class BlockRemoved(NamedTuple):
     block_hashes: list[int]
+    medium: str = "GPU"
 
 
 class AllBlocksCleared(NamedTuple):
@@ -76,8 +83,12 @@ class KVEventSink:
         return overflowed
 
 
-def resync_events(cached_blocks: list[tuple[int, int | None, list[int]]], block_size: int) -> list[KVEvent]:
+def resync_events(cached_blocks: list[tuple[int, int | None, list[int]]], block_size: int,
+                  tier_blocks=()) -> list[KVEvent]:
     """Events that bring any reader's view to exactly ``cached_blocks`` (BlockManager.cached_blocks,
-    parents first): AllBlocksCleared, then one BlockStored per cached block."""
+    parents first) and ``tier_blocks`` ((hash, parent, tokens, medium) of the KV tiers):
+    AllBlocksCleared, then one BlockStored per block."""
     return [AllBlocksCleared(), *(BlockStored([h], parent, list(tokens), block_size)
-                                  for h, parent, tokens in cached_blocks)]
+                                  for h, parent, tokens in cached_blocks),
+            *(BlockStored([h], parent, list(tokens), block_size, medium)
+              for h, parent, tokens, medium in tier_blocks)]

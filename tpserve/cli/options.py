@@ -96,6 +96,14 @@ _OPTIONS = [
     ("max_model_len", ("--max-model-len",),
      dict(type=int, help="longest prompt + completion [default: the model's max_position_embeddings]")),
     ("kv_cache_memory_gb", ("--kv-cache-memory-gb",), dict(type=float, help="KV-cache size on CPU, GiB")),
+    ("kv_offload_host_gb", ("--kv-offload-host-gb",),
+     dict(type=float, help="host-RAM KV tier below the pool, GiB (all ranks together): evicted prefix "
+                           "blocks are kept there and loaded back instead of recomputed (0: off)")),
+    ("kv_offload_dir", ("--kv-offload-dir",),
+     dict(type=str, help="disk KV tier: a directory of evicted prefix blocks that outlives the daemon "
+                         "(docs/kv_tiers.md); unset: off")),
+    ("kv_offload_disk_gb", ("--kv-offload-disk-gb",),
+     dict(type=float, help="bound of the disk KV tier, GiB")),
     ("gpu_memory_utilization", ("--gpu-memory-utilization",),
      dict(type=float, help="fraction of GPU memory the engine may use (GPU only)")),
     ("num_kv_blocks", ("--num-kv-blocks",),

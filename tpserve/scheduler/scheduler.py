@@ -53,6 +53,16 @@ and decode victims are chosen worst priority first. The waiting queue is a ``Wai
 Timeouts (deadlines.py): ``expire(now)``, called by the engine before each ``schedule()``,
 finishes requests past their deadline with "timeout", freeing their blocks in any state.
 
+KV tiers (tpserve/kv_tiers, ``attach_kv_tiers``): at admission, the full blocks past a
+sequence's prefix-cache hit that the host or disk tier holds are loaded instead of computed.
+The sequence gets all its blocks as usual, then waits in ``loading`` (status LOADING, outside
+``running`` and ``waiting``, no slot) while the ranks copy the blocks in on their own threads;
+other sequences keep stepping. When every rank has its blocks, the loaded blocks count as
+cached tokens (hashed into the prefix cache) and the sequence moves to ``ready``, admitted
+before anyone waiting (a block that did not arrive is computed instead). A sequence that ends
+while loading keeps its blocks until the load is done (``_orphans``): no block is reused while
+a rank may still write it. Loading sequences count against ``max_num_seqs``.
+
 Admission control (admission.py) replaces the seed's ``assert scheduled_seqs``: ``add()``
 refuses a request that could never run, so whenever work is runnable ``schedule()`` returns a
 non-empty batch; an empty batch (falsy) only means there is nothing to do. It also applies the
@@ -95,6 +105,7 @@ log = logging.getLogger("tpserve.scheduler")
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
+LOADING = SequenceStatus.LOADING
 FINISHED = SequenceStatus.FINISHED
 FINISH_REASONS = R.FINISH_REASONS
 
@@ -131,6 +142,12 @@ class Scheduler(Postprocess):
         self.running = RunningQueue()
         self._requests: dict[str, Sequence] = {}
         self._prefilling: Sequence | None = None
+        # KV tiers: sequences whose blocks are loading, loaded ones waiting for admission, and
+        # ended ones whose blocks wait for their load to finish.
+        self.kv_tiers = None
+        self.loading: dict[Sequence, None] = {}
+        self.ready: list[Sequence] = []
+        self._orphans: dict[Sequence, None] = {}
         self._dropped_in_flight = False
         self._step_id = 0
         self._num_logprob_seqs = 0  # unfinished requests with logprobs set (0: skip the scan)
@@ -171,7 +188,52 @@ class Scheduler(Postprocess):
         return self._requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running) or bool(self.grammars.compiling)
+        return (bool(self.waiting) or bool(self.running) or bool(self.grammars.compiling)
+                or bool(self.loading) or bool(self.ready) or bool(self._orphans))
+
+    # ---- KV tiers (tpserve/kv_tiers) --------------------------------------------------------
+    def attach_kv_tiers(self, tiers) -> None:
+        """Serve prefix misses from ``tiers`` (a KVTierIndex) and save evicted blocks to it."""
+        bm = self.block_manager
+        tiers.block_manager = bm
+        tiers.hash_fn = bm.compute_hash
+        bm.offload = tiers
+        self.kv_tiers = tiers
+
+    def kv_meta(self, wait: bool = False) -> dict | None:
+        """The KV-tier commands for the next plan (None: none); ``wait``: the ranks wait for
+        the loads in flight (nothing else is runnable)."""
+        return self.kv_tiers.build_connector_meta(wait) if self.kv_tiers is not None else None
+
+    def kv_has_work(self) -> bool:
+        return self.kv_tiers is not None and self.kv_tiers.has_work()
+
+    def kv_results(self, results: dict | None) -> None:
+        """Apply rank 0's answer to a plan's polls: finished loads make their sequences ready."""
+        if self.kv_tiers is None or not results:
+            return
+        bs = self.block_size
+        for job, good in self.kv_tiers.update_connector_output(results):
+            seq = job.seq
+            if job.orphan:
+                self._orphans.pop(seq, None)
+                self.block_manager.deallocate(seq)
+                continue
+            self.loading.pop(seq, None)
+            cached = (job.first + good) * bs
+            self.kv_tiers.hit_tokens += good * bs
+            seq.num_cached_tokens = cached
+            self.block_manager.hash_blocks(seq)
+            seq.num_prefix_hit_tokens = cached
+            if cached == len(seq):
+                cached = len(seq) - 1  # recompute the last token for its logits (as admission)
+            seq.num_cached_tokens = cached
+            self.ready.append(seq)
+
+    def kv_flush(self) -> None:
+        """Before a shutdown: queue the writes that put the cached pool blocks on disk."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush(self.block_manager)
 
     # ---- grammars (structured output: grammar_gate.py) ------------------------------------
     def take_grammar_failures(self) -> list[Sequence]:
@@ -251,17 +313,28 @@ class Scheduler(Postprocess):
             seqs.append(partial)
             if n == remaining:
                 self._prefilling = None
-        bm = self.block_manager
-        while admit and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            num_cached_blocks = bm.can_allocate(seq, use_cache=self._uses_cache(seq))
-            if num_cached_blocks < 0:
-                break
-            self.waiting.popleft()
-            bm.allocate(seq, num_cached_blocks)
-            if seq.num_cached_tokens == len(seq):
-                # Fully cached: recompute the last token for its logits (slot -1, see build_plan).
-                seq.num_cached_tokens = len(seq) - 1
+        bm, tiers = self.block_manager, self.kv_tiers
+        while admit and budget > 0 and (self.waiting or self.ready) and \
+                len(self.running) + len(self.loading) + len(self.ready) - bool(self.ready) < self.max_num_seqs:
+            if self.ready:  # loaded from a KV tier: blocks held, cached tokens known
+                seq = self.ready.pop(0)
+            else:
+                seq = self.waiting[0]
+                use_cache = self._uses_cache(seq)
+                num_cached_blocks = bm.can_allocate(seq, use_cache=use_cache)
+                if num_cached_blocks < 0:
+                    break
+                self.waiting.popleft()
+                bm.allocate(seq, num_cached_blocks)
+                sources = tiers.match(seq, num_cached_blocks) if tiers is not None and use_cache else ()
+                if sources:  # the next blocks are in a KV tier: load them, off this loop
+                    tiers.update_state_after_alloc(seq, num_cached_blocks, len(sources), sources)
+                    seq.status = LOADING
+                    self.loading[seq] = None
+                    continue
+                if seq.num_cached_tokens == len(seq):
+                    # Fully cached: recompute the last token for its logits (slot -1, see build_plan).
+                    seq.num_cached_tokens = len(seq) - 1
             self.prefix_cache_hit_tokens += seq.num_cached_tokens
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = seq.num_cached_tokens
@@ -435,6 +508,15 @@ class Scheduler(Postprocess):
                 left_running += 1
                 if self._prefilling is seq:
                     self._prefilling = None
+            elif was is LOADING:
+                if seq in self.loading:
+                    del self.loading[seq]
+                    if self.kv_tiers.request_finished(seq):
+                        self._orphans[seq] = None  # freed when its load is done
+                        continue
+                else:
+                    self.ready.remove(seq)
+                bm.deallocate(seq)
             elif not held:
                 self.waiting.remove(seq)
         if left_running == 1 and len(items) == 1:
@@ -454,7 +536,13 @@ class Scheduler(Postprocess):
 
     # ---- plans, cache, stats -------------------------------------------------------------
     def build_plan(self, batch: ScheduledBatch) -> StepPlan:
-        return build_plan(batch, self.block_size)
+        """The StepPlan of ``batch``, carrying the KV tiers' commands (args["kv"]) if any."""
+        plan = build_plan(batch, self.block_size)
+        if self.kv_tiers is not None:
+            meta = self.kv_tiers.build_connector_meta()
+            if meta:
+                plan.args = {**plan.args, "kv": meta}
+        return plan
 
     def build_sample_plan(self, batch: ScheduledBatch, plan: StepPlan) -> SamplePlan:
         """The logits controls of ``batch``'s sample rows (after ``build_plan``)."""
@@ -481,6 +569,9 @@ class Scheduler(Postprocess):
         return np.concatenate((np.arange(nd), nd + np.flatnonzero(np.asarray(batch.sampled, dtype=bool))))
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the free cached blocks and the KV tiers' entries (the weights changed)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.clear()
         return self.block_manager.reset_prefix_cache()
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
@@ -523,6 +614,8 @@ class Scheduler(Postprocess):
             "num_timed_out": self.num_timed_out,
             "max_waiting_requests": self.max_waiting_requests,
             "max_waiting_tokens": self.max_waiting_tokens,
+            **({"kv_offload_loading": len(self.loading), **self.kv_tiers.stats()}
+               if self.kv_tiers is not None else {}),
         }
 
     def num_waiting_tokens(self) -> int:
@@ -541,11 +634,23 @@ class Scheduler(Postprocess):
         bm.check_integrity()
         assert len(self.running) <= self.max_num_seqs, "more running sequences than max_num_seqs"
         ids = ([s.request_id for s in self.running] + [s.request_id for s in self.waiting]
-               + [s.request_id for s in self.grammars.compiling])
+               + [s.request_id for s in self.grammars.compiling]
+               + [s.request_id for s in self.loading] + [s.request_id for s in self.ready])
         assert len(ids) == len(set(ids)), "a sequence is queued twice"
         assert set(ids) == set(self._requests), "queues and request index disagree"
-        assert set(map(id, self.running)) == set(map(id, bm.live_sequences())), \
-            "running != sequences holding blocks"
+        holders = [*self.running, *self.loading, *self.ready, *self._orphans]
+        assert set(map(id, holders)) == set(map(id, bm.live_sequences())), \
+            "running, loading, ready and orphaned loads != sequences holding blocks"
+        assert len(self.running) + len(self.loading) + len(self.ready) <= self.max_num_seqs, \
+            "more running and loading sequences than max_num_seqs"
+        for s in (*self.loading, *self.ready, *self._orphans):
+            assert s.slot == -1 and len(s.block_table) == s.num_blocks, f"{s!r} loading"
+            assert (s.status is LOADING) != (s in self._orphans), f"{s!r}: status {s.status.name}"
+        if self.kv_tiers is not None:
+            loading = {id(j.seq) for j in self.kv_tiers.jobs.values()}
+            assert loading == set(map(id, self.loading)) | set(map(id, self._orphans)), \
+                "loading sequences differ from the loads in flight"
+            self.kv_tiers.check_integrity(bm, holders)
         partial = [s for s in self.running if s.is_prefill]
         assert partial == ([self._prefilling] if self._prefilling is not None else []), \
             f"unexpected partial prefills {partial}"

@@ -31,6 +31,7 @@ from tpserve.sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # holds its blocks while a KV tier loads some (scheduler.py)
     FINISHED = "finished"
 
 

@@ -14,7 +14,7 @@ The format is vLLM's (``vllm/distributed/kv_events.py``, msgspec structs with
   "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
   ``{"type": "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``;
   ``lora_id`` and ``lora_name`` are nil, ``medium`` is ``"GPU"`` (the device KV pool, also on
-  CPU). ``format="array"`` sends each event as the positional array earlier vLLM releases
+  CPU), ``"CPU"`` (the host-RAM KV tier) or ``"STORAGE"`` (the disk tier). ``format="array"`` sends each event as the positional array earlier vLLM releases
   sent (``["BlockStored", block_hashes, ...]``, fields in the order above) for consumers of
   that layout;
 * replay (optional ROUTER socket, as vLLM's): a client sends ``start_seq`` (8 bytes,
@@ -68,7 +68,7 @@ def encode_event(event, format: str = "map") -> dict | list:
     """One event as vLLM's tagged struct: a map with ``"type"`` first, or (``"array"``) the
     positional array of earlier vLLM releases."""
     assert isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)), event
-    values = {**event._asdict(), "lora_id": None, "medium": MEDIUM, "lora_name": None}
+    values = {"medium": MEDIUM, **event._asdict(), "lora_id": None, "lora_name": None}
     tag = type(event).__name__
     fields = {name: values[name] for name in EVENT_FIELDS[tag]}
     return [tag, *fields.values()] if format == "array" else {"type": tag, **fields}

@@ -54,6 +54,7 @@ from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
 from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
+from tpserve.workers.kv_transfer import KVTransfer, kv_layout
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers import invariance
 from tpserve.workers.pooler import Pooler, build_score_head
@@ -123,9 +124,16 @@ class ModelRunner:
         self.governor = ThreadGovernor(self._own_threads) \
             if self.device.type == "cpu" and governor_enabled() else None
         self.graphs = None  # the warm-up inside the sizing runs eagerly
+        self.kv_tiers = None  # the KV tiers' worker side (kv_transfer.py), with tiers configured
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if config.kv_offload_host_gb or config.kv_offload_dir:
+            m = self.model
+            self.kv_layout = kv_layout(config, self.dtype, tp.size, m.num_layers, m.num_kv_heads_per_rank,
+                                       m.head_dim)
+            self.kv_tiers = KVTransfer(config, tp.rank, tp.group if tp.size > 1 else None, self.kv_layout)
+            self.kv_tiers.register_kv_caches(self.kv_caches)
         if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
             reason = self.model.enable_fused_decode()  # CPU decode steps: 2 C++ calls per layer
             if reason is not None and self.device.type == "cpu":
@@ -146,6 +154,9 @@ class ModelRunner:
         cannot run afterwards; closing twice is harmless."""
         if self.model is None:
             return
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()  # pending disk writes first: they read from host copies only
+            self.kv_tiers = None
         self.accel.synchronize()  # nothing queued may still read what is freed below
         if self.graphs is not None:
             self.graphs.close()
@@ -236,6 +247,13 @@ class ModelRunner:
         """
         if self.model is None:
             raise RuntimeError("ModelRunner.execute: the runner is closed")
+        kv = self.kv_tiers.handle(plan.args["kv"]) if self.kv_tiers is not None and "kv" in plan.args else None
+        out = self._execute(plan, sample)
+        if kv is not None and out is not None:
+            out.kv = kv
+        return out
+
+    def _execute(self, plan: StepPlan, sample: SamplePlan | None) -> StepOutput | None:
         if sample is None:
             sample = SamplePlan.greedy(plan.num_samples) if self.tp.is_first else _NOT_SAMPLED
         elif self.tp.is_first and sample.num_samples != plan.num_samples:
