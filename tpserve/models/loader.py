@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig
@@ -87,6 +88,8 @@ def load_config(path: str | Path):
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
     try:
         return AutoConfig.from_pretrained(path)
+    except StrictDataclassError as e:  # transformers' own validation of a field's value
+        raise UnsupportedModelError("config.json", f"{path}: transformers refuses it: {e}") from None
     except (ValueError, KeyError) as e:  # unknown model_type and friends
         raise UnsupportedModelError("model_type", f"config.json in {path} cannot be read: {e}") from None
 

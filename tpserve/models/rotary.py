@@ -9,10 +9,13 @@ Supported ``rope_type``: "default" (plain ``rope_theta``), "linear" (positions d
 ``high_freq_factor``, ``original_max_position_embeddings``) and "longrope" (Phi-3: per-frequency
 ``short_factor`` / ``long_factor`` divisors, cos/sin scaled by ``attention_factor``).
 
-LongRoPE picks its factors per forward pass, as transformers does: a sequence whose length at
-this step (its largest position + 1) exceeds ``original_max_position_embeddings`` rotates every
-row of the step with the long factors, otherwise with the short ones (keys already cached keep
-the rotation they were stored with). The table holds both sets, the long one at rows
+LongRoPE picks its factors per forward pass, as transformers' Phi-3 forward does: a sequence
+whose length at this step (its largest position + 1) exceeds ``original_max_position_embeddings``
+rotates every row of the step with the long factors, otherwise with the short ones; keys already
+cached keep the rotation they were stored with. (transformers' ``generate`` also drops a
+sequence's cache and recomputes it with the long factors when the sequence first passes that
+length; tpserve does not, so a sequence that crosses it while decoding, a prompt past it whose
+first prefill chunk is not, or a prefix-cache hit across it, keeps short-factor keys.) The table holds both sets, the long one at rows
 ``[max_position, 2 * max_position)``; :meth:`RotaryEmbedding.table_positions` maps positions to
 rows. With a partial rotary dimension (Phi's ``partial_rotary_factor``) only the first
 ``rotary_dim`` features of a head are rotated; the rest pass through.
