@@ -73,6 +73,24 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(kind):
         assert torch.equal(packed.matmul(x[i:], None), together[i:])
 
 
+def test_bf16_rows_across_tile_boundaries():
+    """bf16 weights with K a multiple of 32 run on the AMX tile unit where the CPU has it (tiles
+    of 16 rows, two at a time): every row count around those sizes, rows read in place from a
+    strided view, equals the dense math and the same rows computed together."""
+    torch.manual_seed(2)
+    w = torch.randn(130, 96).bfloat16()
+    bias = torch.randn(130).bfloat16()
+    packed = packed_gemm.pack_weight(w, BFLOAT16)
+    x = torch.randn(70, 160).bfloat16()[:, 32:128]  # rows 160 elements apart
+    together = packed.matmul(x, bias)
+    for m in (1, 15, 16, 17, 31, 32, 33, 48, 65, 70):
+        out = packed.matmul(x[:m], bias)
+        ref = reference(x[:m], w, bias, BFLOAT16)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 8e-3, m
+        assert torch.equal(out, together[:m]), m
+        assert torch.equal(packed.matmul(x[70 - m:], bias), together[70 - m:]), m
+
+
 def test_quantize_int8_is_symmetric_per_channel():
     w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.03]])
     q, scale = packed_gemm.quantize_int8(w)

@@ -28,6 +28,14 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cstdlib>
+#include <string>
+
 #include "linear_ops.h"
 #include "quant_ops.h"
 #include "vec.h"
@@ -382,9 +390,165 @@ void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T*
   }
 }
 
+// ---- bf16 on AMX: tiles of up to 16 rows x 16 channels, 32 input features per instruction ------
+//
+// With AMX-BF16 a bf16 weight runs on the tile unit instead of vdpbf16ps: one tdpbf16ps is 16 x 16
+// x 32 multiply-adds, 16x a vector instruction's work, where the vector loop is bound by its FMA
+// ports at any row count above a few. The packed layout is read as it is: a B tile is 16 pairs of
+// input features (16 rows of the tile, 256 bytes apart) by 16 output channels (64 bytes), so
+// the 4 B tiles of a panel are the 4 vectors of the vector kernels. A tiles are x's rows, 32
+// features (64 bytes) each, read in place. Every row's sum is the same sequence of tile
+// instructions whatever the row count and whichever rows share a tile (the tile unit's result for
+// a row depends on that row and the weights only), so a row's result does not depend on what shares
+// its call, as on the vector path; the two paths differ from each other in the last bits.
+// Used for every row count of a bf16 weight with K a multiple of 32, when the CPU has AMX-BF16 and
+// the kernel grants the tile state (arch_prctl); TPSERVE_AMX=0 keeps the vector path (to compare).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TPSERVE_AMX 1
+
+constexpr int64_t kAmxK = 32;      // input features per tile instruction
+constexpr int64_t kAmxRows = 16;   // rows of x per A tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: C 0-3, A 4-5, B 6-7. Shape (a): one A tile of m0 rows times the panel's 4 B tiles into
+// C 0-3. Shape (b): A tiles of m0 and m1 rows times 2 B tiles (half a panel) into C 0-3.
+inline void amx_configure(int64_t m0, int64_t m1) {
+  TileConfig c;
+  const auto set = [&](int t, int64_t rows) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = 64;
+  };
+  if (m1 == 0) {
+    for (int t = 0; t < 4; ++t) set(t, m0);
+  } else {
+    set(0, m0), set(1, m0), set(2, m1), set(3, m1);
+    set(5, m1);
+  }
+  set(4, m0);
+  set(6, 16), set(7, 16);
+  _tile_loadconfig(&c);
+}
+
+bool amx_granted() {
+  static const bool granted = [] {
+    const char* env = std::getenv("TPSERVE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+inline bool amx_runs(const PackedLinear& w) {
+  return w.kind == kBFloat16 && w.k % kAmxK == 0 && amx_granted();
+}
+
+// Rows [r, r + m) (m <= 32) of x times panel `panel` (K input features) -> c[m][kPanel] fp32.
+inline void amx_block(const uint16_t* panel, int64_t K, const uint16_t* x, int64_t ld, int64_t m,
+                      float* c) {
+  const int64_t xstride = ld * 2;
+  constexpr int64_t kPairRow = kPanel * 4;  // bytes per pair of input features in a panel
+  const char* b = reinterpret_cast<const char*>(panel);
+  if (m <= kAmxRows) {
+    amx_configure(m, 0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += kAmxK, b += kAmxK / 2 * kPairRow) {
+      _tile_loadd(4, x + k, xstride);
+      _tile_loadd(6, b, kPairRow);
+      _tile_loadd(7, b + 64, kPairRow);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, b + 128, kPairRow);
+      _tile_loadd(7, b + 192, kPairRow);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    _tile_stored(0, c, kPanel * 4);
+    _tile_stored(1, c + 16, kPanel * 4);
+    _tile_stored(2, c + 32, kPanel * 4);
+    _tile_stored(3, c + 48, kPanel * 4);
+    return;
+  }
+  const int64_t m1 = m - kAmxRows;
+  amx_configure(kAmxRows, m1);
+  const uint16_t* x1 = x + kAmxRows * ld;
+  for (int64_t half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const char* bh = b + half * 128;
+    for (int64_t k = 0; k < K; k += kAmxK, bh += kAmxK / 2 * kPairRow) {
+      _tile_loadd(4, x + k, xstride);
+      _tile_loadd(5, x1 + k, xstride);
+      _tile_loadd(6, bh, kPairRow);
+      _tile_loadd(7, bh + 64, kPairRow);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* ch = c + half * 32;
+    _tile_stored(0, ch, kPanel * 4);
+    _tile_stored(1, ch + 16, kPanel * 4);
+    _tile_stored(2, ch + kAmxRows * kPanel, kPanel * 4);
+    _tile_stored(3, ch + kAmxRows * kPanel + 16, kPanel * 4);
+  }
+}
+
+// Rows [r0, r1) times panel p on the tile unit, with run_tile's epilogue (bias, rounding).
+template <typename T>
+void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
+                  int64_t ldo) {
+  const int64_t K = w.k;
+  const auto* panel = reinterpret_cast<const uint16_t*>(static_cast<const char*>(w.data.data_ptr()) +
+                                                        p * K * bytes_per_k(w.kind));
+  const int64_t n0 = p * kPanel;
+  const int64_t valid = std::min(kPanel, w.n - n0);
+  vfl bias[4];
+  if (w.bias.has_value()) {
+    float bv[kPanel] = {};
+    const T* bp = w.bias->data_ptr<T>() + n0;
+    for (int64_t j = 0; j < valid; ++j) bv[j] = to_f<T>(bp[j]);
+    for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(bv + i * kLanes);
+  }
+  alignas(64) float c[2 * kAmxRows * kPanel];
+  const auto* x = static_cast<const uint16_t*>(rows.data);
+  for (int64_t r = r0; r < r1; r += 2 * kAmxRows) {
+    const int64_t m = std::min(2 * kAmxRows, r1 - r);
+    amx_block(panel, K, x + r * rows.ld, rows.ld, m, c);
+    for (int64_t t = 0; t < m; ++t) {
+      vfl v[4];
+      for (int64_t i = 0; i < 4; ++i) {
+        v[i] = loadl(c + t * kPanel + i * kLanes);
+        if (w.bias.has_value()) v[i] += bias[i];
+      }
+      store_row(out + (r + t) * ldo + n0, v, valid);
+    }
+  }
+}
+#else
+#define TPSERVE_AMX 0
+inline bool amx_runs(const PackedLinear&) { return false; }
+template <typename T>
+void run_rows_amx(const PackedLinear&, const Rows&, int64_t, int64_t, int64_t, T*, int64_t) {}
+#endif
+
 template <typename T>
 void run_rows(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
               int64_t ldo) {
+  if (amx_runs(w)) return run_rows_amx<T>(w, rows, p, r0, r1, out, ldo);
   // Only a block's first tile reads the panel from memory and prefetches; the others find it in
   // cache, and their loops go without the prefetches (with them, 64-row bf16 matmuls were ~8%
   // slower).
@@ -558,6 +722,14 @@ void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& data, int6
 // colsum; 0: scalar, 1: AVX2 sign trick, 2: AVX512-VNNI.
 int64_t linear_int8_path() { return kInt8Path; }
 bool linear_native_bf16() { return kNativeBf16; }
+// Whether bf16 weights (K a multiple of 32) run on the AMX tile unit (above).
+bool linear_amx() {
+#if TPSERVE_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 }  // namespace tpserve
@@ -568,6 +740,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("linear_panel_width() -> int", &tpserve::linear_panel_width);
   m.def("linear_int8_path() -> int", &tpserve::linear_int8_path);
   m.def("linear_native_bf16() -> bool", &tpserve::linear_native_bf16);
+  m.def("linear_amx() -> bool", &tpserve::linear_amx);
 }
 
 TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) { m.impl("linear", &tpserve::linear_op); }
