@@ -118,3 +118,56 @@ def test_reference_window_sinks_softcap_change_the_answer():
     assert huge.abs().max() < 1e-12  # a dominant sink leaves almost nothing of the values
     capped = reference_attention(b.q, b.keys, b.values, [4], 0.3, softcap=0.5)
     assert not torch.allclose(capped, plain)
+
+
+# Backend equality with the reference --------------------------------------------------------
+
+CASES = {
+    # name: (context_lens, new_lens, is_prefill)
+    "prefill": ([0, 0, 0], [5, 40, 17], True),
+    "prefill_context": ([3, 0, 37, 16], [4, 6, 21, 9], True),  # chunked prefill over a context
+    "decode": ([0, 5, 31, 16, 70], [1, 1, 1, 1, 1], False),
+    "mixed": ([5, 44, 0, 20], [1, 1, 9, 30], True),
+}
+OPTIONS = {
+    # name: (window, sinks?, softcap)
+    "window4": (4, False, None), "window13": (13, False, None), "window_wide": (500, False, None),
+    "window1": (1, False, None), "sinks": (None, True, None), "softcap": (None, False, 0.8),
+    "all": (7, True, 1.5),
+}
+
+
+def sinks_for(heads: int) -> torch.Tensor:
+    return torch.linspace(-1.5, 2.0, heads)
+
+
+def check_backend(backend, case, option, *, heads=(4, 2), head_dim=16, dtype=torch.float32,
+                  atol=2e-5, seed=0):
+    from tpserve.kernels.reference import backend_vs_reference
+    ctx, new, is_prefill = CASES[case]
+    window, sinks, softcap = OPTIONS[option]
+    batch, out, ref = backend_vs_reference(
+        backend, ctx, new, is_prefill=is_prefill, num_heads=heads[0], num_kv_heads=heads[1],
+        head_dim=head_dim, dtype=dtype, seed=seed, window=window,
+        sinks=sinks_for(heads[0]) if sinks else None, softcap=softcap)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), ref, atol=atol, rtol=0)
+    return out
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_torch_backend_options_match_reference(case, option, block_size):
+    check_backend(TorchAttention(block_size), case, option)
+
+
+@pytest.mark.parametrize("option", ["window13", "all"])
+def test_torch_backend_options_bf16_and_mqa(option):
+    check_backend(TorchAttention(16), "mixed", option, heads=(4, 1), dtype=torch.bfloat16,
+                  head_dim=32, atol=3e-2)
+
+
+def test_window_options_change_the_backend_answer():
+    plain = check_backend(TorchAttention(16), "decode", "window_wide")
+    assert not torch.allclose(plain, check_backend(TorchAttention(16), "decode", "window4"))

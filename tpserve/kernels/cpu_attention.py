@@ -44,6 +44,13 @@ verification or a preempted sequence's recomputation, is computed with the decod
 arithmetic over exactly its visible keys, so a token's attention does not depend on what shares
 its step, how its prompt was chunked, nor on the path that computed its row. Rows the operator
 cannot take that way (fp16, head_dim % 16 != 0) are refused when the backend is put in the mode.
+
+A layer's sliding window, sinks and logit soft-cap (attention_options.py) go to the operator with
+its rows, on every path: the decode path reads only the keys of a row's window, the prompt path
+starts at the key tile holding an item's first window key and skips tiles that left a row's window,
+so a windowed layer's cost follows its window; a sink is the softmax's starting maximum and sum.
+A row's arithmetic still depends only on its position and its keys, so the reproducibility
+promises above hold for windowed layers too.
 """
 from __future__ import annotations
 
@@ -61,6 +68,7 @@ class CpuAttention(AttentionBackend):
 
     name = "cpu"
     supports_cuda_graphs = False
+    options = frozenset({"window", "sinks", "softcap"})
 
     #: every row with the decode arithmetic (the batch-invariant mode): see the module docstring
     batch_invariant = False
@@ -79,23 +87,25 @@ class CpuAttention(AttentionBackend):
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
                scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if k_cache is None:
-            return varlen_causal_attention(q, k, v, meta, scale)
-        meta.derived("cpu.tables_checked", lambda: self._check_tables(k_cache, meta) or True)
+            return varlen_causal_attention(q, k, v, meta, scale, opts)
+        window = opts.window or 0
+        meta.derived(("cpu.tables_checked", window),
+                     lambda: self._check_tables(k_cache, meta, window) or True)
         if self.batch_invariant:
-            return self._paged(q, k_cache, v_cache, meta, scale, rows=True)
+            return self._paged(q, k_cache, v_cache, meta, scale, opts, rows=True)
         if not meta.is_prefill:
-            return self._paged(q, k_cache, v_cache, meta, scale)
+            return self._paged(q, k_cache, v_cache, meta, scale, opts)
         tiled = self._tiles_prompts(q)
         parts = meta.derived("torch.mixed_parts", lambda: split_decode_rows(meta))
         if parts is None:  # prompt rows only
             if tiled:
-                return self._paged(q, k_cache, v_cache, meta, scale, prompt=True)
-            return self._torch.attend(q, k, v, k_cache, v_cache, meta, scale)
+                return self._paged(q, k_cache, v_cache, meta, scale, opts, prompt=True)
+            return self._torch.attend(q, k, v, k_cache, v_cache, meta, scale, opts)
         (dmeta, dq), (pmeta, _) = parts
-        decode = self._paged(q[:dq], k_cache, v_cache, dmeta, scale)
+        decode = self._paged(q[:dq], k_cache, v_cache, dmeta, scale, opts)
         if tiled:
-            return torch.cat([decode, self._paged(q[dq:], k_cache, v_cache, pmeta, scale, prompt=True)])
-        return torch.cat([decode, self._torch.attend(q[dq:], None, None, k_cache, v_cache, pmeta, scale)])
+            return torch.cat([decode, self._paged(q[dq:], k_cache, v_cache, pmeta, scale, opts, prompt=True)])
+        return torch.cat([decode, self._torch.attend(q[dq:], None, None, k_cache, v_cache, pmeta, scale, opts)])
 
     def set_batch_invariant(self, dtype: torch.dtype, head_dim: int) -> None:
         """Compute every row with the decode arithmetic from now on; refuses (ValueError) a model
@@ -111,16 +121,18 @@ class CpuAttention(AttentionBackend):
         return q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0
 
     def _paged(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               prompt: bool = False, rows: bool = False) -> torch.Tensor:
+               opts: AttentionOptions = PLAIN, prompt: bool = False, rows: bool = False) -> torch.Tensor:
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = -1 if meta.num_decodes is None else meta.num_decodes
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                  meta.context_lens, scale, prompt, nd, True, rows)  # checked in attend
+                                  meta.context_lens, scale, prompt, nd, True, rows,  # checked in attend
+                                  opts.window or 0, opts.sinks_f32(), opts.softcap or 0.0)
         return out
 
-    def _check_tables(self, k_cache, meta: AttentionMetadata) -> None:
-        """The step's block tables against the cache, once per step (the first layer's call)."""
+    def _check_tables(self, k_cache, meta: AttentionMetadata, window: int) -> None:
+        """The step's block tables against the cache, once per step and window (the first such
+        layer's call); blocks before every row's window are not needed."""
         self._ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                     k_cache.shape[0], k_cache.shape[1])
+                                     k_cache.shape[0], k_cache.shape[1], window)

@@ -19,6 +19,10 @@ bf16/fp16 inputs, GQA via ``enable_gqa`` without copying K/V):
 
 Index tensors (token -> sequence maps, gather slots, masks) depend only on the metadata, so
 they are built once per step and cached on it (``AttentionMetadata.derived``).
+
+A sliding window (attention_options.py) narrows the same masks (``q_pos - k_pos < window``).
+Sinks and logit soft-capping are outside SDPA, so a layer with either attends with the same
+padded layout and mask through explicit scores and softmax (``_masked_attention``).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class TorchAttention(AttentionBackend):
     """
 
     name = "torch"
+    options = frozenset({"window", "sinks", "softcap"})
     # Index tensors are built from metadata values (host syncs) and cached per metadata object.
     supports_cuda_graphs = False
 
@@ -56,7 +61,7 @@ class TorchAttention(AttentionBackend):
                scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if k_cache is None or (meta.is_prefill and not meta.has_context):
             # The new tokens are whole sequences: attend over them directly, no gather.
-            return varlen_causal_attention(q, k, v, meta, scale)
+            return varlen_causal_attention(q, k, v, meta, scale, opts)
         parts = meta.derived("torch.mixed_parts", lambda: split_decode_rows(meta)) \
             if meta.is_prefill else None
         if parts is not None:
@@ -64,9 +69,9 @@ class TorchAttention(AttentionBackend):
             # their work by it, so decode rows and prefill rows are attended separately.
             (dmeta, dq), (pmeta, pq) = parts
             return torch.cat([
-                paged_attention(q[:dq], k_cache, v_cache, dmeta, scale, scratch=self._buffer),
-                paged_attention(q[dq:], k_cache, v_cache, pmeta, scale, scratch=self._buffer)])
-        return paged_attention(q, k_cache, v_cache, meta, scale, scratch=self._buffer)
+                paged_attention(q[:dq], k_cache, v_cache, dmeta, scale, scratch=self._buffer, opts=opts),
+                paged_attention(q[dq:], k_cache, v_cache, pmeta, scale, scratch=self._buffer, opts=opts)])
+        return paged_attention(q, k_cache, v_cache, meta, scale, scratch=self._buffer, opts=opts)
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel = math.prod(shape)
@@ -129,20 +134,59 @@ def _length_groups(meta: AttentionMetadata):
     return out
 
 
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            opts: AttentionOptions) -> torch.Tensor:
+    """Causal attention over padded [B, H, L, D] tensors whose queries are their keys."""
+    if opts.plain:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    pos = torch.arange(q.shape[2], device=q.device)
+    mask = pos[None, :] <= pos[:, None]
+    if opts.window is not None:
+        mask &= pos[:, None] - pos[None, :] < opts.window
+    return _masked_attention(q, k, v, mask, scale, opts)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float, opts: AttentionOptions) -> torch.Tensor:
+    """SDPA with a boolean mask, or for sinks / soft-capping the same with explicit scores.
+
+    q [B, Hq, L, D], k/v [B, Hkv, S, D], mask broadcastable to [B, 1, L, S]. The explicit form
+    follows transformers: soft-cap the scaled scores, mask, softmax with each head's sink as one
+    more column, drop the sink's share.
+    """
+    if opts.sinks is None and opts.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    b, hq, length, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, length, d)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale     # [B, Hkv, G, L, S]
+    if opts.softcap is not None:
+        scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    m = mask.expand(b, 1, length, mask.shape[-1]) if mask.dim() == 4 else mask[None, None]
+    scores = scores.masked_fill(~m[:, :, None], float("-inf"))
+    if opts.sinks is not None:
+        sink = opts.sinks.to(scores.dtype).view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, length, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, length, d)
+
+
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float,
+                            opts: AttentionOptions = PLAIN) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over themselves (cu_seqlens_q only)."""
-    max_q, gqa = meta.max_seqlen_q, q.shape[1] != k.shape[1]
+    max_q = meta.max_seqlen_q
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         # Same arithmetic as paged_attention, which widens on CPU: a prompt must compute the same
         # values whether its prefix is recomputed here or read from the cache there.
-        return varlen_causal_attention(q.float(), k.float(), v.float(), meta, scale).to(q.dtype)
+        return varlen_causal_attention(q.float(), k.float(), v.float(), meta, scale, opts).to(q.dtype)
     groups = (None if meta.num_tokens == meta.num_seqs * max_q
               else meta.derived("torch.length_groups", lambda: _length_groups(meta)))
     if groups is None or len(groups) == 1:
-        o = F.scaled_dot_product_attention(
-            _pad(q, meta, max_q), _pad(k, meta, max_q), _pad(v, meta, max_q),
-            is_causal=True, scale=scale, enable_gqa=gqa)
+        o = _causal(_pad(q, meta, max_q), _pad(k, meta, max_q), _pad(v, meta, max_q), scale, opts)
         return _unpad(o, meta)
     out = q.new_empty(q.shape)
     for rows, seq, pos, n, length in groups:
@@ -151,7 +195,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             xp = x.new_zeros(n, x.shape[1], length, x.shape[2])
             xp[seq, :, pos] = x[rows]
             padded.append(xp)
-        o = F.scaled_dot_product_attention(*padded, is_causal=True, scale=scale, enable_gqa=gqa)
+        o = _causal(*padded, scale, opts)
         out[rows] = o[seq, :, pos]
     return out
 
@@ -180,6 +224,26 @@ def _paged_index(meta: AttentionMetadata, block_size: int):
     qpos = (k_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]
     mask = (kpos[None, None, :] <= qpos[:, :, None]) & valid[:, None, :]
     return slots.reshape(-1), mask[:, None]
+
+
+def _window_index(meta: AttentionMetadata, block_size: int, window: int):
+    """``_paged_index`` for a sliding window: the mask narrowed to each query's last ``window``
+    keys, and the slots of keys before every query's window (whose blocks a cache may have
+    freed) redirected to the sequence's last key, which is always held."""
+    slots, mask = meta.derived(("torch.paged_index", block_size), lambda: _paged_index(meta, block_size))
+    dev = mask.device
+    cu = meta.cu_seqlens_q.long()
+    k_lens = meta.context_lens.long()
+    first_q = k_lens - (cu[1:] - cu[:-1])
+    qpos = first_q[:, None] + torch.arange(meta.max_seqlen_q, device=dev)[None, :]
+    kpos = torch.arange(meta.max_seqlen_k, device=dev)
+    mask = mask & (qpos[:, :, None] - kpos[None, None, :] < window)[:, None]
+    last = (k_lens - 1).clamp(min=0)
+    tables = meta.block_tables.long()
+    last_slot = tables.gather(1, (last // block_size)[:, None]) * block_size + (last % block_size)[:, None]
+    held = (kpos[None, :] > first_q[:, None] - window) & (kpos[None, :] < k_lens[:, None])
+    slots = torch.where(held, slots.view(meta.num_seqs, -1), last_slot)
+    return slots.reshape(-1), mask
 
 
 def split_decode_rows(meta: AttentionMetadata):
@@ -213,7 +277,8 @@ def _new_buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, scratch=_new_buffer) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, scratch=_new_buffer,
+                    opts: AttentionOptions = PLAIN) -> torch.Tensor:
     """Attention of the new tokens over each sequence's keys read through its block table.
 
     ``scratch(name, shape, like)`` supplies the buffers the keys and values are gathered into.
@@ -223,7 +288,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     nb, bs, hkv, d = k_cache.shape
     b, max_k = meta.num_seqs, meta.max_seqlen_k
-    slots, mask = meta.derived(("torch.paged_index", bs), lambda: _paged_index(meta, bs))
+    if opts.window is None:
+        slots, mask = meta.derived(("torch.paged_index", bs), lambda: _paged_index(meta, bs))
+    else:
+        slots, mask = meta.derived(("torch.window_index", bs, opts.window),
+                                   lambda: _window_index(meta, bs, opts.window))
     widen = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     gathered = []
     for name, cache in (("k", k_cache), ("v", v_cache)):
@@ -233,7 +302,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             buf = scratch(name + "32", buf.shape, buf.new_empty(0, dtype=torch.float32)).copy_(buf)
         gathered.append(buf.view(b, max_k, hkv, d).transpose(1, 2))
     qp = _pad(q, meta, meta.max_seqlen_q)
-    o = F.scaled_dot_product_attention(
-        qp.float() if widen else qp, gathered[0], gathered[1], attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != hkv)
+    o = _masked_attention(qp.float() if widen else qp, gathered[0], gathered[1], mask, scale, opts)
     return _unpad(o.to(q.dtype), meta)

@@ -48,6 +48,32 @@ struct WorkItem {
   int32_t seq, row_begin, row_end;
 };
 
+// A layer's attention options (tpserve/kernels/attention_options.py), as transformers defines them:
+// a query at position p sees keys p - window + 1 .. p (window 0: every earlier key); each query
+// head h's softmax has one more logit sinks[h] with no value (null: none); scaled scores become
+// softcap * tanh(score / softcap) (0: none). Keys outside a window are never read: the key loops
+// start at first_key, so a window's cost follows the window, not the context, and blocks that left
+// every query's window are not touched (a cache may have freed them).
+struct AttnOpts {
+  int64_t window = 0;
+  const float* sinks = nullptr;
+  float softcap = 0.f;
+  int64_t first_key(int64_t qpos) const {
+    return window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+  }
+  // The running maximum and sum a query head's softmax starts from: its sink's logit, e^0.
+  float start_max(int64_t head) const {
+    return sinks ? sinks[head] : -std::numeric_limits<float>::infinity();
+  }
+  float start_sum() const { return sinks ? 1.f : 0.f; }
+  void cap(float* s, int64_t n) const {
+    if (softcap > 0.f) {
+      const float inv = 1.f / softcap;
+      for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] * inv);
+    }
+  }
+};
+
 // Head sizes compiled with a constant head_dim (the loops unroll and the per-row accumulators
 // stay in registers); any other head_dim up to kMaxHeadDim takes the kD == 0 instantiation.
 constexpr int64_t kMaxHeadDim = 512;
@@ -64,7 +90,7 @@ void attend_item(const WorkItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* o
                  const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_width,
                  int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                  int64_t q_begin, int64_t q_len, int64_t k_len, float scale,
-                 std::vector<float>& scratch) {
+                 std::vector<float>& scratch, const AttnOpts& o) {
   const int64_t D = kD > 0 ? kD : head_dim;
   const int64_t rows = w.row_end - w.row_begin;
   const int64_t hq = num_kv_heads * group;
@@ -85,8 +111,8 @@ void attend_item(const WorkItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* o
       const int64_t v = r * hq + h;
       const T* src = q + (q_begin + w.row_begin + r) * q_s0 + h * q_s1;
       for (int64_t d = 0; d < D; ++d) qf[v * D + d] = to_f<T>(src[d]) * scale;
-      mx[v] = -std::numeric_limits<float>::infinity();
-      sum[v] = 0.f;
+      mx[v] = o.start_max(h);
+      sum[v] = o.start_sum();
     }
   }
   std::fill(acc, acc + nq * D, 0.f);
@@ -97,7 +123,7 @@ void attend_item(const WorkItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* o
   auto slot_of = [&](int64_t p) {
     return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
   };
-  for (int64_t p0 = 0; p0 < k_end; p0 += kKeyTile) {
+  for (int64_t p0 = o.first_key(offset + w.row_begin); p0 < k_end; p0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, k_end - p0);
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t slot = slot_of(p0 + j);
@@ -109,25 +135,25 @@ void attend_item(const WorkItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* o
       const int64_t qpos = offset + w.row_begin + v / hq;
       const int64_t kv_off = ((v % hq) / group) * D;  // this query head's KV head in a slot row
       const int64_t visible = std::min<int64_t>(nk, qpos - p0 + 1);  // causal: keys <= qpos
-      if (visible <= 0) continue;
+      const int64_t lo = std::max<int64_t>(0, o.first_key(qpos) - p0);  // the window's first
+      if (visible <= lo) continue;
       const float* qv = qf + v * D;
       float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) {
-        s[j] = dot(qv, kt + j * row_stride + kv_off, D);
-        tile_max = std::max(tile_max, s[j]);
-      }
+      for (int64_t j = lo; j < visible; ++j) s[j] = dot(qv, kt + j * row_stride + kv_off, D);
+      o.cap(s + lo, visible - lo);
+      for (int64_t j = lo; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
       const float new_max = std::max(mx[v], tile_max);
       const float alpha = exp_nonpos(mx[v] - new_max);  // exp(-inf) -> 0 on the first tile
-      for (int64_t j = 0; j < visible; ++j) s[j] = exp_nonpos(s[j] - new_max);
+      for (int64_t j = lo; j < visible; ++j) s[j] = exp_nonpos(s[j] - new_max);
       float tile_sum = 0.f;
-      for (int64_t j = 0; j < visible; ++j) tile_sum += s[j];
+      for (int64_t j = lo; j < visible; ++j) tile_sum += s[j];
       mx[v] = new_max;
       sum[v] = sum[v] * alpha + tile_sum;
       // P @ V for this tile, summed in a local row first (registers when D is a constant)
       // rather than read-modify-writing the accumulator once per key.
       float* av = acc + v * D;
       for (int64_t d = 0; d < D; ++d) pv[d] = av[d] * alpha;
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = lo; j < visible; ++j) {
         const float pj = s[j];
         const float* vj = vt + j * row_stride + kv_off;
         for (int64_t d = 0; d < D; ++d) pv[d] += pj * vj[d];
@@ -145,7 +171,7 @@ void attend_item(const WorkItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* o
 template <typename T>
 using AttendFn = void (*)(const WorkItem&, const T*, int64_t, int64_t, T*, const T*, const T*,
                           const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float, std::vector<float>&);
+                          int64_t, int64_t, float, std::vector<float>&, const AttnOpts&);
 
 template <typename T>
 AttendFn<T> attend_for(int64_t head_dim) {
@@ -174,15 +200,16 @@ AttendFn<T> attend_for(int64_t head_dim) {
 constexpr int64_t kPromptKeys = 16;  // keys per prompt tile
 constexpr int64_t kTileVectors = kPromptKeys / kLanes;
 
-// fn(row, p) for the cache's slot row of each position p < k_len, in order, walking the block
-// table entry by entry.
+// fn(row, i) for the cache's slot row of each position k_begin + i < k_len, in order, walking the
+// block table entry by entry from the block holding k_begin (blocks before it are not read).
 template <typename T, typename Fn>
 inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t block_size,
-                              int64_t row_stride, int64_t k_len, Fn&& fn) {
-  for (int64_t p0 = 0, c = 0; p0 < k_len; p0 += block_size, ++c) {
+                              int64_t row_stride, int64_t k_begin, int64_t k_len, Fn&& fn) {
+  int64_t c = k_begin / block_size, j = k_begin - c * block_size;
+  for (int64_t p0 = c * block_size; p0 < k_len; p0 += block_size, ++c, j = 0) {
     const int64_t n = std::min(block_size, k_len - p0);
-    const T* row = cache + static_cast<int64_t>(table[c]) * block_size * row_stride;
-    for (int64_t j = 0; j < n; ++j, row += row_stride) fn(row, p0 + j);
+    const T* row = cache + (static_cast<int64_t>(table[c]) * block_size + j) * row_stride;
+    for (; j < n; ++j, row += row_stride) fn(row, p0 + j - k_begin);
   }
 }
 
@@ -191,17 +218,19 @@ template <typename T, int64_t kC>
 void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, const T* k_cache,
                  const T* v_cache, const int32_t* table, int64_t block_size, int64_t num_kv_heads,
                  int64_t group, int64_t head_dim, int64_t k_len, float scale,
-                 std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end) {
+                 std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, const AttnOpts& o) {
   const int64_t C = kC > 0 ? kC : head_dim / kLanes;
   const int64_t D = C * kLanes;
   const int64_t hq = num_kv_heads * group;
   const int64_t row_stride = num_kv_heads * D;
   const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
-  scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * k_len));
+  const int64_t k_begin = o.first_key(k_len - 1);  // the row's window: keys k_begin .. k_len - 1
+  const int64_t n = k_len - k_begin;
+  scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * n));
   float* qf = scratch.data();
   float* acc = qf + hq * D;
   float* inv = acc + hq * D;
-  float* s = inv + hq;  // scores [hq][k_len], then softmax weights
+  float* s = inv + hq;  // scores [hq][n], then softmax weights
   for (int64_t h = h_begin; h < h_end; ++h) {
     const T* src = q + seq * q_s0 + h * q_s1;
     for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f<T>(src[d]) * scale;
@@ -209,37 +238,39 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   vfl row[kC > 0 ? kC : kMaxHeadDim / kLanes];
 
   // Pass 1: scores.
-  for_each_slot_row(k_cache, table, block_size, row_stride, k_len, [&](const T* kp, int64_t p) {
+  for_each_slot_row(k_cache, table, block_size, row_stride, k_begin, k_len, [&](const T* kp, int64_t p) {
     for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
       for (int64_t i = 0; i < C; ++i) row[i] = loadl(kp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         const float* qh = qf + h * D;
         vfl t = loadl(qh) * row[0];
         for (int64_t i = 1; i < C; ++i) t += loadl(qh + i * kLanes) * row[i];
-        s[h * k_len + p] = hsuml(t);
+        s[h * n + p] = hsuml(t);
       }
     }
   });
-  // Pass 2: softmax weights (unnormalised) and their sums.
+  // Pass 2: softmax weights (unnormalised) and their sums; a sink joins the maximum and the sum.
   for (int64_t h = h_begin; h < h_end; ++h) {
-    float* sh = s + h * k_len;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < k_len; ++p) mx = std::max(mx, sh[p]);
+    float* sh = s + h * n;
+    o.cap(sh, n);
+    float mx = o.start_max(h);
+    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sh[p]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < k_len; ++p) {
+    for (int64_t p = 0; p < n; ++p) {
       sh[p] = exp_nonpos(sh[p] - mx);
       sum += sh[p];
     }
+    if (o.sinks) sum += exp_nonpos(o.sinks[h] - mx);
     inv[h] = 1.f / sum;
   }
   // Pass 3: weighted sum of the values.
   std::fill(acc + h_begin * D, acc + h_end * D, 0.f);
-  for_each_slot_row(v_cache, table, block_size, row_stride, k_len, [&](const T* vp, int64_t p) {
+  for_each_slot_row(v_cache, table, block_size, row_stride, k_begin, k_len, [&](const T* vp, int64_t p) {
     for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
       for (int64_t i = 0; i < C; ++i) row[i] = loadl(vp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
-        const float w = s[h * k_len + p];
+        const float w = s[h * n + p];
         float* ah = acc + h * D;
         for (int64_t i = 0; i < C; ++i) storel(ah + i * kLanes, loadl(ah + i * kLanes) + w * row[i]);
       }
@@ -254,7 +285,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
 template <typename T>
 using DecodeFn = void (*)(int64_t, const T*, int64_t, int64_t, T*, const T*, const T*,
                           const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                          std::vector<float>&, int64_t, int64_t);
+                          std::vector<float>&, int64_t, int64_t, const AttnOpts&);
 
 template <typename T>
 DecodeFn<T> decode_for(int64_t head_dim) {
@@ -270,7 +301,7 @@ DecodeFn<T> decode_for(int64_t head_dim) {
 template <typename T>
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const int32_t* tables, int64_t width,
-                  const int32_t* ctx, int64_t B, float scale) {
+                  const int32_t* ctx, int64_t B, float scale, const AttnOpts& o) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
@@ -288,7 +319,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / per_seq, kv0 = item % per_seq * chunk;
       fn(b, qp, q.stride(0), q.stride(1), op, kp, vp, tables + b * width, block_size, hkv, group,
-         D, ctx[b], scale, scratch, kv0, std::min(hkv, kv0 + chunk));
+         D, ctx[b], scale, scratch, kv0, std::min(hkv, kv0 + chunk), o);
     }
   });
 }
@@ -309,7 +340,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 template <typename T>
 void paged_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const int32_t* tables, int64_t width,
-                const int32_t* cu, const int32_t* ctx, int64_t B, float scale) {
+                const int32_t* cu, const int32_t* ctx, int64_t B, float scale, const AttnOpts& o) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1), T_rows = q.size(0);
   const T* qp = q.data_ptr<T>();
@@ -335,7 +366,7 @@ void paged_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / per_row, kv0 = item % per_row * chunk;
       fn(t, qp, q.stride(0), q.stride(1), op, kp, vp, tables + seq_of[t] * width, block_size, hkv, group,
-         D, keys_of[t], scale, scratch, kv0, std::min(hkv, kv0 + chunk));
+         D, keys_of[t], scale, scratch, kv0, std::min(hkv, kv0 + chunk), o);
     }
   });
 }
@@ -371,7 +402,7 @@ template <typename T, int64_t kC>
 void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* out,
                  const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
                  int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t q_begin,
-                 int64_t offset, float scale, std::vector<float>& scratch) {
+                 int64_t offset, float scale, std::vector<float>& scratch, const AttnOpts& o) {
   constexpr int64_t K = kPromptKeys, NV = kTileVectors;
   const int64_t C = kC > 0 ? kC : head_dim / kLanes;
   const int64_t D = C * kLanes;
@@ -392,32 +423,37 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
       const int64_t v = r * group + g;
       const T* src = q + (q_begin + w.row_begin + r) * q_s0 + (w.kv_head * group + g) * q_s1;
       for (int64_t d = 0; d < D; ++d) qf[v * D + d] = to_f<T>(src[d]) * scale;
-      mx[v] = -std::numeric_limits<float>::infinity();
-      sum[v] = 0.f;
+      mx[v] = o.start_max(w.kv_head * group + g);
+      sum[v] = o.start_sum();
     }
   }
   std::fill(acc, acc + nq * D, 0.f);
   const int64_t first_pos = offset + w.row_begin;  // absolute position of the item's first row
   const int64_t k_end = offset + w.row_end;        // keys past the last row are never needed
+  // With a window: tiles from the one holding the first row's first key; keys before it (some of
+  // that tile's) are not read.
+  const int64_t k_lo = o.first_key(first_pos);
   vfl a[kC > 0 ? kC : kMaxHeadDim / kLanes];
-  for (int64_t p0 = 0; p0 < k_end; p0 += K) {
+  for (int64_t p0 = k_lo / K * K; p0 < k_end; p0 += K) {
     const int64_t nk = std::min<int64_t>(K, k_end - p0);
     for (int64_t j = 0; j < K; ++j) {
-      if (j < nk) {
+      if (j < nk && p0 + j >= k_lo) {
         const int64_t pos = p0 + j;
         const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
         const T* kr = k_cache + slot * row_stride + w.kv_head * D;
         const T* vr = v_cache + slot * row_stride + w.kv_head * D;
         for (int64_t d = 0; d < D; ++d) kt[d * K + j] = to_f<T>(kr[d]);
         for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f<T>(vr[d]);
-      } else {  // past the last row: never visible, but kept finite
+      } else {  // past the last row or before the window: never visible, but kept finite
         for (int64_t d = 0; d < D; ++d) kt[d * K + j] = 0.f;
       }
     }
-    // Rows before p0 see none of this tile.
+    // Rows before p0 see none of this tile, nor (with a window) rows whose window starts past it.
     const int64_t v_begin = std::max<int64_t>(0, p0 - first_pos) * group;
-    for (int64_t v0 = v_begin; v0 < nq; v0 += 4) {
-      const int64_t nv = std::min<int64_t>(4, nq - v0);
+    const int64_t v_end = o.window > 0
+        ? std::min<int64_t>(nq, std::max<int64_t>(0, p0 + K + o.window - 1 - first_pos) * group) : nq;
+    for (int64_t v0 = v_begin; v0 < v_end; v0 += 4) {
+      const int64_t nv = std::min<int64_t>(4, v_end - v0);
       vfl s[4][NV] = {};
       const float* q0 = qf + v0 * D;
       for (int64_t d = 0; d < D; ++d) {
@@ -428,20 +464,23 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
       }
       for (int64_t u = 0; u < nv; ++u) {
         const int64_t v = v0 + u;
-        const int64_t visible = std::min<int64_t>(K, first_pos + v / group - p0 + 1);
+        const int64_t qpos = first_pos + v / group;
+        const int64_t visible = std::min<int64_t>(K, qpos - p0 + 1);
+        const int64_t lo = std::max<int64_t>(0, o.first_key(qpos) - p0);  // the window's first
         float sc[K];
         for (int64_t h = 0; h < NV; ++h) storel(sc + h * kLanes, s[u][h]);
+        o.cap(sc, K);
         float tile_max = -std::numeric_limits<float>::infinity();
-        if (visible == K) {
+        if (visible == K && lo == 0 && o.softcap == 0.f) {
           vfl m = s[u][0];
           for (int64_t h = 1; h < NV; ++h) m = m > s[u][h] ? m : s[u][h];
           tile_max = hmaxl(m);
         } else {
-          for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
+          for (int64_t j = lo; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
         }
         const float new_max = std::max(mx[v], tile_max);
 #pragma omp simd
-        for (int64_t j = 0; j < K; ++j) p[j] = j < visible ? exp_nonpos(sc[j] - new_max) : 0.f;
+        for (int64_t j = 0; j < K; ++j) p[j] = j >= lo && j < visible ? exp_nonpos(sc[j] - new_max) : 0.f;
         vfl ps = loadl(p);
         for (int64_t h = 1; h < NV; ++h) ps += loadl(p + h * kLanes);
         float* av = acc + v * D;
@@ -454,7 +493,7 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
           sum[v] = sum[v] * alpha + hsuml(ps);
           for (int64_t i = 0; i < C; ++i) a[i] = loadl(av + i * kLanes) * alpha;
         }
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j = lo; j < visible; ++j) {
           const float pj = p[j];
           const float* vj = vt + j * D;
           for (int64_t i = 0; i < C; ++i) a[i] += pj * loadl(vj + i * kLanes);
@@ -476,7 +515,7 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
 template <typename T>
 using PromptFn = void (*)(const PromptItem&, const T*, int64_t, int64_t, T*, const T*, const T*,
                           const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          float, std::vector<float>&);
+                          float, std::vector<float>&, const AttnOpts&);
 
 template <typename T>
 PromptFn<T> prompt_for(int64_t head_dim) {
@@ -492,7 +531,7 @@ PromptFn<T> prompt_for(int64_t head_dim) {
 template <typename T>
 void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const int32_t* tables, int64_t width,
-                  const int32_t* cu, const int32_t* ctx, int64_t B, float scale) {
+                  const int32_t* cu, const int32_t* ctx, int64_t B, float scale, const AttnOpts& o) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1);
   std::vector<PromptItem> items;
@@ -500,9 +539,10 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     const int64_t q_len = cu[b + 1] - cu[b], offset = ctx[b] - q_len;
     for (int64_t r = 0; r < q_len; r += kPromptRows) {
       const int64_t r1 = std::min(q_len, r + kPromptRows);
+      const int64_t keys = offset + r1 - o.first_key(offset + r);
       for (int64_t kh = 0; kh < hkv; ++kh) {
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(r), static_cast<int32_t>(r1),
-                         static_cast<int32_t>(kh), (r1 - r) * (offset + r1 + 16)});
+                         static_cast<int32_t>(kh), (r1 - r) * (keys + 16)});
       }
     }
   }
@@ -521,22 +561,24 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t i = next++; i < n; i = next++) {
       const PromptItem& w = items[i];
       fn(w, qp, q.stride(0), q.stride(1), op, kp, vp, tables + w.seq * width, block_size, hkv,
-         group, D, cu[w.seq], ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch);
+         group, D, cu[w.seq], ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o);
     }
   });
 }
 
 // Every sequence's keys fit its block-table row and every block they need is a valid id: what a
 // step's plan promises, checked once per step (check_block_tables) rather than once per layer.
+// With a window (> 0) the blocks before the first row's window are not needed (may be -1).
 void check_tables(const int32_t* cu, const int32_t* ctx, const int32_t* tables, int64_t B,
-                  int64_t width, int64_t num_blocks, int64_t block_size) {
+                  int64_t width, int64_t num_blocks, int64_t block_size, int64_t window = 0) {
+  const AttnOpts o{window};
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b];
     check_value(q_len >= 0 && ctx[b] >= q_len,
                 "context_lens: each sequence needs at least as many keys as new query rows");
     const int64_t used_blocks = (ctx[b] + block_size - 1) / block_size;
     check_value(used_blocks <= width, "block_tables: fewer columns than a sequence's blocks");
-    for (int64_t c = 0; c < used_blocks; ++c) {
+    for (int64_t c = o.first_key(ctx[b] - q_len) / block_size; c < used_blocks; ++c) {
       const int32_t blk = tables[b * width + c];
       check_value(blk >= 0 && blk < num_blocks,
                   "block_tables: a block a sequence's keys need is -1 or out of range");
@@ -557,11 +599,27 @@ void check_index_arrays(const at::Tensor& block_tables, const at::Tensor& cu_seq
 }
 
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                        const at::Tensor& context_lens, int64_t num_blocks, int64_t block_size) {
+                        const at::Tensor& context_lens, int64_t num_blocks, int64_t block_size,
+                        int64_t window) {
+  check_value(window >= 0, "window: expected >= 0 (0: no window)");
   check_index_arrays(block_tables, cu_seqlens_q, context_lens);
   check_tables(cu_seqlens_q.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                block_tables.data_ptr<int32_t>(), context_lens.size(0), block_tables.size(1),
-               num_blocks, block_size);
+               num_blocks, block_size, window);
+}
+
+// The options of paged_attention / decode_attention, checked against q's query heads.
+AttnOpts attn_opts(int64_t window, const c10::optional<at::Tensor>& sinks, double softcap, int64_t num_heads) {
+  check_value(window >= 0, "window: expected >= 0 (0: no window)");
+  check_value(softcap >= 0, "softcap: expected >= 0 (0: no soft-capping)");
+  AttnOpts o{window, nullptr, static_cast<float>(softcap)};
+  if (sinks.has_value()) {
+    check_value(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == num_heads,
+                "sinks: expected a contiguous float32 [num_heads]");
+    o.sinks = sinks->data_ptr<float>();
+  }
+  return o;
 }
 
 // out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
@@ -576,10 +634,13 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& cu_seq
 // (-1: count them); `checked`: check_block_tables already ran on these arrays for this step.
 // `rows` (the batch-invariant mode): every row takes the decode arithmetic (paged_rows), whatever
 // the plan; fp32/bf16 with head_dim % 16 == 0 only.
+// `window` (0: none), `sinks` (float32 [Hq] or None), `softcap` (0: none): the layer's options
+// (AttnOpts); `checked` with a window means check_block_tables ran with that window.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-                     double scale, bool prompt, int64_t num_decodes, bool checked, bool rows) {
+                     double scale, bool prompt, int64_t num_decodes, bool checked, bool rows,
+                     int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
   check_dtype(q, "q: expected float32, bfloat16 or float16");
   check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
   check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
@@ -604,7 +665,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_value(num_decodes <= B, "num_decodes: more than the sequences");
 
   const int64_t group = q.size(1) / hkv;
-  if (!checked) check_tables(cu, ctx, tables, B, width, num_blocks, block_size);
+  const AttnOpts o = attn_opts(window, sinks, softcap, q.size(1));
+  if (!checked) check_tables(cu, ctx, tables, B, width, num_blocks, block_size, window);
   bool one_row_each = num_decodes == B;  // a decode plan: the decode path below
   if (num_decodes < 0) {
     one_row_each = true;
@@ -618,11 +680,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     auto run = [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       if (rows) {  // the batch-invariant mode: every row with the decode path's arithmetic
-        paged_rows<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale));
+        paged_rows<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale), o);
       } else if (prompt || !one_row_each) {
-        paged_prompt<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale));
+        paged_prompt<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale), o);
       } else {
-        paged_decode<T>(out, q, k_cache, v_cache, tables, width, ctx, B, static_cast<float>(scale));
+        paged_decode<T>(out, q, k_cache, v_cache, tables, width, ctx, B, static_cast<float>(scale), o);
       }
     };
     if (q.scalar_type() == at::kFloat) {
@@ -652,7 +714,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         const WorkItem& w = items[i];
         attend(w, qp, q.stride(0), q.stride(1), op, kp, vp, tables, width,
                               block_size, hkv, group, q.size(2), cu[w.seq], cu[w.seq + 1] - cu[w.seq],
-                              ctx[w.seq], static_cast<float>(scale), scratch);
+                              ctx[w.seq], static_cast<float>(scale), scratch, o);
       }
     });
   });
@@ -1105,6 +1167,13 @@ struct AttentionArgs {
   c10::optional<at::Tensor> q_norm, k_norm;
   int64_t num_heads, num_kv_heads, head_dim;
   PackedLinear qkv, o;
+  // The layer's attention options (AttnOpts; sinks float32 [num_heads] or undefined).
+  int64_t window = 0;
+  at::Tensor sinks;
+  double softcap = 0;
+  AttnOpts opts() const {
+    return AttnOpts{window, sinks.defined() ? sinks.data_ptr<float>() : nullptr, static_cast<float>(softcap)};
+  }
 };
 
 // A mixture-of-experts layer's MLP half (moe.py's SparseMoeBlock): the router, the routed
@@ -1148,11 +1217,12 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
   if (hidden.scalar_type() == at::kFloat) {
     qkv_to_cache<float>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
                         a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim);
-    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale);
+    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale, a.opts());
   } else {
     qkv_to_cache<at::BFloat16>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
                                a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim);
-    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale);
+    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale,
+                               a.opts());
   }
   linear_into(out, attn.view({M, q_size}), a.o);
 }
@@ -1167,7 +1237,8 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
                       const at::Tensor& qkv_data, int64_t qkv_kind, const c10::optional<at::Tensor>& qkv_scales,
                       const c10::optional<at::Tensor>& qkv_colsum, const c10::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& o_data, int64_t o_kind, const c10::optional<at::Tensor>& o_scales,
-                      const c10::optional<at::Tensor>& o_colsum, const c10::optional<at::Tensor>& o_bias) {
+                      const c10::optional<at::Tensor>& o_colsum, const c10::optional<at::Tensor>& o_bias,
+                      int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
@@ -1183,11 +1254,15 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
   check_value(head_dim % 16 == 0 && head_dim <= kMaxHeadDim &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "hidden: the fused decode takes fp32/bf16 and head_dim % 16 == 0");
-  const AttentionArgs a{k_cache_in, v_cache_in, ln_weight, cos, sin, eps, scale, q_norm, k_norm,
-                        num_heads, num_kv_heads, head_dim,
-                        packed_linear(qkv_data, qkv_kind, q_size + 2 * kv_size, H, qkv_scales, qkv_colsum,
-                                      qkv_bias, "qkv_proj"),
-                        packed_linear(o_data, o_kind, H, q_size, o_scales, o_colsum, o_bias, "o_proj")};
+  AttentionArgs a{k_cache_in, v_cache_in, ln_weight, cos, sin, eps, scale, q_norm, k_norm,
+                  num_heads, num_kv_heads, head_dim,
+                  packed_linear(qkv_data, qkv_kind, q_size + 2 * kv_size, H, qkv_scales, qkv_colsum,
+                                qkv_bias, "qkv_proj"),
+                  packed_linear(o_data, o_kind, H, q_size, o_scales, o_colsum, o_bias, "o_proj")};
+  attn_opts(window, sinks, softcap, num_heads);  // checked
+  a.window = window;
+  a.sinks = sinks.has_value() ? *sinks : at::Tensor();
+  a.softcap = softcap;
   DecodeScratch scratch;
   decode_attention_into(out, residual, hidden, has_residual, positions, slot_mapping, block_tables,
                         context_lens, a, scratch);
@@ -1360,6 +1435,16 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.emplace_back(std::move(a), MlpArgs{post_ln_weight, post_eps, 0, PackedLinear{}, PackedLinear{}, e});
   }
 
+  // The attention options of layer i (as decode_attention's window / sinks / softcap).
+  void set_attention_options(int64_t i, int64_t window, c10::optional<at::Tensor> sinks, double softcap) {
+    check_value(i >= 0 && i < static_cast<int64_t>(layers.size()), "layer: outside the stack");
+    AttentionArgs& a = layers[i].first;
+    attn_opts(window, sinks, softcap, a.num_heads);  // checked
+    a.window = window;
+    a.sinks = sinks.has_value() ? *sinks : at::Tensor();
+    a.softcap = softcap;
+  }
+
   // Layer i's MLP half alone (dense or experts), for the layer-by-layer path of tensor
   // parallelism (the all-reduce between the calls): out = mlp(norm(hidden + residual)), residual
   // updated in place, as decode_mlp.
@@ -1407,8 +1492,11 @@ struct DecodeStack : torch::CustomClassHolder {
                  const at::Tensor& context_lens) {
     check_value(!layers.empty() && norm_weight.defined() && embedding.defined(),
                 "DecodeStack: no layers, final norm or embedding");
+    // The blocks the widest layer reads (every block when a layer has no window).
+    int64_t widest = layers[0].first.window;
+    for (const auto& l : layers) widest = l.first.window == 0 || widest == 0 ? 0 : std::max(widest, l.first.window);
     check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].first.k_cache.size(0),
-                       layers[0].first.k_cache.size(1));
+                       layers[0].first.k_cache.size(1), widest);
     at::Tensor hidden = embed(input_ids);
     const int64_t M = hidden.size(0);
     check_value(M >= 1, "hidden: a decode step has at least one row");
@@ -1433,9 +1521,10 @@ struct DecodeStack : torch::CustomClassHolder {
 TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
-        "bool prompt=False, int num_decodes=-1, bool checked=False, bool rows=False) -> ()");
+        "bool prompt=False, int num_decodes=-1, bool checked=False, bool rows=False, "
+        "int window=0, Tensor? sinks=None, float softcap=0.) -> ()");
   m.def("check_block_tables(Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, "
-        "int num_blocks, int block_size) -> ()");
+        "int num_blocks, int block_size, int window=0) -> ()");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
@@ -1447,7 +1536,7 @@ TORCH_LIBRARY(tpserve_cpu, m) {
         "Tensor? k_norm, int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
         "float scale, Tensor qkv_data, int qkv_kind, Tensor? qkv_scales, Tensor? qkv_colsum, "
         "Tensor? qkv_bias, Tensor o_data, int o_kind, Tensor? o_scales, Tensor? o_colsum, "
-        "Tensor? o_bias) -> ()");
+        "Tensor? o_bias, int window=0, Tensor? sinks=None, float softcap=0.) -> ()");
   m.def("decode_mlp(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, Tensor ln_weight, float eps, "
         "int intermediate, Tensor gu_data, int gu_kind, Tensor? gu_scales, Tensor? gu_colsum, "
         "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
@@ -1459,6 +1548,7 @@ TORCH_LIBRARY(tpserve_cpu, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_moe_layer", &DecodeStack::add_moe_layer)
       .def("mlp", &DecodeStack::mlp)
+      .def("set_attention_options", &DecodeStack::set_attention_options)
       .def("set_norm", &DecodeStack::set_norm)
       .def("set_embedding", &DecodeStack::set_embedding)
       .def("run", &DecodeStack::run);
