@@ -157,11 +157,23 @@ class KVTierIndex(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, seq, num_computed_blocks: int) -> int:
         return len(self.match(seq, num_computed_blocks)) * self.block_size
 
+    def reserve(self, seq, first_block: int, sources: list[int]) -> None:
+        """Pin the entries ``match`` found for ``seq`` before its blocks are allocated: the
+        evictions that allocation causes save blocks into the tiers, and must not push out
+        what is about to be loaded."""
+        hashes = block_hashes(seq, first_block + len(sources), self.hash_fn)
+        for k, src in enumerate(sources):
+            h = hashes[first_block + k]
+            self._pins[h] = self._pins.get(h, 0) + 1
+            (self.host if src == HOST else self.disk).move_to_end(h)
+
     def update_state_after_alloc(self, seq, first_block: int, num_blocks: int, sources=None) -> LoadJob:
         """Load blocks ``first_block .. + num_blocks`` of ``seq`` (allocated, fresh) from the
-        tiers ``sources`` (``match``'s answer, looked up again if None). Returns the job."""
+        tiers ``sources`` (``match``'s answer, already ``reserve``d; looked up and reserved
+        now if None). Returns the job."""
         if sources is None:
             sources = self.match(seq, first_block)[:num_blocks]
+            self.reserve(seq, first_block, sources)
         hashes = block_hashes(seq, first_block + num_blocks, self.hash_fn)
         items = []
         for k, src in enumerate(sources):
@@ -169,8 +181,6 @@ class KVTierIndex(KVConnectorScheduler):
             h = hashes[i]
             items.append([seq.block_table[i], h, hashes[i - 1] if i else -1,
                           seq.block(i) if src == DISK else None, src])
-            self._pins[h] = self._pins.get(h, 0) + 1
-            (self.host if src == HOST else self.disk).move_to_end(h)
         job = LoadJob(self._next_job, seq, first_block, items, self.clock())
         self._next_job += 1
         self.jobs[job.job_id] = job

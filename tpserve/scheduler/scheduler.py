@@ -325,8 +325,10 @@ class Scheduler(Postprocess):
                 if num_cached_blocks < 0:
                     break
                 self.waiting.popleft()
-                bm.allocate(seq, num_cached_blocks)
                 sources = tiers.match(seq, num_cached_blocks) if tiers is not None and use_cache else ()
+                if sources:
+                    tiers.reserve(seq, num_cached_blocks, sources)  # before allocate() evicts
+                bm.allocate(seq, num_cached_blocks)
                 if sources:  # the next blocks are in a KV tier: load them, off this loop
                     tiers.update_state_after_alloc(seq, num_cached_blocks, len(sources), sources)
                     seq.status = LOADING

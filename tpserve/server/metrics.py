@@ -20,6 +20,11 @@ full; shutting_down: the daemon was draining; admission: the request could never
 ``tpserve:requests_timed_out``, ``tpserve:num_priority_preemptions`` (preemptions that admitted a
 better priority), and the gauges ``tpserve:draining`` / ``tpserve:ready`` (0 or 1).
 
+With KV tiers (--kv-offload-host-gb, --kv-offload-dir; docs/kv_tiers.md), per tier (label
+``tier``: host, disk): ``tpserve:kv_offload_blocks`` / ``_bytes`` / ``_capacity_bytes`` (gauges),
+``_hits``, ``_misses``, ``_loads``, ``_saves``, ``_corrupt_files``, ``_load_seconds`` and
+``_load_jobs`` (counters: mean load time = seconds / jobs); and ``tpserve:kv_offload_hit_tokens``.
+
 Whether the engine runs tpserve's C++ CPU operators (tpserve/kernels/cpu_extension.py):
 ``tpserve:cpu_ops_loaded`` (1, or 0 when a CPU engine fell back to the several times slower
 plain-torch path; absent when the model runs on an accelerator) and ``tpserve:cpu_ops_info``
@@ -105,6 +110,8 @@ class _EngineCollector:
                           s.get("pooling_prompt_tokens", 0))
         if "spec_decode_num_drafts" in s:
             yield from self._spec_decode(s, counter)
+        if "kv_offload_host_blocks" in s:
+            yield from self._kv_offload(s)
         if "cpu_ops" in s:
             yield from self._cpu_ops(s, gauge)
         if "batch_invariant" in s:
@@ -112,6 +119,38 @@ class _EngineCollector:
                         "(--batch-invariant): a token's logits do not depend on what shares its steps.",
                         int(bool(s["batch_invariant"])))
         yield from self._gie(s, gauge, total)
+
+    def _kv_offload(self, s: dict):
+        """The KV tiers (--kv-offload-*), one series per tier (label ``tier``: host, disk)."""
+        labels = ["model_name", "tier"]
+        series = (
+            ("kv_offload_blocks", GaugeMetricFamily, "KV blocks the tier holds.", "blocks"),
+            ("kv_offload_bytes", GaugeMetricFamily, "Bytes the tier holds (all ranks).", "bytes"),
+            ("kv_offload_capacity_bytes", GaugeMetricFamily, "The tier's budget in bytes (all ranks).",
+             "capacity_bytes"),
+            ("kv_offload_hits", CounterMetricFamily, "Blocks found in the tier past a prefix-cache miss.",
+             "hits"),
+            ("kv_offload_misses", CounterMetricFamily, "Blocks looked up in the tier and not found there, "
+             "or that did not arrive.", "misses"),
+            ("kv_offload_loads", CounterMetricFamily, "Blocks loaded from the tier into the KV pool.", "loads"),
+            ("kv_offload_saves", CounterMetricFamily, "Blocks saved to the tier.", "saves"),
+            ("kv_offload_corrupt_files", CounterMetricFamily, "Block files rejected (corrupt, truncated, "
+             "foreign): each a miss, recomputed.", "corrupt"),
+            ("kv_offload_load_seconds", CounterMetricFamily, "Seconds from a load's start to its "
+             "sequence being ready, summed over loads whose deepest block came from the tier.",
+             "load_seconds_total"),
+            ("kv_offload_load_jobs", CounterMetricFamily, "Loads (jobs) counted in "
+             "kv_offload_load_seconds.", "load_jobs"),
+        )
+        for name, kind, doc, key in series:
+            m = kind(PREFIX + name, doc, labels=labels)
+            for tier in ("host", "disk"):
+                m.add_metric([self.model_name, tier], float(s.get(f"kv_offload_{tier}_{key}", 0)))
+            yield m
+        c = CounterMetricFamily(PREFIX + "kv_offload_hit_tokens", "Prompt tokens whose KV came from a KV "
+                                "tier (also counted in prefix_cache_hits).", labels=["model_name"])
+        c.add_metric([self.model_name], float(s.get("kv_offload_hit_tokens", 0)))
+        yield c
 
     def _cpu_ops(self, s: dict, gauge):
         """Whether the C++ CPU operators run, and why not (stats ``cpu_ops``, ``cpu_ops_reason``)."""
