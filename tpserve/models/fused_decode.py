@@ -19,6 +19,10 @@ module path on packed experts calls the same functions, so the bits are the same
 parallelism a MoE layer's half is the stack object's ``mlp`` method (its experts' views are
 built once with the stack), and the all-reduce stays here between the calls, as for dense layers.
 
+A layer's sliding window, attention sinks and logit soft-cap (``SelfAttention``'s options) go to
+its attention half: the C++ decode path reads only the keys of each row's window, as the module
+path's CpuAttention does (the same function, so the same bits).
+
 Group-quantized layers (``group_quant.py``: 4/8-bit codes) are packed weights of kinds 4 and 5,
 which the C++ ``linear_into`` runs through ``quant_ops.cpp``: the stack takes them unchanged.
 
@@ -68,10 +72,9 @@ def why_not_fused(model: CausalLM) -> str | None:
     if model.dtype not in (torch.float32, torch.bfloat16) or model.head_dim % 16:
         return "needs fp32/bf16 and head_dim % 16 == 0"
     spec = model.spec
-    if (spec.sliding_windows or spec.gemma_norms or spec.hidden_act != "silu" or spec.rope_layers
-            or spec.rotary_dim or spec.embedding_scale or spec.attn_logit_softcap is not None):
-        return ("needs Llama-shaped layers (no sliding window, Gemma norms, GELU, soft-capping, "
-                "partial or skipped rotary)")
+    if (spec.gemma_norms or spec.hidden_act != "silu" or spec.rope_layers
+            or spec.rotary_dim or spec.embedding_scale):
+        return "needs Llama-shaped layers (no Gemma norms, GELU, partial or skipped rotary)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.feed_forward
         if not isinstance(attn.backend, CpuAttention):
@@ -88,6 +91,13 @@ def why_not_fused(model: CausalLM) -> str | None:
         if any(m.packed is None for m in linears):
             return "needs every linear layer packed (prepack_model)"
     return None
+
+
+def _attention_options(attn) -> tuple:
+    """A layer's window (0: none), sinks (float32 [heads] or None) and soft-cap (0: none), as the
+    C++ attention takes them."""
+    sinks = None if attn.sinks is None else attn.sinks.detach().to(torch.float32).contiguous()
+    return (attn.sliding_window or 0, sinks, attn.logit_softcap or 0.0)
 
 
 class MoeArgs(tuple):
@@ -109,6 +119,9 @@ class FusedDecode:
         self.model = model
         self.tp = model.tp
         self.layers = []
+        windows = [layer.self_attn.sliding_window for layer in model.model.layers]
+        # The window whose blocks every step must hold (0: a layer reads every key).
+        self.widest_window = 0 if None in windows else max(windows)
         first = self.tp.rank == 0  # a row-parallel bias is added once, on rank 0
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.feed_forward
@@ -116,7 +129,7 @@ class FusedDecode:
                          a.q_norm.weight if a.q_norm is not None else None,
                          a.k_norm.weight if a.k_norm is not None else None,
                          a.num_heads, a.num_kv_heads, a.head_dim, a.rotary.cos, a.rotary.sin, a.scale,
-                         *_linear_args(a.qkv_proj), *_linear_args(a.o_proj, first))
+                         *_linear_args(a.qkv_proj), *_linear_args(a.o_proj, first), *_attention_options(a))
             post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             if _is_moe(mlp):
                 mlp_args = MoeArgs((*post, *_moe_args(mlp, first)))
@@ -135,16 +148,19 @@ class FusedDecode:
 
     def _build_stack(self):
         stack = torch.classes.tpserve_cpu.DecodeStack()
-        for a, attn_args, mlp_args in self.layers:
+        for i, (a, attn_args, mlp_args) in enumerate(self.layers):
             (ln_w, eps, q_norm, k_norm, heads, kv_heads, head_dim, cos, sin, scale,
-             qd, qk, qs, qc, qb, od, ok, os_, oc, ob) = attn_args
+             qd, qk, qs, qc, qb, od, ok, os_, oc, ob, window, sinks, softcap) = attn_args
             attention = (a.k_cache, a.v_cache, ln_w, eps, q_norm, k_norm, heads, kv_heads, head_dim,
                          cos, sin, scale, [qd, qs, qc, qb], [qk, ok], [od, os_, oc, ob])
             if isinstance(mlp_args, MoeArgs):
                 stack.add_moe_layer(*attention, *mlp_args)
-                continue
-            post_w, post_eps, inter, gd, gk, gs, gc, gb, dd, dk, ds, dc, db = mlp_args
-            stack.add_layer(*attention, post_w, post_eps, inter, [gd, gs, gc, gb], [gk, dk], [dd, ds, dc, db])
+            else:
+                post_w, post_eps, inter, gd, gk, gs, gc, gb, dd, dk, ds, dc, db = mlp_args
+                stack.add_layer(*attention, post_w, post_eps, inter, [gd, gs, gc, gb], [gk, dk],
+                                [dd, ds, dc, db])
+            if window or sinks is not None or softcap:
+                stack.set_attention_options(i, window, sinks, softcap)
         norm = self.model.model.norm
         stack.set_norm(norm.weight, norm.eps)
         stack.set_embedding(self.model.model.embed_tokens.weight)
@@ -158,7 +174,7 @@ class FusedDecode:
                                   meta.cu_seqlens_q, meta.context_lens)
         a0 = self.layers[0][0]
         ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                               a0.k_cache.shape[0], a0.k_cache.shape[1])
+                               a0.k_cache.shape[0], a0.k_cache.shape[1], self.widest_window)
         hidden = self.model.model.embed_tokens(input_ids)
         residual = torch.empty_like(hidden)
         other = torch.empty_like(hidden)
