@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
-from test_models import (ATOL, RTOL, PagedKV, random_prompts, reference_prefill_then_decode,
+from test_models import (ATOL, BACKENDS, RTOL, PagedKV, random_prompts, reference_prefill_then_decode,
                          run_prefill_then_decode, tpserve_model)
 from test_models_tp import gloo_group, run_two_ranks
 from tpserve import LLM, SamplingParams
@@ -82,7 +82,6 @@ def hf_greedy(path, prompts, max_tokens=MAX_TOKENS):
 
 def generate(path, prompts, max_tokens=MAX_TOKENS, **options):
     options.setdefault("dtype", "float32")
-    options.setdefault("attention_backend", "torch")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(str(path), **options) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -117,11 +116,12 @@ def test_spec_describes_the_layers(tiny_models_root):  # noqa: F811
     assert wide.sliding_windows == ()
 
 
-def test_prefill_and_decode_logits_match_transformers(arch_model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_and_decode_logits_match_transformers(arch_model, backend):
     name, path, _, _ = arch_model
     prompts = random_prompts([21, 9, 3], 384, seed=1)
     want, decode = reference_prefill_then_decode(path, prompts, 5)
-    got = run_prefill_then_decode(tpserve_model(path), prompts, decode)
+    got = run_prefill_then_decode(tpserve_model(path, backend=backend), prompts, decode)
     assert len(got) == len(want) == 6
     for step, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} forward {step}: {m}")
@@ -266,9 +266,7 @@ def test_fused_decode_refuses_layers_it_cannot_run_and_runs_longrope(tiny_models
     assert cpu_extension.available(), cpu_extension._state.get("error")
     for name in CASES:
         model = tpserve_model(model_path(tiny_models_root, name), backend="cpu")
-        if name == "mistral":  # windows are the C++ attention's: only the cache and packing lack
-            assert why_not_fused(model) == "needs the KV cache"
-        elif name != "phi3":  # phi3's partial rotary
+        if name != "phi3":  # phi3's partial rotary
             assert "Llama-shaped" in why_not_fused(model), name
     # Phi-3 with full rotary and no window: LongRoPE's long rows reach the fused stack too.
     path = make_tiny_model(tiny_models_root, "phi3", max_position_embeddings=256,
