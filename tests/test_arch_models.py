@@ -23,6 +23,7 @@ from test_models import (ATOL, BACKENDS, RTOL, PagedKV, random_prompts, referenc
                          run_prefill_then_decode, tpserve_model)
 from test_models_tp import gloo_group, run_two_ranks
 from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig
 from tpserve.kernels import cpu_extension
 from tpserve.models import UnsupportedModelError
 from tpserve.models.fused_decode import why_not_fused
@@ -222,6 +223,10 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_tower(tiny_models_root, tmp_
     got = run_prefill_then_decode(tpserve_model(path), prompts, decode)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+    if new_names:  # through the engine: the text config's max_position_embeddings bounds it
+        assert EngineConfig(model=str(path)).resolve().max_model_len == 512
+        got, _ = generate(path, PROMPTS, block_size=16, num_kv_blocks=64)
+        assert got == hf_greedy(src, PROMPTS)
 
 
 def _edited(src, dst, **changes):

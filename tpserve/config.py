@@ -306,7 +306,9 @@ class EngineConfig:
         if not cfg_file.is_file():
             raise ConfigError("model", f"{path} is not a Hugging Face model directory (no config.json)")
         self.hf_config = json.loads(cfg_file.read_text())
-        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        # A multimodal checkpoint (Gemma3ForConditionalGeneration) keeps it in its text_config.
+        text = self.hf_config.get("text_config") or {}
+        limit = int(self.hf_config.get("max_position_embeddings", text.get("max_position_embeddings", 2048)))
         if self.max_model_len is None:
             self.max_model_len = limit
         elif self.max_model_len > limit:
