@@ -87,6 +87,15 @@ SCRIPTS = {
     "bench_fairness.py": Smoke(("--flood", "20", "--vanish", "2", "--vanish-tokens", "8"),
                                r"bench_fairness model=default-model .* flood=20 other_client_wait_s=[\d.]+ "
                                r"vanished=2x8"),
+    "bench_agent.py": Smoke(
+        ("--shape", "tiny", "--sessions", "3", "--system-tokens", "64", "--turns", "2", "--user-tokens", "16",
+         "--reply-tokens", "4", "--pool-sessions", "1"),
+        r"bench_agent shape=tiny isa=\S+ dtype=\S+ sessions=3 .*\n"
+        r"bench_agent tiers=off requests=6 ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ prefill_tokens_computed=\d+\n"
+        r"bench_agent tiers=on requests=6 .* host_loads=[1-9]\d* .*\n"
+        r"bench_agent ratio prefill_computed=[\d.]+ .*\n"
+        r"bench_agent restart first_turn_ttft_ms=[\d.]+ cold_start_ttft_ms=[\d.]+ ratio=[\d.]+ .* "
+        r"disk_loads=[1-9]\d* disk_corrupt=0"),
     "bench_agent_turns.py": Smoke(
         ("--shape", "tiny", "--context-tokens", "400", "--sessions", "1", "--pairs", "2"),
         r"bench_agent_turns shape=tiny sessions=1 turn1_prompt=\d+ turn2_prompt=\d+ ttft1_ms=[\d.]+ "
