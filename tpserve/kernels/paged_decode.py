@@ -29,6 +29,11 @@ sums changed with what shared its step), and the shares are merged in split orde
 element-wise operations only (``_combine_ordered``), no reduction whose order torch may choose by
 shape. A row's result is then a function of its query, its keys and their count.
 
+A sliding window (``window`` > 0) narrows a row's keys to its last ``window`` ones: the shares
+divide those keys only, so blocks before the window are never read. A sink (``sinks`` [Hq]) is
+split 0's starting maximum and sum (one term e^sink in the denominator, no value); soft-capping
+is ``online_softmax.py``'s.
+
 Softmax is online (running max and sum in fp32, exp2 with log2(e) folded into the scale);
 keys past ``context_lens[b]`` are masked with -inf and loaded as 0, so stale or uninitialised
 cache contents never reach the output. Cache offsets are int64 (caches over 2^31 elements).
@@ -46,20 +51,25 @@ from tpserve.kernels.tiles import INVARIANT_DECODE_SPLITS, LOG2E, decode_splits,
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes from step to step
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                         block_tables_ptr, context_lens_ptr, qk_scale,
+                         block_tables_ptr, context_lens_ptr, sinks_ptr, qk_scale, window, softcap,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cb, stride_cs, stride_ch, stride_bt,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     k_len = tl.load(context_lens_ptr + b)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(k_len - window, 0)  # the row's window: keys first .. k_len - 1
     # This program's keys: a share of whole tiles, so every share but the last is full.
-    share = tl.cdiv(tl.cdiv(k_len, splits), BLOCK_N) * BLOCK_N
-    lo = split * share
+    share = tl.cdiv(tl.cdiv(k_len - first, splits), BLOCK_N) * BLOCK_N
+    lo = first + split * share
     hi = tl.minimum(lo + share, k_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -75,6 +85,10 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:  # counted once, by split 0
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
@@ -85,8 +99,8 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr,
         offs = rows + kvh * stride_ch + d[None, :]
         tile_mask = k_mask[:, None] & d_mask[None, :]
         m_i, l_i, acc = online_softmax_tile(q, k_cache_ptr + offs, v_cache_ptr + offs, tile_mask,
-                                            k_mask[None, :], m_i, l_i, acc, qk_scale,
-                                            DOT_PRECISION, UPCAST)
+                                            k_mask[None, :], m_i, l_i, acc, qk_scale, softcap,
+                                            DOT_PRECISION, UPCAST, HAS_SOFTCAP)
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not PARTIAL:
         acc = acc / l_i[:, None]
@@ -128,7 +142,9 @@ def _combine_ordered(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: t
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, num_splits: int | None = None,
-                           invariant: bool = False) -> torch.Tensor:
+                           invariant: bool = False, window: int | None = None,
+                           sinks: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
     q ``[B, Hq, D]`` (token b is sequence b's last token, already stored in the cache);
@@ -137,7 +153,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the new token included). ``num_splits`` None chooses split-K from the shapes
     (``tiles.decode_splits``); an int >= 1 forces it. ``invariant`` (the batch-invariant mode)
     fixes it to ``INVARIANT_DECODE_SPLITS`` and merges the shares in order (see the module
-    docstring). Returns ``[B, Hq, D]`` in q's dtype.
+    docstring). ``window`` / ``sinks`` (float32 [Hq]) / ``softcap``: attention_options.py.
+    Returns ``[B, Hq, D]`` in q's dtype.
     """
     check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
     if context_lens.shape[0] != q.shape[0]:
@@ -166,12 +183,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         m = l = acc = out  # unused by the one-split kernel
     _paged_decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, out, m, l, acc, block_tables, context_lens, scale * LOG2E,
+        q, k_cache, v_cache, out, m, l, acc, block_tables, context_lens,
+        q if sinks is None else sinks, scale * LOG2E, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=tile,
-        PARTIAL=splits > 1, **dot_options(q))
+        PARTIAL=splits > 1, **dot_options(q), HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None)
     if splits > 1:
         (_combine_ordered if invariant else _combine)(m, l, acc, out)
     return out

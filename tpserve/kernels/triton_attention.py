@@ -17,6 +17,10 @@ row with a cache to the decode kernel, each query row as a one-row sequence over
 ``paged_decode.py``: a row's attention is then the same whatever shares its step, however its
 prompt was chunked, and whether it is a prompt, decode or draft-verification row. Prefill pays
 for it (a prompt's keys are read once per row, not once per tile of rows).
+
+A layer's sliding window, sinks and soft-cap (attention_options.py) reach every kernel: the
+decode kernel divides only a row's window among its shares, the prefill kernel starts a program's
+keys at its first row's window.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    options = frozenset({"window", "sinks", "softcap"})
 
     batch_invariant = False
 
@@ -48,22 +53,23 @@ class TritonAttention(AttentionBackend):
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
                scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
         if self.batch_invariant and k_cache is not None:
-            return self._rows_as_decodes(q, k_cache, v_cache, meta, scale)
+            return self._rows_as_decodes(q, k_cache, v_cache, meta, scale, opts)
         if k_cache is None or (meta.is_prefill and not meta.has_context):
-            return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
+            return varlen_prefill_attention(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale, opts)
         if not meta.is_prefill:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, scale)
+                                          meta.context_lens, scale, **_decode_options(opts))
         return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                       meta.block_tables, meta.max_seqlen_q, scale)
+                                       meta.block_tables, meta.max_seqlen_q, scale, opts)
 
     @staticmethod
-    def _rows_as_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _rows_as_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                         opts: AttentionOptions = PLAIN) -> torch.Tensor:
         """Each query row as a one-row sequence of the decode kernel (the batch-invariant mode).
         No host synchronisation: the row-to-sequence map is built on the device."""
         if not meta.is_prefill:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          scale, invariant=True)
+                                          scale, invariant=True, **_decode_options(opts))
         cu = meta.cu_seqlens_q.long()
         q_lens = cu[1:] - cu[:-1]
         rows = q.shape[0]
@@ -72,4 +78,8 @@ class TritonAttention(AttentionBackend):
         index = torch.arange(rows, device=q.device)
         keys = meta.context_lens.long()[seq_of] - q_lens[seq_of] + (index - cu[seq_of]) + 1
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[seq_of].contiguous(),
-                                      keys.to(torch.int32), scale, invariant=True)
+                                      keys.to(torch.int32), scale, invariant=True, **_decode_options(opts))
+
+
+def _decode_options(opts: AttentionOptions) -> dict:
+    return dict(window=opts.window, sinks=opts.sinks_f32(), softcap=opts.softcap)
