@@ -105,7 +105,8 @@ class CpuAttention(AttentionBackend):
         decode = self._paged(q[:dq], k_cache, v_cache, dmeta, scale, opts)
         if tiled:
             return torch.cat([decode, self._paged(q[dq:], k_cache, v_cache, pmeta, scale, opts, prompt=True)])
-        return torch.cat([decode, self._torch.attend(q[dq:], None, None, k_cache, v_cache, pmeta, scale, opts)])
+        rest = self._torch.attend(q[dq:], None, None, k_cache, v_cache, pmeta, scale, opts)
+        return torch.cat([decode, rest])
 
     def set_batch_invariant(self, dtype: torch.dtype, head_dim: int) -> None:
         """Compute every row with the decode arithmetic from now on; refuses (ValueError) a model

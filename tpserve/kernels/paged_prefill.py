@@ -104,8 +104,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, context_lens
         offs = key_rows[:, None] + kvh * stride_kh + d[None, :]
         tile_mask = k_mask[:, None] & d_mask[None, :]
         m_i, l_i, acc = online_softmax_tile(q, k_ptr + offs, v_ptr + offs, tile_mask,
-                                            score_mask, m_i, l_i, acc, qk_scale, softcap, DOT_PRECISION, UPCAST,
-                                            HAS_SOFTCAP)
+                                            score_mask, m_i, l_i, acc, qk_scale, softcap,
+                                            DOT_PRECISION, UPCAST, HAS_SOFTCAP)
     # Padding rows past q_len may see no key inside a window: 1, not 0 / 0 (they are not stored).
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
