@@ -34,6 +34,9 @@ from tpserve.models.spec import model_spec
 WINDOW = 8
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2],
             "long_factor": [3.0, 4.5, 6.0, 9.0]}
+# A rotary base per layer type, linear scaling on the full layers.
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}
 # name: (factory arch, overrides with the window, overrides that widen every window)
 CASES = {
     "mistral": ("mistral", dict(sliding_window=WINDOW), dict(sliding_window=None)),
@@ -50,14 +53,10 @@ CASES = {
                dict(sliding_window=512, attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
                     query_pre_attn_scalar=24)),
     "gemma3": ("gemma3", dict(num_hidden_layers=3, sliding_window=WINDOW, final_logit_softcapping=5.0,
-                              query_pre_attn_scalar=24, rope_parameters={
-                                  "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                  "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}},
+                              query_pre_attn_scalar=24, rope_parameters=GEMMA3_ROPE,
                               layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
                dict(num_hidden_layers=3, sliding_window=512, final_logit_softcapping=5.0,
-                    query_pre_attn_scalar=24, rope_parameters={
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}},
+                    query_pre_attn_scalar=24, rope_parameters=GEMMA3_ROPE,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 PROMPTS = [list(range(20, 47)), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3, 4]]
@@ -206,13 +205,15 @@ def _multimodal_checkpoint(src, dst, new_names: bool):
             tensors[("model.language_model." if new_names else "language_model.model.") + tail] = t
     vision = "model.vision_tower." if new_names else "vision_tower."
     tensors[vision + "vision_model.embeddings.patch_embedding.weight"] = torch.zeros(32, 3, 14, 14)
-    tensors[("model." if new_names else "") + "multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 64)
+    projector = ("model." if new_names else "") + "multi_modal_projector.mm_input_projection_weight"
+    tensors[projector] = torch.zeros(32, 64)
     save_file(tensors, dst / "model.safetensors")
     return dst
 
 
 @pytest.mark.parametrize("new_names", [False, True])
-def test_gemma3_multimodal_checkpoint_runs_its_text_tower(tiny_models_root, tmp_path, new_names):  # noqa: F811
+def test_gemma3_multimodal_checkpoint_runs_its_text_tower(tiny_models_root, tmp_path,  # noqa: F811
+                                                          new_names):
     src = model_path(tiny_models_root, "gemma3")
     path = _multimodal_checkpoint(src, tmp_path / "mm", new_names)
     spec = model_spec(load_config(path))

@@ -1,4 +1,5 @@
-"""Tensor-parallel decoder models (Qwen3, Llama, Qwen2) and their safetensors loader.
+"""Tensor-parallel decoder models (Qwen3, Llama, Qwen2, their mixtures of experts, Mistral, Phi-3,
+SmolLM3, Gemma 2 and Gemma 3) and their safetensors loader.
 
 Public entry points: :func:`load_model` builds this rank's shard from a checkpoint directory;
 :class:`TPContext` names the rank and process group. See decoder.py for the model API the runner

@@ -99,7 +99,8 @@ class DecoderLayer(nn.Module):
             setattr(self, spec.moe_module, SparseMoeBlock(spec, tp, expert_parallel))
         else:
             self.feed_forward_name = "mlp"
-            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp, bias=spec.mlp_bias, act=spec.hidden_act)
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp, bias=spec.mlp_bias,
+                           act=spec.hidden_act)
 
     @property
     def feed_forward(self) -> nn.Module:

@@ -180,7 +180,8 @@ def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
 
 def _check_rows(key: str, tensor: torch.Tensor, rows: int) -> None:
     if tensor.dim() < 1 or tensor.shape[0] != rows:
-        raise CheckpointError(f"{key}: expected {rows} rows (a fused tensor), got shape {tuple(tensor.shape)}")
+        raise CheckpointError(f"{key}: expected {rows} rows (a fused tensor), "
+                              f"got shape {tuple(tensor.shape)}")
 
 
 @contextmanager

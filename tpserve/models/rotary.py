@@ -15,10 +15,11 @@ rotates every row of the step with the long factors, otherwise with the short on
 cached keep the rotation they were stored with. (transformers' ``generate`` also drops a
 sequence's cache and recomputes it with the long factors when the sequence first passes that
 length; tpserve does not, so a sequence that crosses it while decoding, a prompt past it whose
-first prefill chunk is not, or a prefix-cache hit across it, keeps short-factor keys.) The table holds both sets, the long one at rows
-``[max_position, 2 * max_position)``; :meth:`RotaryEmbedding.table_positions` maps positions to
-rows. With a partial rotary dimension (Phi's ``partial_rotary_factor``) only the first
-``rotary_dim`` features of a head are rotated; the rest pass through.
+first prefill chunk is not, or a prefix-cache hit across it, keeps short-factor keys.) The
+table holds both sets, the long one at rows ``[max_position, 2 * max_position)``;
+:meth:`RotaryEmbedding.table_positions` maps positions to rows. With a partial rotary dimension
+(Phi's ``partial_rotary_factor``) only the first ``rotary_dim`` features of a head are rotated;
+the rest pass through.
 """
 from __future__ import annotations
 
@@ -153,7 +154,8 @@ class NoRotary(nn.Module):
 
     rotary_dim = 0
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
 

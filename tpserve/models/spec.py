@@ -326,10 +326,11 @@ def _gemma_fields(config, arch: str) -> dict:
         return {}
     act = getattr(config, "hidden_activation", None)
     if act != "gelu_pytorch_tanh":
-        raise UnsupportedModelError("hidden_activation", f"{act!r} is not supported; supported: 'gelu_pytorch_tanh'")
+        raise UnsupportedModelError("hidden_activation",
+                                    f"{act!r} is not supported; supported: 'gelu_pytorch_tanh'")
     if getattr(config, "use_bidirectional_attention", None):
-        raise UnsupportedModelError("use_bidirectional_attention", "bidirectional attention is not supported; "
-                                                                   "must be false")
+        raise UnsupportedModelError("use_bidirectional_attention",
+                                    "bidirectional attention is not supported; must be false")
     attn_cap = _optional_cap(config, "attn_logit_softcapping")
     if attn_cap is not None and arch != "Gemma2ForCausalLM":
         # transformers' Gemma 3 attention never applies it: refused rather than guessed.
@@ -390,8 +391,8 @@ def model_spec(config) -> ModelSpec:
         theta, scaling, rotary_factor = _rope(config, partial_rotary=arch == "Phi3ForCausalLM")
     rotary_dim = int(head_dim * rotary_factor)
     if rotary_dim % 2 or rotary_dim < 2:
-        raise UnsupportedModelError("partial_rotary_factor", f"head_dim {head_dim} x {rotary_factor} must give "
-                                                             f"an even rotary dimension, got {rotary_dim}")
+        raise UnsupportedModelError("partial_rotary_factor", f"head_dim {head_dim} x {rotary_factor} must "
+                                                             f"give an even rotary dimension, got {rotary_dim}")
     attention_bias = bool(getattr(config, "attention_bias", False))
     num_layers = _positive_int(config, "num_hidden_layers")
     max_pos = _positive_int(config, "max_position_embeddings")
