@@ -97,8 +97,9 @@ def test_docs_links_resolve():
 
 CONTRACTS = ("tpserve.config", "tpserve.spec_config", "tpserve.quantization", "tpserve.errors",
              "tpserve.limits", "tpserve.sampling", "tpserve.request", "tpserve.plan", "tpserve.sample_plan",
-             "tpserve.outputs", "tpserve.procs", "tpserve.tokenizer", "tpserve.gguf_file")
-SCHEDULER_SIDE = ("tpserve.blockpool", "tpserve.grammar", "tpserve.scheduler")
+             "tpserve.outputs", "tpserve.procs", "tpserve.tokenizer", "tpserve.gguf_file",
+             "tpserve.kv_tiers.files", "tpserve.kv_tiers.connector")
+SCHEDULER_SIDE = ("tpserve.blockpool", "tpserve.grammar", "tpserve.scheduler", "tpserve.kv_tiers.index")
 ENGINE = ("tpserve.engine", "tpserve.llm", "tpserve.launch")
 ABOVE_ENGINE = ("tpserve.server", "tpserve.fronts", "tpserve.client", "tpserve.cli")
 DEVICE = ("torch", "triton", "tpserve.kernels", "tpserve.models", "tpserve.workers")
@@ -108,6 +109,7 @@ FORBIDDEN = {
     "tpserve.blockpool": DEVICE + ENGINE + ABOVE_ENGINE + ("tpserve.scheduler", "tpserve.grammar"),
     "tpserve.grammar": DEVICE + ENGINE + ABOVE_ENGINE + ("tpserve.scheduler", "tpserve.blockpool"),
     "tpserve.scheduler": DEVICE + ENGINE + ABOVE_ENGINE,
+    "tpserve.kv_tiers.index": DEVICE + ENGINE + ABOVE_ENGINE + ("tpserve.scheduler", "tpserve.grammar"),
     "tpserve.kernels": SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE + ("tpserve.models", "tpserve.workers"),
     "tpserve.models": SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE + ("tpserve.workers",),
     "tpserve.workers": SCHEDULER_SIDE + ENGINE + ABOVE_ENGINE,

@@ -35,7 +35,7 @@ from tpserve.kernels import cpu_extension
 from tpserve.outputs import EngineOutput, TokenLogprobs
 from tpserve.pooling import (MAX_POOLING_INPUTS, PoolingParams, finish_embedding, finish_scores,
                              is_sequence_classifier, resolve_score_tokens, wrong_runner)
-from tpserve.kv_tiers import KVTierIndex
+from tpserve.kv_tiers.index import KVTierIndex
 from tpserve.plan import Command, StepPlan
 from tpserve.request import rest_of_context
 from tpserve.limits import (MAX_PROMPT_TOKENS, MAX_SEED, check_priority, check_prompt_shape, check_request,

@@ -33,6 +33,7 @@ from __future__ import annotations
 MEDIUM_POOL = "GPU"      # vLLM's name for the engine's KV pool (on CPU too)
 MEDIUM_HOST = "CPU"      # the host-RAM tier
 MEDIUM_DISK = "STORAGE"  # the disk tier
+HOST, DISK = 0, 1  # where a load command's block comes from, as the plan carries it
 
 
 class KVConnectorScheduler:

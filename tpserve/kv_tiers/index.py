@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from tpserve.blockpool.kv_events import BlockRemoved, BlockStored
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 from tpserve.kv_tiers import files
-from tpserve.kv_tiers.connector import MEDIUM_DISK, MEDIUM_HOST, KVConnectorScheduler
+from tpserve.kv_tiers.connector import DISK, HOST, MEDIUM_DISK, MEDIUM_HOST, KVConnectorScheduler
 
 log = logging.getLogger("tpserve.kv_tiers")
 
-HOST, DISK = 0, 1  # a load item's source, as the plan carries it
 _TIER_NAMES = ("host", "disk")
 
 

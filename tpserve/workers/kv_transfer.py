@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve.kv_tiers import files
-from tpserve.kv_tiers.connector import KVConnectorWorker
-from tpserve.kv_tiers.index import DISK
+from tpserve.kv_tiers.connector import DISK, KVConnectorWorker
 
 log = logging.getLogger("tpserve.kv_tiers")
 
