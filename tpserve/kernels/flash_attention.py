@@ -13,6 +13,13 @@ flash-attn aligns its causal mask to the bottom-right corner when a sequence has
 queries than keys, which is exactly tpserve's "new tokens are the last ones" rule. Its paged
 KV cache needs pages (our blocks) of a multiple of 256 tokens, and it computes in fp16/bf16
 only.
+
+A layer's options (attention_options.py) map onto flash-attn's arguments: a sliding window W is
+``window_size=(W - 1, 0)`` (W - 1 keys to the left of the query's own, none to the right, on the
+same bottom-right-aligned diagonal), a soft-cap is ``softcap`` (applied to the scaled scores, as
+Gemma 2's). flash-attn 2 has no sinks: the call also returns each row's log-sum-exp (``lse``) of
+its scores, and the output is rescaled by ``e^lse / (e^lse + e^sink) = sigmoid(lse - sink)``,
+which is the softmax with the sink's term in its denominator (element-wise, no host sync).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ class FlashAttention(AttentionBackend):
 
     name = "flash"
     supports_cuda_graphs = True
+    options = frozenset({"window", "sinks", "softcap"})
 
     def __init__(self, block_size: int = 256):
         super().__init__(block_size)
@@ -49,18 +57,51 @@ class FlashAttention(AttentionBackend):
             raise ValueError(f"q: the flash backend computes in float16/bfloat16, got {q.dtype}; "
                              "use the triton or torch backend for this dtype")
         fa = self._lib()
+        extra = flash_options(opts)
+        sinks = opts.sinks
+        # With sinks, the rows' log-sum-exp too: varlen returns (out, softmax_lse [Hq, T], probs).
+        varlen_extra = {**extra, "return_attn_probs": True} if sinks is not None else extra
         if k_cache is None or (meta.is_prefill and not meta.has_context):
             # The keys are exactly the new tokens: cu_seqlens_k == cu_seqlens_q.
-            return fa.flash_attn_varlen_func(
+            out = fa.flash_attn_varlen_func(
                 q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_q,
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_q,
-                softmax_scale=scale, causal=True)
+                softmax_scale=scale, causal=True, **varlen_extra)
+            return out if sinks is None else _sink_varlen(out, sinks)
         if not meta.is_prefill:
             out = fa.flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                block_table=meta.block_tables, softmax_scale=scale, causal=True)
-            return out.squeeze(1)
-        return fa.flash_attn_varlen_func(
+                block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                **({**extra, "return_softmax_lse": True} if sinks is not None else extra))
+            if sinks is None:
+                return out.squeeze(1)
+            out, lse = out  # [B, 1, Hq, D], [B, Hq, 1]
+            return _rescale(out.squeeze(1), lse[:, :, 0], sinks)
+        out = fa.flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
-            causal=True, block_table=meta.block_tables)
+            causal=True, block_table=meta.block_tables, **varlen_extra)
+        return out if sinks is None else _sink_varlen(out, sinks)
+
+
+def flash_options(opts: AttentionOptions) -> dict:
+    """flash-attn keyword arguments for a layer's options (none for plain attention, so a
+    flash-attn without them still runs plain models)."""
+    extra = {}
+    if opts.window is not None:
+        extra["window_size"] = (opts.window - 1, 0)
+    if opts.softcap is not None:
+        extra["softcap"] = opts.softcap
+    return extra
+
+
+def _sink_varlen(result, sinks: torch.Tensor) -> torch.Tensor:
+    out, lse = result[0], result[1]  # [T, Hq, D], [Hq, T]
+    return _rescale(out, lse.transpose(0, 1), sinks)
+
+
+def _rescale(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """out [T, Hq, D] of a softmax without sinks, lse [T, Hq] its rows' log-sum-exp: the output
+    with each head's sink in the denominator."""
+    factor = torch.sigmoid(lse.float() - sinks.float()[None, :])
+    return (out.float() * factor[:, :, None]).to(out.dtype)
