@@ -25,7 +25,7 @@ from test_models_tp import gloo_group, run_two_ranks
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.kernels import cpu_extension
-from tpserve.models import UnsupportedModelError
+from tpserve.models import CheckpointError, UnsupportedModelError
 from tpserve.models.fused_decode import why_not_fused
 from tpserve.models.loader import load_config
 from tpserve.models.packed_gemm import prepack_model
@@ -167,9 +167,10 @@ def _tp_worker(rank: int, store: str, cases: list, out_dir: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_tp2_matches_transformers(tiny_models_root, tmp_path):  # noqa: F811
-    """Soft-capped logits gathered to rank 0; Phi-3's fused tensors split, then sharded."""
+    """Soft-capped logits gathered to rank 0; Phi-3's fused tensors split, then sharded; Gemma 3's
+    q/k norms and two rotary tables on each rank's heads."""
     cases, expected = [], {}
-    for name in ("gemma2", "phi3"):
+    for name in ("gemma2", "phi3", "gemma3"):
         path = model_path(tiny_models_root, name)
         prompts = random_prompts([21, 9, 3], 384, seed=2)
         expected[name], decode = reference_prefill_then_decode(path, prompts, 4)
@@ -260,6 +261,20 @@ def test_unsupported_fields_are_refused_by_name(tiny_models_root, tmp_path, case
     with pytest.raises((UnsupportedModelError, ValueError)) as err:
         tpserve_model(path)
     assert field in str(err.value)
+
+
+def test_a_misshaped_fused_tensor_is_reported_by_name(tiny_models_root, tmp_path):  # noqa: F811
+    src = model_path(tiny_models_root, "phi3")
+    dst = tmp_path / "m"
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    key = "model.layers.1.self_attn.qkv_proj.weight"
+    assert tensors[key].shape == (16 * 8, 64)  # q: 4 heads, k and v: 2 heads each, of 16
+    tensors[key] = tensors[key][:-16]
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{key}: expected 128 rows"):
+        tpserve_model(dst)
 
 
 def test_partial_rotary_is_refused_outside_phi3(tiny_models_root, tmp_path):  # noqa: F811
