@@ -153,7 +153,8 @@ class StepPlan:
     # knows it: B for a decode plan. -1: not stated (runners count them from cu_seqlens_q).
     # num_decodes == T == S means every row is sampled, in order (logits_indices is arange(T)).
     num_decodes: int = -1
-    # Free-form scalars for control commands (e.g. a profile output path).
+    # Free-form values for control commands (e.g. a profile output path); a STEP plan may carry
+    # the KV tiers' commands under "kv" (tpserve/kv_tiers/connector.py), run before its forward.
     args: dict = field(default_factory=dict)
     input_ids: np.ndarray = field(default_factory=lambda: _empty("input_ids"))
     positions: np.ndarray = field(default_factory=lambda: _empty("positions"))

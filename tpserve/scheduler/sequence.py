@@ -3,8 +3,10 @@
 Life cycle::
 
     WAITING --admit (blocks allocated)--> RUNNING --finish/abort--> FINISHED
-       ^                                     |
-       +--------- preempt (blocks freed) ----+
+       |  ^                                  |  ^
+       |  +------ preempt (blocks freed) ----+  |
+       +--admit, prefix in a KV tier--> LOADING-+  (loaded: admitted; finish/abort: its
+                                                    blocks freed once the load is done)
 
 Token accounting, with ``len(seq)`` counting prompt plus sampled tokens:
 
