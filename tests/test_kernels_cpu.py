@@ -289,6 +289,11 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
         _, out, ref = backend_vs_reference(get_backend("cpu", "cpu", 16), ctx, new, is_prefill=pre,
                                            num_heads=8, num_kv_heads=2, head_dim=d, dtype=dtype)
         assert (out.double() - ref).abs().max() <= tol, (dtype, ctx, new, d)
+    for ctx, new, pre in (([0, 5, 300], [1, 1, 1], False), ([30, 0], [37, 70], True)):  # window, sinks, cap
+        _, out, ref = backend_vs_reference(get_backend("cpu", "cpu", 16), ctx, new, is_prefill=pre,
+                                           num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, window=21,
+                                           sinks=torch.linspace(-1.0, 1.0, 8), softcap=2.0)
+        assert (out.double() - ref).abs().max() <= tol, (dtype, ctx, new, "options")
     x = torch.randn(5, 1000).to(dtype)
     assert torch.equal(argmax_rows(x), x.float().argmax(-1))
     h = torch.randn(7, 512).to(dtype)
