@@ -333,3 +333,17 @@ def test_status_and_metrics_show_every_tier(model, tmp_path):
     rows = {label: keys for label, keys, _ in _STATUS_LINES}
     for label, tier in (("KV host tier", "host"), ("KV disk tier", "disk")):
         assert all(k in stats for k in rows[label]) and f"kv_offload_{tier}_corrupt" in rows[label]
+
+
+@pytest.mark.parametrize("args,env,option,reason", [
+    (["--kv-offload-host-gb", "-1"], {}, "--kv-offload-host-gb", "must be a number of GiB >= 0"),
+    (["--kv-offload-dir", "/tmp", "--kv-offload-disk-gb", "0"], {}, "--kv-offload-disk-gb", "must be > 0"),
+    (["--no-prefix-caching"], {"TPSERVE_KV_OFFLOAD_HOST_GB": "1"}, "--kv-offload-host-gb",
+     "need the prefix cache on"),
+])
+def test_the_cli_names_a_bad_tier_option(args, env, option, reason):
+    from click.testing import CliRunner
+    from tpserve.cli.main import main
+    result = CliRunner().invoke(main, ["serve", *args], env=env)
+    assert result.exit_code == 2
+    assert option in result.output and reason in result.output
