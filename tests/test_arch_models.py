@@ -5,9 +5,10 @@ the prompts and generations, so every window edge is crossed.
 Each model: one batched prefill and decode steps through a paged cache give transformers' logits;
 greedy generation through the engine gives transformers' tokens at block sizes 16 and 1 (and
 transformers' own tokens change when the window is widened, so the equality depends on it).
-Gemma 3 also under forced preemption, Gemma 2 and Phi-3 at TP=2 over two processes, Phi-3's
-LongRoPE both below and past ``original_max_position_embeddings``. Config fields tpserve does not
-run are refused by name.
+Gemma 3 also under forced preemption, Gemma 2, Phi-3 and Gemma 3 at TP=2 over two processes.
+Phi-3's LongRoPE switches to its long factors at ``original_max_position_embeddings`` token by
+token, so its reference is transformers fed one token per pass, and chunked prefill and
+preemption give the same tokens. Config fields tpserve does not run are refused by name.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
-from test_models import (ATOL, BACKENDS, RTOL, PagedKV, random_prompts, reference_prefill_then_decode,
-                         run_prefill_then_decode, tpserve_model)
+from test_models import (ATOL, BACKENDS, RTOL, HFSequence, PagedKV, hf_model, random_prompts,
+                         reference_prefill_then_decode, run_prefill_then_decode, tpserve_model)
 from test_models_tp import gloo_group, run_two_ranks
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
@@ -59,11 +60,9 @@ CASES = {
                     query_pre_attn_scalar=24, rope_parameters=GEMMA3_ROPE,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
+# For Phi-3 (LongRoPE's original length 24): one prompt past it, one that crosses it while
+# generating, one that stays below it.
 PROMPTS = [list(range(20, 47)), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3, 4]]
-# Phi-3: two prompts past LongRoPE's original length (24) and one that stays below it: transformers'
-# generate recomputes a sequence's cache when it first passes that length, which tpserve does not
-# (rotary.py), so no sequence crosses it while generating here.
-PHI3_PROMPTS = [list(range(20, 47)), list(range(60, 90)), [100, 3, 4]]
 MAX_TOKENS = 20
 
 
@@ -80,6 +79,31 @@ def hf_greedy(path, prompts, max_tokens=MAX_TOKENS):
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
+def hf_stepwise(path, prompts, num_steps):
+    """transformers' logits and greedy tokens with every token fed in a pass of its own (prompts
+    too): LongRoPE's factors then follow each token's position, as tpserve rotates (rotary.py),
+    rather than the longest position of a pass as ``generate`` makes them.
+
+    Returns ``(logits per forward [prefill rows, then one row per sequence per step], tokens)``."""
+    seqs = [HFSequence(hf_model(path)) for _ in prompts]
+    prefill = [torch.cat([s.feed([t]) for t in p]) for s, p in zip(seqs, prompts)]
+    results, last, tokens = [torch.cat(prefill)], [lg[-1] for lg in prefill], []
+    for _ in range(num_steps):
+        row = [int(lg.argmax()) for lg in last]
+        tokens.append(row)
+        last = [s.feed([t])[-1] for s, t in zip(seqs, row)]
+        results.append(torch.stack(last))
+    return results, tokens
+
+
+def reference_greedy(name, path, prompts, max_tokens=MAX_TOKENS):
+    """transformers' greedy tokens: ``generate``'s, or for Phi-3 the token-by-token passes'."""
+    if name != "phi3":
+        return hf_greedy(path, prompts, max_tokens)
+    _, tokens = hf_stepwise(path, prompts, max_tokens)
+    return [list(seq) for seq in zip(*tokens)]
+
+
 def generate(path, prompts, max_tokens=MAX_TOKENS, **options):
     options.setdefault("dtype", "float32")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -93,11 +117,10 @@ def arch_model(request, tiny_models_root):  # noqa: F811
     """(name, path, prompts, transformers' greedy tokens); the tokens change when the windows widen."""
     name = request.param
     path = model_path(tiny_models_root, name)
-    prompts = PHI3_PROMPTS if name == "phi3" else PROMPTS
-    ref = hf_greedy(path, prompts)
-    wide = hf_greedy(model_path(tiny_models_root, name, wide=True), prompts)
+    ref = reference_greedy(name, path, PROMPTS)
+    wide = reference_greedy(name, model_path(tiny_models_root, name, wide=True), PROMPTS)
     assert wide != ref, f"{name}: transformers' output does not depend on the window"
-    return name, path, prompts, ref
+    return name, path, PROMPTS, ref
 
 
 def test_spec_describes_the_layers(tiny_models_root):  # noqa: F811
@@ -144,18 +167,33 @@ def test_preemption_keeps_greedy_output(tiny_models_root):  # noqa: F811
     assert got == ref
 
 
-def test_longrope_switches_factors_past_the_original_length(tiny_models_root):  # noqa: F811
-    """Sequences of 20 and 30 tokens (original length 24): one starts short and crosses to the long
-    factors while decoding, the other is long from its prefill; both as transformers rotates."""
+def test_longrope_switches_factors_at_the_original_length(tiny_models_root):  # noqa: F811
+    """Sequences of 20 and 30 tokens (original length 24): one crosses to the long factors while
+    decoding, the other within its prefill; each token as transformers rotates it in a pass of its
+    own. A whole-prompt pass of transformers (long factors for all 30) differs."""
     path = model_path(tiny_models_root, "phi3")
     model = tpserve_model(path)
     rotary = model.model.rotary
-    assert rotary.long_after == 24 and rotary.cos.shape == (2 * 256, 4)
+    assert rotary.long_from == 24 and rotary.cos.shape == (256, 4)
     prompts = random_prompts([20, 30], 384, seed=4)
-    want, decode = reference_prefill_then_decode(path, prompts, 8)
+    want, decode = hf_stepwise(path, prompts, 8)
     got = run_prefill_then_decode(model, prompts, decode)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+    whole_pass, _ = reference_prefill_then_decode(path, prompts, 0)
+    assert not torch.allclose(whole_pass[0][20:], want[0][20:], atol=1e-2)
+
+
+def test_longrope_output_does_not_depend_on_the_schedule(tiny_models_root):  # noqa: F811
+    """Chunks of 8 tokens (a prompt's chunks on both sides of the original length), and
+    preemption: the same tokens as one pass per token."""
+    path = model_path(tiny_models_root, "phi3")
+    ref = reference_greedy("phi3", path, PROMPTS)
+    chunked, _ = generate(path, PROMPTS, max_num_batched_tokens=8, block_size=16, num_kv_blocks=64)
+    assert chunked == ref
+    preempted, stats = generate(path, PROMPTS, block_size=4, num_kv_blocks=14)
+    assert stats["num_preemptions"] > 0
+    assert preempted == ref
 
 
 def _tp_worker(rank: int, store: str, cases: list, out_dir: str) -> None:
@@ -310,5 +348,5 @@ def test_fused_decode_refuses_layers_it_cannot_run_and_runs_longrope(tiny_models
         runs.append(out)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    want, _ = reference_prefill_then_decode(path, prompts, 0)
+    want, _ = hf_stepwise(path, prompts, 0)
     torch.testing.assert_close(runs[0][0], want[0], atol=ATOL, rtol=RTOL)

@@ -149,7 +149,6 @@ class DecoderModel(nn.Module):
         self.norm = (GemmaRMSNorm if spec.gemma_norms else RMSNorm)(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``positions``: rotary table rows (:meth:`RotaryEmbedding.table_positions`)."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=torch.float32).to(hidden.dtype)
@@ -211,7 +210,6 @@ class CausalLM(nn.Module):
 
         Identical on every rank (the last op of each layer is an all-reduce).
         """
-        positions = self.model.rotary.table_positions(positions, meta)
         if self.fused_decode is not None and not meta.is_prefill:
             return self.fused_decode(input_ids, positions, meta)
         return self.model(input_ids, positions, meta)

@@ -9,17 +9,16 @@ Supported ``rope_type``: "default" (plain ``rope_theta``), "linear" (positions d
 ``high_freq_factor``, ``original_max_position_embeddings``) and "longrope" (Phi-3: per-frequency
 ``short_factor`` / ``long_factor`` divisors, cos/sin scaled by ``attention_factor``).
 
-LongRoPE picks its factors per forward pass, as transformers' Phi-3 forward does: a sequence
-whose length at this step (its largest position + 1) exceeds ``original_max_position_embeddings``
-rotates every row of the step with the long factors, otherwise with the short ones; keys already
-cached keep the rotation they were stored with. (transformers' ``generate`` also drops a
-sequence's cache and recomputes it with the long factors when the sequence first passes that
-length; tpserve does not, so a sequence that crosses it while decoding, a prompt past it whose
-first prefill chunk is not, or a prefix-cache hit across it, keeps short-factor keys.) The
-table holds both sets, the long one at rows ``[max_position, 2 * max_position)``;
-:meth:`RotaryEmbedding.table_positions` maps positions to rows. With a partial rotary dimension
-(Phi's ``partial_rotary_factor``) only the first ``rotary_dim`` features of a head are rotated;
-the rest pass through.
+LongRoPE rotates a token at position p with the short factors while p <
+``original_max_position_embeddings`` and with the long ones from there on: the table's rows
+switch at that position. That is transformers' Phi-3 forward fed one token at a time (its
+factors follow the largest position of the pass) and keeps every cached key a function of its
+position and prefix alone, so output does not depend on chunking, preemption or prefix-cache
+hits. transformers' ``generate`` instead rotates a whole pass with the long factors once the
+sequence is longer than that, and recomputes the cache with them when a sequence first crosses
+it; beyond ``original_max_position_embeddings`` tokens the two differ. With a partial rotary
+dimension (Phi's ``partial_rotary_factor``) only the first ``rotary_dim`` features of a head are
+rotated; the rest pass through.
 """
 from __future__ import annotations
 
@@ -99,14 +98,14 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.max_position = max_position
         positions = torch.arange(max_position, dtype=torch.float32)[:, None]
-        # LongRoPE: sequences longer than this use the long factors (rows offset by max_position).
-        self.long_after: int | None = None
+        # LongRoPE: positions from here on rotate with the long factors.
+        self.long_from: int | None = None
         if (scaling or {}).get("rope_type") == "longrope":
-            self.long_after = int(_require(scaling, "original_max_position_embeddings", "longrope"))
+            self.long_from = int(_require(scaling, "original_max_position_embeddings", "longrope"))
             mscale = longrope_attention_factor(scaling, max_position)
-            tables = [positions * rope_inv_freq(self.rotary_dim, base, scaling, long=long)[None, :]
-                      for long in (False, True)]
-            freqs = torch.cat(tables)
+            short, long = (positions * rope_inv_freq(self.rotary_dim, base, scaling, long=flag)[None, :]
+                           for flag in (False, True))
+            freqs = torch.cat((short[:self.long_from], long[self.long_from:]))
             cos, sin = freqs.cos() * mscale, freqs.sin() * mscale
         else:
             freqs = positions * rope_inv_freq(self.rotary_dim, base, scaling)[None, :]
@@ -114,16 +113,6 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from config, never part of a checkpoint.
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-
-    def table_positions(self, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The table rows of flat ``positions`` in a step described by ``meta``: the positions
-        themselves, or with LongRoPE the long factors' rows for sequences past the original length."""
-        if self.long_after is None:
-            return positions
-        q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-        seq_len = torch.repeat_interleave(meta.context_lens.to(positions.device), q_lens.to(positions.device),
-                                          output_size=positions.shape[0])
-        return positions + (seq_len > self.long_after).to(positions.dtype) * self.max_position
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> rotated ``(q, k)``.
