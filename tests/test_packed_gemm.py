@@ -91,6 +91,53 @@ def test_bf16_rows_across_tile_boundaries():
         assert torch.equal(packed.matmul(x[70 - m:], bias), together[70 - m:]), m
 
 
+AMX_CHECK = r"""
+import sys
+import torch
+from tpserve.kernels import cpu_extension
+from tpserve.models import packed_gemm
+assert cpu_extension.available()
+torch.manual_seed(3)
+out = {"amx": torch.ops.tpserve_cpu.linear_amx()}
+for n, k in ((130, 192), (64, 64), (100, 96)):
+    w, b = torch.randn(n, k), torch.randn(n)
+    q, scale = packed_gemm.quantize_int8(w)
+    for m in (1, 7, 8, 17, 33, 70):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            out["int8", n, k, m, str(dtype)] = packed_gemm.pack_weight(q, packed_gemm.INT8_DYNAMIC, scale).matmul(
+                x, b.to(dtype))
+        out["bf16", n, k, m] = packed_gemm.pack_weight(w.bfloat16(), packed_gemm.BFLOAT16).matmul(
+            x.bfloat16(), b.bfloat16())
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_tile_and_vector_kernels_agree(tmp_path):
+    """Where the CPU has AMX, bf16 and int8 weights run on its tiles (TPSERVE_AMX=0: the vector
+    kernels): int8's exact sums give the same bits either way, bf16 agrees within rounding."""
+    import os
+    import subprocess
+    import sys
+    runs = {}
+    for amx in ("1", "0"):
+        path = tmp_path / f"amx{amx}.pt"
+        proc = subprocess.run([sys.executable, "-c", AMX_CHECK, str(path)], capture_output=True, text=True,
+                              env=dict(os.environ, TPSERVE_AMX=amx), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[amx] = torch.load(path)
+    assert runs["0"].pop("amx") is False
+    runs["1"].pop("amx")
+    assert runs["1"].keys() == runs["0"].keys()
+    for key, tiles in runs["1"].items():
+        vector = runs["0"][key]
+        if key[0] == "int8":
+            assert torch.equal(tiles, vector), key
+        else:
+            err = ((tiles.float() - vector.float()).abs().max() / vector.float().abs().max()).item()
+            assert err < 8e-3, key
+
+
 def test_quantize_int8_is_symmetric_per_channel():
     w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.03]])
     q, scale = packed_gemm.quantize_int8(w)

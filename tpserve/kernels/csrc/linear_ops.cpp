@@ -324,6 +324,57 @@ inline void store_row(T* dst, const vfl* v, int64_t valid) {
   for (int64_t j = 0; j < valid; ++j) dst[j] = from_f<T>(buf[j]);
 }
 
+// What a panel's sums become: int8 kinds' channel scales (kInt8Dynamic: less the +128
+// compensation, times the row's scale), the bias, then the output's rounding. Shared by the
+// vector and the tile kernels, so both end a row with the same operations.
+template <typename T>
+struct Epilogue {
+  vfl scale[4], comp[4], bias[4];
+  bool scaled, compensate, has_bias, dynamic;
+  int64_t n0, valid;
+
+  Epilogue(const PackedLinear& w, int64_t p)
+      : scaled(w.kind == kInt8 || w.kind == kInt8Dynamic),
+        compensate(w.kind == kInt8Dynamic && kInt8Path == 2),
+        has_bias(w.bias.has_value()),
+        dynamic(w.kind == kInt8Dynamic),
+        n0(p * kPanel),
+        valid(std::min(kPanel, w.n - p * kPanel)) {
+    if (scaled) {
+      const float* s = w.scales->data_ptr<float>() + n0;
+      for (int64_t i = 0; i < 4; ++i) scale[i] = loadl(s + i * kLanes);
+    }
+    if (compensate) {
+      const int32_t* c = w.colsum->data_ptr<int32_t>() + n0;
+      for (int64_t i = 0; i < 4; ++i) {
+        vi32l ci;
+        std::memcpy(&ci, c + i * kLanes, sizeof(ci));
+        comp[i] = __builtin_convertvector(ci, vfl) * 128.f;
+      }
+    }
+    if (has_bias) {
+      float b[kPanel] = {};
+      const T* bp = w.bias->data_ptr<T>() + n0;
+      for (int64_t j = 0; j < valid; ++j) b[j] = to_f<T>(bp[j]);
+      for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(b + i * kLanes);
+    }
+  }
+
+  // Row r's sums (the panel's 4 vectors) into out's row r. Not inlined: one copy of the code,
+  // so the compiler's contraction of its multiply-adds cannot differ between the kernels.
+  __attribute__((noinline)) void finish(const vfl (&acc)[4], const Rows& rows, int64_t r, T* out, int64_t ldo) const {
+    vfl v[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      v[i] = acc[i];
+      if (compensate) v[i] -= comp[i];
+      if (dynamic) v[i] *= rows.scales[r];
+      if (scaled) v[i] *= scale[i];
+      if (has_bias) v[i] += bias[i];
+    }
+    store_row(out + r * ldo + n0, v, valid);
+  }
+};
+
 template <typename T, int64_t TM, bool PF>
 void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T* out, int64_t ldo) {
   const int64_t K = w.k;
@@ -354,60 +405,33 @@ void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T*
                     static_cast<const int8_t*>(rows.data) + r0 * rows.ld, rows.ld, acc);
       break;
   }
-  const int64_t n0 = p * kPanel;
-  const int64_t valid = std::min(kPanel, w.n - n0);
-  vfl scale[4], comp[4], bias[4];
-  const bool scaled = w.kind == kInt8 || w.kind == kInt8Dynamic;
-  if (scaled) {
-    const float* s = w.scales->data_ptr<float>() + n0;
-    for (int64_t i = 0; i < 4; ++i) scale[i] = loadl(s + i * kLanes);
-  }
-  const bool compensate = w.kind == kInt8Dynamic && kInt8Path == 2;
-  if (compensate) {
-    const int32_t* c = w.colsum->data_ptr<int32_t>() + n0;
-    for (int64_t i = 0; i < 4; ++i) {
-      vi32l ci;
-      std::memcpy(&ci, c + i * kLanes, sizeof(ci));
-      comp[i] = __builtin_convertvector(ci, vfl) * 128.f;
-    }
-  }
-  if (w.bias.has_value()) {
-    float b[kPanel] = {};
-    const T* bp = w.bias->data_ptr<T>() + n0;
-    for (int64_t j = 0; j < valid; ++j) b[j] = to_f<T>(bp[j]);
-    for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(b + i * kLanes);
-  }
-  for (int64_t t = 0; t < TM; ++t) {
-    vfl v[4];
-    for (int64_t i = 0; i < 4; ++i) {
-      v[i] = acc[t][i];
-      if (compensate) v[i] -= comp[i];
-      if (w.kind == kInt8Dynamic) v[i] *= rows.scales[r0 + t];
-      if (scaled) v[i] *= scale[i];
-      if (w.bias.has_value()) v[i] += bias[i];
-    }
-    store_row(out + (r0 + t) * ldo + n0, v, valid);
-  }
+  const Epilogue<T> e(w, p);
+  for (int64_t t = 0; t < TM; ++t) e.finish(acc[t], rows, r0 + t, out, ldo);
 }
 
-// ---- bf16 on AMX: tiles of up to 16 rows x 16 channels, 32 input features per instruction ------
+// ---- bf16 and int8 on AMX: tiles of up to 16 rows x 16 channels --------------------------------
 //
-// With AMX-BF16 a bf16 weight runs on the tile unit instead of vdpbf16ps: one tdpbf16ps is 16 x 16
-// x 32 multiply-adds, 16x a vector instruction's work, where the vector loop is bound by its FMA
-// ports at any row count above a few. The packed layout is read as it is: a B tile is 16 pairs of
-// input features (16 rows of the tile, 256 bytes apart) by 16 output channels (64 bytes), so
-// the 4 B tiles of a panel are the 4 vectors of the vector kernels. A tiles are x's rows, 32
-// features (64 bytes) each, read in place. Every row's sum is the same sequence of tile
-// instructions whatever the row count and whichever rows share a tile (the tile unit's result for
-// a row depends on that row and the weights only), so a row's result does not depend on what shares
-// its call, as on the vector path; the two paths differ from each other in the last bits.
-// Used for every row count of a bf16 weight with K a multiple of 32, when the CPU has AMX-BF16 and
-// the kernel grants the tile state (arch_prctl); TPSERVE_AMX=0 keeps the vector path (to compare).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// With AMX a bf16 or int8-dynamic weight runs on the tile unit instead of the vector kernels: one
+// tdpbf16ps is 16 x 16 x 32 multiply-adds (tdpbusd: 16 x 16 x 64), 16x a vector instruction's
+// work, where the vector loop is bound by its FMA ports at any row count above a few. The packed
+// layout is read as it is: a B tile is 16 pairs (quads) of input features, the tile's 16 rows 256
+// bytes apart, by 16 output channels (64 bytes), so the 4 B tiles of a panel are the 4 vectors
+// of the vector kernels; A tiles are x's rows (or their int8 quantization), 64 bytes each, read in
+// place. Every row's sum is the same sequence of tile instructions whatever the row count and
+// whichever rows share a tile (the tile unit's result for a row depends on that row and the
+// weights only), so a row's result does not depend on what shares its call, as on the vector
+// path. int8 sums are exact, so they equal the vector path's bit for bit; bf16 sums differ from
+// vdpbf16ps's in the last bits. Used for a weight whose K is a multiple of the tile's depth (bf16
+// 32, int8 64) when the CPU has AMX and the kernel grants the tile state (arch_prctl): bf16 at
+// every row count, int8 from kAmxInt8Rows rows. TPSERVE_AMX=0 keeps the vector kernels (to
+// compare).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
 #define TPSERVE_AMX 1
 
-constexpr int64_t kAmxK = 32;      // input features per tile instruction
-constexpr int64_t kAmxRows = 16;   // rows of x per A tile
+constexpr int64_t kAmxRows = 16;    // rows of x per A tile
+constexpr int64_t kAmxBytes = 64;   // bytes of a tile row: 32 bf16 or 64 int8 input features
+constexpr int64_t kKStep = 256;     // bytes of a panel per pair (bf16) or quad (int8) of features
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -423,7 +447,7 @@ inline void amx_configure(int64_t m0, int64_t m1) {
   TileConfig c;
   const auto set = [&](int t, int64_t rows) {
     c.rows[t] = static_cast<uint8_t>(rows);
-    c.colsb[t] = 64;
+    c.colsb[t] = kAmxBytes;
   };
   if (m1 == 0) {
     for (int t = 0; t < 4; ++t) set(t, m0);
@@ -447,100 +471,125 @@ bool amx_granted() {
   return granted;
 }
 
-inline bool amx_runs(const PackedLinear& w) {
-  return w.kind == kBFloat16 && w.k % kAmxK == 0 && amx_granted();
+// Input features per tile step of a kind, 0 where the tiles do not run it.
+constexpr int64_t amx_depth(int64_t kind) {
+  return kind == kBFloat16 ? 32 : kind == kInt8Dynamic && kInt8Path == 2 ? 64 : 0;
 }
 
-// Rows [r, r + m) (m <= 32) of x times panel `panel` (K input features) -> c[m][kPanel] fp32.
-inline void amx_block(const uint16_t* panel, int64_t K, const uint16_t* x, int64_t ld, int64_t m,
-                      float* c) {
-  const int64_t xstride = ld * 2;
-  constexpr int64_t kPairRow = kPanel * 4;  // bytes per pair of input features in a panel
-  const char* b = reinterpret_cast<const char*>(panel);
+// int8 sums are exact on both paths, so int8 can choose by row count: below kAmxInt8Rows rows the
+// vector kernel, which prefetches the weights it streams, was ~10% faster (16 weights of 3072 x
+// 1024 at one row: 2.00 vs 2.21 ms on one thread). bf16 runs on the tiles at every row count
+// (its bits differ between the paths), and one row costs what it costs on the vector path.
+constexpr int64_t kAmxInt8Rows = 8;
+
+inline bool amx_runs(const PackedLinear& w, int64_t rows) {
+  const int64_t depth = amx_depth(w.kind);
+  return depth != 0 && w.k % depth == 0 && (w.kind != kInt8Dynamic || rows >= kAmxInt8Rows) &&
+         amx_granted();
+}
+
+// One tile multiply-add of the kind (the tile numbers must be immediates, hence a macro).
+#define TPSERVE_AMX_DOT(I8, C, A, B) \
+  do {                               \
+    if constexpr (I8) {              \
+      _tile_dpbusd(C, A, B);         \
+    } else {                         \
+      _tile_dpbf16ps(C, A, B);       \
+    }                                \
+  } while (0)
+
+// Rows [0, m) (m <= 32) of x (bytes xstride apart) times one panel of `steps` tile steps ->
+// c[m][kPanel]: fp32 sums (bf16) or int32 ones (int8).
+template <bool I8>
+inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstride, int64_t m, void* c) {
+  constexpr int64_t ldc = kPanel * 4;
+  char* cb = static_cast<char*>(c);
   if (m <= kAmxRows) {
     amx_configure(m, 0);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = 0; k < K; k += kAmxK, b += kAmxK / 2 * kPairRow) {
-      _tile_loadd(4, x + k, xstride);
-      _tile_loadd(6, b, kPairRow);
-      _tile_loadd(7, b + 64, kPairRow);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, b + 128, kPairRow);
-      _tile_loadd(7, b + 192, kPairRow);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(3, 4, 7);
+    for (int64_t s = 0; s < steps; ++s, b += 16 * kKStep, x += kAmxBytes) {
+      _tile_loadd(4, x, xstride);
+      _tile_loadd(6, b, kKStep);
+      _tile_loadd(7, b + 64, kKStep);
+      TPSERVE_AMX_DOT(I8, 0, 4, 6);
+      TPSERVE_AMX_DOT(I8, 1, 4, 7);
+      _tile_loadd(6, b + 128, kKStep);
+      _tile_loadd(7, b + 192, kKStep);
+      TPSERVE_AMX_DOT(I8, 2, 4, 6);
+      TPSERVE_AMX_DOT(I8, 3, 4, 7);
     }
-    _tile_stored(0, c, kPanel * 4);
-    _tile_stored(1, c + 16, kPanel * 4);
-    _tile_stored(2, c + 32, kPanel * 4);
-    _tile_stored(3, c + 48, kPanel * 4);
+    _tile_stored(0, cb, ldc);
+    _tile_stored(1, cb + 64, ldc);
+    _tile_stored(2, cb + 128, ldc);
+    _tile_stored(3, cb + 192, ldc);
     return;
   }
-  const int64_t m1 = m - kAmxRows;
-  amx_configure(kAmxRows, m1);
-  const uint16_t* x1 = x + kAmxRows * ld;
+  amx_configure(kAmxRows, m - kAmxRows);
   for (int64_t half = 0; half < 2; ++half) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const char* bh = b + half * 128;
-    for (int64_t k = 0; k < K; k += kAmxK, bh += kAmxK / 2 * kPairRow) {
-      _tile_loadd(4, x + k, xstride);
-      _tile_loadd(5, x1 + k, xstride);
-      _tile_loadd(6, bh, kPairRow);
-      _tile_loadd(7, bh + 64, kPairRow);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+    const char* x0 = x;
+    for (int64_t s = 0; s < steps; ++s, bh += 16 * kKStep, x0 += kAmxBytes) {
+      _tile_loadd(4, x0, xstride);
+      _tile_loadd(5, x0 + kAmxRows * xstride, xstride);
+      _tile_loadd(6, bh, kKStep);
+      _tile_loadd(7, bh + 64, kKStep);
+      TPSERVE_AMX_DOT(I8, 0, 4, 6);
+      TPSERVE_AMX_DOT(I8, 1, 4, 7);
+      TPSERVE_AMX_DOT(I8, 2, 5, 6);
+      TPSERVE_AMX_DOT(I8, 3, 5, 7);
     }
-    float* ch = c + half * 32;
-    _tile_stored(0, ch, kPanel * 4);
-    _tile_stored(1, ch + 16, kPanel * 4);
-    _tile_stored(2, ch + kAmxRows * kPanel, kPanel * 4);
-    _tile_stored(3, ch + kAmxRows * kPanel + 16, kPanel * 4);
+    char* ch = cb + half * 128;
+    _tile_stored(0, ch, ldc);
+    _tile_stored(1, ch + 64, ldc);
+    _tile_stored(2, ch + kAmxRows * ldc, ldc);
+    _tile_stored(3, ch + kAmxRows * ldc + 64, ldc);
   }
 }
 
-// Rows [r0, r1) times panel p on the tile unit, with run_tile's epilogue (bias, rounding).
+// Rows [r0, r1) times panel p on the tile unit, ended by the vector kernels' epilogue.
 template <typename T>
 void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
                   int64_t ldo) {
-  const int64_t K = w.k;
-  const auto* panel = reinterpret_cast<const uint16_t*>(static_cast<const char*>(w.data.data_ptr()) +
-                                                        p * K * bytes_per_k(w.kind));
-  const int64_t n0 = p * kPanel;
-  const int64_t valid = std::min(kPanel, w.n - n0);
-  vfl bias[4];
-  if (w.bias.has_value()) {
-    float bv[kPanel] = {};
-    const T* bp = w.bias->data_ptr<T>() + n0;
-    for (int64_t j = 0; j < valid; ++j) bv[j] = to_f<T>(bp[j]);
-    for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(bv + i * kLanes);
-  }
+  const bool i8 = w.kind == kInt8Dynamic;
+  const int64_t elem = i8 ? 1 : 2;  // bytes per element of x's rows
+  const char* panel = static_cast<const char*>(w.data.data_ptr()) + p * w.k * bytes_per_k(w.kind);
+  const int64_t steps = w.k / amx_depth(w.kind);
+  const Epilogue<T> e(w, p);
   alignas(64) float c[2 * kAmxRows * kPanel];
-  const auto* x = static_cast<const uint16_t*>(rows.data);
+  const char* x = static_cast<const char*>(rows.data);
   for (int64_t r = r0; r < r1; r += 2 * kAmxRows) {
     const int64_t m = std::min(2 * kAmxRows, r1 - r);
-    amx_block(panel, K, x + r * rows.ld, rows.ld, m, c);
+    const char* xr = x + r * rows.ld * elem;
+    if (i8) {
+      amx_block<true>(panel, steps, xr, rows.ld, m, c);
+    } else {
+      amx_block<false>(panel, steps, xr, rows.ld * 2, m, c);
+    }
     for (int64_t t = 0; t < m; ++t) {
-      vfl v[4];
+      vfl acc[4];
       for (int64_t i = 0; i < 4; ++i) {
-        v[i] = loadl(c + t * kPanel + i * kLanes);
-        if (w.bias.has_value()) v[i] += bias[i];
+        if (i8) {
+          vi32l ci;
+          std::memcpy(&ci, c + t * kPanel + i * kLanes, sizeof(ci));
+          acc[i] = __builtin_convertvector(ci, vfl);
+        } else {
+          acc[i] = loadl(c + t * kPanel + i * kLanes);
+        }
       }
-      store_row(out + (r + t) * ldo + n0, v, valid);
+      e.finish(acc, rows, r + t, out, ldo);
     }
   }
 }
 #else
 #define TPSERVE_AMX 0
-inline bool amx_runs(const PackedLinear&) { return false; }
+inline bool amx_runs(const PackedLinear&, int64_t) { return false; }
 template <typename T>
 void run_rows_amx(const PackedLinear&, const Rows&, int64_t, int64_t, int64_t, T*, int64_t) {}
 #endif
@@ -548,7 +597,7 @@ void run_rows_amx(const PackedLinear&, const Rows&, int64_t, int64_t, int64_t, T
 template <typename T>
 void run_rows(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
               int64_t ldo) {
-  if (amx_runs(w)) return run_rows_amx<T>(w, rows, p, r0, r1, out, ldo);
+  if (amx_runs(w, r1 - r0)) return run_rows_amx<T>(w, rows, p, r0, r1, out, ldo);
   // Only a block's first tile reads the panel from memory and prefetches; the others find it in
   // cache, and their loops go without the prefetches (with them, 64-row bf16 matmuls were ~8%
   // slower).
@@ -722,7 +771,7 @@ void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& data, int6
 // colsum; 0: scalar, 1: AVX2 sign trick, 2: AVX512-VNNI.
 int64_t linear_int8_path() { return kInt8Path; }
 bool linear_native_bf16() { return kNativeBf16; }
-// Whether bf16 weights (K a multiple of 32) run on the AMX tile unit (above).
+// Whether bf16 and int8-dynamic weights run on the AMX tile unit (above).
 bool linear_amx() {
 #if TPSERVE_AMX
   return amx_granted();
