@@ -214,3 +214,22 @@ def test_capacities_come_from_the_byte_budgets(bb, host_gb_blocks, cap):
     assert ix.host_capacity == cap and ix.disk_capacity == 0
     two = KVTierIndex(2, bb, int(2 * host_gb_blocks * bb), None, 0, {}, tp_size=2)
     assert two.host_capacity == cap  # each rank holds its share
+
+
+def test_a_worker_applying_the_commands_in_plan_order_holds_exactly_the_index():
+    """Saves run before drops in a plan: a hash dropped and saved again in one step must not
+    end up dropped on the worker (random evictions from a small set of blocks)."""
+    import random
+    rng = random.Random(5)
+    ix = index(host_blocks=3, disk_dir=None)
+    blocks = [[t, t + 1] for t in range(0, 16, 2)]
+    worker: set[int] = set()
+    for step in range(300):
+        for _ in range(rng.randrange(0, 4)):
+            toks = rng.choice(blocks)
+            ix.on_evict(rng.randrange(8), chain_hash(toks, -1), -1, toks)
+        meta = ix.build_connector_meta() or {}
+        worker |= {s[1] for s in meta.get("save", ()) if s[4]}
+        worker -= set(meta.get("drop_host", ()))
+        assert worker == set(ix.host), step
+        assert len(ix.host) <= 3

@@ -82,8 +82,10 @@ class KVTierIndex(KVConnectorScheduler):
         self.block_manager = None  # for its KV-event sink (attached by the scheduler)
         self._pins: dict[int, int] = {}
         self._save: list = []
-        self._drop_host: list[int] = []
-        self._drop_disk: list[int] = []
+        # Drops not yet sent, in order (dicts: a save of a hash cancels its pending drop, since
+        # the worker applies a plan's saves before its drops).
+        self._drop_host: dict[int, None] = {}
+        self._drop_disk: dict[int, None] = {}
         self._load: list = []
         self._flush = False
         self.jobs: dict[int, LoadJob] = {}
@@ -109,7 +111,7 @@ class KVTierIndex(KVConnectorScheduler):
             return
         for h in bad:
             self.counters["disk_corrupt"] += 1
-            self._drop_disk.append(h)
+            self._drop_disk[h] = None
         if bad:
             log.warning("KV disk tier: %d block file(s) of the wrong size, deleted", len(bad))
         for h in good:
@@ -242,11 +244,13 @@ class KVTierIndex(KVConnectorScheduler):
         self._save.append([block_id, block_hash, parent_hash, list(token_ids), to_host, to_disk])
         entry = _Entry(parent_hash, tuple(token_ids))
         if to_host:
+            self._drop_host.pop(block_hash, None)
             self.host[block_hash] = entry
             self.counters["host_saves"] += 1
             self._event(BlockStored([block_hash], None if parent_hash == -1 else parent_hash,
                                     list(token_ids), self.block_size, MEDIUM_HOST))
         if to_disk:
+            self._drop_disk.pop(block_hash, None)
             self.disk[block_hash] = entry
             self.counters["disk_saves"] += 1
             self._event(BlockStored([block_hash], None if parent_hash == -1 else parent_hash,
@@ -262,6 +266,7 @@ class KVTierIndex(KVConnectorScheduler):
             if h not in self.disk:
                 block = block_manager.blocks[b]
                 self._save.append([b, h, block.parent_hash, list(block.token_ids), False, True])
+                self._drop_disk.pop(h, None)
                 self.disk[h] = _Entry(block.parent_hash, tuple(block.token_ids))
                 self.counters["disk_saves"] += 1
         self._trim()
@@ -309,7 +314,7 @@ class KVTierIndex(KVConnectorScheduler):
         tier = self.host if src == HOST else self.disk
         if tier.pop(h, None) is None:
             return
-        (self._drop_host if src == HOST else self._drop_disk).append(h)
+        (self._drop_host if src == HOST else self._drop_disk)[h] = None
         self._event(BlockRemoved([h], MEDIUM_HOST if src == HOST else MEDIUM_DISK))
 
     def _trim(self) -> None:
