@@ -315,6 +315,21 @@ def test_a_misshaped_fused_tensor_is_reported_by_name(tiny_models_root, tmp_path
         tpserve_model(dst)
 
 
+def test_phi3_int8_checkpoint_splits_its_fused_scales(tiny_models_root, tmp_path):  # noqa: F811
+    """A compressed-tensors int8 Phi-3: the fused tensors' per-row scales split with their rows,
+    the same logits as the float checkpoint of the same int8 values."""
+    from test_quantization import make_compressed
+    src = model_path(tiny_models_root, "phi3")
+    int8 = make_compressed(src, tmp_path / "w8a8", "W8A8")
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale" in load_file(int8 / "model.safetensors")
+    dequantized = make_compressed(src, tmp_path / "float", "W8A8", dequantized=True)
+    prompts, decode = random_prompts([21, 9], 384, seed=1), [[5, 6], [7, 8]]
+    got = run_prefill_then_decode(tpserve_model(int8), prompts, decode)
+    want = run_prefill_then_decode(tpserve_model(dequantized), prompts, decode)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+
+
 def test_partial_rotary_is_refused_outside_phi3(tiny_models_root, tmp_path):  # noqa: F811
     path = _edited(make_tiny_model(tiny_models_root, "llama"), tmp_path / "m", partial_rotary_factor=0.5)
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):

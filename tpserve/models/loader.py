@@ -16,7 +16,8 @@ under ``block_sparse_moe``), or the fused ``<block>.experts.gate_up_proj [E, 2I,
 ``<block>.experts.down_proj [E, H, I]`` that transformers holds in memory; Mixtral's block may
 also be called ``mlp`` (transformers' in-memory name).
 
-Phi-3 checkpoints store each layer's q/k/v as one ``self_attn.qkv_proj`` tensor (rows: q, k, v)
+Phi-3 checkpoints store each layer's q/k/v as one ``self_attn.qkv_proj`` tensor (rows: q, k, v; its bias
+and int8 ``weight_scale`` rows alike)
 and gate/up as one ``mlp.gate_up_proj`` (rows: gate, up); they are split into the per-module
 names above as they are read. A ``Gemma3ForConditionalGeneration`` checkpoint's language model
 lives under ``language_model.model.`` / ``language_model.lm_head.`` (or transformers' newer
@@ -159,7 +160,7 @@ def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
                 if key.startswith(old):
                     key = new + key[len(old):]
                     break
-        if spec.fused_checkpoint and tensor is not None and key.endswith((".weight", ".bias")):
+        if spec.fused_checkpoint and tensor is not None and key.endswith((".weight", ".bias", ".weight_scale")):
             owner, _, leaf = key.rpartition(".")
             if owner.endswith(".self_attn.qkv_proj"):
                 base = owner[:-len("qkv_proj")]
