@@ -609,7 +609,8 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& cu_seq
 }
 
 // The options of paged_attention / decode_attention, checked against q's query heads.
-AttnOpts attn_opts(int64_t window, const c10::optional<at::Tensor>& sinks, double softcap, int64_t num_heads) {
+AttnOpts attn_opts(int64_t window, const c10::optional<at::Tensor>& sinks, double softcap,
+                   int64_t num_heads) {
   check_value(window >= 0, "window: expected >= 0 (0: no window)");
   check_value(softcap >= 0, "softcap: expected >= 0 (0: no soft-capping)");
   AttnOpts o{window, nullptr, static_cast<float>(softcap)};
@@ -1494,7 +1495,9 @@ struct DecodeStack : torch::CustomClassHolder {
                 "DecodeStack: no layers, final norm or embedding");
     // The blocks the widest layer reads (every block when a layer has no window).
     int64_t widest = layers[0].first.window;
-    for (const auto& l : layers) widest = l.first.window == 0 || widest == 0 ? 0 : std::max(widest, l.first.window);
+    for (const auto& l : layers) {
+      widest = l.first.window == 0 || widest == 0 ? 0 : std::max(widest, l.first.window);
+    }
     check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].first.k_cache.size(0),
                        layers[0].first.k_cache.size(1), widest);
     at::Tensor hidden = embed(input_ids);
