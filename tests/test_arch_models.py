@@ -365,3 +365,14 @@ def test_fused_decode_refuses_layers_it_cannot_run_and_runs_longrope(tiny_models
         assert torch.equal(a, b)
     want, _ = hf_stepwise(path, prompts, 0)
     torch.testing.assert_close(runs[0][0], want[0], atol=ATOL, rtol=RTOL)
+
+
+def test_a_yes_no_score_head_is_refused_over_soft_capped_logits(tiny_models_root):  # noqa: F811
+    """The pooling runner's yes/no head is two LM-head rows, a linear score; Gemma 2's capped
+    logits are not, so it is refused by the field's name (embeddings still run)."""
+    path = model_path(tiny_models_root, "gemma2")
+    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
+        LLM(str(path), runner="pooling", num_kv_blocks=64, dtype="float32",
+            pooler_config={"score_token_ids": [3, 4]})
+    with LLM(str(path), runner="pooling", num_kv_blocks=64, dtype="float32") as llm:
+        assert len(llm.embed([[5, 6, 7]])[0].outputs.embedding) == 64

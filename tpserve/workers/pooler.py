@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from tpserve.models.errors import UnsupportedModelError
 from tpserve.models.loader import checkpoint_files
 from tpserve.pooling import is_sequence_classifier, resolve_score_tokens
 from tpserve.tokenizer import load_tokenizer
@@ -102,6 +103,11 @@ def build_score_head(config, model, tp, device: torch.device) -> torch.Tensor | 
     ids = resolve_score_tokens(pooler, tokenizer, int(hf.get("vocab_size") or 0) or None)
     if ids is None:
         return None
+    if model.spec.final_logit_softcap is not None:
+        # The head is two rows of the LM head, a linear score; capped logits are not.
+        raise UnsupportedModelError("final_logit_softcapping", "a yes/no score head scores with the LM "
+                                                               "head's rows; soft-capped logits are not "
+                                                               "supported there")
     names = ("lm_head.weight", "model.embed_tokens.weight")
     if hf.get("tie_word_embeddings") or model.spec.tie_word_embeddings:
         names = names[1:]
