@@ -49,6 +49,10 @@ A layer's sliding window, sinks and logit soft-cap (attention_options.py) go to 
 its rows, on every path: the decode path reads only the keys of a row's window, the prompt path
 starts at the key tile holding an item's first window key and skips tiles that left a row's window,
 so a windowed layer's cost follows its window; a sink is the softmax's starting maximum and sum.
+Measured (one thread, bf16, a Xeon with AVX-512 and AMX, shared machine): a decode of 16
+sequences at 8,192 keys, 8 query / 4 KV heads of 64, 34.7 ms over every key against 0.83 ms with
+a 512-key window (4 / 1 heads of 256: 23.6 against 1.0 ms); one 8,192-token prompt 1,562 against
+199 ms (1,389 against 170 ms).
 A row's arithmetic still depends only on its position and its keys, so the reproducibility
 promises above hold for windowed layers too.
 """
