@@ -286,6 +286,10 @@ def test_stress_every_tier_accounting_is_exact(model, tmp_path):
                 if getattr(e, "medium", None) == medium:
                     (live.update if isinstance(e, BlockStored) else live.difference_update)(e.block_hashes)
             assert live == set(tier)
+        resync = eng.drain_kv_events(resync=True)  # a reader's full view includes the tiers
+        for medium, tier in (("CPU", eng.scheduler.kv_tiers.host), ("STORAGE", eng.scheduler.kv_tiers.disk)):
+            assert {e.block_hashes[0] for e in resync if isinstance(e, BlockStored) and e.medium == medium} \
+                == set(tier)
 
 
 @pytest.mark.parametrize("kw,field", [
