@@ -10,8 +10,9 @@ Sections (each independent; a failure is reported and the next section runs):
     env      torch / Triton / CUDA / flash-attn versions, GPU names and memory.
     kernels  Triton store + decode (auto and forced split-K) + prefill (with and without cached
              context) against the float64 reference, Qwen3-0.6B heads (16 q, 8 KV, dim 128),
-             block sizes 16 and 256, bf16/fp16/fp32; flash-attn too when installed; and a
-             cache of more than 2^31 elements whose sequence sits in its last blocks.
+             block sizes 16 and 256, bf16/fp16/fp32; flash-attn too when installed; the same
+             with a 128-key sliding window, sinks and a soft-cap (bf16/fp32); and a cache of
+             more than 2^31 elements whose sequence sits in its last blocks.
     graphs   CUDA-graph decode against eager decode on the same plan, batch 1, 3, 37, 64, 256
              (padded and exact sizes), fp32 Qwen3-0.6B-shaped model; graphs captured for
              2048-token tables, so the small batches run split-K inside the graph.
@@ -247,6 +248,49 @@ def check_kernels(report: Report, device, dtypes=("bfloat16", "float16", "float3
                         err = _max_err(out, want)
                         report.check(f"kernels triton decode splits={n} {dtype_name} block {bs}",
                                      err <= tol, f"max abs err {err:.2e}")
+                del batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_kernel_options(report: Report, device, dtypes=("bfloat16", "float32"), block_sizes=(16, 256),
+                         heads=QWEN3_06B_HEADS, cases=None, window: int = 128):
+    """Triton (and flash-attn where it can run) with a sliding window, attention sinks and a
+    logit soft-cap (gpt-oss / Gemma 2 layers) against the reference, every case x dtype x block
+    size: the window shorter than the longer contexts, so blocks before it are skipped."""
+    import torch
+
+    from tpserve.kernels.backend_factory import get_backend
+    from tpserve.kernels.reference import random_paged_batch, reference_attention
+
+    device = torch.device(device)
+    cases = cases or KERNEL_CASES
+    hq, hkv, d = heads
+    scale = d ** -0.5
+    sinks = torch.linspace(-2.0, 3.0, hq)
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        tol = TOLERANCE[dtype_name]
+        for bs in block_sizes:
+            backends = [n for n in ("triton", "flash") if _can_run(n, device, bs, dtype)]
+            for case, (ctx, new, is_prefill) in cases.items():
+                batch = random_paged_batch(ctx, new, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                           block_size=bs, dtype=dtype, device=device,
+                                           is_prefill=is_prefill, seed=12)
+                want = reference_attention(batch.q.cpu(), batch.keys, batch.values, new, scale,
+                                           window=window, sinks=sinks, softcap=30.0)
+                for name in backends:
+                    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+                    try:
+                        out = get_backend(name, device, bs, dtype=dtype).forward(
+                            batch.q, batch.k, batch.v, kc, vc, batch.meta, scale, window=window,
+                            sinks=sinks.to(device), softcap=30.0)
+                        err = _max_err(out, want)
+                    except TypeError as e:  # a flash-attn without window_size / softcap
+                        report.check(f"kernels {name} {case} window+sinks+softcap", False, str(e))
+                        continue
+                    report.check(f"kernels {name} {case} window+sinks+softcap {dtype_name} block {bs}",
+                                 err <= tol, f"max abs err {err:.2e} (tol {tol:.0e})")
                 del batch
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -759,7 +803,7 @@ def environment(report: Report, dry_run: bool = False) -> int:
 def gpu_steps(report: Report, args, gpus: int, checkpoint) -> dict:
     """What each section runs on the GPU; ``checkpoint(dtype)`` builds or reuses the model."""
     return {
-        "kernels": lambda: (check_kernels(report, "cuda"),
+        "kernels": lambda: (check_kernels(report, "cuda"), check_kernel_options(report, "cuda"),
                             [check_big_cache(report, "cuda", "bfloat16", bs) for bs in (16, 256)],
                             time_decode(report, "cuda")),
         "graphs": lambda: check_graphs(report, checkpoint("float32"), "cuda"),
@@ -781,6 +825,9 @@ def dry_run_steps(report: Report, args, tiny) -> dict:
             check_kernels(report, "cpu", dtypes=("float32",), block_sizes=(16,), heads=heads,
                           cases={"decode": ([0, 40, 70], [1, 1, 1], False),
                                  "prefill_context": ([20, 0], [5, 9], True)}, splits=(None, 1, 3)),
+            check_kernel_options(report, "cpu", dtypes=("float32",), block_sizes=(16,), heads=heads,
+                                 cases={"decode": ([0, 40], [1, 1], False),
+                                        "prefill_context": ([20, 0], [5, 9], True)}, window=13),
             check_big_cache(report, "cpu", "float32", 16, heads=heads, min_elements=5000, context=40),
             time_decode(report, "cpu", batches=(1, 2), context=40, heads=heads,
                         dtype_name="float32", iters=1)),

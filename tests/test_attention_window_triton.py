@@ -57,3 +57,18 @@ def test_triton_decode_splits_share_only_the_window(splits):
 def test_triton_prefill_bf16_window_and_sinks():
     check_backend(_triton(), "prefill_context", "all", heads=(4, 1), head_dim=32, dtype=torch.bfloat16,
                   atol=3e-2)
+
+
+def test_gpu_check_option_section_passes_at_tiny_shapes_on_cpu():
+    """scripts/gpu_check.py's window / sinks / soft-cap check, as its CPU dry run runs it."""
+    import io
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import gpu_check
+    report = gpu_check.Report(out=io.StringIO())
+    gpu_check.check_kernel_options(report, "cpu", dtypes=("float32",), block_sizes=(16,), heads=(4, 2, 16),
+                                   cases={"decode": ([0, 40], [1, 1], False),
+                                          "prefill_context": ([20, 0], [5, 9], True)}, window=13)
+    assert report.ok and report.counts["PASS"] == 2, report.lines
+    assert all("window+sinks+softcap" in line for line in report.lines)
