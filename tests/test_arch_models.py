@@ -150,6 +150,18 @@ def test_prefill_and_decode_logits_match_transformers(arch_model, backend):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} forward {step}: {m}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixtral_slides_its_window_like_mistral(tiny_models_root, backend):  # noqa: F811
+    path = make_tiny_model(tiny_models_root, "mixtral", sliding_window=WINDOW)
+    prompts = random_prompts([21, 9, 3], 384, seed=1)
+    want, decode = reference_prefill_then_decode(path, prompts, 5)
+    got = run_prefill_then_decode(tpserve_model(path, backend=backend), prompts, decode)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+    full, _ = reference_prefill_then_decode(make_tiny_model(tiny_models_root, "mixtral"), prompts, 0)
+    assert not torch.allclose(full[0], want[0], atol=1e-2)  # the window matters
+
+
 @pytest.mark.parametrize("block_size", [16, 1])
 def test_greedy_generation_matches_transformers(arch_model, block_size):
     name, path, prompts, ref = arch_model

@@ -363,7 +363,7 @@ def _config(arch, **changes):
     ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step"),
     ("qwen3_moe", dict(mlp_only_layers=[7]), "mlp_only_layers"),
     ("qwen3_moe", dict(norm_topk_prob="yes"), "norm_topk_prob"),
-    ("mixtral", dict(sliding_window=128), "sliding_window"),
+    ("mixtral", dict(sliding_window=0), "sliding_window"),
     ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window"),
 ])
 def test_unsupported_moe_configs_name_the_field(arch, changes, field):
@@ -375,6 +375,8 @@ def test_unsupported_moe_configs_name_the_field(arch, changes, field):
 def test_accepted_variants():
     assert model_spec(_config("mixtral", sliding_window=None)).num_experts == 8
     spec = model_spec(_config("mixtral", sliding_window=1 << 20, max_position_embeddings=4096))
+    assert spec.sliding_windows == ()  # a window past every position is full attention
+    assert model_spec(_config("mixtral", sliding_window=128, num_hidden_layers=2)).sliding_windows == (128, 128)
     assert (spec.norm_topk_prob, spec.moe_module, spec.expert_proj_names) == (True, "block_sparse_moe",
                                                                               ("w1", "w3", "w2"))
     spec = model_spec(_config("qwen3_moe", num_experts=6, moe_intermediate_size=24, scoring_func="softmax"))

@@ -22,7 +22,7 @@ and five whose layers differ in how they attend or normalise:
 
 | architecture        | per-layer attention                         | other switches                           |
 |---------------------|---------------------------------------------|------------------------------------------|
-| MistralForCausalLM  | ``sliding_window`` on every layer           | Llama's layer                            |
+| MistralForCausalLM  | ``sliding_window`` on every layer           | Llama's layer (Mixtral's window too)     |
 | Phi3ForCausalLM     | ``sliding_window`` on every layer           | fused ``qkv_proj`` / ``gate_up_proj``    |
 |                     |                                             | checkpoint weights, LongRoPE, partial    |
 |                     |                                             | rotary (``partial_rotary_factor``)       |
@@ -229,14 +229,7 @@ def _moe_fields(config, arch: str, num_layers: int) -> dict:
     fields = dict(num_experts=experts, num_experts_per_tok=top_k,
                   moe_intermediate_size=_positive_int(config, inter_field),
                   num_experts_field=experts_field, moe_intermediate_field=inter_field)
-    if mixtral:
-        window = getattr(config, "sliding_window", None)
-        max_pos = getattr(config, "max_position_embeddings", None)
-        covers_all = isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos
-        if window is not None and not covers_all:
-            raise UnsupportedModelError(
-                "sliding_window", f"sliding-window attention is not supported: must be null or at least "
-                                  f"max_position_embeddings={max_pos}, got {window!r}")
+    if mixtral:  # its sliding_window, as Mistral's: _windows
         return dict(fields, norm_topk_prob=True, moe_module="block_sparse_moe",
                     expert_proj_names=("w1", "w3", "w2"))
     norm = getattr(config, "norm_topk_prob", False)
@@ -283,8 +276,8 @@ def _layer_types(config, num_layers: int) -> list[str]:
 def _windows(config, arch: str, num_layers: int, max_pos: int) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers decides per arch."""
     window = getattr(config, "sliding_window", None)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
-        # Every layer slides (transformers' Mistral and Phi-3 have no per-layer types).
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
+        # Every layer slides (transformers' Mistral, Mixtral and Phi-3 have no per-layer types).
         types = getattr(config, "layer_types", None)
         if window is not None and types is not None and any(t != "sliding_attention" for t in types):
             raise UnsupportedModelError(
