@@ -376,7 +376,8 @@ def test_accepted_variants():
     assert model_spec(_config("mixtral", sliding_window=None)).num_experts == 8
     spec = model_spec(_config("mixtral", sliding_window=1 << 20, max_position_embeddings=4096))
     assert spec.sliding_windows == ()  # a window past every position is full attention
-    assert model_spec(_config("mixtral", sliding_window=128, num_hidden_layers=2)).sliding_windows == (128, 128)
+    windowed = model_spec(_config("mixtral", sliding_window=128, num_hidden_layers=2))
+    assert windowed.sliding_windows == (128, 128)
     assert (spec.norm_topk_prob, spec.moe_module, spec.expert_proj_names) == (True, "block_sparse_moe",
                                                                               ("w1", "w3", "w2"))
     spec = model_spec(_config("qwen3_moe", num_experts=6, moe_intermediate_size=24, scoring_func="softmax"))
