@@ -171,3 +171,11 @@ def test_torch_backend_options_bf16_and_mqa(option):
 def test_window_options_change_the_backend_answer():
     plain = check_backend(TorchAttention(16), "decode", "window_wide")
     assert not torch.allclose(plain, check_backend(TorchAttention(16), "decode", "window4"))
+
+
+def test_explicit_scores_are_computed_in_chunks_of_query_rows(monkeypatch):
+    """Sinks / soft-cap take explicit scores; a long prompt's are bounded by chunks of rows."""
+    from tpserve.kernels import torch_attention
+    whole = check_backend(TorchAttention(16), "prefill", "all")
+    monkeypatch.setattr(torch_attention, "SCORE_CHUNK_ELEMENTS", 1)  # one query row at a time
+    torch.testing.assert_close(check_backend(TorchAttention(16), "prefill", "all"), whole, atol=1e-6, rtol=0)

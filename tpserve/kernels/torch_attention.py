@@ -147,6 +147,9 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return _masked_attention(q, k, v, mask, scale, opts)
 
 
+SCORE_CHUNK_ELEMENTS = 1 << 25  # 128 MiB of fp32 scores per chunk of query rows
+
+
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float, opts: AttentionOptions) -> torch.Tensor:
     """SDPA with a boolean mask, or for sinks / soft-capping the same with explicit scores.
@@ -160,18 +163,26 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
                                               enable_gqa=q.shape[1] != k.shape[1])
     b, hq, length, d = q.shape
     hkv = k.shape[1]
+    m = mask.expand(b, 1, length, mask.shape[-1]) if mask.dim() == 4 else mask[None, None].expand(
+        b, 1, length, mask.shape[-1])
     qg = q.reshape(b, hkv, hq // hkv, length, d)
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale     # [B, Hkv, G, L, S]
-    if opts.softcap is not None:
-        scores = torch.tanh(scores / opts.softcap) * opts.softcap
-    m = mask.expand(b, 1, length, mask.shape[-1]) if mask.dim() == 4 else mask[None, None]
-    scores = scores.masked_fill(~m[:, :, None], float("-inf"))
-    if opts.sinks is not None:
-        sink = opts.sinks.to(scores.dtype).view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, length, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    else:
-        probs = scores.softmax(-1)
-    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, length, d)
+    kt, vg = k.unsqueeze(2).transpose(-1, -2), v.unsqueeze(2)
+    # Query rows in chunks, so the explicit scores stay within ~SCORE_CHUNK_ELEMENTS floats.
+    rows = max(1, SCORE_CHUNK_ELEMENTS // max(1, b * hq * k.shape[2]))
+    out = []
+    for r0 in range(0, length, rows):
+        scores = torch.matmul(qg[..., r0:r0 + rows, :], kt) * scale          # [B, Hkv, G, R, S]
+        if opts.softcap is not None:
+            scores = torch.tanh(scores / opts.softcap) * opts.softcap
+        scores = scores.masked_fill(~m[:, :, None, r0:r0 + rows], float("-inf"))
+        if opts.sinks is not None:
+            sink = opts.sinks.to(scores.dtype).view(1, hkv, hq // hkv, 1, 1).expand(
+                *scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out.append(torch.matmul(probs, vg))
+    return torch.cat(out, dim=3).reshape(b, hq, length, d)
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
