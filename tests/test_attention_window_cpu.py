@@ -71,6 +71,19 @@ def test_keys_outside_the_window_are_never_read(backend_cls, block_size, shape):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 16), (torch.float32, 24)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_general_kernel_reads_no_key_outside_the_window(dtype, head_dim, block_size):
+    """The operator's general kernel (fp16, head_dim % 16 != 0) starts at the window too."""
+    window, ctx, new = 9, [40, 75, 23], [1, 1, 1]
+    batch = _freed_batch(block_size, window, ctx, new, d=head_dim, dtype=dtype)
+    out = CpuAttention(block_size).forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache,
+                                           batch.meta, 0.25, window=window, sinks=sinks_for(4), softcap=3.0)
+    ref = reference_attention(batch.q, batch.keys, batch.values, new, 0.25, window=window,
+                              sinks=sinks_for(4), softcap=3.0)
+    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=0)
+
+
 def test_table_check_needs_the_blocks_of_every_window():
     ops = cpu_extension.ops()
     batch = _freed_batch(4, 9, [40], [1])
