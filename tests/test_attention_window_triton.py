@@ -72,3 +72,15 @@ def test_gpu_check_option_section_passes_at_tiny_shapes_on_cpu():
                                           "prefill_context": ([20, 0], [5, 9], True)}, window=13)
     assert report.ok and report.counts["PASS"] == 2, report.lines
     assert all("window+sinks+softcap" in line for line in report.lines)
+
+
+@pytest.mark.parametrize("shape", ["prefill", "mixed"])
+def test_triton_prefill_reads_no_key_outside_the_window(shape):
+    from test_attention_window_cpu import _freed_batch
+    window = 9
+    ctx, new = ([40, 75, 23], [5, 33, 1]) if shape == "prefill" else ([40, 75, 23], [1, 1, 20])
+    batch = _freed_batch(16, window, ctx, new)
+    out = _triton().forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, 0.25,
+                            window=window, sinks=sinks_for(4))
+    ref = reference_attention(batch.q, batch.keys, batch.values, new, 0.25, window=window, sinks=sinks_for(4))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
