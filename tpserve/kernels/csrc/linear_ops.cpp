@@ -536,6 +536,13 @@ inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstri
     const char* bh = b + half * 128;
     const char* x0 = x;
     for (int64_t s = 0; s < steps; ++s, bh += 16 * kKStep, x0 += kAmxBytes) {
+      // Half a panel is every other pair of cache lines, which the hardware prefetchers do not
+      // follow: ask for the lines two steps ahead (256 rows x 12288 x 1024 on one thread: 6.9-7.5
+      // ms with, 8.5 without).
+      for (int64_t r = 0; r < 16; ++r) {
+        __builtin_prefetch(bh + 32 * kKStep + r * kKStep, 0, 3);
+        __builtin_prefetch(bh + 32 * kKStep + r * kKStep + 64, 0, 3);
+      }
       _tile_loadd(4, x0, xstride);
       _tile_loadd(5, x0 + kAmxRows * xstride, xstride);
       _tile_loadd(6, bh, kKStep);
