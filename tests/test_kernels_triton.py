@@ -197,6 +197,23 @@ def test_varlen_wrapper_rejects_mismatched_kv():
         varlen_prefill_attention(q, k, k, cu.long(), 5, 0.25)
 
 
+def test_varlen_prefill_takes_k_and_v_of_different_strides():
+    """A model without q/k norms hands the backend k as a slice of the fused qkv projection and v
+    made contiguous: their strides differ, and the prefill must still attend correctly."""
+    from tpserve.kernels.paged_prefill import varlen_prefill_attention
+    torch.manual_seed(0)
+    t, hq, hkv, d = 7, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).contiguous()
+    assert k.stride() != v.stride()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    out = varlen_prefill_attention(q, k, v, cu, 4, 0.25)
+    ref = reference_attention(q, [k[:3], k[3:]], [v[:3], v[3:]], [3, 4], 0.25)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
 def test_get_backend_triton_on_cpu_under_interpreter():
     be = get_backend("triton", "cpu", 48)
     assert be.name == "triton" and be.block_size == 48

@@ -175,8 +175,8 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(2) != 1:
             raise ValueError(f"{name}: the head_dim axis must be contiguous, got strides {x.stride()}")
-    if k.stride() != v.stride():
-        raise ValueError(f"v: strides {v.stride()} differ from k's {k.stride()}")
+    if k.stride() != v.stride():  # the kernel reads both with one set of strides
+        k, v = k.contiguous(), v.contiguous()
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, torch.int32, q.device)
     _check_max(max_seqlen_q)
     # The kernel reads no context lengths or block tables when PAGED is off: any int32
