@@ -16,6 +16,8 @@ The tensors live on the runners; this object only carries the bookkeeping:
   the chained hash cannot splice the KV of another prefix into a sequence.
 - ``parent_hash``: the hash the block's own was chained from (-1 for a first block), kept
   for a KV-events resync: the parent may have left the cache while the block stays in it.
+- ``group``: the KV-cache group (kv_groups.py) whose layers the block's contents belong to,
+  set each time the block is handed out fresh; 0 for a model with one group.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 class Block:
     """Bookkeeping of one physical block. Fields are read directly (tests and the manager)."""
 
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "serial", "parent_serial", "parent_hash")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "serial", "parent_serial", "parent_hash",
+                 "group")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -33,6 +36,7 @@ class Block:
         self.serial = -1
         self.parent_serial = -1
         self.parent_hash = -1
+        self.group = 0
 
     def update(self, hash: int, token_ids: list[int], parent_serial: int, parent_hash: int = -1) -> None:
         """Record that the block is full and cacheable under ``hash`` (chained from ``parent_hash``)."""
@@ -41,8 +45,9 @@ class Block:
         self.parent_serial = parent_serial
         self.parent_hash = parent_hash
 
-    def reset(self, serial: int) -> None:
-        """Hand the block out fresh: one holder, no hash, no contents yet."""
+    def reset(self, serial: int, group: int = 0) -> None:
+        """Hand the block out fresh to ``group``: one holder, no hash, no contents yet."""
+        self.group = group
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []

@@ -13,7 +13,9 @@ from collections import deque
 from tpserve.blockpool.block import Block
 from tpserve.blockpool.free_blocks import FreeBlocks
 from tpserve.blockpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
+from tpserve.blockpool.kv_groups import KVCacheGroup, max_window_blocks, window_start
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
+from tpserve.blockpool.sliding_hits import sliding_hit_length
 
 
 class BlockManager:
@@ -48,21 +50,51 @@ class BlockManager:
     reported to ``offload.on_evict`` with its hash, parent hash and tokens; the tiers save its
     KV before the step that overwrites it. Blocks a tier is loading into belong to one
     sequence (ref_count 1, no hash until the load is done): they are used, never free, so no
-    allocation can evict them (checked by the tiers' check_integrity).
+    allocation can evict them (checked by the tiers' check_integrity). The tiers serve models
+    with one full-attention group only.
+
+    KV-cache groups (``groups``, kv_groups.py): the layers of one attention type share one block
+    table per sequence; all groups draw on this one pool. Group 0's table is
+    ``seq.block_table``; the others' are :meth:`tables`. Every table of a sequence has one entry
+    per block of the sequence (index-aligned), so the seed's rules hold per group: allocation
+    gives each group a block per block of the sequence, a decode step on a block boundary takes
+    one block per group (``can_append`` needs as many free), ``deallocate`` walks each table in
+    reverse, and each group has its own prefix-cache index (``group_hashes[g]``;
+    ``hash_to_block_id`` is group 0's) keyed by the same chained hashes. With more groups:
+
+    - A block belongs to one group at a time (``blocks[b].group``, set when handed out fresh);
+      ``group_hashes[g][h] == b`` implies ``blocks[b].group == g`` as well as the hash.
+    - A sliding group (window W) holds no block wholly before ``window_start(W, q)`` where q is
+      the sequence's next query position (``num_cached_tokens``): :meth:`slide_windows`, called
+      whenever q advances (``hash_blocks`` does it after hashing), frees them and sets their
+      entries to -1; a freed block keeps its cache entry like any freed block. Every entry a
+      query can still read (index >= (q - W + 1) // block_size) is a real block. A decoding
+      sequence therefore holds at most ``ceil(W / block_size) + 1`` blocks of the group.
+    - A prefix-cache hit of k blocks is usable only where every group holds what the next query
+      reads: each full group its blocks 0 .. k-1 (the seed's serial chain), each sliding group
+      the blocks from ``window_start(W, k * block_size)`` to k-1, a chain of consecutive hits
+      whose first block's parent hash is the chained hash before it. k is the largest length
+      that every group accepts (``group_hits``); the sliding group's earlier entries are -1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 groups: list[KVCacheGroup] | None = None):
         assert num_blocks >= 1 and block_size >= 1
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
+        self.groups: list[KVCacheGroup] = list(groups) if groups else [KVCacheGroup()]
+        # True unless the seed's single full-attention table is all there is.
+        self.grouped = len(self.groups) > 1 or self.groups[0].sliding
+        self.group_hashes: list[dict[int, int]] = [self.hash_to_block_id] + [{} for _ in self.groups[1:]]
         self.used_block_ids: set[int] = set()
         self._free = FreeBlocks(num_blocks)  # in eviction order, see free_blocks.py
         self._free_plain = self._free.plain  # the plain class, for tests that corrupt it on purpose
-        # Live sequences (allocated, not yet deallocated), keyed by identity.
-        self._live: dict[object, None] = {}
+        # Live sequences (allocated, not yet deallocated), keyed by identity; grouped, each maps
+        # to its _GroupState (the tables of groups 1.., the sliding groups' first held entries).
+        self._live: dict[object, _GroupState | None] = {}
         self._next_serial = 0
         self.kv_events: KVEventSink | None = None
         self.offload = None  # the KV tiers' scheduler side (on_evict), or None
@@ -85,6 +117,21 @@ class BlockManager:
         """Sequences holding blocks: allocated and not yet deallocated."""
         return list(self._live)
 
+    def tables(self, seq) -> list[list[int]]:
+        """The block tables of a live ``seq``, one per group (group 0's is ``seq.block_table``);
+        -1 marks an entry a sliding group no longer holds."""
+        state = self._live.get(seq)
+        return [seq.block_table, *state.tables] if state is not None else [seq.block_table]
+
+    @property
+    def blocks_per_append(self) -> int:
+        """Blocks one decode step on a block boundary takes: one per group."""
+        return len(self.groups)
+
+    def _removed(self, hashes: list[int], group: int) -> BlockRemoved:
+        g = self.groups[group]
+        return BlockRemoved(hashes, "GPU", group, g.kind, g.window)
+
     # ---- hashing -------------------------------------------------------------------------
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
@@ -102,18 +149,20 @@ class BlockManager:
         return block_id
 
     # ---- allocation ----------------------------------------------------------------------
-    def _allocate_block(self) -> int:
-        """Take the next free block for fresh contents, dropping its (stale) cache entry."""
+    def _allocate_block(self, group: int = 0) -> int:
+        """Take the next free block for fresh contents of ``group``, dropping its (stale) cache
+        entry."""
         block_id = self._free.pop()
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
+        index = self.group_hashes[block.group]
+        if block.hash != -1 and index.get(block.hash) == block_id:
+            del index[block.hash]
             if self.kv_events is not None:
-                self.kv_events.add(BlockRemoved([block.hash]))
+                self.kv_events.add(self._removed([block.hash], block.group))
             if self.offload is not None:
                 self.offload.on_evict(block_id, block.hash, block.parent_hash, block.token_ids)
-        block.reset(self._next_serial)
+        block.reset(self._next_serial, group)
         self._next_serial += 1
         self.used_block_ids.add(block_id)
         return block_id
@@ -128,7 +177,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         self.used_block_ids.remove(block_id)
-        cached = block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id
+        cached = block.hash != -1 and self.group_hashes[block.group].get(block.hash) == block_id
         self._free.push(block_id, cached=cached, evict_first=evict_first)
 
     def prefix_hits(self, seq, use_cache: bool = True) -> list[int]:
@@ -150,6 +199,9 @@ class BlockManager:
         blocks cannot hold the rest. Cached blocks in use are shared and cost nothing; cached
         blocks sitting in the free list are taken back and so count against the free blocks.
         ``use_cache`` False looks nothing up (the sequence computes every token)."""
+        if self.grouped:
+            k, hits = self.group_hits(seq, use_cache)
+            return k if self.num_free_blocks >= self._grouped_cost(seq, k, hits) else -1
         hits = self.prefix_hits(seq, use_cache)
         num_new_blocks = seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count > 0)
         if self.num_free_blocks < num_new_blocks:
@@ -161,6 +213,8 @@ class BlockManager:
         prefix cache (as reported by :meth:`can_allocate`). Sets ``num_cached_tokens``."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
         assert seq.block_size == self.block_size, "sequence and pool disagree on the block size"
+        if self.grouped:
+            return self._allocate_grouped(seq, num_cached_blocks)
         bs = self.block_size
         table = seq.block_table
         parent_serial = -1
@@ -190,21 +244,134 @@ class BlockManager:
         out the prefixes generation reuses."""
         blocks, table = self.blocks, seq.block_table
         shared = seq.num_prefix_hit_tokens // self.block_size if getattr(seq, "pooling", None) else len(table)
-        for block_id in reversed(table[:shared]):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._deallocate_block(block_id)
-        for block_id in table[shared:]:  # each to the front: the tail is evicted before the head
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._deallocate_block(block_id, evict_first=True)
+        for table in self.tables(seq):
+            for block_id in reversed(table[:shared]):
+                if block_id == -1:
+                    continue
+                block = blocks[block_id]
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    self._deallocate_block(block_id)
+            for block_id in table[shared:]:  # each to the front: the tail is evicted before the head
+                block = blocks[block_id]
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    self._deallocate_block(block_id, evict_first=True)
         seq.num_cached_tokens = 0
         seq.num_prefix_hit_tokens = 0
         seq.num_hashed_blocks = 0
         seq.block_table.clear()
         self._live.pop(seq, None)
+
+    # ---- groups: hits, allocation, windows -------------------------------------------------
+    def group_hits(self, seq, use_cache: bool = True, limit: int | None = None) -> tuple[int, list[list[int]]]:
+        """(k, hits): the longest prefix of k full blocks of ``seq`` (at most ``limit``) that every
+        group can serve from the prefix cache, and per group the cached block ids of blocks
+        0 .. k-1, -1 where a sliding group needs none (before its window). (0, [[], ...])
+        without the cache or with ``use_cache`` False."""
+        groups, bs = self.groups, self.block_size
+        n = len(seq.token_ids) // bs if self.enable_prefix_caching and use_cache else 0
+        if limit is not None:
+            n = min(n, limit)
+        if n == 0:
+            return 0, [[] for _ in groups]
+        hashes = block_hashes(seq, n, self.compute_hash)
+        blocks = self.blocks
+        k = n
+        found: list[list[int]] = []
+        for g, group in enumerate(groups):
+            index, ids = self.group_hashes[g], []
+            if not group.sliding:  # the seed's leading chain, serial by serial
+                parent_serial = -1
+                for i in range(k):
+                    b = index.get(hashes[i], -1)
+                    if b == -1 or blocks[b].parent_serial != parent_serial or blocks[b].token_ids != seq.block(i):
+                        break
+                    ids.append(b)
+                    parent_serial = blocks[b].serial
+                k = len(ids)
+            else:  # every cached block (or -1); runs are checked by sliding_hit_length
+                for i in range(n):
+                    b = index.get(hashes[i], -1)
+                    if b != -1 and (blocks[b].token_ids != seq.block(i)
+                                    or blocks[b].parent_hash != (hashes[i - 1] if i else -1)):
+                        b = -1
+                    ids.append(b)
+            found.append(ids)
+        sliding = [g for g, group in enumerate(groups) if group.sliding]
+        changed = bool(sliding)
+        while changed and k:  # each group's answer depends on k: iterate to the fixed point
+            changed = False
+            for g in sliding:
+                k2 = sliding_hit_length(found[g], blocks, k, groups[g].window, bs)
+                if k2 < k:
+                    k, changed = k2, True
+        hits = []
+        for g, group in enumerate(groups):
+            if group.sliding:
+                start = window_start(group.window, k * bs, bs) if k else 0
+                hits.append([-1] * start + found[g][start:k])
+            else:
+                hits.append(found[g][:k])
+        return k, hits
+
+    def _grouped_cost(self, seq, k: int, hits: list[list[int]]) -> int:
+        """Free blocks admitting ``seq`` with the hits of :meth:`group_hits` takes."""
+        n, blocks = seq.num_blocks, self.blocks
+        need = 0
+        for ids in hits:
+            nulls = sum(1 for b in ids if b == -1)
+            need += n - nulls - sum(1 for b in ids if b != -1 and blocks[b].ref_count > 0)
+        return need
+
+    def _allocate_grouped(self, seq, num_cached_blocks: int) -> None:
+        k, hits = self.group_hits(seq, True, num_cached_blocks)
+        assert k == num_cached_blocks, f"cached blocks changed between can_allocate and allocate: {k}"
+        blocks = self.blocks
+        tables: list[list[int]] = [seq.block_table] + [[] for _ in self.groups[1:]]
+        for table, ids in zip(tables, hits):  # first take every hit back: none may be evicted
+            for block_id in ids:
+                if block_id != -1:
+                    if blocks[block_id].ref_count > 0:
+                        blocks[block_id].ref_count += 1
+                    else:
+                        self._take_cached_block(block_id)
+                table.append(block_id)
+        for g, table in enumerate(tables):
+            for _ in range(k, seq.num_blocks):
+                table.append(self._allocate_block(g))
+        bs = self.block_size
+        seq.num_cached_tokens = k * bs
+        seq.num_prefix_hit_tokens = k * bs
+        seq.num_hashed_blocks = k
+        firsts = [sum(1 for b in ids if b == -1) for ids in hits]
+        self._live[seq] = _GroupState(tables[1:], firsts)
+
+    def slide_windows(self, seq, next_pos: int | None = None) -> int:
+        """Free the blocks of ``seq``'s sliding groups wholly before the window of its next
+        query (at ``next_pos``, by default ``num_cached_tokens``); their entries become -1.
+        Returns how many entries were dropped. Nothing to do without sliding groups."""
+        state = self._live.get(seq)
+        if state is None:
+            return 0
+        q = seq.num_cached_tokens if next_pos is None else next_pos
+        bs, blocks, dropped = self.block_size, self.blocks, 0
+        for g, group in enumerate(self.groups):
+            if not group.sliding:
+                continue
+            table = seq.block_table if g == 0 else state.tables[g - 1]
+            end = min(window_start(group.window, q, bs), len(table))
+            for i in range(state.firsts[g], end):
+                block_id = table[i]
+                if block_id != -1:
+                    table[i] = -1
+                    block = blocks[block_id]
+                    block.ref_count -= 1
+                    if block.ref_count == 0:
+                        self._deallocate_block(block_id)
+                    dropped += 1
+            state.firsts[g] = max(state.firsts[g], end)
+        return dropped
 
     # ---- decode ----------------------------------------------------------------------------
     def needs_block(self, seq) -> bool:
@@ -218,15 +385,16 @@ class BlockManager:
     def num_append_blocks(self, seq, num_tokens: int = 1) -> int:
         """Free blocks ``seq`` needs so that the KV of ``num_tokens`` tokens from position
         ``len(seq) - 1`` on has slots (its last token, then ``num_tokens - 1`` draft tokens
-        under speculative decoding). For one token: 1 exactly on a block boundary."""
+        under speculative decoding). For one token: 1 exactly on a block boundary.
+        With groups, one block per group for each block of the sequence."""
         if num_tokens == 1:
-            return int(self.needs_block(seq))
+            return int(self.needs_block(seq)) * len(self.groups)
         end = len(seq.token_ids) - 1 + num_tokens
-        return max(0, -(-end // self.block_size) - len(seq.block_table))
+        return max(0, -(-end // self.block_size) - len(seq.block_table)) * len(self.groups)
 
     def can_append(self, seq, num_tokens: int = 1) -> bool:
         if num_tokens == 1:
-            return self.num_free_blocks >= self.needs_block(seq)
+            return self.num_free_blocks >= self.needs_block(seq) * len(self.groups)
         return self.num_free_blocks >= self.num_append_blocks(seq, num_tokens)
 
     def may_append(self, seq, num_tokens: int = 1) -> int:
@@ -241,41 +409,55 @@ class BlockManager:
                 "block table out of step with the sequence length"
             block_id = self._allocate_block()
             seq.block_table.append(block_id)
+            if self.grouped:
+                self._append_others(seq, 1)
             return block_id
         need = self.num_append_blocks(seq, num_tokens)
         assert need <= self.num_free_blocks, "may_append without room: check can_append first"
+        need //= len(self.groups)
         first = -1
         for _ in range(need):
             block_id = self._allocate_block()
             seq.block_table.append(block_id)
             first = block_id if first == -1 else first
+        if self.grouped:
+            self._append_others(seq, need)
         return first
+
+    def _append_others(self, seq, n: int) -> None:
+        """Give each group but group 0 ``n`` more blocks (group 0's already appended)."""
+        state = self._live[seq]
+        for g, table in enumerate(state.tables, 1):
+            for _ in range(n):
+                table.append(self._allocate_block(g))
 
     def truncate(self, seq, num_blocks: int) -> int:
         """Give back the blocks of ``seq`` past its first ``num_blocks``: slots reserved for
         draft tokens that were not accepted. They hold no accepted token's KV, so they are
         neither hashed nor shared; they return to the free list. Returns how many."""
-        table = seq.block_table
-        n = len(table) - num_blocks
-        for _ in range(n):
-            block_id = table.pop()
-            block = self.blocks[block_id]
-            assert block.ref_count == 1 and block.hash == -1, \
-                f"block {block_id} past the accepted tokens is shared or hashed"
-            block.ref_count = 0
-            self._deallocate_block(block_id)
+        n = len(seq.block_table) - num_blocks
+        for table in self.tables(seq):
+            for _ in range(n):
+                block_id = table.pop()
+                block = self.blocks[block_id]
+                assert block.ref_count == 1 and block.hash == -1, \
+                    f"block {block_id} past the accepted tokens is shared or hashed"
+                block.ref_count = 0
+                self._deallocate_block(block_id)
         return max(n, 0)
 
     def append_blocks(self, seqs) -> list[int]:
         """``may_append`` for sequences that are all on a block boundary, in order; the caller
         has checked that enough blocks are free. Returns the new block ids."""
-        assert len(seqs) <= self.num_free_blocks
+        assert len(seqs) * len(self.groups) <= self.num_free_blocks
         allocate = self._allocate_block
         new = []
         for seq in seqs:
             block_id = allocate()
             seq.block_table.append(block_id)
             new.append(block_id)
+            if self.grouped:
+                self._append_others(seq, 1)
         return new
 
     # ---- prefix cache --------------------------------------------------------------------
@@ -285,7 +467,15 @@ class BlockManager:
 
         A newer block with the same contents takes the hash entry over; if the previous
         holder is free it loses its hash and becomes first in line for reuse.
+
+        With sliding groups, the blocks that left the window are freed after hashing
+        (:meth:`slide_windows`), with the cache enabled or not.
         """
+        if self.grouped:
+            if self.enable_prefix_caching:
+                self._hash_grouped(seq)
+            self.slide_windows(seq)
+            return
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -312,15 +502,46 @@ class BlockManager:
         if new:
             self._record_stored(seq, hashes, new)
 
-    def _record_stored(self, seq, hashes: list[int], new: list[int]) -> None:
+    def _hash_grouped(self, seq) -> None:
+        """``hash_blocks`` in every group's table and index."""
+        bs = self.block_size
+        num_full = seq.num_cached_tokens // bs
+        first = seq.num_hashed_blocks
+        if first >= num_full:
+            return
+        blocks = self.blocks
+        hashes = block_hashes(seq, num_full, self.compute_hash)
+        for g, table in enumerate(self.tables(seq)):
+            index = self.group_hashes[g]
+            new = [] if self.kv_events is not None else None
+            for i in range(first, num_full):
+                h, block_id = hashes[i], table[i]
+                assert block_id != -1, f"group {g}: block {i} left the window before it was hashed"
+                prev = table[i - 1] if i else -1
+                blocks[block_id].update(h, seq.block(i), blocks[prev].serial if prev != -1 else -1,
+                                        hashes[i - 1] if i else -1)
+                old = index.get(h, -1)
+                if old != -1 and old != block_id and self._free.is_cached(old):
+                    self._free.uncache(old)
+                    blocks[old].hash = -1
+                elif old == -1 and new is not None:
+                    new.append(i)
+                index[h] = block_id
+            if new:
+                self._record_stored(seq, hashes, new, g)
+        seq.num_hashed_blocks = num_full
+
+    def _record_stored(self, seq, hashes: list[int], new: list[int], group: int = 0) -> None:
         """One BlockStored per run of consecutive newly cached blocks of ``seq``."""
+        spec = self.groups[group]
         start = 0
         for k in range(1, len(new) + 1):
             if k == len(new) or new[k] != new[k - 1] + 1:
                 first, last = new[start], new[k - 1]
                 tokens = [t for j in range(first, last + 1) for t in seq.block(j)]
                 self.kv_events.add(BlockStored(hashes[first:last + 1], hashes[first - 1] if first else None,
-                                               tokens, self.block_size))
+                                               tokens, self.block_size, "GPU", group, spec.kind,
+                                               spec.window))
                 start = k
 
     def reset_prefix_cache(self) -> bool:
@@ -329,15 +550,21 @@ class BlockManager:
         Returns True when the cache is now empty; False when blocks held by live sequences
         are still registered (call again once they are gone).
         """
-        dropped = []
+        dropped: list[list[int]] = [[] for _ in self.groups]
         for block_id in self._free.uncache_all():
             block = self.blocks[block_id]
-            del self.hash_to_block_id[block.hash]
-            dropped.append(block.hash)
+            del self.group_hashes[block.group][block.hash]
+            dropped[block.group].append(block.hash)
             block.hash = -1
-        if self.kv_events is not None and dropped:
-            self.kv_events.add(BlockRemoved(dropped) if self.hash_to_block_id else AllBlocksCleared())
-        return not self.hash_to_block_id
+        empty = not any(self.group_hashes)
+        if self.kv_events is not None and any(dropped):
+            if empty:
+                self.kv_events.add(AllBlocksCleared())
+            else:
+                for g, hashes in enumerate(dropped):
+                    if hashes:
+                        self.kv_events.add(self._removed(hashes, g))
+        return empty
 
     def cached_blocks(self) -> list[tuple[int, int | None, list[int]]]:
         """(hash, parent hash, token ids) of every block in the prefix cache, each block after
@@ -372,7 +599,8 @@ class BlockManager:
 
     # ---- checking ------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError describing the first violated invariant."""
+        """Raise AssertionError describing the first violated invariant (class docstring; with
+        sliding groups, meant for between steps: after ``hash_blocks`` / ``slide_windows``)."""
         n = self.num_blocks
         plain, cached = list(self._free.plain), list(self._free.cached)
         free = plain + cached
@@ -385,11 +613,33 @@ class BlockManager:
         assert len(free_set) + len(self.used_block_ids) == n, "free + used != num_blocks"
 
         expected = [0] * n
+        bs = self.block_size
         for seq in self._live:
-            table = seq.block_table
-            assert len(table) == len(set(table)), f"{seq!r} holds a block twice: {table}"
-            for block_id in table:
-                expected[block_id] += 1
+            tables = self.tables(seq)
+            assert all(len(t) == len(tables[0]) for t in tables), f"{seq!r}: tables of unequal length"
+            held = [b for t in tables for b in t if b != -1]
+            assert len(held) == len(set(held)), f"{seq!r} holds a block twice: {tables}"
+            for g, table in enumerate(tables):
+                group = self.groups[g]
+                for block_id in table:
+                    if block_id != -1:
+                        expected[block_id] += 1
+                        assert self.blocks[block_id].group == g, \
+                            f"{seq!r}: block {block_id} of group {self.blocks[block_id].group} in group {g}'s table"
+                if not group.sliding:
+                    assert -1 not in table, f"{seq!r}: full-attention group {g} misses a block: {table}"
+                    continue
+                q, w = seq.num_cached_tokens, group.window
+                start = window_start(w, q, bs)
+                assert all(b == -1 for b in table[:start]), \
+                    f"{seq!r}: group {g} holds blocks before its window (next query {q}): {table}"
+                read_from = max(0, q - w + 1) // bs
+                assert -1 not in table[read_from:], \
+                    f"{seq!r}: group {g} misses a block its next query (at {q}) reads: {table}"
+                if len(table) <= q // bs + 1:  # decoding: the table ends at the next query's block
+                    num_held = len(table) - table.count(-1)
+                    assert num_held <= max_window_blocks(w, bs), \
+                        f"{seq!r}: group {g} holds {num_held} blocks, window {w} needs {max_window_blocks(w, bs)}"
         for block in self.blocks:
             b = block.block_id
             assert block.ref_count == expected[b], (
@@ -399,17 +649,30 @@ class BlockManager:
             else:
                 assert block.ref_count > 0, f"used block {b} has ref_count 0"
 
-        for h, b in self.hash_to_block_id.items():
-            assert 0 <= b < n, f"hash entry {h} points at invalid block {b}"
-            assert self.blocks[b].hash == h, (
-                f"hash entry {h} points at block {b} whose hash is {self.blocks[b].hash}")
-            assert len(self.blocks[b].token_ids) == self.block_size, \
-                f"hashed block {b} is not full"
+        for g, index in enumerate(self.group_hashes):
+            for h, b in index.items():
+                assert 0 <= b < n, f"hash entry {h} points at invalid block {b}"
+                assert self.blocks[b].hash == h, (
+                    f"hash entry {h} points at block {b} whose hash is {self.blocks[b].hash}")
+                assert self.blocks[b].group == g, \
+                    f"group {g}'s hash entry {h} points at block {b} of group {self.blocks[b].group}"
+                assert len(self.blocks[b].token_ids) == self.block_size, \
+                    f"hashed block {b} is not full"
         for b in cached:
             h = self.blocks[b].hash
-            assert h != -1 and self.hash_to_block_id.get(h) == b, \
+            assert h != -1 and self.group_hashes[self.blocks[b].group].get(h) == b, \
                 f"block {b} is in the cached free list but not reachable from the cache"
         for b in plain:
             h = self.blocks[b].hash
-            assert h == -1 or self.hash_to_block_id.get(h) != b, \
+            assert h == -1 or self.group_hashes[self.blocks[b].group].get(h) != b, \
                 f"block {b} is reachable from the cache but in the plain free list"
+
+
+class _GroupState:
+    """A live sequence's tables of groups 1.. and, per group, the first entry still held."""
+
+    __slots__ = ("tables", "firsts")
+
+    def __init__(self, tables: list[list[int]], firsts: list[int]):
+        self.tables = tables
+        self.firsts = firsts

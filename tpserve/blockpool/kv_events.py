@@ -14,6 +14,11 @@ Replaying the events in order onto an empty set (stored: add the hashes; removed
 cleared: empty the set) gives exactly the keys of ``hash_to_block_id``. A hash entry taken over
 by a newer block with the same contents is not an event: the set of cached hashes is unchanged.
 
+Each event of the pool names its KV-cache group (kv_groups.py), with vLLM's fields:
+``group_idx``, ``kv_cache_spec_kind`` ("full_attention" or "sliding_window") and
+``kv_cache_spec_sliding_window`` (the window, or None). Each group has its own prefix-cache
+index, so the replay rule holds per group; a model with one full group sends group 0 only.
+
 Each event names the ``medium`` that gained or lost the blocks, with vLLM's names: "GPU" for
 the engine's KV pool (also on a CPU engine), "CPU" for the host-RAM tier and "STORAGE" for the
 disk tier (tpserve/kv_tiers). The replay rule holds per medium; the pool's events are exactly
@@ -35,11 +40,17 @@ class BlockStored(NamedTuple):
     token_ids: list[int]
     block_size: int
     medium: str = "GPU"
+    group_idx: int = 0
+    kv_cache_spec_kind: str = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(NamedTuple):
     block_hashes: list[int]
     medium: str = "GPU"
+    group_idx: int = 0
+    kv_cache_spec_kind: str = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class AllBlocksCleared(NamedTuple):

@@ -13,6 +13,8 @@ The format is vLLM's (``vllm/distributed/kv_events.py``, msgspec structs with
   (docs/scaling.md has the field table): ``{"type": "BlockStored", "block_hashes",
   "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
   ``{"type": "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``;
+  each BlockStored and BlockRemoved map also carries the KV-cache group: ``group_idx``,
+  ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window`` (blockpool/kv_events.py);
   ``lora_id`` and ``lora_name`` are nil, ``medium`` is ``"GPU"`` (the device KV pool, also on
   CPU), ``"CPU"`` (the host-RAM KV tier) or ``"STORAGE"`` (the disk tier). ``format="array"`` sends each event as the positional array earlier vLLM releases
   sent (``["BlockStored", block_hashes, ...]``, fields in the order above) for consumers of
@@ -62,6 +64,9 @@ EVENT_FIELDS = {
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
+#: The KV-cache group fields the "map" format adds to BlockStored and BlockRemoved (vLLM's
+#: hybrid KV cache names the group and its attention spec); the "array" layout stays as it was.
+GROUP_FIELDS = ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 
 
 def encode_event(event, format: str = "map") -> dict | list:
@@ -71,6 +76,8 @@ def encode_event(event, format: str = "map") -> dict | list:
     values = {"medium": MEDIUM, **event._asdict(), "lora_id": None, "lora_name": None}
     tag = type(event).__name__
     fields = {name: values[name] for name in EVENT_FIELDS[tag]}
+    if format == "map" and tag != "AllBlocksCleared":
+        fields.update((name, values[name]) for name in GROUP_FIELDS)
     return [tag, *fields.values()] if format == "array" else {"type": tag, **fields}
 
 
