@@ -34,6 +34,8 @@ class AttentionBackend(abc.ABC):
     supports_cuda_graphs: bool = False
     #: the ``forward`` keywords (attention_options.py) this backend implements; others are refused
     options: frozenset[str] = frozenset()
+    #: whether ``store`` and ``attend`` take ``kv_scales`` (an int8 KV cache, kv_quant.py)
+    int8_kv: bool = False
 
     def __init__(self, block_size: int = 16):
         self.block_size = block_size
@@ -51,7 +53,8 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
-                sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, softcap: float | None = None,
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens (already rotary-embedded).
 
         Stores k/v into the cache at meta.slot_mapping, then returns attention output
@@ -60,9 +63,14 @@ class AttentionBackend(abc.ABC):
         attends over the new k/v only (plain causal varlen attention on cu_seqlens_q).
         ``window`` (sliding window), ``sinks`` ([Hq] sink logits) and ``softcap`` (logit
         soft-cap): see attention_options.py; a backend refuses one it lacks (``options``).
+        ``kv_scales`` (k_scale, v_scale): the caches are int8 codes with these scales
+        (kv_quant.py); a backend without ``int8_kv`` refuses them.
         Raises ValueError naming an argument whose shape, dtype or device is wrong.
         """
-        check_attention_args(q, k, v, k_cache, v_cache, meta, scale)
+        if kv_scales is not None and not self.int8_kv:
+            raise ValueError(f"kv_scales: the {self.name} attention backend does not read an int8 KV "
+                             "cache (the cpu and torch backends do)")
+        check_attention_args(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
         opts = attention_options(window, sinks, softcap, q)
         lacking = opts.names() - self.options
         if lacking:
@@ -75,6 +83,9 @@ class AttentionBackend(abc.ABC):
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"k_cache: block_size {k_cache.shape[1]} differs from the "
                              f"{self.name} backend's block_size {self.block_size}")
+        if kv_scales is not None:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
+            return self.attend(q, k, v, k_cache, v_cache, meta, float(scale), opts=opts, kv_scales=kv_scales)
         self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k, v, k_cache, v_cache, meta, float(scale), opts=opts)
 

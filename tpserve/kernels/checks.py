@@ -45,13 +45,25 @@ def check_cache(k_cache, v_cache, num_kv_heads: int, head_dim: int, dtype: torch
                          f"{tuple(k_cache.shape)}")
 
 
-def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """key/value [T, Hkv, D]; caches [N, block_size, Hkv, D]; slot_mapping int [T]."""
+def _cache_dtype(k_cache, dtype: torch.dtype, kv_scales) -> torch.dtype:
+    """The dtype the caches must have: ``dtype``, or int8 with scales (kv_quant.py)."""
+    if kv_scales is None:
+        return dtype
+    from tpserve.kernels.kv_quant import check_kv_scales
+    check_tensor("k_cache", k_cache, 4, torch.int8)
+    check_kv_scales(k_cache, kv_scales)
+    return torch.int8
+
+
+def check_store_args(key, value, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+    """key/value [T, Hkv, D]; caches [N, block_size, Hkv, D] (int8 with ``kv_scales``);
+    slot_mapping int [T]."""
     check_tensor("key", key, 3)
     check_tensor("value", value, 3, key.dtype, key.device)
     if value.shape != key.shape:
         raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
-    check_cache(k_cache, v_cache, key.shape[1], key.shape[2], key.dtype, key.device)
+    check_cache(k_cache, v_cache, key.shape[1], key.shape[2], _cache_dtype(k_cache, key.dtype, kv_scales),
+                key.device)
     check_tensor("slot_mapping", slot_mapping, 1, device=key.device)
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping: expected dtype torch.int32 or torch.int64, "
@@ -61,7 +73,7 @@ def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
                          f"got {slot_mapping.shape[0]}")
 
 
-def check_attention_args(q, k, v, k_cache, v_cache, meta, scale) -> None:
+def check_attention_args(q, k, v, k_cache, v_cache, meta, scale, kv_scales=None) -> None:
     """The contract of ``AttentionBackend.forward``; see its docstring."""
     if not isinstance(meta, AttentionMetadata):
         raise ValueError(f"meta: expected AttentionMetadata, got {type(meta).__name__}")
@@ -86,7 +98,7 @@ def check_attention_args(q, k, v, k_cache, v_cache, meta, scale) -> None:
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     if has_cache(k_cache, v_cache):
-        check_cache(k_cache, v_cache, hkv, d, q.dtype, q.device)
+        check_cache(k_cache, v_cache, hkv, d, _cache_dtype(k_cache, q.dtype, kv_scales), q.device)
 
 
 def check_paged_args(q, k_cache, v_cache, block_tables, context_lens) -> None:

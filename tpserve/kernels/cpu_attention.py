@@ -55,6 +55,12 @@ a 512-key window (4 / 1 heads of 256: 23.6 against 1.0 ms); one 8,192-token prom
 199 ms (1,389 against 170 ms).
 A row's arithmetic still depends only on its position and its keys, so the reproducibility
 promises above hold for windowed layers too.
+
+An int8 cache (``--kv-cache-dtype int8``, kv_quant.py) goes to the same operator with its scales:
+the store quantizes each head's row, the decode path widens a slot's int8 codes in registers and
+multiplies a key's scale into its scores and a value's into its softmax weights, the prompt path
+applies both as it widens a tile. Rows the operator's vector paths do not take (fp16, head_dim %
+16 != 0) read the int8 cache through the torch backend, which dequantizes after its gather.
 """
 from __future__ import annotations
 
@@ -73,6 +79,7 @@ class CpuAttention(AttentionBackend):
     name = "cpu"
     supports_cuda_graphs = False
     options = frozenset({"window", "sinks", "softcap"})
+    int8_kv = True
 
     #: every row with the decode arithmetic (the batch-invariant mode): see the module docstring
     batch_invariant = False
@@ -85,30 +92,37 @@ class CpuAttention(AttentionBackend):
         self._ops = cpu_extension.ops()
         self._torch = TorchAttention(block_size)  # prompt rows (see the module docstring)
 
-    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    def store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+        if kv_scales is None:
+            self._ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            self._ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping, *kv_scales)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
+               scale: float, opts: AttentionOptions = PLAIN, kv_scales=None) -> torch.Tensor:
         if k_cache is None:
             return varlen_causal_attention(q, k, v, meta, scale, opts)
         window = opts.window or 0
         meta.derived(("cpu.tables_checked", window),
                      lambda: self._check_tables(k_cache, meta, window) or True)
+        sc = kv_scales
+        if sc is not None and not self._tiles_prompts(q):  # not the operator's vector paths
+            return self._torch.attend(q, k, v, k_cache, v_cache, meta, scale, opts, kv_scales=sc)
         if self.batch_invariant:
-            return self._paged(q, k_cache, v_cache, meta, scale, opts, rows=True)
+            return self._paged(q, k_cache, v_cache, meta, scale, opts, rows=True, kv_scales=sc)
         if not meta.is_prefill:
-            return self._paged(q, k_cache, v_cache, meta, scale, opts)
+            return self._paged(q, k_cache, v_cache, meta, scale, opts, kv_scales=sc)
         tiled = self._tiles_prompts(q)
         parts = meta.derived("torch.mixed_parts", lambda: split_decode_rows(meta))
         if parts is None:  # prompt rows only
             if tiled:
-                return self._paged(q, k_cache, v_cache, meta, scale, opts, prompt=True)
+                return self._paged(q, k_cache, v_cache, meta, scale, opts, prompt=True, kv_scales=sc)
             return self._torch.attend(q, k, v, k_cache, v_cache, meta, scale, opts)
         (dmeta, dq), (pmeta, _) = parts
-        decode = self._paged(q[:dq], k_cache, v_cache, dmeta, scale, opts)
+        decode = self._paged(q[:dq], k_cache, v_cache, dmeta, scale, opts, kv_scales=sc)
         if tiled:
-            return torch.cat([decode, self._paged(q[dq:], k_cache, v_cache, pmeta, scale, opts, prompt=True)])
+            return torch.cat([decode, self._paged(q[dq:], k_cache, v_cache, pmeta, scale, opts, prompt=True,
+                                                  kv_scales=sc)])
         rest = self._torch.attend(q[dq:], None, None, k_cache, v_cache, pmeta, scale, opts)
         return torch.cat([decode, rest])
 
@@ -126,14 +140,16 @@ class CpuAttention(AttentionBackend):
         return q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] % 16 == 0
 
     def _paged(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               opts: AttentionOptions = PLAIN, prompt: bool = False, rows: bool = False) -> torch.Tensor:
+               opts: AttentionOptions = PLAIN, prompt: bool = False, rows: bool = False,
+               kv_scales=None) -> torch.Tensor:
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = -1 if meta.num_decodes is None else meta.num_decodes
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                   meta.context_lens, scale, prompt, nd, True, rows,  # checked in attend
-                                  opts.window or 0, opts.sinks_f32(), opts.softcap or 0.0)
+                                  opts.window or 0, opts.sinks_f32(), opts.softcap or 0.0,
+                                  *(kv_scales or (None, None)))
         return out
 
     def _check_tables(self, k_cache, meta: AttentionMetadata, window: int) -> None:

@@ -23,6 +23,10 @@ they are built once per step and cached on it (``AttentionMetadata.derived``).
 A sliding window (attention_options.py) narrows the same masks (``q_pos - k_pos < window``).
 Sinks and logit soft-capping are outside SDPA, so a layer with either attends with the same
 padded layout and mask through explicit scores and softmax (``_masked_attention``).
+
+An int8 cache (``kv_scales``, kv_quant.py) is dequantized after the gather; every row then reads
+the cache, prompts without context too, so that a prompt attends to the same (quantized) keys
+whether its prefix is recomputed or read from the prefix cache.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 from tpserve.kernels.attention_backend import AttentionBackend
 from tpserve.kernels.attention_options import PLAIN, AttentionOptions
+from tpserve.kernels.kv_quant import dequantize_int8
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.kernels.torch_store import store_kvcache_torch
 
@@ -47,6 +52,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
     options = frozenset({"window", "sinks", "softcap"})
+    int8_kv = True
     # Index tensors are built from metadata values (host syncs) and cached per metadata object.
     supports_cuda_graphs = False
 
@@ -54,12 +60,12 @@ class TorchAttention(AttentionBackend):
         super().__init__(block_size)
         self._scratch: dict[str, torch.Tensor] = {}
 
-    def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+    def store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float, opts: AttentionOptions = PLAIN) -> torch.Tensor:
-        if k_cache is None or (meta.is_prefill and not meta.has_context):
+               scale: float, opts: AttentionOptions = PLAIN, kv_scales=None) -> torch.Tensor:
+        if k_cache is None or (meta.is_prefill and not meta.has_context and kv_scales is None):
             # The new tokens are whole sequences: attend over them directly, no gather.
             return varlen_causal_attention(q, k, v, meta, scale, opts)
         parts = meta.derived("torch.mixed_parts", lambda: split_decode_rows(meta)) \
@@ -69,9 +75,12 @@ class TorchAttention(AttentionBackend):
             # their work by it, so decode rows and prefill rows are attended separately.
             (dmeta, dq), (pmeta, pq) = parts
             return torch.cat([
-                paged_attention(q[:dq], k_cache, v_cache, dmeta, scale, scratch=self._buffer, opts=opts),
-                paged_attention(q[dq:], k_cache, v_cache, pmeta, scale, scratch=self._buffer, opts=opts)])
-        return paged_attention(q, k_cache, v_cache, meta, scale, scratch=self._buffer, opts=opts)
+                paged_attention(q[:dq], k_cache, v_cache, dmeta, scale, scratch=self._buffer, opts=opts,
+                                kv_scales=kv_scales),
+                paged_attention(q[dq:], k_cache, v_cache, pmeta, scale, scratch=self._buffer, opts=opts,
+                                kv_scales=kv_scales)])
+        return paged_attention(q, k_cache, v_cache, meta, scale, scratch=self._buffer, opts=opts,
+                               kv_scales=kv_scales)
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel = math.prod(shape)
@@ -289,13 +298,14 @@ def _new_buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, scratch=_new_buffer,
-                    opts: AttentionOptions = PLAIN) -> torch.Tensor:
+                    opts: AttentionOptions = PLAIN, kv_scales=None) -> torch.Tensor:
     """Attention of the new tokens over each sequence's keys read through its block table.
 
     ``scratch(name, shape, like)`` supplies the buffers the keys and values are gathered into.
     On CPU, bf16/fp16 keys are widened to fp32 after the gather: CPUs without native bf16
     arithmetic run the fused kernel ~8x slower in bf16 (measured: 64 seqs x 512 keys, 0.96 s
     vs 0.25 s including the conversion), and fp32 is what the softmax accumulates in anyway.
+    An int8 cache (``kv_scales``) is dequantized after the gather, to fp32 on CPU.
     """
     nb, bs, hkv, d = k_cache.shape
     b, max_k = meta.num_seqs, meta.max_seqlen_k
@@ -306,10 +316,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                    lambda: _window_index(meta, bs, opts.window))
     widen = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     gathered = []
-    for name, cache in (("k", k_cache), ("v", v_cache)):
+    for i, (name, cache) in enumerate((("k", k_cache), ("v", v_cache))):
         buf = scratch(name, (b * max_k, hkv, d), cache)
         torch.index_select(cache.view(nb * bs, hkv, d), 0, slots, out=buf)
-        if widen:
+        if kv_scales is not None:
+            s = torch.index_select(kv_scales[i].view(nb * bs, hkv), 0, slots)
+            buf = dequantize_int8(buf, s, torch.float32 if widen or q.device.type == "cpu" else q.dtype)
+            widen = widen or q.dtype != buf.dtype
+        elif widen:
             buf = scratch(name + "32", buf.shape, buf.new_empty(0, dtype=torch.float32)).copy_(buf)
         gathered.append(buf.view(b, max_k, hkv, d).transpose(1, 2))
     qp = _pad(q, meta, meta.max_seqlen_q)

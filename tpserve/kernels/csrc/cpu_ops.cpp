@@ -74,6 +74,33 @@ struct AttnOpts {
   }
 };
 
+// An int8 KV cache (--kv-cache-dtype int8): int8 codes in the cache's [num_blocks, block_size,
+// Hkv, D] and one fp32 scale per slot and KV head ([num_blocks, block_size, Hkv], contiguous),
+// symmetric per token and head: value = code * scale, scale = absmax / 127 of the head's row.
+// The kernels read the codes and fold the scale into a score (keys) or a softmax weight (values).
+// Null pointers: the cache holds the model's dtype (KT == T).
+struct KvScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+
+template <typename KT>
+constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
+
+// One head's row of n values as int8 codes; returns its scale. The torch store
+// (torch_store.py) computes the same bits: fp32 absmax, 127 / absmax, round half to even.
+template <typename T>
+inline float quantize_row(const T* src, int8_t* dst, int64_t n) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(to_f<T>(src[d])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float c = std::nearbyint(to_f<T>(src[d]) * inv);
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+  }
+  return amax / 127.f;
+}
+
 // Head sizes compiled with a constant head_dim (the loops unroll and the per-row accumulators
 // stay in registers); any other head_dim up to kMaxHeadDim takes the kD == 0 instantiation.
 constexpr int64_t kMaxHeadDim = 512;
@@ -200,25 +227,29 @@ AttendFn<T> attend_for(int64_t head_dim) {
 constexpr int64_t kPromptKeys = 16;  // keys per prompt tile
 constexpr int64_t kTileVectors = kPromptKeys / kLanes;
 
-// fn(row, i) for the cache's slot row of each position k_begin + i < k_len, in order, walking the
-// block table entry by entry from the block holding k_begin (blocks before it are not read).
+// fn(row, i, slot) for the cache's slot row of each position k_begin + i < k_len, in order, walking
+// the block table entry by entry from the block holding k_begin (blocks before it are not read).
 template <typename T, typename Fn>
 inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t block_size,
                               int64_t row_stride, int64_t k_begin, int64_t k_len, Fn&& fn) {
   int64_t c = k_begin / block_size, j = k_begin - c * block_size;
   for (int64_t p0 = c * block_size; p0 < k_len; p0 += block_size, ++c, j = 0) {
     const int64_t n = std::min(block_size, k_len - p0);
-    const T* row = cache + (static_cast<int64_t>(table[c]) * block_size + j) * row_stride;
-    for (; j < n; ++j, row += row_stride) fn(row, p0 + j - k_begin);
+    const int64_t slot0 = static_cast<int64_t>(table[c]) * block_size;
+    const T* row = cache + (slot0 + j) * row_stride;
+    for (; j < n; ++j, row += row_stride) fn(row, p0 + j - k_begin, slot0 + j);
   }
 }
 
 // kC: head_dim / kLanes as a constant (registers, unrolled loops), or 0 for any multiple of 16.
-template <typename T, int64_t kC>
-void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, const T* k_cache,
-                 const T* v_cache, const int32_t* table, int64_t block_size, int64_t num_kv_heads,
+// KT: the cache's element type, T or int8_t (then `kvs` holds the scales: a key's scale multiplies
+// its scores, a value's scale its softmax weights).
+template <typename T, typename KT, int64_t kC>
+void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, const KT* k_cache,
+                 const KT* v_cache, const int32_t* table, int64_t block_size, int64_t num_kv_heads,
                  int64_t group, int64_t head_dim, int64_t k_len, float scale,
-                 std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, const AttnOpts& o) {
+                 std::vector<float>& scratch, int64_t kv_begin, int64_t kv_end, const AttnOpts& o,
+                 const KvScales& kvs) {
   const int64_t C = kC > 0 ? kC : head_dim / kLanes;
   const int64_t D = C * kLanes;
   const int64_t hq = num_kv_heads * group;
@@ -238,14 +269,19 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   vfl row[kC > 0 ? kC : kMaxHeadDim / kLanes];
 
   // Pass 1: scores.
-  for_each_slot_row(k_cache, table, block_size, row_stride, k_begin, k_len, [&](const T* kp, int64_t p) {
+  for_each_slot_row(k_cache, table, block_size, row_stride, k_begin, k_len,
+                    [&](const KT* kp, int64_t p, int64_t slot) {
     for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
       for (int64_t i = 0; i < C; ++i) row[i] = loadl(kp + kh * D + i * kLanes);
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         const float* qh = qf + h * D;
         vfl t = loadl(qh) * row[0];
         for (int64_t i = 1; i < C; ++i) t += loadl(qh + i * kLanes) * row[i];
-        s[h * n + p] = hsuml(t);
+        if constexpr (kInt8<KT>) {
+          s[h * n + p] = hsuml(t) * kvs.k[slot * num_kv_heads + kh];
+        } else {
+          s[h * n + p] = hsuml(t);
+        }
       }
     }
   });
@@ -266,11 +302,14 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   }
   // Pass 3: weighted sum of the values.
   std::fill(acc + h_begin * D, acc + h_end * D, 0.f);
-  for_each_slot_row(v_cache, table, block_size, row_stride, k_begin, k_len, [&](const T* vp, int64_t p) {
+  for_each_slot_row(v_cache, table, block_size, row_stride, k_begin, k_len,
+                    [&](const KT* vp, int64_t p, int64_t slot) {
     for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
       for (int64_t i = 0; i < C; ++i) row[i] = loadl(vp + kh * D + i * kLanes);
+      float vs = 1.f;
+      if constexpr (kInt8<KT>) vs = kvs.v[slot * num_kv_heads + kh];
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
-        const float w = s[h * n + p];
+        const float w = kInt8<KT> ? s[h * n + p] * vs : s[h * n + p];
         float* ah = acc + h * D;
         for (int64_t i = 0; i < C; ++i) storel(ah + i * kLanes, loadl(ah + i * kLanes) + w * row[i]);
       }
@@ -282,33 +321,34 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   }
 }
 
-template <typename T>
-using DecodeFn = void (*)(int64_t, const T*, int64_t, int64_t, T*, const T*, const T*,
+template <typename T, typename KT>
+using DecodeFn = void (*)(int64_t, const T*, int64_t, int64_t, T*, const KT*, const KT*,
                           const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                          std::vector<float>&, int64_t, int64_t, const AttnOpts&);
+                          std::vector<float>&, int64_t, int64_t, const AttnOpts&, const KvScales&);
 
-template <typename T>
-DecodeFn<T> decode_for(int64_t head_dim) {
+template <typename T, typename KT>
+DecodeFn<T, KT> decode_for(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &decode_item<T, 64 / kLanes>;
-    case 128: return &decode_item<T, 128 / kLanes>;
-    case 256: return &decode_item<T, 256 / kLanes>;
-    default: return &decode_item<T, 0>;
+    case 64: return &decode_item<T, KT, 64 / kLanes>;
+    case 128: return &decode_item<T, KT, 128 / kLanes>;
+    case 256: return &decode_item<T, KT, 256 / kLanes>;
+    default: return &decode_item<T, KT, 0>;
   }
 }
 
 // The decode path's preconditions: one row per sequence, fp32 or bf16, head_dim % 16 == 0.
-template <typename T>
+template <typename T, typename KT = T>
 void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const int32_t* tables, int64_t width,
-                  const int32_t* ctx, int64_t B, float scale, const AttnOpts& o) {
+                  const int32_t* ctx, int64_t B, float scale, const AttnOpts& o,
+                  const KvScales& kvs = {}) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const DecodeFn<T> fn = decode_for<T>(D);
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
+  const DecodeFn<T, KT> fn = decode_for<T, KT>(D);
   // A work item is a sequence, or with fewer sequences than threads a run of its KV heads, so
   // that one stream's attention is not one thread's. Each head's arithmetic is the same either way.
   const int64_t threads = at::get_num_threads();
@@ -319,7 +359,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / per_seq, kv0 = item % per_seq * chunk;
       fn(b, qp, q.stride(0), q.stride(1), op, kp, vp, tables + b * width, block_size, hkv, group,
-         D, ctx[b], scale, scratch, kv0, std::min(hkv, kv0 + chunk), o);
+         D, ctx[b], scale, scratch, kv0, std::min(hkv, kv0 + chunk), o, kvs);
     }
   });
 }
@@ -337,17 +377,18 @@ void paged_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
 // decode_attention, the DecodeStack) computes. Its cost: a prompt's keys are read once per row
 // instead of once per tile of rows (prompt attention is a small part of a step at the lengths the
 // benchmark serves; the matmuls dominate).
-template <typename T>
+template <typename T, typename KT = T>
 void paged_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const int32_t* tables, int64_t width,
-                const int32_t* cu, const int32_t* ctx, int64_t B, float scale, const AttnOpts& o) {
+                const int32_t* cu, const int32_t* ctx, int64_t B, float scale, const AttnOpts& o,
+                const KvScales& kvs = {}) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1), T_rows = q.size(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const DecodeFn<T> fn = decode_for<T>(D);
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
+  const DecodeFn<T, KT> fn = decode_for<T, KT>(D);
   std::vector<int32_t> seq_of(static_cast<size_t>(T_rows)), keys_of(static_cast<size_t>(T_rows));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b], offset = ctx[b] - q_len;
@@ -366,7 +407,7 @@ void paged_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / per_row, kv0 = item % per_row * chunk;
       fn(t, qp, q.stride(0), q.stride(1), op, kp, vp, tables + seq_of[t] * width, block_size, hkv, group,
-         D, keys_of[t], scale, scratch, kv0, std::min(hkv, kv0 + chunk), o);
+         D, keys_of[t], scale, scratch, kv0, std::min(hkv, kv0 + chunk), o, kvs);
     }
   });
 }
@@ -397,12 +438,14 @@ struct PromptItem {
   int64_t cost;  // scores computed: rows x keys up to the item's last row
 };
 
-// kC: head_dim / kLanes as a constant, or 0 for any multiple of 16.
-template <typename T, int64_t kC>
+// kC: head_dim / kLanes as a constant, or 0 for any multiple of 16. KT: the cache's element type
+// (T, or int8_t with `kvs`' scales applied as a tile is widened).
+template <typename T, typename KT, int64_t kC>
 void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T* out,
-                 const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
+                 const KT* k_cache, const KT* v_cache, const int32_t* table, int64_t block_size,
                  int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t q_begin,
-                 int64_t offset, float scale, std::vector<float>& scratch, const AttnOpts& o) {
+                 int64_t offset, float scale, std::vector<float>& scratch, const AttnOpts& o,
+                 const KvScales& kvs) {
   constexpr int64_t K = kPromptKeys, NV = kTileVectors;
   const int64_t C = kC > 0 ? kC : head_dim / kLanes;
   const int64_t D = C * kLanes;
@@ -440,10 +483,17 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
       if (j < nk && p0 + j >= k_lo) {
         const int64_t pos = p0 + j;
         const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        const T* kr = k_cache + slot * row_stride + w.kv_head * D;
-        const T* vr = v_cache + slot * row_stride + w.kv_head * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * K + j] = to_f<T>(kr[d]);
-        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f<T>(vr[d]);
+        const KT* kr = k_cache + slot * row_stride + w.kv_head * D;
+        const KT* vr = v_cache + slot * row_stride + w.kv_head * D;
+        if constexpr (kInt8<KT>) {
+          const int64_t at = slot * num_kv_heads + w.kv_head;
+          const float ks = kvs.k[at], vs = kvs.v[at];
+          for (int64_t d = 0; d < D; ++d) kt[d * K + j] = static_cast<float>(kr[d]) * ks;
+          for (int64_t d = 0; d < D; ++d) vt[j * D + d] = static_cast<float>(vr[d]) * vs;
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * K + j] = to_f<T>(kr[d]);
+          for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f<T>(vr[d]);
+        }
       } else {  // past the last row or before the window: never visible, but kept finite
         for (int64_t d = 0; d < D; ++d) kt[d * K + j] = 0.f;
       }
@@ -512,26 +562,27 @@ void prompt_item(const PromptItem& w, const T* q, int64_t q_s0, int64_t q_s1, T*
   }
 }
 
-template <typename T>
-using PromptFn = void (*)(const PromptItem&, const T*, int64_t, int64_t, T*, const T*, const T*,
+template <typename T, typename KT>
+using PromptFn = void (*)(const PromptItem&, const T*, int64_t, int64_t, T*, const KT*, const KT*,
                           const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          float, std::vector<float>&, const AttnOpts&);
+                          float, std::vector<float>&, const AttnOpts&, const KvScales&);
 
-template <typename T>
-PromptFn<T> prompt_for(int64_t head_dim) {
+template <typename T, typename KT>
+PromptFn<T, KT> prompt_for(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &prompt_item<T, 64 / kLanes>;
-    case 128: return &prompt_item<T, 128 / kLanes>;
-    case 256: return &prompt_item<T, 256 / kLanes>;
-    default: return &prompt_item<T, 0>;
+    case 64: return &prompt_item<T, KT, 64 / kLanes>;
+    case 128: return &prompt_item<T, KT, 128 / kLanes>;
+    case 256: return &prompt_item<T, KT, 256 / kLanes>;
+    default: return &prompt_item<T, KT, 0>;
   }
 }
 
 // The prompt path's preconditions: fp32 or bf16, head_dim % 16 == 0.
-template <typename T>
+template <typename T, typename KT = T>
 void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const int32_t* tables, int64_t width,
-                  const int32_t* cu, const int32_t* ctx, int64_t B, float scale, const AttnOpts& o) {
+                  const int32_t* cu, const int32_t* ctx, int64_t B, float scale, const AttnOpts& o,
+                  const KvScales& kvs = {}) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1);
   std::vector<PromptItem> items;
@@ -550,9 +601,9 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
                    [](const PromptItem& x, const PromptItem& y) { return x.cost > y.cost; });
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const PromptFn<T> fn = prompt_for<T>(D);
+  const KT* kp = k_cache.data_ptr<KT>();
+  const KT* vp = v_cache.data_ptr<KT>();
+  const PromptFn<T, KT> fn = prompt_for<T, KT>(D);
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
@@ -561,7 +612,7 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t i = next++; i < n; i = next++) {
       const PromptItem& w = items[i];
       fn(w, qp, q.stride(0), q.stride(1), op, kp, vp, tables + w.seq * width, block_size, hkv,
-         group, D, cu[w.seq], ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o);
+         group, D, cu[w.seq], ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o, kvs);
     }
   });
 }
@@ -623,6 +674,25 @@ AttnOpts attn_opts(int64_t window, const c10::optional<at::Tensor>& sinks, doubl
   return o;
 }
 
+// The scales of an int8 cache (KvScales): float32 [num_blocks, block_size, Hkv] each, contiguous;
+// none for a cache of the model's dtype.
+KvScales kv_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scale,
+                   const c10::optional<at::Tensor>& v_scale) {
+  if (k_cache.scalar_type() != at::kChar) {
+    check_value(!k_scale.has_value() && !v_scale.has_value(),
+                "k_scale/v_scale: only an int8 cache has scales");
+    return {};
+  }
+  check_value(k_scale.has_value() && v_scale.has_value(), "k_scale/v_scale: an int8 cache needs both");
+  for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+    check_value(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1) &&
+                    t->size(2) == k_cache.size(2),
+                "k_scale/v_scale: expected contiguous float32 [num_blocks, block_size, Hkv]");
+  }
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+
 // out [T, Hq, D] (contiguous) = attention of q [T, Hq, D] (head_dim contiguous) over the paged
 // cache [num_blocks, block_size, Hkv, D]. Sequence b owns query rows cu_seqlens_q[b]..[b+1],
 // which are the last q_len rows of its context_lens[b] keys (causal). Keys come from
@@ -637,11 +707,13 @@ AttnOpts attn_opts(int64_t window, const c10::optional<at::Tensor>& sinks, doubl
 // the plan; fp32/bf16 with head_dim % 16 == 0 only.
 // `window` (0: none), `sinks` (float32 [Hq] or None), `softcap` (0: none): the layer's options
 // (AttnOpts); `checked` with a window means check_block_tables ran with that window.
+// An int8 cache comes with `k_scale` / `v_scale` (KvScales); it takes the vector paths only.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
                      double scale, bool prompt, int64_t num_decodes, bool checked, bool rows,
-                     int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
+                     int64_t window, const c10::optional<at::Tensor>& sinks, double softcap,
+                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   check_dtype(q, "q: expected float32, bfloat16 or float16");
   check_value(q.dim() == 3 && q.stride(2) == 1, "q: expected [T, Hq, D] with a contiguous head_dim");
   check_value(out.is_contiguous() && out.sizes() == q.sizes() && out.dtype() == q.dtype(),
@@ -649,9 +721,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_value(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache/v_cache: expected contiguous [num_blocks, block_size, Hkv, D] of one shape");
-  check_value(k_cache.dtype() == q.dtype() && v_cache.dtype() == q.dtype(),
-              "k_cache/v_cache: dtype must equal q's");
+  const bool int8_kv = k_cache.scalar_type() == at::kChar;
+  check_value((k_cache.dtype() == q.dtype() || int8_kv) && v_cache.dtype() == k_cache.dtype(),
+              "k_cache/v_cache: dtype must equal q's (or be int8 with scales)");
   check_value(k_cache.size(3) == q.size(2), "k_cache: head_dim differs from q's");
+  const KvScales kvs = kv_scales(k_cache, k_scale, v_scale);
   check_value(q.size(2) >= 1 && q.size(2) <= kMaxHeadDim, "q: head_dim must be in [1, 512]");
   const int64_t hkv = k_cache.size(2);
   check_value(hkv > 0 && q.size(1) % hkv == 0, "k_cache: num_kv_heads must divide q's num_heads");
@@ -677,21 +751,26 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const bool vector_path = q.size(2) % 16 == 0 &&
       (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16);
   check_value(!rows || vector_path, "rows: the batch-invariant path takes fp32 or bf16 with head_dim % 16 == 0");
+  check_value(!int8_kv || vector_path, "k_cache: an int8 cache takes fp32 or bf16 q with head_dim % 16 == 0");
   if (vector_path) {
-    auto run = [&](auto* tag) {
+    auto run = [&](auto* tag, auto* kv_tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
+      using KT = std::remove_pointer_t<decltype(kv_tag)>;
+      const float sc = static_cast<float>(scale);
       if (rows) {  // the batch-invariant mode: every row with the decode path's arithmetic
-        paged_rows<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale), o);
+        paged_rows<T, KT>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, sc, o, kvs);
       } else if (prompt || !one_row_each) {
-        paged_prompt<T>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, static_cast<float>(scale), o);
+        paged_prompt<T, KT>(out, q, k_cache, v_cache, tables, width, cu, ctx, B, sc, o, kvs);
       } else {
-        paged_decode<T>(out, q, k_cache, v_cache, tables, width, ctx, B, static_cast<float>(scale), o);
+        paged_decode<T, KT>(out, q, k_cache, v_cache, tables, width, ctx, B, sc, o, kvs);
       }
     };
     if (q.scalar_type() == at::kFloat) {
-      run(static_cast<float*>(nullptr));
+      if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+      else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
     } else {
-      run(static_cast<at::BFloat16*>(nullptr));
+      if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+      else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
     }
     return;
   }
@@ -725,8 +804,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 
 // k_cache/v_cache viewed as [num_blocks * block_size, Hkv, D]: row slot_mapping[t] = key/value[t]
 // for every t whose slot is >= 0. key/value may be strided views (slices of the fused QKV output).
+// An int8 cache stores each head's row quantized (quantize_row) and its scale in k_scale/v_scale.
 void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
-                   at::Tensor v_cache, const at::Tensor& slot_mapping) {
+                   at::Tensor v_cache, const at::Tensor& slot_mapping,
+                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   check_dtype(key, "key: expected float32, bfloat16 or float16");
   check_value(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 &&
                   value.stride(2) == 1,
@@ -735,8 +816,11 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == key.size(1) &&
                   k_cache.size(3) == key.size(2),
               "k_cache/v_cache: expected contiguous [num_blocks, block_size, Hkv, D] matching key");
-  check_value(key.dtype() == k_cache.dtype() && value.dtype() == k_cache.dtype(),
+  const bool int8_kv = k_cache.scalar_type() == at::kChar;
+  check_value(value.dtype() == key.dtype() && v_cache.dtype() == k_cache.dtype() &&
+                  (key.dtype() == k_cache.dtype() || int8_kv),
               "key/value: dtype must equal the cache's");
+  const KvScales kvs = kv_scales(k_cache, k_scale, v_scale);
   check_value(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
                   slot_mapping.is_contiguous() &&
                   (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
@@ -747,6 +831,27 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     check_value(sp[t] < num_slots, "slot_mapping: slot past the end of the cache");
+  }
+  if (int8_kv) {
+    float* ks = const_cast<float*>(kvs.k);
+    float* vs = const_cast<float*>(kvs.v);
+    int8_t* kc = k_cache.data_ptr<int8_t>();
+    int8_t* vc = v_cache.data_ptr<int8_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "store_kvcache", [&] {
+      const scalar_t* kp = key.data_ptr<scalar_t>();
+      const scalar_t* vp = value.data_ptr<scalar_t>();
+      at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          if (sp[t] < 0) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t row = sp[t] * H + h;
+            ks[row] = quantize_row(kp + t * key.stride(0) + h * key.stride(1), kc + row * D, D);
+            vs[row] = quantize_row(vp + t * value.stride(0) + h * value.stride(1), vc + row * D, D);
+          }
+        }
+      });
+    });
+    return;
   }
   const int64_t esize = key.element_size();
   const char* kp = static_cast<const char*>(key.data_ptr());
@@ -1095,12 +1200,14 @@ inline int64_t index_at(const at::Tensor& t, int64_t m) {
 // q/k norms (Qwen3; absent: copies), rotary, the query heads into q_out [M, Hq, D] and the key
 // and value heads straight into their cache slots. The same row functions as rms_norm,
 // rotary_embedding and store_kvcache, in the same order, so the same bits; three ops and their
-// tensors fewer per layer.
-template <typename T>
+// tensors fewer per layer. An int8 cache (KT = int8_t) gets each key and value head quantized
+// as store_kvcache quantizes it (quantize_row), its scale in `kvs`.
+template <typename T, typename KT = T>
 void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos,
                   const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
-                  const c10::optional<at::Tensor>& k_norm, double eps, int64_t Hq, int64_t Hkv, int64_t D) {
+                  const c10::optional<at::Tensor>& k_norm, double eps, int64_t Hq, int64_t Hkv, int64_t D,
+                  const KvScales& kvs = {}) {
   const int64_t M = qkv_out.size(0), ld = qkv_out.stride(0), half = D / 2;
   check_value(positions.dim() == 1 && positions.is_contiguous() &&
                   (positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong),
@@ -1113,7 +1220,8 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
               "cos/sin: expected contiguous float32 [max_position, head_dim / 2]");
   check_value(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
-                  k_cache.scalar_type() == qkv_out.scalar_type() && v_cache.scalar_type() == qkv_out.scalar_type(),
+                  (k_cache.scalar_type() == qkv_out.scalar_type() || kInt8<KT>) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
               "k_cache/v_cache: expected contiguous [num_blocks, block_size, Hkv, D] matching key");
   check_value(q_norm.has_value() == k_norm.has_value(), "q_norm/k_norm: given together");
   if (q_norm.has_value()) {
@@ -1131,8 +1239,8 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
   }
   const T* src = qkv_out.data_ptr<T>();
   T* qo = q_out.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  KT* kc = k_cache.data_ptr<KT>();
+  KT* vc = v_cache.data_ptr<KT>();
   const T* qw = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
   const T* kw = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
   const float* cp = cos.data_ptr<float>();
@@ -1154,8 +1262,18 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
     };
     for (int64_t h = 0; h < Hq; ++h) head(row + h * D, qo + (m * Hq + h) * D, qw);
     for (int64_t h = 0; h < Hkv; ++h) {
-      head(row + (Hq + h) * D, slot >= 0 ? kc + (slot * Hkv + h) * D : spare, kw);
-      if (slot >= 0) std::memcpy(vc + (slot * Hkv + h) * D, row + (Hq + Hkv + h) * D, D * sizeof(T));
+      if constexpr (kInt8<KT>) {
+        head(row + (Hq + h) * D, spare, kw);
+        if (slot >= 0) {
+          float* ks = const_cast<float*>(kvs.k);
+          float* vs = const_cast<float*>(kvs.v);
+          ks[slot * Hkv + h] = quantize_row(spare, kc + (slot * Hkv + h) * D, D);
+          vs[slot * Hkv + h] = quantize_row(row + (Hq + Hkv + h) * D, vc + (slot * Hkv + h) * D, D);
+        }
+      } else {
+        head(row + (Hq + h) * D, slot >= 0 ? kc + (slot * Hkv + h) * D : spare, kw);
+        if (slot >= 0) std::memcpy(vc + (slot * Hkv + h) * D, row + (Hq + Hkv + h) * D, D * sizeof(T));
+      }
     }
   }
 }
@@ -1172,8 +1290,13 @@ struct AttentionArgs {
   int64_t window = 0;
   at::Tensor sinks;
   double softcap = 0;
+  // An int8 cache's scales (KvScales; undefined: the cache holds the model's dtype).
+  at::Tensor k_scale, v_scale;
   AttnOpts opts() const {
     return AttnOpts{window, sinks.defined() ? sinks.data_ptr<float>() : nullptr, static_cast<float>(softcap)};
+  }
+  KvScales scales() const {
+    return k_scale.defined() ? KvScales{k_scale.data_ptr<float>(), v_scale.data_ptr<float>()} : KvScales{};
   }
 };
 
@@ -1215,15 +1338,22 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   const float scale = static_cast<float>(a.scale);
+  auto run = [&](auto* tag, auto* kv_tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using KT = std::remove_pointer_t<decltype(kv_tag)>;
+    const KvScales kvs = a.scales();
+    qkv_to_cache<T, KT>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
+                        a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim, kvs);
+    paged_decode<T, KT>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale, a.opts(),
+                        kvs);
+  };
+  const bool int8_kv = k_cache.scalar_type() == at::kChar;
   if (hidden.scalar_type() == at::kFloat) {
-    qkv_to_cache<float>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
-                        a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim);
-    paged_decode<float>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale, a.opts());
+    if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
   } else {
-    qkv_to_cache<at::BFloat16>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
-                               a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim);
-    paged_decode<at::BFloat16>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale,
-                               a.opts());
+    if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   }
   linear_into(out, attn.view({M, q_size}), a.o);
 }
@@ -1239,7 +1369,8 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
                       const c10::optional<at::Tensor>& qkv_colsum, const c10::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& o_data, int64_t o_kind, const c10::optional<at::Tensor>& o_scales,
                       const c10::optional<at::Tensor>& o_colsum, const c10::optional<at::Tensor>& o_bias,
-                      int64_t window, const c10::optional<at::Tensor>& sinks, double softcap) {
+                      int64_t window, const c10::optional<at::Tensor>& sinks, double softcap,
+                      const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
@@ -1264,6 +1395,13 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
   a.window = window;
   a.sinks = sinks.has_value() ? *sinks : at::Tensor();
   a.softcap = softcap;
+  kv_scales(k_cache_in, k_scale, v_scale);  // checked
+  check_value(k_cache_in.scalar_type() == hidden.scalar_type() || k_cache_in.scalar_type() == at::kChar,
+              "k_cache: expected the model's dtype or int8");
+  if (k_scale.has_value()) {
+    a.k_scale = *k_scale;
+    a.v_scale = *v_scale;
+  }
   DecodeScratch scratch;
   decode_attention_into(out, residual, hidden, has_residual, positions, slot_mapping, block_tables,
                         context_lens, a, scratch);
@@ -1446,6 +1584,15 @@ struct DecodeStack : torch::CustomClassHolder {
     a.softcap = softcap;
   }
 
+  // Layer i's int8 cache scales (KvScales), for a stack built with int8 caches.
+  void set_kv_scales(int64_t i, at::Tensor k_scale, at::Tensor v_scale) {
+    check_value(i >= 0 && i < static_cast<int64_t>(layers.size()), "layer: outside the stack");
+    AttentionArgs& a = layers[i].first;
+    kv_scales(a.k_cache, k_scale, v_scale);  // checked
+    a.k_scale = k_scale;
+    a.v_scale = v_scale;
+  }
+
   // Layer i's MLP half alone (dense or experts), for the layer-by-layer path of tensor
   // parallelism (the all-reduce between the calls): out = mlp(norm(hidden + residual)), residual
   // updated in place, as decode_mlp.
@@ -1487,11 +1634,14 @@ struct DecodeStack : torch::CustomClassHolder {
     return hidden;
   }
 
-  // input_ids [M], one per decode row; returns the final norm of the last layer's output.
+  // input_ids [M], one per decode row (or their embedded rows [M, H], for an embedding that is
+  // not a float table: a tied head's group codes); returns the final norm of the last layer's
+  // output.
   at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                  const at::Tensor& context_lens) {
-    check_value(!layers.empty() && norm_weight.defined() && embedding.defined(),
+    const bool embedded = input_ids.is_floating_point();
+    check_value(!layers.empty() && norm_weight.defined() && (embedded || embedding.defined()),
                 "DecodeStack: no layers, final norm or embedding");
     // The blocks the widest layer reads (every block when a layer has no window).
     int64_t widest = layers[0].first.window;
@@ -1500,7 +1650,10 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].first.k_cache.size(0),
                        layers[0].first.k_cache.size(1), widest);
-    at::Tensor hidden = embed(input_ids);
+    at::Tensor hidden = embedded ? input_ids : embed(input_ids);
+    check_value(hidden.dim() == 2 && hidden.is_contiguous() &&
+                    hidden.size(1) == layers[0].first.qkv.k,
+                "input_ids: expected ids [M] or embedded rows [M, hidden]");
     const int64_t M = hidden.size(0);
     check_value(M >= 1, "hidden: a decode step has at least one row");
     check_value(context_lens.size(0) == M && slot_mapping.size(0) == M && positions.size(0) == M,
@@ -1509,6 +1662,10 @@ struct DecodeStack : torch::CustomClassHolder {
                 "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
     at::Tensor residual = scratch.get(kResidual, hidden.sizes(), hidden.options());
     at::Tensor other = scratch.get(kOther, hidden.sizes(), hidden.options());
+    for (const auto& l : layers) {
+      check_value(l.first.k_cache.scalar_type() != at::kChar || l.first.k_scale.defined(),
+                  "DecodeStack: an int8 cache without its scales (set_kv_scales)");
+    }
     for (size_t i = 0; i < layers.size(); ++i) {
       decode_attention_into(other, residual, hidden, i > 0, positions, slot_mapping, block_tables, context_lens,
                             layers[i].first, scratch);
@@ -1525,11 +1682,12 @@ TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, float scale, "
         "bool prompt=False, int num_decodes=-1, bool checked=False, bool rows=False, "
-        "int window=0, Tensor? sinks=None, float softcap=0.) -> ()");
+        "int window=0, Tensor? sinks=None, float softcap=0., Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> ()");
   m.def("check_block_tables(Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, "
         "int num_blocks, int block_size, int window=0) -> ()");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? residual, Tensor(b!)? residual_out, "
         "Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
@@ -1539,7 +1697,8 @@ TORCH_LIBRARY(tpserve_cpu, m) {
         "Tensor? k_norm, int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
         "float scale, Tensor qkv_data, int qkv_kind, Tensor? qkv_scales, Tensor? qkv_colsum, "
         "Tensor? qkv_bias, Tensor o_data, int o_kind, Tensor? o_scales, Tensor? o_colsum, "
-        "Tensor? o_bias, int window=0, Tensor? sinks=None, float softcap=0.) -> ()");
+        "Tensor? o_bias, int window=0, Tensor? sinks=None, float softcap=0., Tensor(e!)? k_scale=None, "
+        "Tensor(f!)? v_scale=None) -> ()");
   m.def("decode_mlp(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, Tensor ln_weight, float eps, "
         "int intermediate, Tensor gu_data, int gu_kind, Tensor? gu_scales, Tensor? gu_colsum, "
         "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
@@ -1552,6 +1711,7 @@ TORCH_LIBRARY(tpserve_cpu, m) {
       .def("add_moe_layer", &DecodeStack::add_moe_layer)
       .def("mlp", &DecodeStack::mlp)
       .def("set_attention_options", &DecodeStack::set_attention_options)
+      .def("set_kv_scales", &DecodeStack::set_kv_scales)
       .def("set_norm", &DecodeStack::set_norm)
       .def("set_embedding", &DecodeStack::set_embedding)
       .def("run", &DecodeStack::run);

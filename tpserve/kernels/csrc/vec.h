@@ -101,6 +101,14 @@ inline vfl loadl(const at::BFloat16* p) {
   return reinterpret_cast<vfl>(__builtin_convertvector(h, vu32l) << 16);
 }
 
+// int8 KV-cache rows (a per-row scale is applied by the caller).
+typedef int8_t vi8l __attribute__((vector_size(kLanes)));
+inline vfl loadl(const int8_t* p) {
+  vi8l h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vfl);
+}
+
 inline void storel(float* p, vfl v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Rounds to bf16 as from_f does (nearest even, NaN -> 0x7FC0), a vector at a time.
