@@ -178,7 +178,7 @@ class Driver:
                 if w is not None:
                     held = len(table) - table.count(-1)
                     self.max_held = max(self.max_held, held)
-                    assert held <= w // self.bs + 1 if w % self.bs == 0 else held <= max_window_blocks(w, self.bs)
+                    assert held <= max_window_blocks(w, self.bs)  # ceil(W / block_size) + 1
 
     def drain(self) -> None:
         for seq in list(self.running):

@@ -264,7 +264,8 @@ class BlockManager:
         self._live.pop(seq, None)
 
     # ---- groups: hits, allocation, windows -------------------------------------------------
-    def group_hits(self, seq, use_cache: bool = True, limit: int | None = None) -> tuple[int, list[list[int]]]:
+    def group_hits(self, seq, use_cache: bool = True,
+                   limit: int | None = None) -> tuple[int, list[list[int]]]:
         """(k, hits): the longest prefix of k full blocks of ``seq`` (at most ``limit``) that every
         group can serve from the prefix cache, and per group the cached block ids of blocks
         0 .. k-1, -1 where a sliding group needs none (before its window). (0, [[], ...])
@@ -285,7 +286,8 @@ class BlockManager:
                 parent_serial = -1
                 for i in range(k):
                     b = index.get(hashes[i], -1)
-                    if b == -1 or blocks[b].parent_serial != parent_serial or blocks[b].token_ids != seq.block(i):
+                    if b == -1 or blocks[b].parent_serial != parent_serial \
+                            or blocks[b].token_ids != seq.block(i):
                         break
                     ids.append(b)
                     parent_serial = blocks[b].serial
@@ -461,21 +463,20 @@ class BlockManager:
         return new
 
     # ---- prefix cache --------------------------------------------------------------------
-    def hash_blocks(self, seq) -> None:
+    def hash_blocks(self, seq) -> int | None:
         """Enter every full block of ``seq`` whose KV is written (the first
         ``num_cached_tokens // block_size``) into the prefix cache; a no-op when disabled.
 
         A newer block with the same contents takes the hash entry over; if the previous
         holder is free it loses its hash and becomes first in line for reuse.
 
-        With sliding groups, the blocks that left the window are freed after hashing
-        (:meth:`slide_windows`), with the cache enabled or not.
+        With groups, the blocks that left a sliding window are freed after hashing
+        (:meth:`slide_windows`), with the cache enabled or not; returns how many (else None).
         """
         if self.grouped:
             if self.enable_prefix_caching:
                 self._hash_grouped(seq)
-            self.slide_windows(seq)
-            return
+            return self.slide_windows(seq)
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -625,7 +626,7 @@ class BlockManager:
                     if block_id != -1:
                         expected[block_id] += 1
                         assert self.blocks[block_id].group == g, \
-                            f"{seq!r}: block {block_id} of group {self.blocks[block_id].group} in group {g}'s table"
+                            f"{seq!r}: block {block_id} of group {self.blocks[block_id].group} in group {g}"
                 if not group.sliding:
                     assert -1 not in table, f"{seq!r}: full-attention group {g} misses a block: {table}"
                     continue
@@ -639,7 +640,7 @@ class BlockManager:
                 if len(table) <= q // bs + 1:  # decoding: the table ends at the next query's block
                     num_held = len(table) - table.count(-1)
                     assert num_held <= max_window_blocks(w, bs), \
-                        f"{seq!r}: group {g} holds {num_held} blocks, window {w} needs {max_window_blocks(w, bs)}"
+                        f"{seq!r}: group {g} holds {num_held} blocks for window {w}"
         for block in self.blocks:
             b = block.block_id
             assert block.ref_count == expected[b], (

@@ -55,7 +55,9 @@ class Admission:
                                  f"prompt of {prompt_len} tokens + max_tokens {max_tokens}")
         # The last sampled token's KV is never written, hence total - 1 (but every prompt
         # token's is, when max_tokens is 0).
-        blocks = -(-max(total - 1, prompt_len) // self.block_size)
+        # With KV-cache groups, admission (and readmission after a preemption) gives every group a
+        # block per block of the sequence.
+        blocks = -(-max(total - 1, prompt_len) // self.block_size) * self.block_manager.blocks_per_append
         pool = self.block_manager.num_blocks
         if blocks > pool:
             raise AdmissionError(rid, "num_kv_blocks", blocks, pool,

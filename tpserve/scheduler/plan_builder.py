@@ -11,6 +11,10 @@ Row contents (``s`` a slot):
 
 - ``block_tables[s, :num_blocks[s]]`` mirrors ``seq.block_table``; the rest is -1.
   ``tail_blocks[s]`` is its last block (where a decoding sequence writes its next KV).
+  With several KV-cache groups (blockpool/kv_groups.py), ``group_tables[g - 1, s]`` mirrors
+  group g's table the same way (-1 where a sliding group dropped a block), and a plan's
+  ``block_tables`` holds the groups side by side: columns ``[g * W, (g + 1) * W)`` are group
+  g's (the runner derives each group's KV slots from the positions and its table).
 - ``seq_lens[s] == len(seq)`` and ``last_tokens[s] == seq.last_token`` while decoding (they are
   written when the prefill completes and bumped by every decode step).
 - Pooling sequences (--runner pooling) are prefill rows that are never sampled; the rows
@@ -32,10 +36,12 @@ from tpserve.scheduler.sample_inputs import SlotControls
 class SlotTable:
     """Per-slot arrays of the sequences that hold blocks (RUNNING ones)."""
 
-    def __init__(self, num_slots: int, max_blocks_per_seq: int, block_size: int):
+    def __init__(self, num_slots: int, max_blocks_per_seq: int, block_size: int, num_groups: int = 1):
         self.num_slots = num_slots
         self.block_size = block_size
         self.block_tables = np.full((num_slots, max_blocks_per_seq), -1, dtype=np.int32)
+        self.num_groups = num_groups
+        self.group_tables = np.full((num_groups - 1, num_slots, max_blocks_per_seq), -1, dtype=np.int32)
         self.num_blocks = np.zeros(num_slots, dtype=np.int32)
         self.tail_blocks = np.full(num_slots, -1, dtype=np.int32)
         self.seq_lens = np.zeros(num_slots, dtype=np.int32)
@@ -84,6 +90,8 @@ class SlotTable:
     def release(self, seq) -> None:
         slot = seq.slot
         self.block_tables[slot, :self.num_blocks[slot]] = -1
+        if self.num_groups > 1:
+            self.group_tables[:, slot, :self.num_blocks[slot]] = -1
         self.num_blocks[slot] = 0
         self.tail_blocks[slot] = -1
         self.controls.release(slot)
@@ -96,6 +104,24 @@ class SlotTable:
         self.block_tables[slot, :n] = block_table
         self.num_blocks[slot] = n
         self.tail_blocks[slot] = block_table[-1] if n else -1
+
+    def set_group_blocks(self, slot: int, tables: list[list[int]]) -> None:
+        """Rewrite the slot's rows of every group from its tables (group 0's first)."""
+        self.set_blocks(slot, tables[0])
+        for g, table in enumerate(tables[1:]):
+            self.group_tables[g, slot, :len(table)] = table
+
+    def append_group_blocks(self, slot: int, tables: list[list[int]]) -> None:
+        """Copy the last entry of groups 1..'s tables, just appended like group 0's."""
+        n = self.num_blocks[slot]
+        for g, table in enumerate(tables[1:]):
+            self.group_tables[g, slot, n - 1] = table[n - 1]
+
+    def plan_tables(self, idx: np.ndarray, width: int) -> np.ndarray:
+        """The plan's block tables of slots ``idx``: every group's ``width`` columns in turn."""
+        if self.num_groups == 1:
+            return self.block_tables[idx, :width]
+        return np.concatenate([self.block_tables[idx, :width], *self.group_tables[:, idx, :width]], axis=1)
 
     def append_block(self, slot: int, block_id: int) -> None:
         n = self.num_blocks[slot]
@@ -193,7 +219,7 @@ def _build_decode(batch, bs: int) -> StepPlan:
         slot_mapping=slot_mapping,
         cu_seqlens_k=cu_k,
         context_lens=lens,
-        block_tables=t.block_tables[idx, :width],
+        block_tables=t.plan_tables(idx, width),
         **const,
     )
 
@@ -267,7 +293,7 @@ def _build_mixed(batch, bs: int) -> StepPlan:
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         context_lens=ends,
-        block_tables=t.block_tables[idx, :width],
+        block_tables=t.plan_tables(idx, width),
         logits_indices=np.concatenate((np.arange(first, dtype=np.int32),
                                        cu_q[nd + 1:][psampled] - 1)).astype(np.int32, copy=False),
         logprob_rows=lp_rows,

@@ -111,7 +111,10 @@ class Postprocess:
         # Append each token to its sequence without a Python-level loop body.
         deque(map(list.append, token_lists, toks.tolist()), maxlen=0)
         self.decode_tokens += len(seqs)
-        if bm.enable_prefix_caching:
+        if self.grouped:  # windows move every step
+            for seq in seqs:
+                self._sync_rows(seq)
+        elif bm.enable_prefix_caching:
             # A block became full exactly when the KV just written ended it.
             for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist():
                 bm.hash_blocks(seqs[p])
@@ -139,7 +142,10 @@ class Postprocess:
                 if seq.num_cached_tokens == len(seq.token_ids):
                     done.append((seq, "stop"))
                     out.append(seq)
-                bm.hash_blocks(seq)
+                if self.grouped:
+                    self._sync_rows(seq)
+                else:
+                    bm.hash_blocks(seq)
                 continue
             if sampled and seq.sampling_params.max_tokens == 0:  # score the prompt only
                 done.append((seq, "length"))
@@ -148,7 +154,10 @@ class Postprocess:
                 seq.start_decoding()
                 t.start_decoding(seq)
                 first.append(seq)
-            bm.hash_blocks(seq)
+            if self.grouped:
+                self._sync_rows(seq)
+            else:
+                bm.hash_blocks(seq)
             if sampled:
                 out.append(seq)
         if first:  # their first token, under the one finish rule

@@ -63,6 +63,12 @@ before anyone waiting (a block that did not arrive is computed instead). A seque
 while loading keeps its blocks until the load is done (``_orphans``): no block is reused while
 a rank may still write it. Loading sequences count against ``max_num_seqs``.
 
+KV-cache groups (``kv_groups``, blockpool/kv_groups.py; a model with sliding-window layers):
+the seed's rules apply per group (BlockManager), a decode on a block boundary takes one block
+per group, and after each step the blocks that left a sliding window are freed (the block
+manager's ``hash_blocks`` does it, the slot rows follow: ``_sync_rows``). Speculative decoding,
+the "priority" order and the KV tiers are refused with groups (ConfigError).
+
 Admission control (admission.py) replaces the seed's ``assert scheduled_seqs``: ``add()``
 refuses a request that could never run, so whenever work is runnable ``schedule()`` returns a
 non-empty batch; an empty batch (falsy) only means there is nothing to do. It also applies the
@@ -113,7 +119,7 @@ FINISH_REASONS = R.FINISH_REASONS
 class Scheduler(Postprocess):
     """Owns the waiting/running queues, the BlockManager and the per-slot arrays."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_groups=None):
         if config.num_kv_blocks is None:
             raise ConfigError("num_kv_blocks", "must be set before the scheduler is built "
                               "(the engine fills it from the KV-cache memory budget)")
@@ -126,11 +132,17 @@ class Scheduler(Postprocess):
         # None: only the pool bounds a sequence.
         self.max_model_len = config.max_model_len
         self.eos_token_ids = [int(t) for t in config.eos_token_ids]
-        self.block_manager = BlockManager(config.num_kv_blocks, bs, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_kv_blocks, bs, config.enable_prefix_caching, kv_groups)
+        self.grouped = self.block_manager.grouped
         max_len = self.max_model_len or config.num_kv_blocks * bs
         max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
-        self.table = SlotTable(self.max_num_seqs, max_blocks, bs)
+        self.table = SlotTable(self.max_num_seqs, max_blocks, bs, len(self.block_manager.groups))
         spec = config.speculative
+        if self.grouped and spec is not None:
+            raise ConfigError("speculative_config", "is not supported with sliding-window KV groups yet")
+        if self.grouped and config.scheduling_order == "priority":
+            raise ConfigError("scheduling_order", "'priority' is not supported with sliding-window "
+                                                  "KV groups yet; use 'fcfs'")
         self.speculator = Speculator(spec) if spec is not None else None
         self.by_priority = config.scheduling_order == "priority"
         self.waiting = WaitingQueue(self.by_priority)
@@ -195,6 +207,9 @@ class Scheduler(Postprocess):
     def attach_kv_tiers(self, tiers) -> None:
         """Serve prefix misses from ``tiers`` (a KVTierIndex) and save evicted blocks to it."""
         bm = self.block_manager
+        if self.grouped:
+            raise ConfigError("kv_offload", "the KV tiers serve models without sliding-window "
+                                            "layers only (this model's KV cache has several groups)")
         tiers.block_manager = bm
         tiers.hash_fn = bm.compute_hash
         bm.offload = tiers
@@ -347,6 +362,8 @@ class Scheduler(Postprocess):
             seq.status = RUNNING
             seq.is_prefill = True
             self.table.acquire(seq, self._stop_ids(seq), self._stop_len(seq))
+            if self.grouped:
+                self.table.set_group_blocks(seq.slot, bm.tables(seq))
             self.running.append(seq)
             seqs.append(seq)
             if n < remaining:
@@ -406,11 +423,14 @@ class Scheduler(Postprocess):
         if len(slots) > cap:
             return self._schedule_decode_slow(cap)
         need = np.flatnonzero((t.seq_lens[slots] - 1) % self.block_size == 0)
-        if len(need) > bm.num_free_blocks:
+        if len(need) * bm.blocks_per_append > bm.num_free_blocks:
             return self._schedule_decode_slow(cap)
         if len(need):
             # In running order, as the seed loop would: same blocks to the same sequences.
             t.append_blocks(slots[need], bm.append_blocks([seqs[p] for p in need.tolist()]))
+            if self.grouped:
+                for p in need.tolist():
+                    t.append_group_blocks(seqs[p].slot, bm.tables(seqs[p]))
         return self._batch(seqs, False, slots, num_decodes=len(seqs), token_lists=token_lists,
                            slots_key=(running.version, len(seqs)))
 
@@ -435,6 +455,8 @@ class Scheduler(Postprocess):
                 block_id = bm.may_append(seq)
                 if block_id != -1:
                     t.append_block(seq.slot, block_id)
+                    if self.grouped:
+                        t.append_group_blocks(seq.slot, bm.tables(seq))
                 scheduled.append(seq)
         running.extendleft(reversed(scheduled))
         return self._batch(scheduled, False, num_decodes=len(scheduled))
@@ -456,6 +478,13 @@ class Scheduler(Postprocess):
         if self._prefilling is seq:
             self._prefilling = None
         self.num_preemptions += 1
+
+    def _sync_rows(self, seq: Sequence) -> None:
+        """With groups, after a step: hash ``seq``'s full blocks and free those that left a
+        sliding window (``hash_blocks``); its slot rows follow when anything was dropped."""
+        bm = self.block_manager
+        if bm.hash_blocks(seq) and seq.slot != -1:
+            self.table.set_group_blocks(seq.slot, bm.tables(seq))
 
     # ---- finishing -----------------------------------------------------------------------
     def finish(self, seq_or_request_id: Sequence | str, reason: str = "stop") -> bool:
@@ -671,6 +700,10 @@ class Scheduler(Postprocess):
             n = t.num_blocks[s.slot]
             assert n == len(s.block_table) and row[:n].tolist() == s.block_table and (row[n:] == -1).all(), \
                 f"{s!r}: slot row {row[:n + 1].tolist()} differs from its block table"
+            for g, table in enumerate(bm.tables(s)[1:]):
+                grow = t.group_tables[g, s.slot]
+                assert grow[:n].tolist() == table and (grow[n:] == -1).all(), \
+                    f"{s!r}: group {g + 1}'s slot row {grow[:n + 1].tolist()} differs from its table"
             if not s.is_prefill:
                 assert t.seq_lens[s.slot] == len(s) and t.last_tokens[s.slot] == s.last_token, \
                     f"{s!r}: slot length/last token out of date"
