@@ -441,6 +441,48 @@ def test_native_model_generates_alike_on_one_and_two_ranks(tiny):
     assert tokens[0] == tokens[1]
 
 
+def test_a_tied_quantized_embedding_is_held_once_as_the_heads_codes(tmp_path):
+    """No output.weight: the LM head shares token_embd. Quantized, it becomes the head's group
+    codes (repacked exactly) and the embedding looks its rows up in them, packed or not; no
+    float table is held, and the model generates alike on one and two ranks."""
+    from tpserve import LLM, SamplingParams
+    from tpserve.models.loader import load_model
+    from tpserve.models.packed_gemm import prepack_model
+
+    path = tmp_path / "tied.gguf"
+    expected = write_model(path, skip=("lm_head.weight",))
+    directory = materialize(path)
+    spec = model_spec(load_config(directory))
+    assert spec.tie_word_embeddings
+    files = gguf_files(directory)
+    qc = gguf_quant_config(files, None, spec, {})
+    assert qc.tied_head_codes
+    got = dict(gguf_weights(files, spec, qc, torch.float32))
+    assert "model.embed_tokens.weight" not in got
+    codes, scales, mins = (got[f"lm_head.weight_{k}"] for k in ("codes", "group_scales", "group_mins"))
+    g = codes.shape[1] // scales.shape[1]
+    table = torch.from_numpy(np.ascontiguousarray(expected["model.embed_tokens.weight"]))
+    assert torch.equal(scales.repeat_interleave(g, 1) * codes.float() + mins.repeat_interleave(g, 1), table)
+
+    model = load_model(directory, dtype=torch.float32)
+    embed = model.model.embed_tokens
+    assert embed.reads_codes and embed.weight.numel() == 0
+    assert "model.embed_tokens.weight" not in dict(model.named_parameters())
+    ids = torch.tensor([0, 5, VOCAB - 1, 5, 77])
+    assert torch.equal(embed(ids), table[ids])
+    prepack_model(model)
+    assert model.lm_head.packed is not None and model.lm_head.group_tensors() is None
+    assert torch.equal(embed(ids), table[ids])  # now from the packed codes
+
+    tokens = []
+    for tp in (1, 2):
+        with LLM(str(path), num_kv_blocks=32, block_size=16, tensor_parallel_size=tp) as llm:
+            outs = llm.generate([[5, 6, 7], [300, 2, 9, 11]],
+                                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert all(len(t) == 4 for t in tokens[0]) and tokens[0] == tokens[1]
+
+
 def test_moe_default_is_refused_by_name(tmp_path):
     path = tmp_path / "moe.gguf"
     w = gguf.GGUFWriter(str(path), "qwen3moe")

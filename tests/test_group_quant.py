@@ -110,6 +110,24 @@ def test_int4_configs():
         resolve_quantization("group", {})
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (4, 128)])
+def test_packed_rows_read_back_codes_scales_and_mins(bits, group):
+    """An embedding that shares a tied head's codes looks its rows up in the packed layout: for
+    any rows (across panels, the padded last one included) the codes, scales and mins come back."""
+    from tpserve.models.group_quant import pack_group_weight, packed_rows
+    torch.manual_seed(bits + group)
+    n, k = 150, 256
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // group) + 0.1
+    mins = -torch.rand(n, k // group)
+    packed = pack_group_weight(codes, scales, mins, bits)
+    ids = torch.tensor([0, 149, 63, 64, 17, 17, 100])
+    got = packed_rows(packed, ids)
+    assert torch.equal(got[0], codes[ids])
+    for g, ref in zip(got[1:], (scales, mins)):
+        assert torch.equal(g, ref[ids].half().float() if packed.scales.dtype == torch.float16 else ref[ids])
+
+
 def test_quantize_groups_round_to_nearest():
     w = torch.randn(24, 96)
     for g, bits in ((32, 4), (16, 8), (96, 4)):

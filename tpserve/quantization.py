@@ -59,7 +59,9 @@ class QuantConfig:
     ``group_size`` (quantized at load: the group; from a checkpoint: 0, each layer's group is
     inferred from its tensors' shapes, or the size the checkpoint's config declares), ``bits``
     (4 or 8; at load: 4), ``checkpoint_format`` ("" for tpserve's tensor names, else the format
-    whose decoder maps the checkpoint's tensors onto them: ``awq``, ``gptq``).
+    whose decoder maps the checkpoint's tensors onto them: ``awq``, ``gptq``), ``tied_head_codes``
+    (the checkpoint gives a tied LM head group codes, ``lm_head.weight_codes`` ..., and the
+    embedding looks its rows up in them: a GGUF file's quantized ``token_embd``).
     """
 
     method: str
@@ -70,6 +72,7 @@ class QuantConfig:
     group_size: int = 0
     bits: int = 0
     checkpoint_format: str = ""
+    tied_head_codes: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -157,7 +160,7 @@ def _compressed_tensors(qc: dict) -> QuantConfig:
 
 
 def group_quant_config(group_size: int = 0, bits: int = 0, ignore: tuple[str, ...] = (),
-                       checkpoint_format: str = "") -> QuantConfig:
+                       checkpoint_format: str = "", tied_head_codes: bool = False) -> QuantConfig:
     """The QuantConfig of a checkpoint (or file) holding group codes; ``group_size`` 0: inferred
     per layer from the tensors' shapes; ``bits`` 0: from each layer's codes."""
     if group_size and group_size not in GROUP_SIZES:
@@ -166,7 +169,8 @@ def group_quant_config(group_size: int = 0, bits: int = 0, ignore: tuple[str, ..
     if bits not in (0, 4, 8):
         _fail("bits", f"tpserve supports 4- and 8-bit codes, got {bits!r}")
     return QuantConfig("group", int8_activations=True, from_checkpoint=True, ignore=tuple(ignore),
-                       group_size=group_size, bits=bits, checkpoint_format=checkpoint_format)
+                       group_size=group_size, bits=bits, checkpoint_format=checkpoint_format,
+                       tied_head_codes=tied_head_codes)
 
 
 def _gptq_awq(method: str, qc: dict) -> QuantConfig:

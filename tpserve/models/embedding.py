@@ -44,12 +44,35 @@ class VocabParallelEmbedding(nn.Module):
             param[:real].copy_(loaded_weight.narrow(0, self.vocab_start, real))
             param[real:].zero_()
 
+    def read_rows_from(self, head: nn.Module) -> None:
+        """Look rows up in a tied group-quantized LM head (``group_quant.GroupQuantMixin
+        .dequantized_rows``) instead of a float table of this layer's own: a GGUF file quantizes the
+        table its head shares, and holding it once, as codes, is what keeps a 4-bit model small.
+        The rows come back in the dtype the table had."""
+        w = self.weight
+        del self.weight  # no parameter: the checkpoint's codes load into the head
+        # A table of no rows keeps the dtype and device the model reports (decoder.CausalLM).
+        self.weight = w.new_empty(0, self.embedding_dim)
+        # Not a submodule: the head is the model's lm_head already.
+        object.__setattr__(self, "rows_of", head)
+
+    @property
+    def reads_codes(self) -> bool:
+        """Whether rows come from a tied head's group codes (``read_rows_from``), not a table."""
+        return "rows_of" in self.__dict__
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.reads_codes:
+            return F.embedding(ids, self.weight)
+        rows = self.rows_of.dequantized_rows(ids.reshape(-1)).to(self.weight.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(mine, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out = out.masked_fill(~mine.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 

@@ -163,14 +163,18 @@ class FusedDecode:
                 stack.set_attention_options(i, window, sinks, softcap)
         norm = self.model.model.norm
         stack.set_norm(norm.weight, norm.eps)
-        stack.set_embedding(self.model.model.embed_tokens.weight)
+        embed = self.model.model.embed_tokens
+        if not embed.reads_codes:  # else `run` takes the rows, embedded here (a tied head's codes)
+            stack.set_embedding(embed.weight)
         return stack
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         ops = torch.ops.tpserve_cpu
         if self.stack is not None:
-            return self.stack.run(input_ids, positions, meta.slot_mapping, meta.block_tables,
+            embed = self.model.model.embed_tokens
+            ids = embed(input_ids) if embed.reads_codes else input_ids
+            return self.stack.run(ids, positions, meta.slot_mapping, meta.block_tables,
                                   meta.cu_seqlens_q, meta.context_lens)
         a0 = self.layers[0][0]
         ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

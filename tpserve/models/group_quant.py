@@ -163,6 +163,32 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
                         scales=per_panel(scales), colsum=per_panel(mins))
 
 
+def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` (output channels) of a GROUP4 / GROUP8 pack as ``(codes uint8 [T, K], scales
+    fp32 [T, K // g], mins fp32 [T, K // g])``: the inverse of :func:`pack_group_weight` for
+    those rows, read from the packed layout in place (an embedding that shares a tied LM head's
+    codes looks its rows up here)."""
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    lanes = panel // 4
+    k = packed.k
+    pn = packed.data.numel() // (panel * k // (2 if packed.kind == GROUP4 else 1))
+    p, j = ids // panel, ids % panel
+    vec, lane = (j // lanes)[:, None], (j % lanes)[:, None]
+    if packed.kind == GROUP4:
+        data = packed.data.view(pn, k // 8, 4, lanes, 4)
+        b = data[p[:, None], torch.arange(k // 8)[None, :], vec, lane]  # [T, K/8, 4]
+        codes = torch.stack([b & 15, b >> 4], dim=2)  # inputs 8j + q, then 8j + 4 + q
+    else:
+        data = packed.data.view(pn, k // 4, 4, lanes, 4)
+        codes = data[p[:, None], torch.arange(k // 4)[None, :], vec, lane]  # [T, K/4, 4]
+    groups = packed.scales.numel() // (pn * panel)
+    cols = torch.arange(groups)[None, :]
+
+    def per_row(t):
+        return t.view(pn, groups, panel)[p[:, None], cols, j[:, None]].float()
+    return codes.reshape(len(ids), k), per_row(packed.scales), per_row(packed.colsum)
+
+
 def group_packable(k: int, group_size: int) -> bool:
     return group_size % 16 == 0 and k % group_size == 0
 
@@ -265,6 +291,16 @@ class GroupQuantMixin:
             raise CheckpointError(f"{type(self).__name__} weight_codes: expected uint8 codes, "
                                   f"got {loaded.dtype}")
         self.weight_loader(param, loaded, *shard)
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's weight, dequantized (fp32 ``[T, in]``): from the codes, or
+        from the packed layout once packed (the embedding of a tied head reads its rows here)."""
+        if self.packed is not None:
+            codes, scales, mins = packed_rows(self.packed, ids)
+        else:
+            self.quantize_now()
+            codes, scales, mins = (t[ids] for t in self.group_tensors())
+        return dequantize(codes, scales, mins)
 
     # -- matmul and packing
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -34,8 +34,11 @@ Group-quantized layers (method ``"group"``: ``--quantization int4``, or a checkp
 ``group_quant.make_group_quant``, which also gives them their TP loaders (group-aligned row
 sharding). Their routers stay float; a mixture of experts' experts are int8 (quantized at load,
 as under ``--quantization int8``) with ``--quantization int4`` and refused from a group
-checkpoint. A tied LM head stays the float embedding with a group checkpoint; with
-``--quantization int4`` it is quantized from it (the embedding keeps the float table). A
+checkpoint. A tied LM head stays the float embedding with a group checkpoint, unless the
+checkpoint gives the head codes (``tied_head_codes``: a GGUF file's quantized ``token_embd``):
+then the head is group-quantized and the embedding looks its rows up in the head's codes, so
+the table is held once, as codes. With ``--quantization int4`` a tied head is quantized from the
+embedding (which keeps the float table). A
 checkpoint's ``<module>.weight_bits`` is checked (4 or 8) and dropped here.
 """
 from __future__ import annotations
@@ -107,9 +110,11 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
             continue
         tied = isinstance(layer, ParallelLMHead) and model.spec.tie_word_embeddings
         if qc.grouped:
-            if tied and qc.from_checkpoint:
+            if tied and qc.from_checkpoint and not qc.tied_head_codes:
                 continue  # the head is the (float) embedding
             make_group_quant(layer, qc.from_checkpoint, qc.group_size, qc.bits)
+            if tied and qc.from_checkpoint:  # the embedding reads the head's codes
+                model.model.embed_tokens.read_rows_from(layer)
             count += 1
             continue
         if tied and qc.from_checkpoint:

@@ -18,9 +18,13 @@ through this package instead of safetensors:
   requantizing, and yielded as ``<module>.weight_codes`` / ``weight_group_scales`` /
   ``weight_group_mins`` / ``weight_bits`` for the group-quantized layer
   (``tpserve/models/group_quant.py``, which gives the parts of a merged layer the finest group
-  among them). A merged layer (q/k/v, gate/up) with a float part is dequantized whole. The
-  embedding table is always dequantized (a lookup, not a matmul; a tied LM head stays that
-  float table); float tensors stay float. Mixtures of experts run dequantized only
+  among them). A merged layer (q/k/v, gate/up) with a float part is dequantized whole. An
+  untied embedding table is dequantized (a lookup, not a matmul); a quantized ``token_embd``
+  that the LM head shares (no ``output.weight``) becomes the head's group codes, yielded as
+  ``lm_head.weight_codes`` ..., and the embedding looks its rows up in them
+  (``QuantConfig.tied_head_codes``): the table is held once, at its file's size, and the head
+  runs on the 4-bit kernels instead of reading a float table each token. Float tensors stay
+  float. Mixtures of experts run dequantized only
   (``--quantization none``) for now: the default refuses them, naming the option.
 """
 from __future__ import annotations
@@ -71,6 +75,19 @@ def native_modules(tensors: list[TensorEntry], names: TensorNames) -> set[str]:
     return {m for m, q in quantized.items() if q and merged[names.packed_module(m)]}
 
 
+TIED_HEAD = "lm_head"
+
+
+def tied_head_codes(tensors: list[TensorEntry], spec: ModelSpec) -> bool:
+    """Whether the LM head is tied to a quantized ``token_embd`` that can run as its group
+    codes (a type ``repack`` takes, the hidden size a whole number of its groups)."""
+    if not spec.tie_word_embeddings:
+        return False
+    from tpserve.models.gguf.repack import SUPPORTED_TYPES
+    embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    return embd is not None and embd.type_name in SUPPORTED_TYPES
+
+
 def gguf_quant_config(files: list[Path], quantization: str | None, spec: ModelSpec,
                       hf_config: dict) -> QuantConfig | None:
     """The QuantConfig a GGUF model loads with: ``none`` -> None (every tensor dequantized);
@@ -83,7 +100,8 @@ def gguf_quant_config(files: list[Path], quantization: str | None, spec: ModelSp
     tensors = gguf_tensors(files)
     names = TensorNames(spec)
     native = native_modules(tensors, names)
-    if not native:
+    tied = tied_head_codes(tensors, spec)
+    if not native and not tied:
         return None
     if spec.is_moe:
         raise ConfigError("quantization", f"{files[0]}: a mixture of experts' quantized GGUF tensors do not "
@@ -97,7 +115,7 @@ def gguf_quant_config(files: list[Path], quantization: str | None, spec: ModelSp
     from tpserve.quantization import group_quant_config
 
     ignore = tuple(sorted(names.linear_modules(tensors) - native))
-    return group_quant_config(0, 0, ignore)
+    return group_quant_config(0, 0, ignore, tied_head_codes=tied)
 
 
 def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
@@ -121,6 +139,9 @@ def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
             raw = raw_blocks(buf, t)
             if targets[0][0].removesuffix(".weight") in native:
                 yield from _native(t, raw, targets, names)
+                continue
+            if t.name == "token_embd.weight" and qc is not None and qc.tied_head_codes:
+                yield from _native(t, raw, [(f"{TIED_HEAD}.weight", None)], names)
                 continue
             full = dequantize(raw, t)
             for hf, index in targets:
