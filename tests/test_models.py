@@ -327,10 +327,10 @@ def test_unsupported_config_values_are_rejected(tiny_models_root, tmp_path):
     gelu = _copy_checkpoint(src, tmp_path / "gelu", edit_config=lambda c: c.update(hidden_act="gelu"))
     with pytest.raises(UnsupportedModelError, match="hidden_act: 'gelu' is not supported"):
         tpserve_model(gelu)
-    yarn = _copy_checkpoint(src, tmp_path / "yarn", edit_config=lambda c: c.update(
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}))
-    with pytest.raises(UnsupportedModelError, match="'yarn' is not supported"):
-        tpserve_model(yarn)
+    dynamic = _copy_checkpoint(src, tmp_path / "dynamic", edit_config=lambda c: c.update(
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}))
+    with pytest.raises(UnsupportedModelError, match="'dynamic' is not supported"):
+        tpserve_model(dynamic)
     with pytest.raises(CheckpointError, match="no config.json"):
         tpserve_model(tmp_path)
 

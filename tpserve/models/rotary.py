@@ -7,7 +7,12 @@ The head dimension is split into halves ``(x1, x2)`` rotated pairwise by angle
 Supported ``rope_type``: "default" (plain ``rope_theta``), "linear" (positions divided by
 ``factor``), "llama3" (Llama 3.1 frequency-dependent scaling: ``factor``, ``low_freq_factor``,
 ``high_freq_factor``, ``original_max_position_embeddings``) and "longrope" (Phi-3: per-frequency
-``short_factor`` / ``long_factor`` divisors, cos/sin scaled by ``attention_factor``).
+``short_factor`` / ``long_factor`` divisors, cos/sin scaled by ``attention_factor``) and "yarn"
+(YaRN, gpt-oss: frequencies between ``beta_fast`` and ``beta_slow`` rotations over
+``original_max_position_embeddings`` blend linearly from kept to divided by ``factor``; the blend's
+bounds are floored/ceiled when ``truncate`` (default true) and left fractional when false; cos/sin
+scaled by ``attention_factor``, else ``0.1 ln(factor) + 1``, or the ``mscale`` / ``mscale_all_dim``
+ratio).
 
 LongRoPE rotates a token at position p with the short factors while p <
 ``original_max_position_embeddings`` and with the long ones from there on: the table's rows
@@ -30,7 +35,7 @@ from torch import nn
 from tpserve.kernels import cpu_extension
 from tpserve.models.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def _require(scaling: dict, key: str, rope_type: str):
@@ -70,8 +75,57 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None,
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base ** exponents, rotary_dim, base, scaling)
     raise UnsupportedModelError(
         "rope_scaling.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _yarn_factor(scaling: dict, max_position: int | None = None) -> float:
+    factor = scaling.get("factor")
+    if factor is None:
+        old_len = float(_require(scaling, "original_max_position_embeddings", "yarn"))
+        if max_position is None:
+            raise UnsupportedModelError("rope_scaling", "rope_type 'yarn' needs 'factor'")
+        return max_position / old_len
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise UnsupportedModelError("rope_scaling.factor", f"must be a positive number, got {factor!r}")
+    return float(factor)
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's blend of the plain frequencies and the ones divided by ``factor`` (``pos_freqs``:
+    ``base ** (2i / rotary_dim)``; ``scaling["_max_position"]`` gives a missing factor)."""
+    factor = _yarn_factor(scaling, scaling.get("_max_position"))
+    old_len = float(_require(scaling, "original_max_position_embeddings", "yarn"))
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the feature index that turns `rotations` times
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the frequency is kept (extrapolated), 0: divided by factor
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def yarn_attention_factor(scaling: dict, max_position: int) -> float:
+    """YaRN's cos/sin multiplier, as transformers derives it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_position)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
 
 
 def longrope_attention_factor(scaling: dict, max_position: int) -> float:
@@ -106,6 +160,11 @@ class RotaryEmbedding(nn.Module):
             short, long = (positions * rope_inv_freq(self.rotary_dim, base, scaling, long=flag)[None, :]
                            for flag in (False, True))
             freqs = torch.cat((short[:self.long_from], long[self.long_from:]))
+            cos, sin = freqs.cos() * mscale, freqs.sin() * mscale
+        elif (scaling or {}).get("rope_type") == "yarn":
+            scaling = dict(scaling, _max_position=max_position)  # factor's default
+            freqs = positions * rope_inv_freq(self.rotary_dim, base, scaling)[None, :]
+            mscale = yarn_attention_factor(scaling, max_position)
             cos, sin = freqs.cos() * mscale, freqs.sin() * mscale
         else:
             freqs = positions * rope_inv_freq(self.rotary_dim, base, scaling)[None, :]
