@@ -13,7 +13,7 @@ Overrides (all optional):
 - any config field: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
   ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size`` (>= 259, odd
   sizes allowed), ``max_position_embeddings``, ``tie_word_embeddings``, ``rope_theta``,
-  the MoE fields of ``qwen3_moe``/``qwen2_moe``/``mixtral`` (:data:`MOE_DEFAULTS`),
+  the MoE fields of ``qwen3_moe``/``qwen2_moe``/``mixtral``/``gpt_oss`` (:data:`MOE_DEFAULTS`),
   ``rope_scaling`` (e.g. :data:`LLAMA3_ROPE_SCALING`), ``attention_bias``, ``mlp_bias`` ...
 - ``seed`` (default 0) and ``init_std`` (default 0.25) for the random weights;
 - ``generation_config``: a dict merged into the saved generation config, which always has
@@ -45,6 +45,7 @@ ARCHS = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 # Mixtures of experts: 8 small experts, top-2 (any of these can be overridden).
 MOE_DEFAULTS = {
@@ -52,6 +53,7 @@ MOE_DEFAULTS = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
 }
 DEFAULTS = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -289,9 +289,11 @@ def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig 
         return group_quant_config(qc.get("group_size") or 0, qc.get("bits") or 0, tuple(ignore))
     if method in ("awq", "gptq"):
         return _gptq_awq(method, qc)
+    if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (models/mxfp4.py)
+        return None
     if method != "compressed-tensors":
-        _fail("quant_method", f"tpserve loads 'compressed-tensors' int8, 'group', 'awq' and 'gptq' "
-                              f"checkpoints, got {method!r}")
+        _fail("quant_method", f"tpserve loads 'compressed-tensors' int8, 'group', 'awq', 'gptq' and "
+                              f"gpt-oss's 'mxfp4' checkpoints, got {method!r}")
     if requested == "group":
         raise ConfigError("quantization", "the checkpoint is compressed-tensors: leave --quantization unset "
                                           "or pass compressed-tensors")

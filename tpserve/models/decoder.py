@@ -1,5 +1,6 @@
 """The decoder-only transformer shared by Qwen3, Llama, Qwen2, their mixtures of experts
-(Qwen3-MoE, Qwen2-MoE, Mixtral), Mistral, Phi-3, SmolLM3, Gemma 2 and Gemma 3, tensor-parallel.
+(Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss), Mistral, Phi-3, SmolLM3, Gemma 2 and Gemma 3,
+tensor-parallel.
 
 Module tree (names match Hugging Face checkpoints, except the packed ``qkv_proj`` and
 ``gate_up_proj``, see :attr:`CausalLM.packed_modules_mapping`)::
@@ -10,7 +11,7 @@ Module tree (names match Hugging Face checkpoints, except the packed ``qkv_proj`
     │   ├─ layers[i]: DecoderLayer
     │   │   ├─ input_layernorm, post_attention_layernorm: RMSNorm (Gemma: GemmaRMSNorm, and
     │   │   │  pre_feedforward_layernorm, post_feedforward_layernorm)
-    │   │   ├─ self_attn: SelfAttention (qkv_proj, [q_norm, k_norm], o_proj)
+    │   │   ├─ self_attn: SelfAttention (qkv_proj, [q_norm, k_norm], o_proj, [sinks])
     │   │   └─ mlp: MLP (gate_up_proj, down_proj)
     │   │      or, on a sparse layer, SparseMoeBlock (gate, experts, [shared_expert,
     │   │      shared_expert_gate]; see moe.py), named ``block_sparse_moe`` for Mixtral
@@ -19,7 +20,7 @@ Module tree (names match Hugging Face checkpoints, except the packed ``qkv_proj`
 
 Per layer, the spec decides the attention window (``layer_types``), the rotary table (Gemma 3's
 local base on sliding layers, none on SmolLM3's ``no_rope_layers``) and the attention scale and
-soft-cap; ``compute_logits`` applies a final logit soft-cap (Gemma).
+soft-cap and its sinks (gpt-oss); ``compute_logits`` applies a final logit soft-cap (Gemma).
 
 The runner calls exactly: ``forward(input_ids, positions, meta)``, ``compute_logits(hidden)``,
 ``set_kv_caches(caches)`` and reads ``num_layers``, ``num_kv_heads_per_rank``, ``head_dim``,
@@ -38,7 +39,7 @@ from tpserve.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.fused_decode import FusedDecode, why_not_fused
 from tpserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from tpserve.models.moe import SparseMoeBlock
-from tpserve.models.norm import GemmaRMSNorm, RMSNorm
+from tpserve.models.norm import Fp32ScaleRMSNorm, GemmaRMSNorm, RMSNorm
 from tpserve.models.parallel import TPContext
 from tpserve.models.rotary import NoRotary, RotaryEmbedding
 from tpserve.models.spec import ModelSpec, check_tp_size
@@ -64,8 +65,14 @@ class MLP(nn.Module):
 def _attention_options(spec: ModelSpec, layer_index: int) -> dict:
     """SelfAttention's per-layer options that differ from plain causal attention."""
     options = dict(sliding_window=spec.window(layer_index), logit_softcap=spec.attn_logit_softcap,
-                   scale=spec.attn_scale)
+                   scale=spec.attn_scale, sinks=spec.attn_sinks or None)
     return {k: v for k, v in options.items() if v is not None}
+
+
+def _norm_class(spec: ModelSpec) -> type[nn.Module]:
+    if spec.gemma_norms:
+        return GemmaRMSNorm
+    return Fp32ScaleRMSNorm if spec.fp32_norm_scale else RMSNorm
 
 
 class DecoderLayer(nn.Module):
@@ -79,7 +86,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TPContext, rotary: RotaryEmbedding, backend,
                  layer_index: int = 0, expert_parallel: bool = False):
         super().__init__()
-        norm = GemmaRMSNorm if spec.gemma_norms else RMSNorm
+        norm = _norm_class(spec)
         self.gemma_norms = spec.gemma_norms
         self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = SelfAttention(
@@ -146,7 +153,7 @@ class DecoderModel(nn.Module):
             return local if spec.window(i) is not None else self.rotary
         self.layers = nn.ModuleList(DecoderLayer(spec, tp, rotary_of(i), backend, i, expert_parallel)
                                     for i in range(spec.num_layers))
-        self.norm = (GemmaRMSNorm if spec.gemma_norms else RMSNorm)(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = _norm_class(spec)(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

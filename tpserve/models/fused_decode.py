@@ -75,6 +75,9 @@ def why_not_fused(model: CausalLM) -> str | None:
     if (spec.gemma_norms or spec.hidden_act != "silu" or spec.rope_layers
             or spec.rotary_dim or spec.embedding_scale):
         return "needs Llama-shaped layers (no Gemma norms, GELU, partial or skipped rotary)"
+    if spec.router_bias or spec.topk_then_softmax or spec.expert_bias or spec.expert_act != "silu":
+        return ("needs softmax-then-top-k routing without a router bias and SiLU experts without "
+                "biases (not gpt-oss's)")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.feed_forward
         if not isinstance(attn.backend, CpuAttention):

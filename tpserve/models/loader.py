@@ -14,7 +14,9 @@ Mixture-of-experts layers (``moe.py``) take each expert's tensors,
 ``<block>.experts.{e}.{gate_proj,up_proj,down_proj}.weight`` (Mixtral: ``w1``/``w3``/``w2``
 under ``block_sparse_moe``), or the fused ``<block>.experts.gate_up_proj [E, 2I, H]`` and
 ``<block>.experts.down_proj [E, H, I]`` that transformers holds in memory; Mixtral's block may
-also be called ``mlp`` (transformers' in-memory name).
+also be called ``mlp`` (transformers' in-memory name). gpt-oss's router (``mlp.router``) and
+experts (transposed and interleaved, float or MXFP4) are renamed and split per expert by
+``mxfp4.py``; each expert's biases load as ``experts.{e}.<proj>.bias``.
 
 Phi-3 checkpoints store each layer's q/k/v as one ``self_attn.qkv_proj`` tensor (rows: q, k, v; its bias
 and int8 ``weight_scale`` rows alike)
@@ -49,6 +51,7 @@ from tpserve.models.decoder import CausalLM
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
 from tpserve.models.gguf import gguf_quant_config, gguf_weights
 from tpserve.models.moe import DOWN, FUSED_DOWN, FUSED_GATE_UP, FusedMoE
+from tpserve.models.mxfp4 import gpt_oss_names
 from tpserve.models.parallel import TPContext
 from tpserve.models.quant_formats import decoded_tensors
 from tpserve.models.quantization import checkpoint_tensors, prepare_model
@@ -151,6 +154,8 @@ def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
                        spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Checkpoint tensors under the decoder's names: a multimodal checkpoint's text tower without
     its prefix (vision weights dropped), Phi-3's fused q/k/v and gate/up split per module."""
+    if spec.architecture == "GptOssForCausalLM":
+        tensors = gpt_oss_names(tensors)
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     for key, tensor in tensors:
         if spec.text_tower:
@@ -255,7 +260,7 @@ def _target(key: str, mapping: dict) -> tuple[str, object]:
 
 
 # <block>.experts.{e}.<proj>.<weight|weight_scale>, or the fused <block>.experts.<gate_up|down>_proj
-_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale)"
+_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale|bias)"
                          r"|(?P<fused>gate_up_proj|down_proj))")
 
 
@@ -303,7 +308,8 @@ def _expert_target(key: str, model: CausalLM):
     part = module.proj_names.get(m["proj"])
     if part is None or int(m["e"]) >= module.num_experts:
         return None
-    name = ("w2_weight" if part == DOWN else "w13_weight") + ("_scale" if m["leaf"] == "weight_scale" else "")
+    name = ("w2_" if part == DOWN else "w13_") + {"weight": "weight", "weight_scale": "weight_scale",
+                                                   "bias": "bias"}[m["leaf"]]
     shard = (int(m["e"]), part)
     return f"{prefix}.{name}", shard, {shard}
 
@@ -366,7 +372,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
     for name, shards in needed.items():
         owner, _, leaf = name.rpartition(".")
         if owner in experts:
-            missing += [experts[owner].checkpoint_name(owner, s, leaf.endswith("_scale"))
+            missing += [experts[owner].checkpoint_name(owner, s, leaf)
                         for s in sorted(shards - loaded[name])]
             continue
         for shard in shards - loaded[name]:

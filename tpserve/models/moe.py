@@ -3,15 +3,20 @@
 A sparse layer replaces the dense MLP with (names as in Hugging Face checkpoints)::
 
     SparseMoeBlock                   (``mlp``; Mixtral: ``block_sparse_moe``)
-    ├─ gate: ReplicatedLinear        router [num_experts, hidden], no bias, on every rank
+    ├─ gate: ReplicatedLinear        router [num_experts, hidden], on every rank (no bias but
+    │                                gpt-oss's, whose checkpoint calls it ``router``)
     ├─ experts: FusedMoE             this rank's experts, stacked
     ├─ shared_expert: MLP            Qwen2-MoE only, sharded like the dense MLP
     └─ shared_expert_gate: ReplicatedLinear   [1, hidden]: sigmoid gate of the shared expert
 
 Routing (:func:`route`): softmax in fp32 over the experts, top-k (ties broken as
 ``torch.topk``), renormalised to sum to 1 when the config says so (Qwen's ``norm_topk_prob``;
-Mixtral always). Each token's output is the sum over its k experts of
-``weight * down(silu(gate(x)) * up(x))``, plus ``sigmoid(shared_expert_gate(x)) * shared(x)``.
+Mixtral always); gpt-oss instead takes the top-k of the logits and a softmax over those k.
+Each token's output is the sum over its k experts of ``weight * down(silu(gate(x)) * up(x))``,
+plus ``sigmoid(shared_expert_gate(x)) * shared(x)``. gpt-oss's experts add biases
+(``w13_bias``, ``w2_bias``) and gate with its clamped SwiGLU (:func:`swiglu_oai`); they run
+on the torch path (the C++ and Triton grouped kernels compute SiLU-and-mul without biases and
+refuse them).
 
 Sharding across the tensor-parallel group, in one of two modes:
 
@@ -59,17 +64,32 @@ GATE, UP, DOWN = "gate", "up", "down"
 FUSED_GATE_UP, FUSED_DOWN = "gate_up", "down"
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          topk_then_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``router_logits [T, E]`` -> ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``.
 
     Softmax in fp32 over the experts, the k largest (equal probabilities: the order
-    ``torch.topk`` gives), optionally renormalised to sum to 1 per token.
+    ``torch.topk`` gives), optionally renormalised to sum to 1 per token. With
+    ``topk_then_softmax`` (gpt-oss): the k largest logits, then a softmax over them in the
+    logits' dtype (as transformers computes it).
     """
+    if topk_then_softmax:
+        values, ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1).float(), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation of ``gate_up [T, 2I]`` (gate columns, then up columns):
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)``."""
+    inter = gate_up.shape[-1] // 2
+    gate = gate_up[..., :inter].clamp(max=limit)
+    up = gate_up[..., inter:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -81,14 +101,18 @@ def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 def experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, expert_start: int = 0,
                       w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      w2_scale: torch.Tensor | None = None, *,
+                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                      act=None) -> torch.Tensor:
     """The routed experts in plain torch: ``x [T, H]`` -> ``[T, H]`` in x's dtype.
 
     ``topk_ids [T, k]`` are global expert ids; ``w13 [E_local, 2I, H]`` / ``w2 [E_local, H, I]``
     hold experts ``expert_start ..`` (int8 with ``w13_scale [E_local, 2I]`` and ``w2_scale
     [E_local, H]``, dequantized per expert used). Tokens routed to experts outside this range
     contribute nothing. Experts are visited in ascending order and each adds
-    ``weight * down(silu(gate) * up)`` to its tokens' rows, as transformers does.
+    ``weight * down(silu(gate) * up)`` to its tokens' rows, as transformers does. With biases
+    (``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]``) each projection adds its own; ``act``
+    replaces SiLU-and-mul (a function of ``gate_up [n, 2I]``).
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -114,9 +138,12 @@ def experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         tokens = picked // top_k
         w_gu = _dequantized(w13[e], None if w13_scale is None else w13_scale[e], x.dtype)
         w_d = _dequantized(w2[e], None if w2_scale is None else w2_scale[e], x.dtype)
-        gate_up = F.linear(x[tokens], w_gu)
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(hidden, w_d)
+        gate_up = F.linear(x[tokens], w_gu, None if w13_bias is None else w13_bias[e])
+        if act is None:
+            hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        else:
+            hidden = act(gate_up)
+        y = F.linear(hidden, w_d, None if w2_bias is None else w2_bias[e])
         out.index_add_(0, tokens, (y.float() * weights[picked, None]).to(out.dtype))
     return out
 
@@ -130,12 +157,12 @@ class ReplicatedLinear(PackableLinear):
 
     is_router = True
 
-    def __init__(self, input_size: int, output_size: int):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.bias = None
         self.weight = attach_loader(new_param(output_size, input_size), self.weight_loader)
+        self.bias = attach_loader(new_param(output_size), self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         check_shape(loaded_weight, param.shape, type(self).__name__)
@@ -143,7 +170,7 @@ class ReplicatedLinear(PackableLinear):
             param.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, None)
+        return self.matmul(x, self.bias)
 
 
 class UnreducedRowParallelLinear(RowParallelLinear):
@@ -190,7 +217,8 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  tp: TPContext, expert_parallel: bool = False,
-                 proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 bias: bool = False, swiglu_oai: tuple[float, float] | None = None):
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts
@@ -219,6 +247,11 @@ class FusedMoE(nn.Module):
         self.w2_weight = attach_loader(new_param(e, hidden_size, i), self.weight_loader)
         self.w13_weight_scale: nn.Parameter | None = None
         self.w2_weight_scale: nn.Parameter | None = None
+        # gpt-oss: each expert's projections add a bias (checkpoint ``experts.{e}.<proj>.bias``)
+        self.w13_bias = attach_loader(new_param(e, 2 * i), self.weight_loader) if bias else None
+        self.w2_bias = attach_loader(new_param(e, hidden_size), self.weight_loader) if bias else None
+        # (alpha, limit) of gpt-oss's clamped SwiGLU; None: SiLU-and-mul
+        self.swiglu_oai = swiglu_oai
         self.quantize_at_load = False
         self.int8_activations = False
         self.packed = None
@@ -235,16 +268,23 @@ class FusedMoE(nn.Module):
                                                          self.weight_loader))
 
     # ---- loading -------------------------------------------------------------------------
+    @property
+    def plain_experts(self) -> bool:
+        """SiLU-and-mul experts without biases: what the grouped C++ and Triton kernels run."""
+        return self.w13_bias is None and self.swiglu_oai is None
+
     def needed_shards(self, param_name: str) -> set:
         """The ``(expert, part)`` pieces the checkpoint must provide for a parameter."""
         parts = (DOWN,) if param_name.startswith("w2_") else (GATE, UP)
         return {(e, p) for e in range(self.num_experts) for p in parts}
 
-    def checkpoint_name(self, prefix: str, shard: tuple[int, str], scale: bool) -> str:
-        """The checkpoint tensor name of one expert's part (for error messages)."""
+    def checkpoint_name(self, prefix: str, shard: tuple[int, str], leaf: str) -> str:
+        """The checkpoint tensor name of one expert's part (for error messages); ``leaf``:
+        the parameter's name (``w13_weight``, ``w2_weight_scale``, ``w13_bias`` ...)."""
         e, part = shard
         proj = next(name for name, p in self.proj_names.items() if p == part)
-        return f"{prefix}.{e}.{proj}.{'weight_scale' if scale else 'weight'}"
+        kind = "weight_scale" if leaf.endswith("_scale") else "bias" if leaf.endswith("_bias") else "weight"
+        return f"{prefix}.{e}.{proj}.{kind}"
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
         """Copy this rank's share of a checkpoint tensor into ``param``.
@@ -254,8 +294,16 @@ class FusedMoE(nn.Module):
         fused ``[E, 2I, H]`` / ``[E, H, I]`` weights. Experts of other ranks are skipped.
         """
         expert, part = shard
-        is_scale = param.dim() == 2
         full_i, h = self.intermediate_size, self.hidden_size
+        if param is self.w13_bias or param is self.w2_bias:
+            if expert is None:
+                raise CheckpointError("fused expert biases are not supported; expected one bias "
+                                      "per expert")
+            if self.expert_start <= expert < self.expert_start + self.num_local_experts:
+                check_shape(loaded, (h,) if part == DOWN else (full_i,), f"FusedMoE expert {part} bias")
+                self._load_expert(param, loaded[:, None], expert, part, True)
+            return
+        is_scale = param.dim() == 2
         if expert is None:
             if is_scale:
                 raise CheckpointError("fused expert scales are not supported; expected one "
@@ -300,12 +348,20 @@ class FusedMoE(nn.Module):
         this rank's partial sum ``[T, H]`` (no all-reduce here)."""
         if self.packed is not None:
             return self.packed.forward(x, topk_ids, topk_weights)
-        if x.device.type == "cuda" and self.w13_weight.dtype != torch.int8:
+        if x.device.type == "cuda" and self.w13_weight.dtype != torch.int8 and self.plain_experts:
             from tpserve.kernels.triton_moe import fused_experts  # GPU: grouped Triton GEMMs
             return fused_experts(x, topk_ids, topk_weights, self.w13_weight, self.w2_weight,
                                  self.expert_start)
+        act = None
+        if self.swiglu_oai is not None:
+            alpha, limit = self.swiglu_oai
+            act = lambda gate_up: swiglu_oai(gate_up, alpha, limit)  # noqa: E731
+        # The down projection's bias joins the partial sums once: on rank 0, or with expert
+        # parallelism on the rank that holds the expert.
+        w2_bias = self.w2_bias if self.expert_parallel or self.tp.rank == 0 else None
         return experts_reference(x, topk_ids, topk_weights, self.w13_weight, self.w2_weight,
-                                 self.expert_start, self.w13_weight_scale, self.w2_weight_scale)
+                                 self.expert_start, self.w13_weight_scale, self.w2_weight_scale,
+                                 w13_bias=self.w13_bias, w2_bias=w2_bias, act=act)
 
     def prepack_experts(self) -> bool:
         """Hand the weights to the C++ grouped-expert kernel when it is built here (it packs,
@@ -313,6 +369,13 @@ class FusedMoE(nn.Module):
         did. Without the kernel, ``--quantization int8`` still quantizes the experts of a CPU
         model (the torch path dequantizes an expert when tokens use it)."""
         if self.packed is not None:
+            return False
+        if not self.plain_experts:
+            # gpt-oss's biased, clamped-SwiGLU experts stay on the torch path (the grouped C++
+            # kernel runs SiLU-and-mul without biases); --quantization int8 still applies.
+            w = self.w13_weight
+            if self.quantize_at_load and w.dtype != torch.int8 and w.device.type == "cpu":
+                self._quantize_in_place()
             return False
         kernel = _moe_kernel()
         if kernel is not None and kernel.ops_ready():
@@ -353,9 +416,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k = spec.num_experts_per_tok
         self.renormalize = spec.norm_topk_prob
         self.round_weights = spec.round_routing_weights
-        self.gate = ReplicatedLinear(spec.hidden_size, spec.num_experts)
+        self.topk_then_softmax = spec.topk_then_softmax
+        self.gate = ReplicatedLinear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
+        swiglu = (spec.swiglu_alpha, spec.swiglu_limit) if spec.expert_act == "swiglu_oai" else None
         self.experts = FusedMoE(spec.num_experts, spec.num_experts_per_tok, spec.hidden_size,
-                                spec.moe_intermediate_size, tp, expert_parallel, spec.expert_proj_names)
+                                spec.moe_intermediate_size, tp, expert_parallel, spec.expert_proj_names,
+                                bias=spec.expert_bias, swiglu_oai=swiglu)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = SharedExpertMLP(spec.hidden_size, spec.shared_expert_intermediate_size, tp)
             self.shared_expert_gate = ReplicatedLinear(spec.hidden_size, 1)
@@ -373,7 +439,7 @@ class SparseMoeBlock(nn.Module):
             if self.shared_expert is not None:
                 shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
             return self.tp.all_reduce(packed.forward(x, ids, weights, shared, gate))
-        weights, ids = route(logits, self.top_k, self.renormalize)
+        weights, ids = route(logits, self.top_k, self.renormalize, self.topk_then_softmax)
         if self.round_weights:
             weights = weights.to(x.dtype).float()  # transformers scales by weights in x's dtype
         out = self.experts.experts(x, ids, weights)

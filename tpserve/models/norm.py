@@ -50,6 +50,31 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
+class Fp32ScaleRMSNorm(nn.Module):
+    """gpt-oss's RMSNorm: the weight scales the float32 statistics' result and the product is cast
+    to the input dtype once (transformers keeps these weights in float32; a bf16 checkpoint's
+    values are the same). Same ``forward(x, residual=None)`` contract as :class:`RMSNorm`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param(hidden_size)
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Return ``norm(x)``, or ``(norm(x + residual), x + residual)`` when residual is given."""
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in float32 and cast to the
     input dtype once at the end (transformers' Gemma2/Gemma3 numerics; the checkpoint's weight is

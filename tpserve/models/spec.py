@@ -15,6 +15,7 @@ and three mixtures of experts, whose layers' MLP is a sparse block of experts (`
 | Qwen3MoeForCausalLM | Qwen3's             | step, ``mlp_only_layers`` | ``norm_topk_prob`` | no            |
 | Qwen2MoeForCausalLM | Qwen2's, qkv_bias   | step, ``mlp_only_layers`` | ``norm_topk_prob`` | yes, gated    |
 | MixtralForCausalLM  | Llama's, no bias    | all                       | always             | no            |
+| GptOssForCausalLM   | gpt-oss's (below)   | all                       | see below          | no            |
 
 (step: layer i is sparse when ``(i + 1) % decoder_sparse_step == 0``.)
 
@@ -39,7 +40,14 @@ GELU-tanh (``hidden_activation``) and ``final_logit_softcapping`` on the LM head
 ``Gemma3ForConditionalGeneration`` checkpoints run as their text tower (``text_config``); the
 vision weights are not loaded.
 
-Every router is a softmax over the experts followed by top-k; a config asking for another
+gpt-oss (``GptOssForCausalLM``): q/k/v/o biases (``attention_bias``), a learned sink logit per
+head (``self_attn.sinks``), ``layer_types`` sliding / full, YaRN rotary; its router
+(``mlp.router``, with a bias) takes the top-k of the logits and a softmax over those k; its
+experts have biases and a clamped, sigmoid-gated SwiGLU (``swiglu_alpha``, ``swiglu_limit``:
+``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``), stored
+transposed with gate and up columns interleaved, or as MXFP4 blocks and scales (loader.py).
+
+Every other router is a softmax over the experts followed by top-k; a config asking for another
 routing (``scoring_func``, grouped top-k, a routed scaling factor, DeepSeek-style dense first
 layers or shared-expert counts) is refused with the field named, never run approximately.
 
@@ -53,7 +61,7 @@ from dataclasses import dataclass
 from tpserve.models.errors import UnsupportedModelError
 from tpserve.models.rotary import SUPPORTED_ROPE_TYPES
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM") + GEMMA_ARCHITECTURES
 SUPPORTED_ARCHITECTURES = (("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM") + MOE_ARCHITECTURES
@@ -139,6 +147,16 @@ class ModelSpec:
     final_logit_softcap: float | None = None
     fused_checkpoint: bool = False  # Phi-3: q/k/v and gate/up stored as one tensor each
     text_tower: bool = False  # a multimodal checkpoint whose language model is under ``language_model``
+    # gpt-oss: attention sinks, router and expert biases, top-k then softmax routing, and the
+    # experts' clamped SwiGLU ("swiglu_oai", with swiglu_alpha / swiglu_limit; else "silu").
+    attn_sinks: bool = False
+    fp32_norm_scale: bool = False  # RMSNorm weight applied in float32, one rounding (norm.py)
+    router_bias: bool = False
+    expert_bias: bool = False
+    topk_then_softmax: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     def window(self, i: int) -> int | None:
         """Layer ``i``'s sliding window, None when it attends to the whole sequence."""
@@ -219,8 +237,9 @@ def _moe_fields(config, arch: str, num_layers: int) -> dict:
                 field, f"{value!r} is not supported: tpserve routes with a softmax over the experts "
                        f"and top-k; accepted: {', '.join(repr(a) for a in accepted)}")
     mixtral = arch == "MixtralForCausalLM"
-    experts_field = "num_local_experts" if mixtral else "num_experts"
-    inter_field = "intermediate_size" if mixtral else "moe_intermediate_size"
+    gpt_oss = arch == "GptOssForCausalLM"
+    experts_field = "num_local_experts" if mixtral or gpt_oss else "num_experts"
+    inter_field = "intermediate_size" if mixtral or gpt_oss else "moe_intermediate_size"
     experts = _positive_int(config, experts_field)
     top_k = _positive_int(config, "num_experts_per_tok")
     if top_k > experts:
@@ -232,6 +251,12 @@ def _moe_fields(config, arch: str, num_layers: int) -> dict:
     if mixtral:  # its sliding_window, as Mistral's: _windows
         return dict(fields, norm_topk_prob=True, moe_module="block_sparse_moe",
                     expert_proj_names=("w1", "w3", "w2"))
+    if gpt_oss:
+        # Its softmax runs in the logits' dtype: the weights scale the experts in that dtype.
+        return dict(fields, router_bias=True, expert_bias=True, topk_then_softmax=True,
+                    round_routing_weights=True, expert_act="swiglu_oai",
+                    swiglu_alpha=_positive_number(config, "swiglu_alpha", 1.702),
+                    swiglu_limit=_positive_number(config, "swiglu_limit", 7.0))
     norm = getattr(config, "norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise UnsupportedModelError("norm_topk_prob", f"must be true or false, got {norm!r}")
@@ -252,8 +277,8 @@ def _moe_fields(config, arch: str, num_layers: int) -> dict:
                 round_routing_weights=True)
 
 
-def _positive_number(config, field: str) -> float:
-    value = getattr(config, field, None)
+def _positive_number(config, field: str, default: float | None = None) -> float:
+    value = getattr(config, field, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise UnsupportedModelError(field, f"must be a positive number, got {value!r}")
     return float(value)
@@ -291,7 +316,7 @@ def _windows(config, arch: str, num_layers: int, max_pos: int) -> tuple[int | No
         if not getattr(config, "use_sliding_window", False) or window is None:
             return ()
         types = _layer_types(config, num_layers)
-    elif arch in GEMMA_ARCHITECTURES:
+    elif arch in GEMMA_ARCHITECTURES or arch == "GptOssForCausalLM":
         types = _layer_types(config, num_layers)
     else:
         return ()
@@ -381,7 +406,9 @@ def model_spec(config) -> ModelSpec:
             local_theta = float(getattr(config, "rope_local_base_freq", 10000.0))
         rotary_factor = 1.0
     else:
-        theta, scaling, rotary_factor = _rope(config, partial_rotary=arch == "Phi3ForCausalLM")
+        default_theta = 150000.0 if arch == "GptOssForCausalLM" else 10000.0
+        theta, scaling, rotary_factor = _rope(config, default_theta=default_theta,
+                                              partial_rotary=arch == "Phi3ForCausalLM")
     rotary_dim = int(head_dim * rotary_factor)
     if rotary_dim % 2 or rotary_dim < 2:
         raise UnsupportedModelError("partial_rotary_factor", f"head_dim {head_dim} x {rotary_factor} must "
@@ -434,6 +461,8 @@ def model_spec(config) -> ModelSpec:
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         fused_checkpoint=arch == "Phi3ForCausalLM",
         text_tower=text_tower,
+        attn_sinks=arch == "GptOssForCausalLM",
+        fp32_norm_scale=arch == "GptOssForCausalLM",
         **_gemma_fields(config, arch),
         **moe,
     )
