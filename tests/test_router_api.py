@@ -140,6 +140,6 @@ def test_metrics_carry_the_model_server_protocols_names():
     assert value == {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 3.0,
                      "vllm:kv_cache_usage_perc": 0.25}
     info = families["vllm:cache_config_info"].samples[0]
-    assert info.labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "100"}
+    assert info.labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "100", "cache_dtype": ""}
     assert not any("lora" in name for name in families)
     assert "tpserve:kv_cache_usage_perc" in families  # tpserve's own stay

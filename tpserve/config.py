@@ -19,6 +19,9 @@ from tpserve.spec_config import SpeculativeConfig
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
 ATTENTION_BACKENDS = ("auto", "flash", "triton", "cpu", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = int8 codes with a
+# float32 scale per token and KV head (docs/kv_int8.md); fp8 is for GPUs, refused on CPU by the runner.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # --quantization none: no quantization at all; a GGUF file's tensors are dequantized at load.
 NO_QUANTIZATION = "none"
 SCHEDULING_POLICIES = ("mixed", "prefill-first")
@@ -124,6 +127,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     # None: as the checkpoint's quantization_config says (tpserve/quantization.py).
     quantization: str | None = None
     # Mixtures of experts: each rank holds whole experts (vLLM's --enable-expert-parallel)
@@ -185,6 +189,9 @@ class EngineConfig:
                               f"must be a number of seconds in (0, 3600], got {self.grammar_timeout!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}, "
                               f"got {self.scheduling_policy!r}")

@@ -124,6 +124,10 @@ class Engine:
             self._resolve_score_tokens()  # before the runners start: rank 0 reads their rows
         self.executor = make_executor(self.config)
         self.config.num_kv_blocks = self.executor.num_blocks
+        # What the KV pool stores (--kv-cache-dtype, resolved by the runner: "auto" is the model's dtype).
+        kv_dtype = getattr(getattr(self.executor, "runner", None), "kv_dtype", None)
+        self.kv_cache_dtype = str(kv_dtype).replace("torch.", "") if kv_dtype is not None \
+            else self.config.kv_cache_dtype
         self.scheduler = Scheduler(self.config)
         self._attach_kv_tiers()
         self.requests: dict[str, _Completion] = {}   # by internal id (completion i > 0: id + _SEP + i)
@@ -719,7 +723,7 @@ class Engine:
             s.update(pooling_requests=self.num_pooling_requests, pooling_prompts=self.num_pooling_prompts,
                      pooling_prompt_tokens=self.pooling_prompt_tokens)
         s.update(model=str(self.config.model_path), tensor_parallel_size=self.config.tensor_parallel_size,
-                 batch_invariant=self.config.batch_invariant,
+                 batch_invariant=self.config.batch_invariant, kv_cache_dtype=self.kv_cache_dtype,
                  uptime_s=now - self._start, num_steps=self.num_steps,
                  tokens_per_s=(sum(n for _, n in recent[1:]) / span) if span > 0 else 0.0)
         s.update(cpu_extension.status())  # the C++ CPU operators: loaded, or why not (cpu_ops_reason)

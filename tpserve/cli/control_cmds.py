@@ -158,6 +158,7 @@ _STATUS_LINES = [
     ("timed out", "num_timed_out", "{}"),
     ("scheduling order", "scheduling_order", "{}"),
     ("KV blocks used", ("kv_blocks_used", "kv_blocks_total"), "{} / {}"),
+    ("KV cache dtype", "kv_cache_dtype", "{}"),
     ("prefix cache hits", "prefix_cache_hit_rate", "{:.1%}"),
     ("KV host tier", ("kv_offload_host_blocks", "kv_offload_host_bytes", "kv_offload_host_capacity_bytes",
                      "kv_offload_host_hits", "kv_offload_host_misses", "kv_offload_host_loads", "kv_offload_host_saves",

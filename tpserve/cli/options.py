@@ -14,8 +14,8 @@ from dataclasses import fields
 
 import click
 
-from tpserve.config import (ATTENTION_BACKENDS, AUTO, DTYPES, NO_QUANTIZATION, SCHEDULING_ORDERS,
-                            SCHEDULING_POLICIES, EngineConfig)
+from tpserve.config import (ATTENTION_BACKENDS, AUTO, DTYPES, KV_CACHE_DTYPES, NO_QUANTIZATION,
+                            SCHEDULING_ORDERS, SCHEDULING_POLICIES, EngineConfig)
 from tpserve.pooling import RUNNERS
 from tpserve.quantization import QUANTIZATION_METHODS
 from tpserve.errors import ConfigError
@@ -109,6 +109,10 @@ _OPTIONS = [
     ("num_kv_blocks", ("--num-kv-blocks",),
      dict(type=int, help="KV-cache blocks, overriding the memory-based size")),
     ("dtype", ("--dtype",), dict(type=click.Choice(DTYPES), help="model weight and activation dtype")),
+    ("kv_cache_dtype", ("--kv-cache-dtype",),
+     dict(type=click.Choice(KV_CACHE_DTYPES),
+          help="KV-cache storage: auto (the model's dtype), int8 (per-token, per-head scales: ~2x the "
+               "tokens in the same memory; cpu and torch attention backends), fp8 (GPU only)")),
     ("quantization", ("--quantization",),
      dict(type=click.Choice((*QUANTIZATION_METHODS, NO_QUANTIZATION)),
           help="int8: quantize the linear layers at load (int8 weights per channel, int8 activations "

@@ -7,7 +7,9 @@ attends) -> o_proj (row-parallel, all-reduce).
 
 The KV cache tensors are owned by the runner, which assigns ``k_cache`` / ``v_cache``
 (``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) before the first forward; while
-they are None the backend attends over the step's own k/v only (a cache-less prefill).
+they are None the backend attends over the step's own k/v only (a cache-less prefill). With
+``--kv-cache-dtype int8`` the caches are int8 and ``k_scale`` / ``v_scale`` (``[num_blocks,
+block_size, num_kv_heads_per_rank]`` float32) hold their scales (tpserve/kernels/kv_quant.py).
 
 Per-layer attention options, with the semantics transformers gives them (each layer builds its
 own module, so a model mixes sliding and full layers through ``layer_types``):
@@ -80,6 +82,8 @@ class SelfAttention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # an int8 cache's scales, else None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
@@ -92,7 +96,8 @@ class SelfAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale,
                                    window=self.sliding_window, sinks=self.sinks,
-                                   softcap=self.logit_softcap)
+                                   softcap=self.logit_softcap,
+                                   kv_scales=None if self.k_scale is None else (self.k_scale, self.v_scale))
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def sinks_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

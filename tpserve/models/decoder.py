@@ -242,12 +242,15 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give layer i its ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``."""
+    def set_kv_caches(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
+        """Give layer i its ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads_per_rank,
+        head_dim]``, or ``(k_cache, v_cache, k_scale, v_scale)`` for an int8 cache (kernels/kv_quant.py)."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"set_kv_caches: got {len(kv_caches)} (k, v) pairs, the model has {self.num_layers} layers")
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+        for layer, caches in zip(self.model.layers, kv_caches):
+            k_cache, v_cache, *scales = caches
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
+            layer.self_attn.k_scale, layer.self_attn.v_scale = scales or (None, None)
         if self.fused_decode is not None:
             self.enable_fused_decode()  # its layer stack holds the caches it was built with

@@ -19,6 +19,10 @@ module path on packed experts calls the same functions, so the bits are the same
 parallelism a MoE layer's half is the stack object's ``mlp`` method (its experts' views are
 built once with the stack), and the all-reduce stays here between the calls, as for dense layers.
 
+An int8 KV cache (``--kv-cache-dtype int8``) goes to the attention half with its scales: the
+key and value heads are quantized into their slots as the module path's store quantizes them,
+and the decode path reads the int8 codes (the same functions, so the same bits).
+
 A layer's sliding window, attention sinks and logit soft-cap (``SelfAttention``'s options) go to
 its attention half: the C++ decode path reads only the keys of each row's window, as the module
 path's CpuAttention does (the same function, so the same bits).
@@ -164,6 +168,8 @@ class FusedDecode:
                                 [dd, ds, dc, db])
             if window or sinks is not None or softcap:
                 stack.set_attention_options(i, window, sinks, softcap)
+            if a.k_scale is not None:
+                stack.set_kv_scales(i, a.k_scale, a.v_scale)
         norm = self.model.model.norm
         stack.set_norm(norm.weight, norm.eps)
         embed = self.model.model.embed_tokens
@@ -187,7 +193,8 @@ class FusedDecode:
         other = torch.empty_like(hidden)
         for i, (attn, attn_args, mlp_args) in enumerate(self.layers):
             ops.decode_attention(other, residual, hidden, i > 0, positions, attn.k_cache, attn.v_cache,
-                                 meta.slot_mapping, meta.block_tables, meta.context_lens, *attn_args)
+                                 meta.slot_mapping, meta.block_tables, meta.context_lens, *attn_args,
+                                 k_scale=attn.k_scale, v_scale=attn.v_scale)
             self.tp.all_reduce(other)
             if isinstance(mlp_args, MoeArgs):
                 self.layer_stack.mlp(i, hidden, residual, other)

@@ -188,8 +188,9 @@ class _EngineCollector:
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
                     s.get("kv_blocks_used", 0) / total if total else 0.0, GIE_PREFIX)
         info = GaugeMetricFamily(GIE_PREFIX + "cache_config_info", "KV-cache configuration (labels).",
-                                 labels=["model_name", "block_size", "num_gpu_blocks"])
-        info.add_metric([self.model_name, str(s.get("block_size", "")), str(total)], 1.0)
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype"])
+        info.add_metric([self.model_name, str(s.get("block_size", "")), str(total),
+                         str(s.get("kv_cache_dtype", ""))], 1.0)
         yield info
 
 

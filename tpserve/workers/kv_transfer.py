@@ -1,7 +1,9 @@
 """KVTransfer: the worker side of the KV tiers on one rank (tpserve/kv_tiers/connector.py).
 
 It holds this rank's host tier (block hash -> a CPU tensor of the block's K and V, every layer)
-and writes and reads this rank's files of the disk tier (tpserve/kv_tiers/files.py). The
+and writes and reads this rank's files of the disk tier (tpserve/kv_tiers/files.py). The tiers
+store what the pool stores: a block is the bytes of its slice of every tensor of every layer (K
+and V; with an int8 cache also their scales, kernels/kv_quant.py), in layer order. The
 scheduler side decides everything; ``handle`` runs one plan's commands before its forward:
 
 1. **save**: gather the listed blocks out of the KV tensors now (the forward may overwrite
@@ -38,9 +40,11 @@ log = logging.getLogger("tpserve.kv_tiers")
 
 
 def kv_layout(config, runner_dtype: torch.dtype, tp_size: int, num_layers: int, kv_heads: int,
-              head_dim: int) -> dict:
+              head_dim: int, kv_dtype: torch.dtype | None = None) -> dict:
     """What a disk tier's files are made for (files.fingerprint hashes it)."""
+    kv = str(kv_dtype or runner_dtype).replace("torch.", "")
     return {**files.model_identity(config.model_path), "dtype": str(runner_dtype).replace("torch.", ""),
+            "kv_cache_dtype": kv,
             "block_size": config.block_size, "tensor_parallel_size": tp_size, "num_layers": num_layers,
             "kv_heads_per_rank": kv_heads, "head_dim": head_dim, "quantization": config.quantization}
 
@@ -70,11 +74,12 @@ class KVTransfer(KVConnectorWorker):
         self.kv_caches: list = []
 
     def register_kv_caches(self, kv_caches: list) -> None:
+        """Per layer a tuple of tensors indexed by block on dim 0: (K, V), or (K, V, K scales,
+        V scales) for an int8 cache. A block's bytes: each tensor's block slice, layer by layer."""
         self.kv_caches = kv_caches
-        k = kv_caches[0][0]
-        self.block_shape = (len(kv_caches), 2, *k.shape[1:])
-        self.dtype = k.dtype
-        self.block_bytes = k[0].numel() * k.element_size() * 2 * len(kv_caches)
+        self.tensors = [t for layer in kv_caches for t in layer]
+        self.slice_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.slice_bytes)
 
     # ---- one plan's commands -------------------------------------------------------------
     def handle(self, meta: dict) -> dict | None:
@@ -93,12 +98,14 @@ class KVTransfer(KVConnectorWorker):
         return None
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """[n, layers, 2, block_size, kv_heads, head_dim] copies of the blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0][0].device)
-        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            out[:, layer, 0] = k.index_select(0, idx).cpu()
-            out[:, layer, 1] = v.index_select(0, idx).cpu()
+        """uint8 [n, block_bytes] copies of the blocks."""
+        n = len(block_ids)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.tensors[0].device)
+        out = torch.empty((n, self.block_bytes), dtype=torch.uint8)
+        pos = 0
+        for t, size in zip(self.tensors, self.slice_bytes):
+            out[:, pos:pos + size] = t.index_select(0, idx).cpu().reshape(n, -1).view(torch.uint8)
+            pos += size
         return out
 
     def _save(self, saves: list) -> None:
@@ -173,7 +180,7 @@ class KVTransfer(KVConnectorWorker):
             log.warning("KV disk tier: block file %s %s: recomputing (deleted)", path, why)
             self._writes.put(("delete", h, None))
             return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).reshape(self.block_shape)
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     def _load(self, items: list) -> list[int]:
         oks, ids, blocks = [], [], []
@@ -189,12 +196,14 @@ class KVTransfer(KVConnectorWorker):
                 blocks.append(block)
         if ids:
             data = torch.stack(blocks)
-            device = self.kv_caches[0][0].device
+            device = self.tensors[0].device
             idx = torch.tensor(ids, dtype=torch.long, device=device)
             data = data.to(device)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k.index_copy_(0, idx, data[:, layer, 0])
-                v.index_copy_(0, idx, data[:, layer, 1])
+            pos = 0
+            for t, size in zip(self.tensors, self.slice_bytes):
+                part = data[:, pos:pos + size].contiguous().view(t.dtype).view(len(ids), *t.shape[1:])
+                t.index_copy_(0, idx, part)
+                pos += size
         return oks
 
     def _poll(self, job_ids: list[int], wait: bool) -> dict | None:

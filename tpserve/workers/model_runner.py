@@ -16,6 +16,12 @@ now, not in the first mixed step); then capture decode graphs. ``close()`` frees
 again (executors and workers call it on shutdown); nothing the runner owns points back at it,
 so dropping it frees the memory too.
 
+KV cache storage (``config.kv_cache_dtype``): ``auto`` keeps K and V in the model's dtype; ``int8``
+keeps int8 codes and, per layer, float32 scales ``[num_blocks, block_size, kv_heads]`` for K and V
+(tpserve/kernels/kv_quant.py), so a block costs ~half a bf16 block and the budgets below buy ~2x
+the blocks; ``fp8`` is refused on CPU, and by the GPU backends, which read caches of the model's
+dtype only.
+
 KV cache sizing:
     * ``config.num_kv_blocks`` set: exactly that many blocks.
     * CPU: ``config.kv_cache_memory_gb`` of memory per rank.
@@ -46,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
+from tpserve.errors import ConfigError
 from tpserve.kernels.backend_factory import get_backend
 from tpserve.kernels.metadata import AttentionMetadata
 from tpserve.models.packed_gemm import prepack_model
@@ -85,6 +92,22 @@ def compute_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> t
     return dtype
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, backend) -> torch.dtype:
+    """The KV cache's torch dtype for ``--kv-cache-dtype name``; ConfigError naming the field when
+    this device or attention backend cannot run it."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8":
+        if device.type == "cpu":
+            raise ConfigError("kv_cache_dtype", "fp8 needs a GPU; on CPU use int8 (or auto)")
+        raise ConfigError("kv_cache_dtype", f"fp8: the {backend.name} attention backend reads KV caches of "
+                                            "the model's dtype only; use auto")
+    if not getattr(backend, "int8_kv", False):
+        raise ConfigError("kv_cache_dtype", f"int8 needs the cpu or torch attention backend, not "
+                                            f"{backend.name}")
+    return torch.int8
+
+
 def max_useful_blocks(config: EngineConfig) -> int:
     """The most KV blocks the scheduler can use: every sequence slot at ``max_model_len``,
     plus a quarter for the prefix cache (see the module docstring)."""
@@ -105,6 +128,7 @@ class ModelRunner:
                                    self.device, explicit=config.dtype != "auto")
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    dtype=self.dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, self.backend)
         self.model = load_model(config.model_path, tp, dtype=self.dtype, backend=self.backend,
                                 device=self.device, quantization=config.quantization,
                                 enable_expert_parallel=config.enable_expert_parallel)
@@ -131,7 +155,7 @@ class ModelRunner:
         if config.kv_offload_host_gb or config.kv_offload_dir:
             m = self.model
             self.kv_layout = kv_layout(config, self.dtype, tp.size, m.num_layers, m.num_kv_heads_per_rank,
-                                       m.head_dim)
+                                       m.head_dim, self.kv_dtype)
             self.kv_tiers = KVTransfer(config, tp.rank, tp.group if tp.size > 1 else None, self.kv_layout)
             self.kv_tiers.register_kv_caches(self.kv_caches)
         if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
@@ -171,9 +195,12 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
+        """One block of every layer's K and V on this rank (an int8 cache's scales included)."""
         m = self.model
-        per_token = 2 * m.num_layers * m.num_kv_heads_per_rank * m.head_dim
-        return per_token * self.config.block_size * torch.empty((), dtype=self.dtype).element_size()
+        per_head = m.head_dim * torch.empty((), dtype=self.kv_dtype).element_size()
+        if self.kv_dtype == torch.int8:
+            per_head += 4  # its float32 scale
+        return 2 * m.num_layers * m.num_kv_heads_per_rank * per_head * self.config.block_size
 
     def _size_kv_cache(self) -> int:
         cfg = self.config
@@ -215,13 +242,18 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         m = self.model
         shape = (self.num_blocks, self.config.block_size, m.num_kv_heads_per_rank, m.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(m.num_layers)]
+
+        def layer():
+            caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
+            if self.kv_dtype == torch.int8:  # per-slot, per-head scales (kernels/kv_quant.py)
+                caches += [torch.zeros(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
+            return tuple(caches)
+
+        self.kv_caches = [layer() for _ in range(m.num_layers)]
         m.set_kv_caches(self.kv_caches)
         if self.tp.rank == 0:
-            log.info("KV cache: %d blocks of %d tokens (%.2f GiB per rank), max %d concurrent tokens",
-                     self.num_blocks, self.config.block_size,
+            log.info("KV cache (%s): %d blocks of %d tokens (%.2f GiB per rank), max %d concurrent tokens",
+                     str(self.kv_dtype).replace("torch.", ""), self.num_blocks, self.config.block_size,
                      self.num_blocks * self.block_bytes / (1 << 30),
                      self.num_blocks * self.config.block_size)
 
