@@ -4,7 +4,11 @@ Shapes (random weights, built locally by scripts/bench_models.py; token-id promp
 ignore_eos, fixed seed):
   * 40m  (default): the ~40M-parameter Qwen3 model, 64 requests of 32-256 in / 32-256 out;
   * 0.6b: Qwen3-0.6B's shape, 16 requests of 64-128 in / 64-128 out (GEMMs dominate);
-  * tiny: 2 layers of width 64, 8 requests of 16-48 in / out (a smoke run: tests/test_scripts.py).
+  * tiny: 2 layers of width 64, 8 requests of 16-48 in / out (a smoke run: tests/test_scripts.py);
+  * gemma3-1b: Gemma 3 1B's attention layout (sliding window 512, 5:1 sliding:global): the KV
+    pool's capacity at 8k contexts and decode tok/s with the windows against the same model with
+    its window ignored (scripts/bench_window_kv.py; ``--context``, ``--kv-gb``, ``--streams``,
+    ``--decode-context``, ``--decode-tokens``).
 Peers:
   * ``--peer-vllm PYTHON``: vLLM's CPU backend (default settings, torch.compile on), run by the
     interpreter of its own virtualenv (scripts/peer_vllm_cpu.sh makes one) between two tpserve
@@ -22,7 +26,7 @@ Precision: the checkpoints are bf16. On a CPU without native bf16 (no AVX512-BF1
 matmuls are emulated and ~30x slower than fp32, so there every engine runs the model in fp32
 (tpserve's dtype "auto" does this by itself) and the roofline uses the fp32 peak.
 
-    python scripts/bench_throughput.py [--shape 40m|0.6b|tiny] [--peer-vllm PYTHON] [--skip-hf] [--quick]
+    python scripts/bench_throughput.py [--shape 40m|0.6b|tiny|gemma3-1b] [--peer-vllm PYTHON] [--skip-hf]
 """
 from __future__ import annotations
 
@@ -223,13 +227,14 @@ def run_invariant(path, prompts, outs, args, default_tps: float, default_tokens)
 invariant_tps: list[float] = []
 
 SHAPES = {"40m": (64, 32, 256), "0.6b": (16, 64, 128), "tiny": (8, 16, 48)}  # requests, lengths lo..hi
+WINDOW_SHAPES = ("gemma3-1b",)  # sliding-window KV memory: bench_window_kv.py
 
 
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--as-vllm-peer":
         return vllm_peer_main(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="40m")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + list(WINDOW_SHAPES), default="40m")
     ap.add_argument("--requests", type=int, default=None, help="default: 64 (40m), 16 (0.6b)")
     ap.add_argument("--model-dir", default=None,
                     help="default: /tmp/tpserve-bench/qwen3-40m or qwen3-0.6b-shape")
@@ -246,8 +251,19 @@ def main() -> int:
                     help="skip the second tpserve run with penalties and logit bias on every request")
     ap.add_argument("--skip-invariant", action="store_true",
                     help="skip the batch-invariant mode's runs (all streams and one stream)")
+    ap.add_argument("--context", type=int, default=None, help="gemma3-1b: tokens per sequence (8192)")
+    ap.add_argument("--kv-gb", type=float, default=4.0, help="gemma3-1b: KV memory for the capacity line")
+    ap.add_argument("--streams", type=int, default=16, help="gemma3-1b: decoding streams")
+    ap.add_argument("--decode-context", type=int, default=8192,
+                    help="gemma3-1b: prompt + output tokens per stream of the decode line (0: skip it)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="gemma3-1b: tokens each stream decodes")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.shape in WINDOW_SHAPES:
+        from bench_window_kv import main as window_main
+        from tpserve.workers.model_runner import cpu_has_fast_bf16
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_fast_bf16() else "float32")
+        return window_main(args, cpu_isa(), dtype)
     from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES
     path = build_bench_model(args.model_dir or f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}",
                              **SHAPE_OVERRIDES[args.shape])

@@ -173,8 +173,10 @@ def test_greedy_generation_matches_transformers(arch_model, block_size):
 def test_preemption_keeps_greedy_output(tiny_models_root):  # noqa: F811
     path = model_path(tiny_models_root, "gemma3")
     ref = hf_greedy(path, PROMPTS)
-    # The three sequences reach 47, 31 and 23 tokens: 26 blocks of 4 at once; 14 forces preemption.
-    got, stats = generate(path, PROMPTS, block_size=4, num_kv_blocks=14)
+    # The three sequences reach 47, 31 and 23 tokens. Its layers form three KV groups (one full, two
+    # sliding) whose blocks hold one layer each: the longest needs 3 x 12 blocks of 4 when admitted,
+    # and 40 (the memory of ~13 three-layer blocks) forces preemption.
+    got, stats = generate(path, PROMPTS, block_size=4, num_kv_blocks=40)
     assert stats["num_preemptions"] > 0
     assert got == ref
 
@@ -203,9 +205,11 @@ def test_longrope_output_does_not_depend_on_the_schedule(tiny_models_root):  # n
     ref = reference_greedy("phi3", path, PROMPTS)
     chunked, _ = generate(path, PROMPTS, max_num_batched_tokens=8, block_size=16, num_kv_blocks=64)
     assert chunked == ref
-    preempted, stats = generate(path, PROMPTS, block_size=4, num_kv_blocks=14)
+    # Every layer slides its window: a decoding sequence holds at most 3 blocks of 4, so it takes
+    # twelve sequences to run 14 blocks short.
+    preempted, stats = generate(path, PROMPTS * 4, block_size=4, num_kv_blocks=14)
     assert stats["num_preemptions"] > 0
-    assert preempted == ref
+    assert preempted == ref * 4
 
 
 def _tp_worker(rank: int, store: str, cases: list, out_dir: str) -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tpserve.blockpool import BlockManager
 from tpserve.blockpool.kv_events import BlockRemoved, BlockStored, KVEventSink
-from tpserve.blockpool.kv_groups import (FULL, SLIDING, KVCacheGroup, group_size, kv_cache_groups,
+from tpserve.kv_groups import (FULL, SLIDING, KVCacheGroup, group_size, kv_cache_groups,
                                          layer_slabs, max_window_blocks, window_start)
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Sequence

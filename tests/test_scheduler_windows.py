@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpserve.blockpool.kv_groups import kv_cache_groups
+from tpserve.kv_groups import kv_cache_groups
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
 from tpserve.sampling import SamplingParams

@@ -77,6 +77,7 @@ SCRIPTS = {
     "import_cycles.py": Smoke(("--package", "tpserve"),
                               r"import_cycles package=tpserve modules=\d+ edges=\d+ cycles=0"),
     "bench_models.py": LIBRARY,
+    "bench_window_kv.py": LIBRARY,  # bench_throughput.py --shape gemma3-1b
     "bench_daemon_run.py": LIBRARY,
     "bench_daemon.py": Smoke(("--model", "tpserve/assets/default-model", "--clients", "2",
                               "--requests-per-client", "2", "--max-tokens", "4", "--latency-trials", "2",

@@ -128,7 +128,9 @@ class Engine:
         kv_dtype = getattr(getattr(self.executor, "runner", None), "kv_dtype", None)
         self.kv_cache_dtype = str(kv_dtype).replace("torch.", "") if kv_dtype is not None \
             else self.config.kv_cache_dtype
-        self.scheduler = Scheduler(self.config)
+        # The KV-cache groups of the model's attention layers (sliding windows), as rank 0 found them.
+        self.scheduler = Scheduler(self.config,
+                                   getattr(getattr(self.executor, "runner", None), "kv_groups", None))
         self._attach_kv_tiers()
         self.requests: dict[str, _Completion] = {}   # by internal id (completion i > 0: id + _SEP + i)
         self.families: dict[str, _Family] = {}

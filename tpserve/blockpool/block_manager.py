@@ -13,7 +13,7 @@ from collections import deque
 from tpserve.blockpool.block import Block
 from tpserve.blockpool.free_blocks import FreeBlocks
 from tpserve.blockpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSink
-from tpserve.blockpool.kv_groups import KVCacheGroup, max_window_blocks, window_start
+from tpserve.kv_groups import KVCacheGroup, max_window_blocks, window_start
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 from tpserve.blockpool.sliding_hits import sliding_hit_length
 

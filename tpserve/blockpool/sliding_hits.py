@@ -9,7 +9,7 @@ gone: that is what lets a sliding group free them.
 """
 from __future__ import annotations
 
-from tpserve.blockpool.kv_groups import window_start
+from tpserve.kv_groups import window_start
 
 
 def sliding_hit_length(ids: list[int], blocks, limit: int, window: int, block_size: int) -> int:

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # Leading sequences with one query row each (a mixed step's decode rows; B for decode), as
     # the plan states it; None: backends count them from cu_seqlens_q (a host read).
     num_decodes: int | None = None
+    # With KV-cache groups (workers/kv_group_runner.py): one metadata per group, each with its
+    # group's block tables and slot mapping; the layers of group g read ``groups[g]``.
+    groups: list | None = field(default=None, repr=False, compare=False)
     # Index tensors a backend derives from the fields above, computed once per step and shared
     # by all layers (see ``derived``). Not part of the contract.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -11,7 +11,7 @@ Row contents (``s`` a slot):
 
 - ``block_tables[s, :num_blocks[s]]`` mirrors ``seq.block_table``; the rest is -1.
   ``tail_blocks[s]`` is its last block (where a decoding sequence writes its next KV).
-  With several KV-cache groups (blockpool/kv_groups.py), ``group_tables[g - 1, s]`` mirrors
+  With several KV-cache groups (tpserve/kv_groups.py), ``group_tables[g - 1, s]`` mirrors
   group g's table the same way (-1 where a sliding group dropped a block), and a plan's
   ``block_tables`` holds the groups side by side: columns ``[g * W, (g + 1) * W)`` are group
   g's (the runner derives each group's KV slots from the positions and its table).

@@ -63,7 +63,7 @@ before anyone waiting (a block that did not arrive is computed instead). A seque
 while loading keeps its blocks until the load is done (``_orphans``): no block is reused while
 a rank may still write it. Loading sequences count against ``max_num_seqs``.
 
-KV-cache groups (``kv_groups``, blockpool/kv_groups.py; a model with sliding-window layers):
+KV-cache groups (``kv_groups``, tpserve/kv_groups.py; a model with sliding-window layers):
 the seed's rules apply per group (BlockManager), a decode on a block boundary takes one block
 per group, and after each step the blocks that left a sliding window are freed (the block
 manager's ``hash_blocks`` does it, the slot rows follow: ``_sync_rows``). Speculative decoding,

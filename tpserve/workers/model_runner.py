@@ -61,6 +61,7 @@ from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
 from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
+from tpserve.workers.kv_group_runner import KVGroupLayout
 from tpserve.workers.kv_transfer import KVTransfer, kv_layout
 from tpserve.workers.device import Accelerator, accelerator_for
 from tpserve.workers import invariance
@@ -133,6 +134,9 @@ class ModelRunner:
                                 device=self.device, quantization=config.quantization,
                                 enable_expert_parallel=config.enable_expert_parallel)
         prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
+        # KV-cache groups (kv_group_runner.py): sliding-window layers share cache slabs by group.
+        self.kv_group_layout = KVGroupLayout(self.model, config.block_size)
+        self.kv_groups = self.kv_group_layout.groups
         # batch_invariant: every path in its invariant form, or a ConfigError (invariance.py)
         invariance.enable(config, self.model, self.backend, self.device, self.dtype)
         self.sampler = Sampler(device=self.device)
@@ -158,7 +162,7 @@ class ModelRunner:
                                        m.head_dim, self.kv_dtype)
             self.kv_tiers = KVTransfer(config, tp.rank, tp.group if tp.size > 1 else None, self.kv_layout)
             self.kv_tiers.register_kv_caches(self.kv_caches)
-        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
+        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0" and not self.kv_group_layout.split:
             reason = self.model.enable_fused_decode()  # CPU decode steps: 2 C++ calls per layer
             if reason is not None and self.device.type == "cpu":
                 log.info("decode steps run layer by layer: the fused decode %s", reason)
@@ -166,7 +170,8 @@ class ModelRunner:
             # Triton compiles a kernel variant on its first launch: here, not in a serving step.
             for plan in kernel_warmup_plans(config):
                 self.execute(plan, warmup_sample(plan.num_samples))
-        if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs:
+        if self.accel.is_accelerator and not config.enforce_eager and self.backend.supports_cuda_graphs \
+                and not self.kv_group_layout.split:
             graphs = DecodeGraphs(self.model, self.accel, config, max_batch=config.max_num_seqs)
             graphs.capture()
             self.graphs = graphs
@@ -200,7 +205,8 @@ class ModelRunner:
         per_head = m.head_dim * torch.empty((), dtype=self.kv_dtype).element_size()
         if self.kv_dtype == torch.int8:
             per_head += 4  # its float32 scale
-        return 2 * m.num_layers * m.num_kv_heads_per_rank * per_head * self.config.block_size
+        slabs = self.kv_group_layout.num_slabs  # layers sharing a block's memory: all, or a group's
+        return 2 * slabs * m.num_kv_heads_per_rank * per_head * self.config.block_size
 
     def _size_kv_cache(self) -> int:
         cfg = self.config
@@ -210,7 +216,7 @@ class ModelRunner:
             budget = self._device_kv_budget()
         else:
             budget = int(cfg.kv_cache_memory_gb * (1 << 30))
-        blocks = min(max(budget // self.block_bytes, 0), max_useful_blocks(cfg))
+        blocks = min(max(budget // self.block_bytes, 0), max_useful_blocks(cfg) * len(self.kv_groups))
         if self.tp.size > 1:
             t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
@@ -249,8 +255,9 @@ class ModelRunner:
                 caches += [torch.zeros(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
             return tuple(caches)
 
-        self.kv_caches = [layer() for _ in range(m.num_layers)]
+        self.kv_caches = self.kv_group_layout.layer_caches(layer)
         m.set_kv_caches(self.kv_caches)
+        self.kv_group_layout.wrap_backends(m)
         if self.tp.rank == 0:
             log.info("KV cache (%s): %d blocks of %d tokens (%.2f GiB per rank), max %d concurrent tokens",
                      str(self.kv_dtype).replace("torch.", ""), self.num_blocks, self.config.block_size,
@@ -301,7 +308,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(plan):
             hidden = self.graphs.run(plan, t)
         else:
-            hidden = self.model(t["input_ids"], t["positions"], self.metadata(plan, t))
+            meta = self.kv_group_layout.with_groups(self.metadata(plan, t), t["positions"])
+            hidden = self.model(t["input_ids"], t["positions"], meta)
         prompt_lp = self._prompt_logprobs(hidden, t["logprob_rows"], sample) \
             if plan.logprob_rows.shape[0] else None
         if plan.num_samples == 0:  # e.g. only pooling rows: no LM head on any rank
