@@ -316,3 +316,34 @@ def test_events_name_the_group():
     assert {(e.group_idx, tuple(e.block_hashes)) for e in removed} == \
         {(g, (h,)) for g in (0, 1) for h in a.block_hashes}
     assert all(isinstance(e, BlockRemoved) for e in removed)
+
+
+@pytest.mark.parametrize("layout", ["full+sliding", "two windows"])
+def test_events_replay_to_each_groups_index_and_resync_lists_every_group(layout):
+    from tpserve.blockpool.kv_events import AllBlocksCleared, resync_events
+    groups = kv_cache_groups(LAYOUTS[layout])
+    d = Driver(groups, 40, 2, 5, random.Random(7))
+    views: dict[int, set] = {g: set() for g in range(len(groups))}
+    rng = random.Random(5)
+    for i in range(120):
+        if i % 6 == 0:
+            d.add(PREFIXES[i % 2][:rng.randrange(15)] + [rng.randrange(3)] * rng.randrange(4))
+        if i % 9:
+            d.step()
+        else:
+            d.finish(i)
+        for e in d.bm.kv_events.drain():
+            assert not isinstance(e, AllBlocksCleared)
+            if isinstance(e, BlockStored):
+                views[e.group_idx].update(e.block_hashes)
+            else:
+                views[e.group_idx].difference_update(e.block_hashes)
+        assert all(views[g] == set(d.bm.group_hashes[g]) for g in views)
+    assert len(set(d.bm.group_hashes[1])) > 0
+    events = resync_events(d.bm.cached_blocks(), 2, (), d.bm.group_cached_blocks())
+    rebuilt: dict[int, set] = {g: set() for g in views}
+    for e in events[1:]:
+        rebuilt[e.group_idx].update(e.block_hashes)
+        assert e.kv_cache_spec_sliding_window == groups[e.group_idx].window
+    assert rebuilt == views
+    d.drain()

@@ -694,7 +694,8 @@ class Engine:
         if sink.take_overflow() or resync:
             tiers = self.scheduler.kv_tiers
             return resync_events(bm.cached_blocks(), bm.block_size,
-                                 tiers.tier_blocks() if tiers is not None else ())
+                                 tiers.tier_blocks() if tiers is not None else (),
+                                 bm.group_cached_blocks())
         return events
 
     def start_profile(self) -> None:

@@ -567,12 +567,19 @@ class BlockManager:
                         self.kv_events.add(self._removed(hashes, g))
         return empty
 
-    def cached_blocks(self) -> list[tuple[int, int | None, list[int]]]:
+    def group_cached_blocks(self) -> list[tuple[int, str, int | None, list]]:
+        """(group index, kind, window, :meth:`cached_blocks` of the group) for groups 1..: with
+        the group 0 blocks, what a KV-events resync lists."""
+        return [(g, group.kind, group.window, self.cached_blocks(g))
+                for g, group in enumerate(self.groups) if g]
+
+    def cached_blocks(self, group: int = 0) -> list[tuple[int, int | None, list[int]]]:
         """(hash, parent hash, token ids) of every block in the prefix cache, each block after
-        its parent while that is cached: what a router needs to rebuild its view from nothing.
+        its parent while that is cached: what a router needs to rebuild its view from nothing
+        (of KV-cache group ``group``; each group's index is its own).
         The parent is None for a first block only: a block whose parent left the cache still
         names it (its hash is chained from it, and a first block it is not)."""
-        blocks, index = self.blocks, self.hash_to_block_id
+        blocks, index = self.blocks, self.group_hashes[group]
 
         def parent(b: int) -> int | None:
             """The hash the hash of block ``b`` was chained from, while that is cached."""
