@@ -133,8 +133,12 @@ def test_chat_template_options_and_echo(client, raw):
     r = raw.post("/v1/chat/completions", json={"messages": msgs[:1], "chat_template_kwargs": {"tokenize": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     ok = client.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=2,
-                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+                                        extra_body={"chat_template_kwargs": {"add_bos": False}})
     assert ok.choices[0].finish_reason in ("stop", "length")
+    # a reasoning switch the template does not read would change nothing: refused, named
+    r = raw.post("/v1/chat/completions", json={"messages": msgs[:1],
+                                               "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
 
 
 def test_tokenizer_endpoints_and_model_card(daemon, raw):

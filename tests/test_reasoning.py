@@ -115,6 +115,25 @@ def test_reasoning_effort_needs_a_template_that_reads_it(daemon):
     assert r.json()["choices"][0]["prompt_token_ids"] == tok["tokens"]
 
 
+
+def test_enable_thinking_needs_a_template_that_reads_it(daemon):
+    for value in (True, False):  # the bundled template has no thinking switch
+        r = chat(daemon, "x", chat_template_kwargs={"enable_thinking": value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking", r.text
+    r = post(daemon, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2,
+                                       "chat_template_kwargs": {"enable_thinking": False}}, key=API_KEY)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    r = chat(daemon, "x", chat_template_kwargs={"enable_thinking": False}, chat_template=template,
+             return_token_ids=True)
+    assert r.status_code == 200, r.text
+    tok = post(daemon, "/tokenize", {"prompt": "hi<think></think>", "add_special_tokens": False},
+               key=API_KEY).json()
+    assert r.json()["choices"][0]["prompt_token_ids"] == tok["tokens"]
+    assert chat(daemon, "x").status_code == 200  # still serving
+
 def test_a_reasoning_parser_without_an_http_front_is_refused(tmp_path):
     from click.testing import CliRunner
 

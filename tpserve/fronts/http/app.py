@@ -160,8 +160,13 @@ class Front:
         options.setdefault("add_generation_prompt", True)
         if options.get("chat_template") is None:
             options.pop("chat_template", None)
-        if effort is not None:  # only where the template reads it, else it would change nothing
-            source = options.get("chat_template") or self.tokenizer.chat_template
+        source = options.get("chat_template") or self.tokenizer.chat_template
+        # the reasoning switches reach only a template that reads them: elsewhere they would
+        # change nothing, and the request would not get what it asked for
+        if "enable_thinking" in extra and "enable_thinking" not in str(source):
+            raise O.bad("chat_template_kwargs.enable_thinking", "this model's chat template does not take it",
+                        code="unsupported_parameter")
+        if effort is not None:
             if "reasoning_effort" not in str(source):
                 raise O.bad("reasoning_effort", "this model's chat template does not take it",
                             code="unsupported_parameter")
