@@ -428,24 +428,29 @@ def test_native_codes_equal_the_reference_dequantization(tiny):
 def test_native_model_generates_alike_on_one_and_two_ranks(tiny):
     """Two tensor-parallel ranks: the worker finds the same model directory, and the group
     codes, scales and mins are split by rows or whole groups; the greedy tokens do not move."""
+    path, _ = tiny
+    tokens = greedy_on_one_and_two_ranks(path)
+    assert all(len(t) == 4 and all(0 <= i < VOCAB for i in t) for t in tokens[0])
+    assert tokens[0] == tokens[1]
+
+
+def greedy_on_one_and_two_ranks(path) -> list[list[list[int]]]:
+    """Four greedy tokens of two prompts from the file, at TP=1 and at TP=2."""
     from tpserve import LLM, SamplingParams
 
-    path, _ = tiny
     tokens = []
     for tp in (1, 2):
         with LLM(str(path), num_kv_blocks=32, block_size=16, tensor_parallel_size=tp) as llm:
             outs = llm.generate([[5, 6, 7], [300, 2, 9, 11]],
                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
-    assert all(len(t) == 4 and all(0 <= i < VOCAB for i in t) for t in tokens[0])
-    assert tokens[0] == tokens[1]
+    return tokens
 
 
 def test_a_tied_quantized_embedding_is_held_once_as_the_heads_codes(tmp_path):
     """No output.weight: the LM head shares token_embd. Quantized, it becomes the head's group
     codes (repacked exactly) and the embedding looks its rows up in them, packed or not; no
     float table is held, and the model generates alike on one and two ranks."""
-    from tpserve import LLM, SamplingParams
     from tpserve.models.loader import load_model
     from tpserve.models.packed_gemm import prepack_model
 
@@ -474,12 +479,7 @@ def test_a_tied_quantized_embedding_is_held_once_as_the_heads_codes(tmp_path):
     assert model.lm_head.packed is not None and model.lm_head.group_tensors() is None
     assert torch.equal(embed(ids), table[ids])  # now from the packed codes
 
-    tokens = []
-    for tp in (1, 2):
-        with LLM(str(path), num_kv_blocks=32, block_size=16, tensor_parallel_size=tp) as llm:
-            outs = llm.generate([[5, 6, 7], [300, 2, 9, 11]],
-                                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    tokens = greedy_on_one_and_two_ranks(path)
     assert all(len(t) == 4 for t in tokens[0]) and tokens[0] == tokens[1]
 
 
