@@ -118,23 +118,27 @@ def test_greedy_generation_matches_transformers(reference, block_size):
 
 def _tp_worker(rank: int, store: str, path: str, prompts: list, decode: list, out_dir: str) -> None:
     with gloo_group(rank, store) as tp:
-        for ep in (False, True):
+        for name, ep, packed in (("torch", False, False), ("packed", False, True), ("ep", True, True)):
             model = tpserve_model(path, tp, enable_expert_parallel=ep)
+            if packed:
+                prepack_model(model)
+                assert all(m.packed is not None for m in model.modules() if isinstance(m, FusedMoE))
             logits = run_prefill_then_decode(model, prompts, decode)
-            torch.save(logits, os.path.join(out_dir, f"ep{int(ep)}.rank{rank}.pt"))
+            torch.save(logits, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
 
 
 @pytest.mark.timeout(240)
 def test_tp2_matches_transformers(reference, tmp_path):
     """Each rank's heads and sinks, and the experts split by intermediate size (the down
-    projection's bias added once) or whole experts per rank (expert parallel)."""
+    projection's bias added once), in torch and in the C++ kernel, or whole experts per rank
+    (expert parallel)."""
     path, _ = reference
     prompts = random_prompts([21, 9, 3], 384, seed=2)
     want, decode = reference_prefill_then_decode(path, prompts, 4)
     run_two_ranks(_tp_worker, str(path), prompts, decode, str(tmp_path), timeout=220)
-    for ep in (0, 1):
-        r0 = torch.load(tmp_path / f"ep{ep}.rank0.pt")
-        r1 = torch.load(tmp_path / f"ep{ep}.rank1.pt")
+    for name in ("torch", "packed", "ep"):
+        r0 = torch.load(tmp_path / f"{name}.rank0.pt")
+        r1 = torch.load(tmp_path / f"{name}.rank1.pt")
         assert len(r0) == len(want) == 5
         for g, w in zip(r0, want):
             torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
@@ -204,16 +208,16 @@ def test_an_unpaired_mxfp4_tensor_is_reported_by_name(reference, tmp_path):
         tpserve_model(mx)
 
 
-def test_experts_stay_off_the_kernels_that_cannot_run_them(reference):
-    """The grouped C++ experts (SiLU-and-mul, no biases) and the fused decode refuse gpt-oss's
-    layers: prepacked, the model runs its torch experts and the same logits."""
+def test_packed_experts_match_transformers_and_the_fused_decode_refuses(reference):
+    """Prepacked, the grouped C++ experts run gpt-oss's biases and clamped SwiGLU (routed in
+    torch: top-k, then softmax); the fused decode, which runs neither, refuses the layers."""
     assert cpu_extension.available(), cpu_extension._state.get("error")
     path, _ = reference
     prompts = random_prompts([21, 9], 384, seed=7)
     want, decode = reference_prefill_then_decode(path, prompts, 3)
     model = tpserve_model(path, backend="cpu")
     prepack_model(model)
-    assert all(m.packed is None for m in model.modules() if isinstance(m, FusedMoE))
+    assert all(m.packed is not None for m in model.modules() if isinstance(m, FusedMoE))
     assert model.model.layers[0].mlp.gate.packed is not None  # the router, with its bias, is packed
     kv = PagedKV(model, 2, 40)
     assert "gpt-oss" in model.enable_fused_decode()
@@ -222,6 +226,24 @@ def test_experts_stay_off_the_kernels_that_cannot_run_them(reference):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
     assert "gpt-oss" in why_not_fused(model)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_packed_experts_match_the_torch_experts(reference, dtype, tol):
+    """The C++ kernel's experts against experts_reference on the same routing, fp32 and bf16
+    (the kernel rounds the activation once, the torch ops after each step)."""
+    assert cpu_extension.available(), cpu_extension._state.get("error")
+    model = tpserve_model(reference[0], backend="cpu", dtype=dtype)
+    block = model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 64, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(37)])
+    weights = torch.softmax(torch.randn(37, 2, generator=g), -1)
+    want = block.experts.experts(x, ids, weights)
+    assert block.experts.prepack_experts()
+    got = block.experts.experts(x, ids, weights)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert not torch.equal(want, torch.zeros_like(want))
 
 
 REFUSED = [  # (config changes, field named)

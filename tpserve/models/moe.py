@@ -14,9 +14,9 @@ Routing (:func:`route`): softmax in fp32 over the experts, top-k (ties broken as
 Mixtral always); gpt-oss instead takes the top-k of the logits and a softmax over those k.
 Each token's output is the sum over its k experts of ``weight * down(silu(gate(x)) * up(x))``,
 plus ``sigmoid(shared_expert_gate(x)) * shared(x)``. gpt-oss's experts add biases
-(``w13_bias``, ``w2_bias``) and gate with its clamped SwiGLU (:func:`swiglu_oai`); they run
-on the torch path (the C++ and Triton grouped kernels compute SiLU-and-mul without biases and
-refuse them).
+(``w13_bias``, ``w2_bias``) and gate with its clamped SwiGLU (:func:`swiglu_oai`): the torch
+path and the C++ grouped kernel run them (its ``set_swiglu_oai``; routed in torch), the Triton
+one does not (a GPU runs them in torch).
 
 Sharding across the tensor-parallel group, in one of two modes:
 
@@ -370,17 +370,14 @@ class FusedMoE(nn.Module):
         model (the torch path dequantizes an expert when tokens use it)."""
         if self.packed is not None:
             return False
-        if not self.plain_experts:
-            # gpt-oss's biased, clamped-SwiGLU experts stay on the torch path (the grouped C++
-            # kernel runs SiLU-and-mul without biases); --quantization int8 still applies.
-            w = self.w13_weight
-            if self.quantize_at_load and w.dtype != torch.int8 and w.device.type == "cpu":
-                self._quantize_in_place()
-            return False
         kernel = _moe_kernel()
         if kernel is not None and kernel.ops_ready():
             packed = kernel.pack_experts(self)
             if packed is not None:
+                if self.swiglu_oai is not None:  # gpt-oss: biases and the clamped SwiGLU
+                    w2_bias = self.w2_bias if self.expert_parallel or self.tp.rank == 0 else None
+                    packed.set_swiglu_oai(self.w13_bias.detach(), None if w2_bias is None else w2_bias.detach(),
+                                          *self.swiglu_oai)
                 self.packed = packed
                 for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
                     p = getattr(self, name)
@@ -431,7 +428,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         packed = self.experts.packed
-        if packed is not None:
+        if packed is not None and not self.topk_then_softmax:
             # The C++ kernel: its router, and the shared expert joining the experts' fp32 sum
             # (the fused decode's very functions, so both paths give the same bits).
             weights, ids = _moe_kernel().route(logits, self.top_k, self.renormalize, self.round_weights)

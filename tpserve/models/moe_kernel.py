@@ -116,6 +116,15 @@ class PackedExperts:
         return (a.data, a.kind, a.scales, a.colsum, b.data, b.kind, b.scales, b.colsum,
                 self.hidden, self.inter, self.num_experts, self.expert_start)
 
+    def set_swiglu_oai(self, w13_bias: torch.Tensor, w2_bias: torch.Tensor | None, alpha: float,
+                       limit: float) -> None:
+        """gpt-oss's experts: biases (``w13_bias [E_local, 2I]`` gate then up, ``w2_bias
+        [E_local, H]`` or None where this rank must not add it; the activations' dtype) added by
+        the matmuls, and the clamped SwiGLU instead of SiLU-and-mul. Not for a DecodeStack (the
+        fused decode refuses these layers)."""
+        self.native.set_swiglu_oai(w13_bias.contiguous(), None if w2_bias is None else w2_bias.contiguous(),
+                                   float(alpha), float(limit))
+
     @property
     def kind(self) -> int:
         return self.w13.kind

@@ -18,6 +18,10 @@
 // result does not depend on the other tokens of the call; the intermediate activations are
 // rounded to x's dtype as the module path's separate ops round them. The weighted sum of a token's
 // expert outputs (each in x's dtype) is taken in fp32, in the order of its choices, and rounded once.
+//
+// gpt-oss's experts (MoeExperts::set_swiglu_oai): each projection's bias is added by the linear
+// kernels (PackedLinear::bias, as linear_into adds one), and the clamped SwiGLU replaces
+// SiLU-and-mul, computed in fp32 and rounded once to x's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
@@ -150,6 +154,27 @@ void silu_rows(const at::Tensor& gate_up, at::Tensor& act, int64_t I) {
 }
 
 inline float sigmoid(float g) { return 1.f / (1.f + std::exp(-g)); }
+
+// gpt-oss's clamped SwiGLU of each row (gate columns, then up), in fp32, rounded once.
+template <typename T>
+void swiglu_oai_rows(const at::Tensor& gate_up, at::Tensor& act, int64_t I, float alpha, float limit) {
+  const int64_t S = gate_up.size(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* ap = act.data_ptr<T>();
+  const int64_t lg = gate_up.stride(0), la = act.stride(0);
+  at::parallel_for(0, S, std::max<int64_t>(1, 262144 / std::max<int64_t>(I, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = gp + r * lg;
+      const T* u = g + I;
+      T* o = ap + r * la;
+      for (int64_t i = 0; i < I; ++i) {
+        const float gate = std::min(to_f<T>(g[i]), limit);
+        const float up = std::min(std::max(to_f<T>(u[i]), -limit), limit);
+        o[i] = from_f<T>((up + 1.f) * (gate * sigmoid(gate * alpha)));
+      }
+    }
+  });
+}
 
 // out[t] = sum_j w[t, j] * y[slot_row[t * k + j]] (+ sigmoid(gate[t]) * shared[t]) in fp32.
 template <typename T>
@@ -312,7 +337,13 @@ void moe_experts_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& to
     const LinearRows r13 = prepare_rows(xg, m.w13[0].kind, s.rows13);
     build_items(s.items, s, m.w13);
     grouped_matmul(gate_up, r13, m.w13, s.items, max_rows);
-    if (dt == at::kFloat) {
+    if (m.swiglu_oai) {
+      if (dt == at::kFloat) {
+        swiglu_oai_rows<float>(gate_up, act, I, m.swiglu_alpha, m.swiglu_limit);
+      } else {
+        swiglu_oai_rows<at::BFloat16>(gate_up, act, I, m.swiglu_alpha, m.swiglu_limit);
+      }
+    } else if (dt == at::kFloat) {
       silu_rows<float>(gate_up, act, I);
     } else {
       silu_rows<at::BFloat16>(gate_up, act, I);
@@ -393,6 +424,7 @@ thread_local MoeScratch t_scratch;
 // the per-expert views are made once.
 struct MoeExperts : torch::CustomClassHolder {
   MoeWeights weights;
+  std::vector<at::Tensor> biases;  // set_swiglu_oai's, kept alive
 
   MoeExperts(at::Tensor w13_data, int64_t w13_kind, c10::optional<at::Tensor> w13_scales,
              c10::optional<at::Tensor> w13_colsum, at::Tensor w2_data, int64_t w2_kind,
@@ -400,6 +432,33 @@ struct MoeExperts : torch::CustomClassHolder {
              int64_t inter, int64_t num_experts, int64_t expert_start)
       : weights(make_moe_weights(w13_data, w13_kind, w13_scales, w13_colsum, w2_data, w2_kind, w2_scales,
                                  w2_colsum, hidden, inter, num_experts, expert_start)) {}
+
+  // gpt-oss's experts: each expert's gate/up bias (w13_bias [E, 2I], gate then up), its down
+  // bias (w2_bias [E, H]; absent on the ranks that must not add it) and the clamped SwiGLU.
+  // The biases are of the activations' dtype and stay alive here.
+  void set_swiglu_oai(at::Tensor w13_bias, c10::optional<at::Tensor> w2_bias, double alpha, double limit) {
+    MoeWeights& m = weights;
+    TORCH_CHECK_VALUE(w13_bias.dim() == 2 && w13_bias.size(0) == m.num_local && w13_bias.size(1) == 2 * m.inter &&
+                          w13_bias.is_contiguous(),
+                      "w13_bias: expected a contiguous [num_local_experts=", m.num_local, ", ", 2 * m.inter,
+                      "], got ", w13_bias.sizes());
+    if (w2_bias.has_value()) {
+      TORCH_CHECK_VALUE(w2_bias->dim() == 2 && w2_bias->size(0) == m.num_local && w2_bias->size(1) == m.hidden &&
+                            w2_bias->is_contiguous() && w2_bias->scalar_type() == w13_bias.scalar_type(),
+                        "w2_bias: expected a contiguous [num_local_experts=", m.num_local, ", ", m.hidden,
+                        "] of w13_bias's dtype, got ", w2_bias->sizes());
+    }
+    TORCH_CHECK_VALUE(alpha > 0 && limit > 0, "swiglu alpha and limit: expected > 0");
+    biases = {w13_bias};
+    if (w2_bias.has_value()) biases.push_back(*w2_bias);
+    for (int64_t e = 0; e < m.num_local; ++e) {
+      m.w13[e].bias = w13_bias.select(0, e);
+      if (w2_bias.has_value()) m.w2[e].bias = w2_bias->select(0, e);
+    }
+    m.swiglu_oai = true;
+    m.swiglu_alpha = static_cast<float>(alpha);
+    m.swiglu_limit = static_cast<float>(limit);
+  }
 
   void forward(at::Tensor out, at::Tensor x, at::Tensor topk_ids, at::Tensor topk_weights,
                c10::optional<at::Tensor> shared, c10::optional<at::Tensor> shared_gate) {
@@ -421,7 +480,8 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
       .def(torch::init<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                        at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
                        int64_t, int64_t, int64_t>())
-      .def("forward", &tpserve::MoeExperts::forward);
+      .def("forward", &tpserve::MoeExperts::forward)
+      .def("set_swiglu_oai", &tpserve::MoeExperts::set_swiglu_oai);
   m.def("moe_route(Tensor(a!) topk_ids, Tensor(b!) topk_weights, Tensor router_logits, bool renormalize, "
         "bool round_bf16) -> ()");
 }

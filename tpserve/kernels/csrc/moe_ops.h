@@ -19,7 +19,11 @@ struct MoeWeights {
   int64_t num_local = 0;     // experts held here: global ids [expert_start, expert_start + num_local)
   int64_t expert_start = 0;
   int64_t hidden = 0, inter = 0;
-  std::vector<PackedLinear> w13, w2;
+  std::vector<PackedLinear> w13, w2;  // their bias (gpt-oss's experts) is added by the kernels
+  // The gated activation: SiLU-and-mul, or gpt-oss's clamped SwiGLU
+  // (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+  bool swiglu_oai = false;
+  float swiglu_alpha = 0.f, swiglu_limit = 0.f;
 };
 
 // Checks the stacked tensors ([E_local, panel data] data, [E_local, N_pad] fp32 scales and int32
