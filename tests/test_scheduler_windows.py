@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from tpserve.kv_groups import kv_cache_groups
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
+from tpserve.sample_plan import kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
+from tpserve.workers.rejection import accept
 
 MOD = (1 << 61) - 1
 EOS = 0
@@ -85,7 +87,7 @@ class WindowedRunner:
         return np.array([nxt[r] for r in plan.logits_indices.tolist()], dtype=np.int64)
 
 
-def reference(groups, prompt, max_tokens, vocab, max_model_len):
+def reference(groups, prompt, max_tokens, vocab, max_model_len, ignore_eos=False):
     toks = list(prompt)
     out = []
     while True:
@@ -97,22 +99,25 @@ def reference(groups, prompt, max_tokens, vocab, max_model_len):
         t = next_of(d, seen, vocab)
         out.append(t)
         toks.append(t)
-        if t == EOS or len(out) >= max_tokens or len(toks) >= max_model_len:
+        if (t == EOS and not ignore_eos) or len(out) >= max_tokens or len(toks) >= max_model_len:
             return out
 
 
 def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed", budget=16,
-                 max_num_seqs=4, prefix=True, preempt_every=0, vocab=1000):
+                 max_num_seqs=4, prefix=True, preempt_every=0, vocab=1000, spec=None, ignore_eos=False):
     groups = kv_cache_groups(layer_windows)
     max_model_len = 200
     cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, max_model_len=max_model_len,
-                       enable_prefix_caching=prefix, eos_token_ids=[EOS], scheduling_policy=policy)
+                       enable_prefix_caching=prefix, eos_token_ids=[EOS], scheduling_policy=policy,
+                       speculative_config=spec)
     s = Scheduler(cfg, groups)
+    s.drafted = 0
     runner = WindowedRunner(groups, blocks, bs, vocab)
     seqs = []
     for n, prompt in enumerate(prompts):
-        seq = Sequence(f"r{n}", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        seq = Sequence(f"r{n}", list(prompt),
+                       SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
         s.add(seq)
         seqs.append(seq)
     steps = 0
@@ -120,8 +125,15 @@ def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed",
         s.check_integrity()
         batch = s.schedule()
         assert batch, "nothing scheduled although work is runnable"
-        toks = runner.run(s.build_plan(batch))
-        s.postprocess(batch, toks)
+        plan = s.build_plan(batch)
+        toks = runner.run(plan)
+        counts = None
+        if batch.drafts:
+            sample = s.build_sample_plan(batch, plan)
+            counts = accept(toks, sample.draft_counts, sample.draft_tokens)
+            toks = toks[kept_rows(sample.draft_counts, counts)]
+            s.drafted += 1
+        s.postprocess(batch, toks, counts)
         s.check_integrity()
         steps += 1
         if preempt_every and steps % preempt_every == 0:
@@ -133,7 +145,7 @@ def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed",
     assert bm.num_free_blocks == bm.num_blocks and not bm.used_block_ids, "a block outlived its requests"
     for seq in seqs:
         assert seq.completion_token_ids == reference(groups, seq.prompt_token_ids, max_tokens, vocab,
-                                                     max_model_len), seq.request_id
+                                                     max_model_len, ignore_eos), seq.request_id
     return s
 
 
@@ -187,3 +199,13 @@ def test_unsupported_combinations_are_refused():
         s.attach_kv_tiers(object())
     with pytest.raises(Exception, match="num_kv_blocks"):  # every group's blocks count
         s.add(Sequence("big", [1] * 80, SamplingParams(max_tokens=10)))
+
+
+@pytest.mark.parametrize("bs", [4, 1])
+def test_speculative_decoding_over_groups(bs):
+    """n-gram drafts on repetitive prompts: draft blocks are taken in every group and given back
+    when the drafts are rejected; output equals the reference."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompts = [[1, 0, 1, 1] * 6, [0, 1, 0, 0, 1] * 3]
+    s = run_workload(GEMMA_LIKE, bs, 600 // bs, prompts, 40, spec=spec, vocab=2, ignore_eos=True)
+    assert s.drafted > 0 and s.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -105,3 +105,11 @@ def test_bench_capacity_counts_the_windows_blocks():
     every_layer_global, global_blocks = kv_capacity(2048, 0.25, ignored=True, gen=128)
     assert blocks > 6 * global_blocks  # the same memory in blocks of 4 layers, not 26
     assert every_layer_global >= 4 and windows > 2 * every_layer_global
+
+
+def test_gemma3_speculative_decoding(gemma3):
+    path, ref = gemma3
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    got, stats, _, peak = run(path, PROMPTS, block_size=4, num_kv_blocks=256, speculative_config=spec)
+    assert got == ref and stats["spec_decode_num_drafts"] > 0
+    assert 0 < peak <= 3

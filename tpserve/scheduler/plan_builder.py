@@ -130,8 +130,10 @@ class SlotTable:
         self.tail_blocks[slot] = block_id
 
     def truncate_blocks(self, slot: int, n: int) -> None:
-        """Keep only the first ``n`` blocks of the slot's row (BlockManager.truncate)."""
+        """Keep only the first ``n`` blocks of the slot's rows (BlockManager.truncate)."""
         self.block_tables[slot, n:self.num_blocks[slot]] = -1
+        if self.num_groups > 1:
+            self.group_tables[:, slot, n:self.num_blocks[slot]] = -1
         self.num_blocks[slot] = n
         self.tail_blocks[slot] = self.block_tables[slot, n - 1] if n else -1
 

@@ -215,7 +215,10 @@ class Postprocess:
             keep = -(-(n - 1) // bs)
             if bm.truncate(seq, keep):
                 t.truncate_blocks(slot, keep)
-            bm.hash_blocks(seq)
+            if self.grouped:
+                self._sync_rows(seq)
+            else:
+                bm.hash_blocks(seq)
             out.append(seq)
             if reason[i] is not None:
                 done.append((seq, reason[i]))

@@ -65,9 +65,10 @@ a rank may still write it. Loading sequences count against ``max_num_seqs``.
 
 KV-cache groups (``kv_groups``, tpserve/kv_groups.py; a model with sliding-window layers):
 the seed's rules apply per group (BlockManager), a decode on a block boundary takes one block
-per group, and after each step the blocks that left a sliding window are freed (the block
-manager's ``hash_blocks`` does it, the slot rows follow: ``_sync_rows``). Speculative decoding,
-the "priority" order and the KV tiers are refused with groups (ConfigError).
+per group (draft tokens: one per group for each block they need), and after each step the
+blocks that left a sliding window are freed (the block manager's ``hash_blocks`` does it, the
+slot rows follow: ``_sync_rows``). The "priority" order and the KV tiers are refused with
+groups (ConfigError).
 
 Admission control (admission.py) replaces the seed's ``assert scheduled_seqs``: ``add()``
 refuses a request that could never run, so whenever work is runnable ``schedule()`` returns a
@@ -138,8 +139,6 @@ class Scheduler(Postprocess):
         max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
         self.table = SlotTable(self.max_num_seqs, max_blocks, bs, len(self.block_manager.groups))
         spec = config.speculative
-        if self.grouped and spec is not None:
-            raise ConfigError("speculative_config", "is not supported with sliding-window KV groups yet")
         if self.grouped and config.scheduling_order == "priority":
             raise ConfigError("scheduling_order", "'priority' is not supported with sliding-window "
                                                   "KV groups yet; use 'fcfs'")

@@ -71,18 +71,21 @@ class Speculator:
         if not (caps > 0).any():
             return
         bm, bs = block_manager, block_manager.block_size
+        per = bm.blocks_per_append  # KV-cache groups: a block of the sequence is one per group
         drafts = self.proposer.propose(seqs, caps.tolist())
         kept: list[list[int]] = []
         for seq, slot, d in zip(seqs, slots.tolist(), drafts):
             if d:
                 # Tokens the held and free blocks have slots for, from position len - 1 on.
-                fits = (len(seq.block_table) + bm.num_free_blocks) * bs - (len(seq.token_ids) - 1)
+                fits = (len(seq.block_table) + bm.num_free_blocks // per) * bs - (len(seq.token_ids) - 1)
                 d = d[:max(min(budget, fits - 1), 0)]
             if d:
                 before = len(seq.block_table)
                 bm.may_append(seq, 1 + len(d))
                 for block_id in seq.block_table[before:]:
                     table.append_block(slot, block_id)
+                if per > 1:
+                    table.set_group_blocks(slot, bm.tables(seq))
                 budget -= len(d)
             kept.append(d or [])
         if not any(kept):
