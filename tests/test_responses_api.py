@@ -251,6 +251,13 @@ def test_a_large_max_output_tokens_is_clamped_not_refused(daemon):
                                        "structured_outputs": {"regex": "[a-z]{1,4}"}})
     assert r.status_code == 200, r.text
     assert r.json()["status"] == "completed" and r.json()["max_output_tokens"] == 10 ** 6
+    # an answer that runs on fills the context, and is incomplete for its (clamped) limit
+    r = post(daemon, "/v1/responses", {"input": "x = 1\n" * 230, "max_output_tokens": 10 ** 6,
+                                       "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["usage"]["total_tokens"] == 1024 and body["usage"]["output_tokens"] > 0  # the context
 
 
 def test_reasoning_items_with_the_reasoning_parser(client, daemon, tok):
