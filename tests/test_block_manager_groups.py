@@ -347,3 +347,17 @@ def test_events_replay_to_each_groups_index_and_resync_lists_every_group(layout)
         assert e.kv_cache_spec_sliding_window == groups[e.group_idx].window
     assert rebuilt == views
     d.drain()
+
+
+def test_a_pooling_sequence_past_the_window_frees_every_block():
+    bs = 2
+    bm = BlockManager(64, bs, True, kv_cache_groups([None, 4]))
+    a = Sequence("a", list(range(1, 20)), SamplingParams(), block_size=bs)
+    a.pooling = "MEAN"  # its blocks past the prefix hit go to the front of the eviction order
+    bm.allocate(a, bm.can_allocate(a))
+    a.num_cached_tokens = len(a)
+    bm.hash_blocks(a)
+    assert bm.tables(a)[1][:7] == [-1] * 7
+    bm.deallocate(a)
+    bm.check_integrity()
+    assert bm.num_free_blocks == 64 and all(b.ref_count == 0 for b in bm.blocks)

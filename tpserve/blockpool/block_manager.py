@@ -253,6 +253,8 @@ class BlockManager:
                 if block.ref_count == 0:
                     self._deallocate_block(block_id)
             for block_id in table[shared:]:  # each to the front: the tail is evicted before the head
+                if block_id == -1:
+                    continue
                 block = blocks[block_id]
                 block.ref_count -= 1
                 if block.ref_count == 0:
