@@ -27,7 +27,7 @@ from tpserve.models import UnsupportedModelError
 from tpserve.models.fused_decode import why_not_fused
 from tpserve.models.loader import load_config
 from tpserve.models.moe import FusedMoE
-from tpserve.models.mxfp4 import dequantize_mxfp4
+from tpserve.models.mxfp4 import dequantize_mxfp4, gpt_oss_names
 from tpserve.models.norm import Fp32ScaleRMSNorm, RMSNorm
 from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.rotary import RotaryEmbedding
@@ -196,6 +196,26 @@ def test_mxfp4_codes_and_exponents():
     assert out[0, :4].tolist() == [2.0, 4.0, -0.0, -24.0]
     with pytest.raises(ValueError, match="do not match"):
         dequantize_mxfp4(blocks, torch.tensor([[1, 2]], dtype=torch.uint8))
+
+
+def test_other_ranks_mxfp4_experts_are_not_dequantized():
+    """With expert parallelism a rank gets the experts it does not hold as names without tensors."""
+    g = torch.Generator().manual_seed(4)
+    base = "model.layers.0.mlp.experts.gate_up_proj"
+    blocks = torch.randint(0, 256, (4, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (4, 8, 2), generator=g, dtype=torch.uint8)
+    held = {2, 3}
+    out = dict(gpt_oss_names([(base + "_scales", scales), (base + "_blocks", blocks)],
+                             skip=lambda name: int(name.split(".")[5]) not in held))
+    assert len(out) == 8
+    for e in range(4):
+        gate = out[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"]
+        up = out[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+        if e in held:
+            whole = dequantize_mxfp4(blocks[e], scales[e])
+            assert torch.equal(gate, whole[0::2]) and torch.equal(up, whole[1::2]) and gate.shape == (4, 64)
+        else:
+            assert gate is None and up is None
 
 
 def test_an_unpaired_mxfp4_tensor_is_reported_by_name(reference, tmp_path):

@@ -139,7 +139,7 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
         show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
         tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
         tensors = decoded_tensors(tensors, qc, hf_config)  # AWQ, GPTQ, compressed-tensors 4-bit
-        tensors = architecture_names(tensors, spec)
+        tensors = architecture_names(tensors, spec, _other_ranks_experts(model))
     load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
 
@@ -150,12 +150,14 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
                     "model.multi_modal_projector.")
 
 
-def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
-                       spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | None]]:
+def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]], spec: ModelSpec,
+                       skip: Callable[[str], bool] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Checkpoint tensors under the decoder's names: a multimodal checkpoint's text tower without
-    its prefix (vision weights dropped), Phi-3's fused q/k/v and gate/up split per module."""
+    its prefix (vision weights dropped), Phi-3's fused q/k/v and gate/up split per module,
+    gpt-oss's experts per expert (``skip``: the expert weights other ranks hold, not dequantized)."""
     if spec.architecture == "GptOssForCausalLM":
-        tensors = gpt_oss_names(tensors)
+        tensors = gpt_oss_names(tensors, skip)
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     for key, tensor in tensors:
         if spec.text_tower:

@@ -376,8 +376,8 @@ class FusedMoE(nn.Module):
             if packed is not None:
                 if self.swiglu_oai is not None:  # gpt-oss: biases and the clamped SwiGLU
                     w2_bias = self.w2_bias if self.expert_parallel or self.tp.rank == 0 else None
-                    packed.set_swiglu_oai(self.w13_bias.detach(), None if w2_bias is None else w2_bias.detach(),
-                                          *self.swiglu_oai)
+                    packed.set_swiglu_oai(self.w13_bias.detach(),
+                                          None if w2_bias is None else w2_bias.detach(), *self.swiglu_oai)
                 self.packed = packed
                 for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
                     p = getattr(self, name)

@@ -22,7 +22,7 @@ expert at a time, so that a layer's experts are never all dequantized at once.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -42,7 +42,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         raise CheckpointError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if (blocks.dim() < 2 or blocks.shape[-1] != GROUP // 2
             or tuple(blocks.shape[:-1]) != tuple(scales.shape)):
-        raise CheckpointError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}: "
+        raise CheckpointError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
+                              f"{tuple(scales.shape)}: "
                               f"expected blocks [..., G, {GROUP // 2}] and scales [..., G]")
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     codes = torch.stack(((blocks & 0x0F).long(), (blocks >> 4).long()), dim=-1)  # [..., G, 16, 2]
@@ -51,10 +52,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
-def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]]
-                  ) -> Iterator[tuple[str, torch.Tensor | None]]:
+def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
+                  skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
     """gpt-oss checkpoint tensors as the decoder's per-expert names (see the module docstring);
-    every other tensor passes unchanged."""
+    every other tensor passes unchanged. ``skip``: a test of the per-expert weight names this
+    rank does not hold (expert parallelism); they come as ``(name, None)``, not dequantized."""
     pending: dict[str, tuple[str, torch.Tensor]] = {}  # MXFP4 halves waiting for their pair
     for key, tensor in tensors:
         if ".mlp.router." in key:
@@ -78,6 +80,9 @@ def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]]
                 raise CheckpointError(f"{base}_blocks / _scales: expected [E, rows, G, 16] and [E, rows, G], "
                                       f"got {tuple(blocks.shape)} and {tuple(scales.shape)}")
             for e in range(blocks.shape[0]):
+                if skip is not None and all(skip(name) for name in _expert_names(block, proj, e)):
+                    yield from ((name, None) for name in _expert_names(block, proj, e))
+                    continue
                 try:
                     weight = dequantize_mxfp4(blocks[e], scales[e])  # [rows, cols]: out x in
                 except CheckpointError as err:
@@ -101,6 +106,11 @@ def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]]
     if pending:
         names = ", ".join(f"{base}{leaf}" for base, (leaf, _) in sorted(pending.items()))
         raise CheckpointError(f"MXFP4 tensors without their pair (_blocks needs _scales): {names}")
+
+
+def _expert_names(block: str, proj: str, e: int) -> tuple[str, ...]:
+    parts = ("down_proj",) if proj == "down_proj" else ("gate_proj", "up_proj")
+    return tuple(f"{block}.experts.{e}.{part}.weight" for part in parts)
 
 
 def _expert_weights(block: str, proj: str, e: int, weight: torch.Tensor,
