@@ -143,3 +143,119 @@ def test_a_reasoning_parser_without_an_http_front_is_refused(tmp_path):
     from_env = CliRunner().invoke(main, ["start", "--runtime-dir", str(tmp_path)],
                                   env={"TPSERVE_REASONING_PARSER": "deepseek_r1"})
     assert from_env.exit_code == 2 and "--reasoning-parser" in from_env.output
+
+
+# ---- tool calls come from the answer only, in each API (the front in this process) ----------
+THOUGHT_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+ANSWER_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+OUTPUT = f"I could call {THOUGHT_CALL} here.</think>{ANSWER_CALL}"
+TIME_SCHEMA = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+
+
+def test_tool_calls_are_read_from_the_answer_never_from_the_thoughts():
+    """A call written inside the thoughts stays thoughts; the call after ``</think>`` is the
+    answer's, whole and streamed (in pieces that split the tags), through chat, Responses and
+    Messages."""
+    import asyncio
+
+    from test_http import BUNDLED
+    from tpserve.client.client import Delta, GenerateResult
+    from tpserve.fronts.http import openai_api as O, structured_api
+    from tpserve.fronts.http.app import Front
+    from tpserve.fronts.http.chat_output import Response
+    from tpserve.fronts.http.messages_input import prepare as messages_prepare
+    from tpserve.fronts.http.messages_output import Message
+    from tpserve.fronts.http.response_store import ResponseStore
+    from tpserve.fronts.http.responses_input import prepare as responses_prepare, translate
+    from tpserve.fronts.http.responses_items import TemplateTraits
+    from tpserve.fronts.http.responses_output import Output
+    from tpserve.tokenizer import load_tokenizer
+
+    front = Front("ipc:///unused", str(BUNDLED), MODEL, 1024, tokenizer=load_tokenizer(BUNDLED),
+                  reasoning_parser="deepseek_r1")
+    ask = [{"role": "user", "content": "time?"}]
+    pieces = [OUTPUT[i:i + 7] for i in range(0, len(OUTPUT), 7)]
+    result = GenerateResult("r", OUTPUT, [5], "stop", 10, 1)
+
+    def deltas():
+        return [Delta("r", p, [5], prompt_tokens=10 if i == 0 else None, cached_tokens=0 if i == 0 else None)
+                for i, p in enumerate(pieces)]
+
+    async def chat(stream: bool):
+        body = {"model": MODEL, "messages": ask, "tool_choice": "auto", "stream": stream,
+                "tools": [{"type": "function", "function": {"name": "get_time", "parameters": TIME_SCHEMA}}]}
+        job = O.parse_chat(body, MODEL)
+        await structured_api.prepare(job, body, O.build_request)
+        r = Response(front, job, [[1]])
+        if not stream:
+            r.add(0, Delta("r", OUTPUT, [5]))
+            r.add(0, result)
+            msg = r.whole()["choices"][0]["message"]
+            return msg["reasoning_content"], [c["function"]["arguments"] for c in msg["tool_calls"]]
+        thoughts, args = "", []
+        for item in [*deltas(), result]:
+            for chunk in r.chunks(0, item):
+                for d in [c["delta"] for c in json.loads(chunk[6:])["choices"]]:
+                    thoughts += d.get("reasoning_content") or ""
+                    for call in d.get("tool_calls") or []:
+                        if "id" in call:
+                            args.append("")
+                        args[-1] += call["function"].get("arguments") or ""
+        return thoughts, args
+
+    async def responses(stream: bool):
+        body = {"model": MODEL, "input": ask, "stream": stream, "tool_choice": "auto",
+                "tools": [{"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}]}
+        tr = translate(body, front, ResponseStore(), TemplateTraits.of(front.tokenizer))
+        await responses_prepare(tr)
+        tr.job.thinking_opened = False
+        out = Output(tr, front, "resp_x", stream)
+        for d in deltas():
+            out.feed(d)
+        obj = await out.finish(result)
+        if stream:  # the events say the same as the object
+            done = [json.loads(e.split("data: ", 1)[1]) for e in out.take() if "output_item.done" in e]
+            assert [e["item"] for e in done] == obj["output"]
+        (thought,) = [i for i in obj["output"] if i["type"] == "reasoning"]
+        return thought["content"][0]["text"], [i["arguments"] for i in obj["output"]
+                                               if i["type"] == "function_call"]
+
+    async def messages(stream: bool):
+        body = {"model": MODEL, "max_tokens": 50, "messages": ask, "tool_choice": {"type": "auto"},
+                "tools": [{"name": "get_time", "input_schema": TIME_SCHEMA}]}
+        job, ids, t = await messages_prepare(front, body)
+        m = Message(front, job, t, len(ids))
+        if not stream:
+            content = m.whole(OUTPUT, result)["content"]
+        else:
+            events = m.start(deltas()[0])
+            for d in deltas():
+                events += m.events(d.text)
+            events += m.end(result)
+            content = []
+            for e in events:
+                data = json.loads(e.split("data: ", 1)[1])
+                if data["type"] == "content_block_start":
+                    content.append(dict(data["content_block"], partial=""))
+                elif data["type"] == "content_block_delta":
+                    d, block = data["delta"], content[data["index"]]
+                    if d["type"] == "thinking_delta":
+                        block["thinking"] += d["thinking"]
+                    elif d["type"] == "input_json_delta":
+                        block["partial"] += d["partial_json"]
+            for block in content:
+                if block["type"] == "tool_use":
+                    block["input"] = json.loads(block["partial"])
+        thought = next(b["thinking"] for b in content if b["type"] == "thinking")
+        return thought, [json.dumps(b["input"]) for b in content if b["type"] == "tool_use"]
+
+    async def run():
+        try:
+            for api in (chat, responses, messages):
+                for stream in (False, True):
+                    thoughts, calls = await api(stream)
+                    assert thoughts == f"I could call {THOUGHT_CALL} here.", (api.__name__, stream, thoughts)
+                    assert [json.loads(a) for a in calls] == [{"zone": "CET"}], (api.__name__, stream, calls)
+        finally:
+            await front.close()
+    asyncio.run(run())
