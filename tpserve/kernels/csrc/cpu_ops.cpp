@@ -241,6 +241,9 @@ inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t bloc
   }
 }
 
+// Value sums a decode work item keeps in registers at once (pass 3 below).
+constexpr int64_t kAccVectors = 16;
+
 // kC: head_dim / kLanes as a constant (registers, unrolled loops), or 0 for any multiple of 16.
 // KT: the cache's element type, T or int8_t (then `kvs` holds the scales: a key's scale multiplies
 // its scores, a value's scale its softmax weights).
@@ -300,21 +303,30 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
     if (o.sinks) sum += exp_nonpos(o.sinks[h] - mx);
     inv[h] = 1.f / sum;
   }
-  // Pass 3: weighted sum of the values.
-  std::fill(acc + h_begin * D, acc + h_end * D, 0.f);
-  for_each_slot_row(v_cache, table, block_size, row_stride, k_begin, k_len,
-                    [&](const KT* vp, int64_t p, int64_t slot) {
-    for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
-      for (int64_t i = 0; i < C; ++i) row[i] = loadl(vp + kh * D + i * kLanes);
-      float vs = 1.f;
-      if constexpr (kInt8<KT>) vs = kvs.v[slot * num_kv_heads + kh];
-      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
-        const float w = kInt8<KT> ? s[h * n + p] * vs : s[h * n + p];
-        float* ah = acc + h * D;
-        for (int64_t i = 0; i < C; ++i) storel(ah + i * kLanes, loadl(ah + i * kLanes) + w * row[i]);
+  // Pass 3: weighted sum of the values, a KV head and a run of its query heads at a time, their
+  // sums in registers (kAccVectors of them) over every key, then stored. Each sum is the same
+  // sequence of fused multiply-adds in key order whichever run a head falls in.
+  for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
+    const int64_t run = std::max<int64_t>(1, kAccVectors / C);
+    for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += run) {
+      const int64_t nh = std::min(run, (kh + 1) * group - h0);
+      vfl a[kC > 0 ? std::max<int64_t>(kAccVectors, kC) : kMaxHeadDim / kLanes];
+      for (int64_t i = 0; i < nh * C; ++i) a[i] = vfl{} * 0.f;
+      for_each_slot_row(v_cache, table, block_size, row_stride, k_begin, k_len,
+                        [&](const KT* vp, int64_t p, int64_t slot) {
+        for (int64_t i = 0; i < C; ++i) row[i] = loadl(vp + kh * D + i * kLanes);
+        float vs = 1.f;
+        if constexpr (kInt8<KT>) vs = kvs.v[slot * num_kv_heads + kh];
+        for (int64_t g = 0; g < nh; ++g) {
+          const float w = kInt8<KT> ? s[(h0 + g) * n + p] * vs : s[(h0 + g) * n + p];
+          for (int64_t i = 0; i < C; ++i) a[g * C + i] += w * row[i];
+        }
+      });
+      for (int64_t g = 0; g < nh; ++g) {
+        for (int64_t i = 0; i < C; ++i) storel(acc + (h0 + g) * D + i * kLanes, a[g * C + i]);
       }
     }
-  });
+  }
   T* dst = out + seq * hq * D;
   for (int64_t h = h_begin; h < h_end; ++h) {
     for (int64_t d = 0; d < D; ++d) dst[h * D + d] = from_f<T>(acc[h * D + d] * inv[h]);

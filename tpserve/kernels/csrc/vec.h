@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <bit>
@@ -101,12 +102,20 @@ inline vfl loadl(const at::BFloat16* p) {
   return reinterpret_cast<vfl>(__builtin_convertvector(h, vu32l) << 16);
 }
 
-// int8 KV-cache rows (a per-row scale is applied by the caller).
-typedef int8_t vi8l __attribute__((vector_size(kLanes)));
+// int8 KV-cache rows (a per-row scale is applied by the caller). Intrinsics: GCC lowers a
+// __builtin_convertvector of int8 lanes to floats to one scalar conversion per lane.
 inline vfl loadl(const int8_t* p) {
-  vi8l h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vfl);
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfl>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vfl>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(p)))));
+#else
+  vfl v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
 }
 
 inline void storel(float* p, vfl v) { std::memcpy(p, &v, sizeof(v)); }
