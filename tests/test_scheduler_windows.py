@@ -104,27 +104,31 @@ def reference(groups, prompt, max_tokens, vocab, max_model_len, ignore_eos=False
 
 
 def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed", budget=16,
-                 max_num_seqs=4, prefix=True, preempt_every=0, vocab=1000, spec=None, ignore_eos=False):
+                 max_num_seqs=4, prefix=True, preempt_every=0, vocab=1000, spec=None, ignore_eos=False,
+                 priorities=None, arrive_every=0):
     groups = kv_cache_groups(layer_windows)
     max_model_len = 200
     cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, max_model_len=max_model_len,
                        enable_prefix_caching=prefix, eos_token_ids=[EOS], scheduling_policy=policy,
-                       speculative_config=spec)
+                       speculative_config=spec, scheduling_order="priority" if priorities else "fcfs")
     s = Scheduler(cfg, groups)
     s.drafted = 0
     runner = WindowedRunner(groups, blocks, bs, vocab)
-    seqs = []
-    for n, prompt in enumerate(prompts):
-        seq = Sequence(f"r{n}", list(prompt),
-                       SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
-        s.add(seq)
-        seqs.append(seq)
+    seqs = [Sequence(f"r{n}", list(prompt),
+                     SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+                     priority=priorities[n] if priorities else 0) for n, prompt in enumerate(prompts)]
+    arrivals = list(seqs)
     steps = 0
-    while s.has_unfinished():
+    while arrivals or s.has_unfinished():
+        while arrivals and (not arrive_every or steps >= arrive_every * (len(seqs) - len(arrivals))):
+            s.add(arrivals.pop(0))
         s.check_integrity()
         batch = s.schedule()
-        assert batch, "nothing scheduled although work is runnable"
+        assert batch or not s.has_unfinished(), "nothing scheduled although work is runnable"
+        if not batch:
+            steps += 1
+            continue
         plan = s.build_plan(batch)
         toks = runner.run(plan)
         counts = None
@@ -192,8 +196,6 @@ def test_random_workloads_match_the_reference(bs, policy, budget, prefix, preemp
 
 def test_unsupported_combinations_are_refused():
     groups = kv_cache_groups(GEMMA_LIKE)
-    with pytest.raises(ConfigError, match="scheduling_order"):
-        Scheduler(EngineConfig(block_size=4, num_kv_blocks=64, scheduling_order="priority"), groups)
     s = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64), groups)
     with pytest.raises(ConfigError, match="kv_offload"):
         s.attach_kv_tiers(object())
@@ -209,3 +211,11 @@ def test_speculative_decoding_over_groups(bs):
     prompts = [[1, 0, 1, 1] * 6, [0, 1, 0, 0, 1] * 3]
     s = run_workload(GEMMA_LIKE, bs, 600 // bs, prompts, 40, spec=spec, vocab=2, ignore_eos=True)
     assert s.drafted > 0 and s.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_priority_order_over_groups():
+    """Better-priority arrivals preempt worse running sequences; the victims' blocks in every
+    group count (ordering.admission_victims)."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9] * 2, [9, 8, 7, 6, 5] * 3, [2, 2, 3, 3] * 4, [4, 5, 6] * 5]
+    s = run_workload(GEMMA_LIKE, 4, 50, prompts, 30, max_num_seqs=3, priorities=[3, 2, 1, 0], arrive_every=4)
+    assert s.num_priority_preemptions > 0

@@ -201,7 +201,7 @@ class BlockManager:
         ``use_cache`` False looks nothing up (the sequence computes every token)."""
         if self.grouped:
             k, hits = self.group_hits(seq, use_cache)
-            return k if self.num_free_blocks >= self._grouped_cost(seq, k, hits) else -1
+            return k if self.num_free_blocks >= self.grouped_cost(seq, k, hits) else -1
         hits = self.prefix_hits(seq, use_cache)
         num_new_blocks = seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count > 0)
         if self.num_free_blocks < num_new_blocks:
@@ -319,7 +319,7 @@ class BlockManager:
                 hits.append(found[g][:k])
         return k, hits
 
-    def _grouped_cost(self, seq, k: int, hits: list[list[int]]) -> int:
+    def grouped_cost(self, seq, k: int, hits: list[list[int]]) -> int:
         """Free blocks admitting ``seq`` with the hits of :meth:`group_hits` takes."""
         n, blocks = seq.num_blocks, self.blocks
         need = 0

@@ -72,10 +72,15 @@ def admission_victims(head, running: Iterable, bm, use_cache: bool, free_blocks:
     holding it is a victim; a prefix-cache hit of ``head`` on a block that is still used costs
     nothing, on a block that its victims free it costs a free block (``BlockManager.can_allocate``).
     """
-    hits = bm.prefix_hits(head, use_cache)
     blocks = bm.blocks
+    if bm.grouped:  # KV-cache groups: every group's hits and blocks (BlockManager.group_hits)
+        k, group_hits = bm.group_hits(head, use_cache)
+        hits = [b for ids in group_hits for b in ids if b != -1]
+        need = bm.grouped_cost(head, k, group_hits)
+    else:
+        hits = bm.prefix_hits(head, use_cache)
+        need = head.num_blocks - sum(1 for b in hits if blocks[b].ref_count > 0)
     hit_set = set(hits)
-    need = head.num_blocks - sum(1 for b in hits if blocks[b].ref_count > 0)
     free = free_blocks
     if free >= need and not need_slot:
         return []
@@ -83,8 +88,8 @@ def admission_victims(head, running: Iterable, bm, use_cache: bool, free_blocks:
     victims = []
     for v in _worst_first(s for s in running if s.priority > head.priority):
         victims.append(v)
-        free += reserved(v)
-        for b in v.block_table:
+        free += reserved(v) * bm.blocks_per_append
+        for b in (v.block_table if not bm.grouped else [b for t in bm.tables(v) for b in t if b != -1]):
             held[b] += 1
             if held[b] == blocks[b].ref_count:
                 free += 1

@@ -67,8 +67,7 @@ KV-cache groups (``kv_groups``, tpserve/kv_groups.py; a model with sliding-windo
 the seed's rules apply per group (BlockManager), a decode on a block boundary takes one block
 per group (draft tokens: one per group for each block they need), and after each step the
 blocks that left a sliding window are freed (the block manager's ``hash_blocks`` does it, the
-slot rows follow: ``_sync_rows``). The "priority" order and the KV tiers are refused with
-groups (ConfigError).
+slot rows follow: ``_sync_rows``). The KV tiers are refused with groups (ConfigError).
 
 Admission control (admission.py) replaces the seed's ``assert scheduled_seqs``: ``add()``
 refuses a request that could never run, so whenever work is runnable ``schedule()`` returns a
@@ -139,9 +138,6 @@ class Scheduler(Postprocess):
         max_blocks = min(-(-max_len // bs), config.num_kv_blocks)
         self.table = SlotTable(self.max_num_seqs, max_blocks, bs, len(self.block_manager.groups))
         spec = config.speculative
-        if self.grouped and config.scheduling_order == "priority":
-            raise ConfigError("scheduling_order", "'priority' is not supported with sliding-window "
-                                                  "KV groups yet; use 'fcfs'")
         self.speculator = Speculator(spec) if spec is not None else None
         self.by_priority = config.scheduling_order == "priority"
         self.waiting = WaitingQueue(self.by_priority)
@@ -396,8 +392,9 @@ class Scheduler(Postprocess):
             decodes = [s for s in running if not s.is_prefill][:cap]
             lens = self.table.seq_lens[np.fromiter((s.slot for s in decodes), np.intp, len(decodes))]
             reserve = {id(decodes[p]) for p in np.flatnonzero((lens - 1) % self.block_size == 0).tolist()}
+        free = bm.num_free_blocks - len(reserve) * bm.blocks_per_append  # one per group each
         victims = ordering.admission_victims(
-            head, running, bm, self._uses_cache(head), bm.num_free_blocks - len(reserve),
+            head, running, bm, self._uses_cache(head), free,
             len(running) >= self.max_num_seqs, lambda v: id(v) in reserve)
         for v in victims or ():
             self.running.remove(v)
