@@ -23,7 +23,9 @@ Arrays (B = num_seqs in the batch, T = num_tokens, S = sequences sampled this st
     cu_seqlens_q  int32 [B+1]   prefix sums of query lengths (new tokens per sequence)
     cu_seqlens_k  int32 [B+1]   prefix sums of key lengths (cached context + new tokens)
     context_lens  int32 [B]     key length per sequence (== diff of cu_seqlens_k)
-    block_tables  int32 [B, W]  physical block ids per sequence, padded with -1
+    block_tables  int32 [B, W]  physical block ids per sequence, padded with -1; with G KV-cache
+                                groups (tpserve/kv_groups.py) W = G * width, group g's table
+                                in columns g * width .. (g + 1) * width - 1, -1 before a window
     logits_indices int32 [S]    rows of the hidden states whose logits are sampled (how each row
                                 is sampled is rank 0's alone: SamplePlan, never published)
     logprob_rows  int32 [L]     rows of the hidden states whose full logits every rank computes
