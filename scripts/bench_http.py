@@ -15,11 +15,10 @@ The agent APIs' translation cost instead: the same conversation (a system prompt
 tools, one user message; greedy) streamed one at a time through ``/v1/chat/completions``,
 ``/v1/responses`` and ``/v1/messages`` of one daemon, the three alternating, ``--rounds`` times
 after a warm-up round. Prints one line per API: its median time to the first output event and
-time per further token, end to end, and
-the front's own work measured in this process (no daemon, no network: free of a loaded
-machine's noise): per request, the body to its prompt token ids; per token, a Delta to its
-server-sent events. Each beside chat completions' (``vs chat``): the translation's cost per
-request and per token.
+time per further token, end to end, and the front's own work measured in this process (no
+daemon, no network: free of a loaded machine's noise): per request, the body to its prompt
+token ids; per token, a Delta to its server-sent events. Each beside chat completions' (``vs
+chat``): the translation's cost per request and per token.
 """
 from __future__ import annotations
 
