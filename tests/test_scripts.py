@@ -160,6 +160,11 @@ SCRIPTS = {
                                      r"zmq_huge_prompt_gap_s=[\d.]+ "
                                      r"zmq_ratio=[\d.]+ .*zmq_answer=admission http_baseline_gap_s=[\d.]+ "
                                      r"http_huge_prompt_gap_s=[\d.]+ http_ratio=[\d.]+ .*http_answer=400"),
+    "bench_kv_int8.py": Smoke(("--shape", "tiny", "--streams", "2", "--context", "64", "--steps", "1",
+                               "--prompts", "2", "--kv-gb", "0.01"),
+                              r"kv_int8 pool shape=tiny kv_gb=0.01: bf16 \d+ tokens, int8 \d+ tokens \([\d.]+x\)"
+                              r"(.|\n)*kv_int8 decode shape=tiny streams=2 context=64: bf16 KV [\d.]+ tok/s, "
+                              r"int8 KV [\d.]+ tok/s(.|\n)*kv_int8 accuracy shape=tiny: greedy agreement"),
     "bench_tp.py": Smoke(("--shape", "tiny", "--requests", "4", "--tp", "2"),
                          r"bench_tp shape=tiny requests=4 tp1=[\d.]+ tok/s tp2=[\d.]+ tok/s "
                          r"ratio tp2/tp1=[\d.]+x"),
