@@ -62,13 +62,14 @@ def kv_capacity(context: int, kv_gb: float, ignored: bool, gen: int = 512) -> tu
 
 
 def build_model(path: Path, ignored: bool) -> Path:
-    """The narrow Gemma 3 1B-shaped checkpoint (same weights for both window settings)."""
+    """The narrow Gemma 3 1B-shaped checkpoint; with the window ignored, every layer is declared
+    global (same weights, same cost per layer but for attention)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     cfg = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=LAYERS, num_attention_heads=4,
                num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=4096,
-               max_position_embeddings=32768, sliding_window=WINDOW if not ignored else 65536,
-               layer_types=["sliding_attention" if w else "full_attention" for w in layer_windows()],
+               max_position_embeddings=32768, sliding_window=WINDOW,
+               layer_types=["sliding_attention" if w else "full_attention" for w in layer_windows(ignored)],
                query_pre_attn_scalar=HEAD_DIM, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     marker = path / "bench_config.json"
@@ -87,6 +88,8 @@ def build_model(path: Path, ignored: bool) -> Path:
 
 def window_decode(root: Path, streams: int, context: int, out: int, dtype: str, ignored: bool) -> float:
     from tpserve import LLM, SamplingParams
+    print(f"window-decode: {'window ignored' if ignored else 'windows'}, prefilling {streams} x "
+          f"{context - out} tokens", flush=True)
     path = build_model(root / ("gemma3-1b-shape-global" if ignored else "gemma3-1b-shape"), ignored)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 4096, context - out).tolist() for _ in range(streams)]
