@@ -195,3 +195,23 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_field(model):
         kv_cache_dtype("int8", torch.bfloat16, torch.device("cpu"), NoInt8())
     assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu"), NoInt8()) == torch.bfloat16
     assert kv_cache_dtype("int8", torch.float32, torch.device("cpu"), TorchAttention()) == torch.int8
+
+
+def test_the_cli_option_and_its_environment_variable():
+    import click
+    from click.testing import CliRunner
+
+    from tpserve.cli.options import config_from_options, engine_options, options_argv
+
+    @click.command()
+    @engine_options
+    def cmd(**kw):
+        config = config_from_options(kw, resolve=False)
+        click.echo(f"kv={config.kv_cache_dtype} argv={' '.join(options_argv(config))}")
+
+    out = CliRunner().invoke(cmd, ["--kv-cache-dtype", "int8"])
+    assert out.exit_code == 0 and "kv=int8" in out.output and "--kv-cache-dtype int8" in out.output
+    assert "kv=int8" in CliRunner().invoke(cmd, [], env={"TPSERVE_KV_CACHE_DTYPE": "int8"}).output
+    assert "kv=auto" in CliRunner().invoke(cmd, []).output
+    bad = CliRunner().invoke(cmd, ["--kv-cache-dtype", "int4"])
+    assert bad.exit_code != 0 and "--kv-cache-dtype" in bad.output
