@@ -18,7 +18,8 @@ Scheduler side (rank 0, numpy, no torch; :class:`KVConnectorScheduler`):
 
 Worker side (every rank, torch; :class:`KVConnectorWorker`, tpserve/workers/kv_transfer.py):
 
-- ``register_kv_caches(kv_caches)``: the rank's per-layer (K, V) tensors;
+- ``register_kv_caches(kv_caches)``: the rank's per-layer (K, V) tensors (with an int8 cache also
+  their scales);
 - ``handle(meta)``: run one step's commands before the forward: saves (copied out of the KV
   tensors at once, as the next forward may overwrite the blocks), drops, loads (started on a
   background thread: the serving loop does not wait) and polls (loads finished on every rank;
