@@ -1,5 +1,6 @@
 """Process helpers shared by the daemon and the workers: liveness and killing a process tree,
-freezing a serving process's start-up heap, and a child's death with its parent.
+freezing a serving process's start-up heap, giving freed heap memory back, and a child's death
+with its parent.
 
 Linux first: both read /proc. Where there is no procfs, liveness falls back to ``kill(pid, 0)``
 and no descendants can be found.
@@ -26,6 +27,17 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def release_freed_heap() -> bool:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``); False where
+    there is no such call. Loading and packing a model frees as much as it keeps (checkpoint
+    tensors, the dense copies of packed weights); glibc kept those pages, a resident set of
+    2.3-2.9 GiB instead of 1.0 for the 0.6B shape in int8, depending on how the frees fell."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:

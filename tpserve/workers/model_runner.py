@@ -59,6 +59,7 @@ from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
+from tpserve.procs import release_freed_heap
 from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.kv_group_runner import KVGroupLayout
@@ -134,6 +135,7 @@ class ModelRunner:
                                 device=self.device, quantization=config.quantization,
                                 enable_expert_parallel=config.enable_expert_parallel)
         prepack_model(self.model)  # CPU: packed (and int8-quantized) weights, models/packed_gemm.py
+        release_freed_heap()  # what loading and packing freed (procs.py)
         # KV-cache groups (kv_group_runner.py): sliding-window layers share cache slabs by group.
         self.kv_group_layout = KVGroupLayout(self.model, config.block_size)
         self.kv_groups = self.kv_group_layout.groups
