@@ -141,7 +141,8 @@ def main() -> int:
         s = r["stats"]
         extra = "" if name == "off" else (
             f" host_loads={s['kv_offload_host_loads']} disk_loads={s['kv_offload_disk_loads']}"
-            f" tier_hit_tokens={s['kv_offload_hit_tokens']} load_ms_avg={s['kv_offload_host_load_ms_avg']:.1f}")
+            f" tier_hit_tokens={s['kv_offload_hit_tokens']}"
+            f" load_ms_avg={s['kv_offload_host_load_ms_avg']:.1f}")
         print(f"bench_agent tiers={name} requests={len(r['ttfts'])} ttft_p50_ms={pct(r['ttfts'], 50):.1f} "
               f"ttft_p99_ms={pct(r['ttfts'], 99):.1f} prefill_tokens_computed={r['computed']}{extra}")
     prefill_ratio = on["computed"] / max(off["computed"], 1)

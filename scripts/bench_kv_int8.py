@@ -34,7 +34,8 @@ from bench_models import TINY, build_bench_model  # noqa: E402
 
 def pool_tokens(path: Path, kv: str, kv_gb: float) -> int:
     from tpserve import LLM
-    with LLM(str(path), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_gb=kv_gb, max_num_seqs=256) as llm:
+    with LLM(str(path), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_gb=kv_gb,
+             max_num_seqs=256) as llm:
         return llm.engine.config.num_kv_blocks * llm.engine.config.block_size
 
 
@@ -58,7 +59,8 @@ def decode_tok_s(path: Path, kv: str, streams: int, context: int, steps: int) ->
         if kv == "int8":
             caches.append((torch.randint(-127, 128, shape, dtype=torch.int8, generator=g),
                            torch.randint(-127, 128, shape, dtype=torch.int8, generator=g),
-                           torch.rand(shape[:3], generator=g) / 127, torch.rand(shape[:3], generator=g) / 127))
+                           torch.rand(shape[:3], generator=g) / 127,
+                           torch.rand(shape[:3], generator=g) / 127))
         else:
             caches.append((torch.randn(shape, generator=g).to(torch.bfloat16),
                            torch.randn(shape, generator=g).to(torch.bfloat16)))
@@ -131,12 +133,14 @@ def main(argv=None) -> int:
         bf16, int8 = (pool_tokens(path, kv, args.kv_gb) for kv in ("auto", "int8"))
         print(f"kv_int8 pool shape={args.shape} kv_gb={args.kv_gb}: bf16 {bf16} tokens, int8 {int8} tokens "
               f"({int8 / bf16:.2f}x) {tag}", flush=True)
-        speeds = {kv: decode_tok_s(path, kv, args.streams, args.context, args.steps) for kv in ("auto", "int8")}
+        speeds = {kv: decode_tok_s(path, kv, args.streams, args.context, args.steps)
+                  for kv in ("auto", "int8")}
         print(f"kv_int8 decode shape={args.shape} streams={args.streams} context={args.context}: "
               f"bf16 KV {speeds['auto']:.1f} tok/s, int8 KV {speeds['int8']:.1f} tok/s "
               f"({speeds['int8'] / speeds['auto']:.2f}x) {tag}", flush=True)
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, 30000) for _ in range(rng.randrange(64, 256))] for _ in range(args.prompts)]
+        prompts = [[rng.randrange(3, 30000) for _ in range(rng.randrange(64, 256))]
+                   for _ in range(args.prompts)]
         print(f"kv_int8 accuracy shape={args.shape}: "
               f"{accuracy(str(path), prompts, 32, num_kv_blocks=256, max_num_seqs=16)} {tag}", flush=True)
     if args.smollm:

@@ -67,7 +67,8 @@ def test_a_block_file_round_trips_and_every_wrong_field_is_refused():
 def test_atomic_writes_and_the_scan_in_write_order(tmp_path):
     size = files.file_size(2, 8)
     for h in (3, 1, 2):
-        files.write_atomic(tmp_path / files.block_name(h), b"".join(files.encode_block(FP, h, -1, 0, [1, 2], b"x" * 8)))
+        files.write_atomic(tmp_path / files.block_name(h),
+                           b"".join(files.encode_block(FP, h, -1, 0, [1, 2], b"x" * 8)))
         t = time.time_ns() + h * 10**9
         os.utime(tmp_path / files.block_name(h), ns=(t, t))
     (tmp_path / files.block_name(9)).write_bytes(b"short")

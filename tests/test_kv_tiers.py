@@ -224,7 +224,8 @@ def test_loads_run_off_the_serving_loop_and_a_loading_block_is_never_reused(mode
         a = PROMPTS[0]
         want = gen(llm, a)[0]
         evict(llm, PROMPTS[1], PROMPTS[2])
-        eng.add_request("long", PROMPTS[3][:8], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        eng.add_request("long", PROMPTS[3][:8],
+                        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
         for _ in range(3):
             eng.step()
         eng.add_request("a", a, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
@@ -263,8 +264,9 @@ def test_stress_every_tier_accounting_is_exact(model, tmp_path):
         for round_ in range(6):
             for _ in range(5):
                 prompt = rng.choice(system) + [rng.randrange(3, 380) for _ in range(rng.randrange(1, 16))]
-                eng.add_request(f"r{n}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 6),
-                                                                 ignore_eos=True))
+                eng.add_request(f"r{n}", prompt,
+                                SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 6),
+                                               ignore_eos=True))
                 n += 1
             steps = 0
             while eng.has_unfinished():
@@ -330,7 +332,8 @@ def test_status_and_metrics_show_every_tier(model, tmp_path):
     for name in ("blocks", "bytes", "capacity_bytes"):
         for tier in ("host", "disk"):
             assert f'tpserve:kv_offload_{name}{{model_name="m",tier="{tier}"}}' in text
-    loads = f'tpserve:kv_offload_loads_total{{model_name="m",tier="host"}} {float(stats["kv_offload_host_loads"])}'
+    loads = (f'tpserve:kv_offload_loads_total{{model_name="m",tier="host"}} '
+             f'{float(stats["kv_offload_host_loads"])}')
     assert loads in text
     for name in ("hits", "misses", "saves", "corrupt_files", "load_seconds", "load_jobs"):
         assert f'tpserve:kv_offload_{name}_total{{model_name="m",tier="disk"}}' in text

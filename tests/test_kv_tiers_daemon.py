@@ -21,8 +21,9 @@ PROMPT = [random.Random(3).randrange(3, 380) for _ in range(40)]
 
 
 def serve(model, directory):
-    return soak.Daemon("--model", str(model), "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "16",
-                       "--kv-offload-host-gb", "0.001", "--kv-offload-dir", str(directory), "--http-port", "0",
+    return soak.Daemon("--model", str(model), "--dtype", "float32", "--block-size", "4",
+                       "--num-kv-blocks", "16", "--kv-offload-host-gb", "0.001",
+                       "--kv-offload-dir", str(directory), "--http-port", "0",
                        "--startup-timeout", "200", startup_timeout=200)
 
 

@@ -82,7 +82,8 @@ class TierHarness(Harness):
     def __init__(self, *args, host_blocks, disk_blocks, corrupt, seed, **kw):
         super().__init__(*args, **kw)
         bs, blocks = self.cfg.block_size, self.cfg.num_kv_blocks
-        self.runner = TierRunner(blocks, bs, kw.get("vocab", 6), kw.get("salt", 0), random.Random(seed), corrupt)
+        self.runner = TierRunner(blocks, bs, kw.get("vocab", 6), kw.get("salt", 0), random.Random(seed),
+                                 corrupt)
         self.dir = tempfile.mkdtemp(prefix="tpserve-kvt-")
         self.tiers = KVTierIndex(bs, 1, host_blocks, self.dir if disk_blocks else None,
                                  disk_blocks * files.file_size(bs, 1), {"test": True})
@@ -118,27 +119,31 @@ class TierHarness(Harness):
 # Three long prefixes that a small pool cannot hold together: they leave it and come back.
 BASES = [[(7 * k + 3 * i) % 5 + 1 for i in range(14)] for k in range(3)]
 prefix_add_st = st.tuples(st.just("add"),
-                          st.builds(lambda k, n, tail: BASES[k][:n] + tail, st.integers(0, 2), st.integers(6, 14),
-                                    st.lists(st.integers(0, 5), max_size=3)),
+                          st.builds(lambda k, n, tail: BASES[k][:n] + tail, st.integers(0, 2),
+                                    st.integers(6, 14), st.lists(st.integers(0, 5), max_size=3)),
                           st.integers(1, 6), st.booleans(), st.just([]), st.just(1), st.just(0),
                           st.one_of(st.none(), st.none(), st.none(), st.integers(0, 12)))
-op_st = st.one_of(add_st, prefix_add_st, prefix_add_st, st.tuples(st.just("step")), st.tuples(st.just("step")),
-                  st.tuples(st.just("step")), st.tuples(st.just("abort"), st.integers(0, 50)),
+op_st = st.one_of(add_st, prefix_add_st, prefix_add_st, st.tuples(st.just("step")),
+                  st.tuples(st.just("step")), st.tuples(st.just("step")),
+                  st.tuples(st.just("abort"), st.integers(0, 50)),
                   st.tuples(st.just("preempt"), st.integers(0, 50)))
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(12, 22), max_num_seqs=st.sampled_from([1, 2, 4]),
-       max_batched=st.integers(1, 16), salt=st.integers(0, 1000), policy=st.sampled_from(["mixed", "prefill-first"]),
-       host_blocks=st.integers(0, 12), disk_blocks=st.integers(0, 12), corrupt=st.sampled_from([0.0, 0.3, 0.6]),
+@given(bs=st.sampled_from([1, 2, 3, 4]), pool_tokens=st.integers(12, 22),
+       max_num_seqs=st.sampled_from([1, 2, 4]), max_batched=st.integers(1, 16), salt=st.integers(0, 1000),
+       policy=st.sampled_from(["mixed", "prefill-first"]), host_blocks=st.integers(0, 12),
+       disk_blocks=st.integers(0, 12), corrupt=st.sampled_from([0.0, 0.3, 0.6]),
        seed=st.integers(0, 1000), initial=st.lists(prefix_add_st, min_size=1, max_size=6),
        ops=st.lists(op_st, max_size=50))
-def test_random_workloads_with_tiers_match_the_reference(bs, pool_tokens, max_num_seqs, max_batched, salt, policy,
-                                                         host_blocks, disk_blocks, corrupt, seed, initial, ops):
+def test_random_workloads_with_tiers_match_the_reference(bs, pool_tokens, max_num_seqs, max_batched, salt,
+                                                         policy, host_blocks, disk_blocks, corrupt, seed,
+                                                         initial, ops):
     if not host_blocks and not disk_blocks:
         host_blocks = 4
     h = TierHarness(bs, -(-pool_tokens // bs), max_num_seqs, max_batched, 40, True, vocab=6, salt=salt,
-                    policy=policy, host_blocks=host_blocks, disk_blocks=disk_blocks, corrupt=corrupt, seed=seed)
+                    policy=policy, host_blocks=host_blocks, disk_blocks=disk_blocks, corrupt=corrupt,
+                    seed=seed)
     h.run(initial + ops)
     h.drain()
     h.check_outputs()

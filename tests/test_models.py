@@ -315,7 +315,8 @@ def test_misshaped_weight_is_reported(tiny_models_root, tmp_path):
 
 def test_unknown_architecture_is_rejected(tiny_models_root, tmp_path):
     src = make_tiny_model(tiny_models_root, "llama")
-    dst = _copy_checkpoint(src, tmp_path / "m", edit_config=lambda c: c.update(architectures=["FalconForCausalLM"]))
+    dst = _copy_checkpoint(src, tmp_path / "m",
+                           edit_config=lambda c: c.update(architectures=["FalconForCausalLM"]))
     with pytest.raises(UnsupportedModelError, match="architectures") as err:
         tpserve_model(dst)
     for name in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):

@@ -105,8 +105,8 @@ for n, k in ((130, 192), (64, 64), (100, 96)):
     for m in (1, 7, 8, 17, 33, 70):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k).to(dtype)
-            out["int8", n, k, m, str(dtype)] = packed_gemm.pack_weight(q, packed_gemm.INT8_DYNAMIC, scale).matmul(
-                x, b.to(dtype))
+            out["int8", n, k, m, str(dtype)] = packed_gemm.pack_weight(
+                q, packed_gemm.INT8_DYNAMIC, scale).matmul(x, b.to(dtype))
         out["bf16", n, k, m] = packed_gemm.pack_weight(w.bfloat16(), packed_gemm.BFLOAT16).matmul(
             x.bfloat16(), b.bfloat16())
 torch.save(out, sys.argv[1])

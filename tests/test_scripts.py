@@ -92,7 +92,8 @@ SCRIPTS = {
         ("--shape", "tiny", "--sessions", "3", "--system-tokens", "64", "--turns", "2", "--user-tokens", "16",
          "--reply-tokens", "4", "--pool-sessions", "1"),
         r"bench_agent shape=tiny isa=\S+ dtype=\S+ sessions=3 .*\n"
-        r"bench_agent tiers=off requests=6 ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ prefill_tokens_computed=\d+\n"
+        r"bench_agent tiers=off requests=6 ttft_p50_ms=[\d.]+ ttft_p99_ms=[\d.]+ "
+        r"prefill_tokens_computed=\d+\n"
         r"bench_agent tiers=on requests=6 .* host_loads=[1-9]\d* .*\n"
         r"bench_agent ratio prefill_computed=[\d.]+ .*\n"
         r"bench_agent restart first_turn_ttft_ms=[\d.]+ cold_start_ttft_ms=[\d.]+ ratio=[\d.]+ .* "
@@ -162,7 +163,8 @@ SCRIPTS = {
                                      r"http_huge_prompt_gap_s=[\d.]+ http_ratio=[\d.]+ .*http_answer=400"),
     "bench_kv_int8.py": Smoke(("--shape", "tiny", "--streams", "2", "--context", "64", "--steps", "1",
                                "--prompts", "2", "--kv-gb", "0.01"),
-                              r"kv_int8 pool shape=tiny kv_gb=0.01: bf16 \d+ tokens, int8 \d+ tokens \([\d.]+x\)"
+                              r"kv_int8 pool shape=tiny kv_gb=0.01: bf16 \d+ tokens, "
+                              r"int8 \d+ tokens \([\d.]+x\)"
                               r"(.|\n)*kv_int8 decode shape=tiny streams=2 context=64: bf16 KV [\d.]+ tok/s, "
                               r"int8 KV [\d.]+ tok/s(.|\n)*kv_int8 accuracy shape=tiny: greedy agreement"),
     "bench_tp.py": Smoke(("--shape", "tiny", "--requests", "4", "--tp", "2"),

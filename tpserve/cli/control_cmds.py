@@ -161,12 +161,14 @@ _STATUS_LINES = [
     ("KV cache dtype", "kv_cache_dtype", "{}"),
     ("prefix cache hits", "prefix_cache_hit_rate", "{:.1%}"),
     ("KV host tier", ("kv_offload_host_blocks", "kv_offload_host_bytes", "kv_offload_host_capacity_bytes",
-                     "kv_offload_host_hits", "kv_offload_host_misses", "kv_offload_host_loads", "kv_offload_host_saves",
+                     "kv_offload_host_hits", "kv_offload_host_misses", "kv_offload_host_loads",
+                     "kv_offload_host_saves",
                      "kv_offload_host_corrupt", "kv_offload_host_load_ms_avg"),
      "{} blocks, {} of {} bytes; hits {}, misses {}, loads {}, saves {}, corrupt {}, "
      "load {:.1f} ms avg"),  # with --kv-offload-*
     ("KV disk tier", ("kv_offload_disk_blocks", "kv_offload_disk_bytes", "kv_offload_disk_capacity_bytes",
-                     "kv_offload_disk_hits", "kv_offload_disk_misses", "kv_offload_disk_loads", "kv_offload_disk_saves",
+                     "kv_offload_disk_hits", "kv_offload_disk_misses", "kv_offload_disk_loads",
+                     "kv_offload_disk_saves",
                      "kv_offload_disk_corrupt", "kv_offload_disk_load_ms_avg"),
      "{} blocks, {} of {} bytes; hits {}, misses {}, loads {}, saves {}, corrupt {}, "
      "load {:.1f} ms avg"),  # with --kv-offload-*

@@ -282,7 +282,8 @@ class KVTierIndex(KVConnectorScheduler):
     # ---- the plan's commands -------------------------------------------------------------------
     def has_work(self) -> bool:
         """Commands wait for a plan, or loads are in flight."""
-        return bool(self._save or self._drop_host or self._drop_disk or self._load or self.jobs or self._flush)
+        return bool(self._save or self._drop_host or self._drop_disk or self._load or self.jobs
+                    or self._flush)
 
     def build_connector_meta(self, wait: bool = False) -> dict | None:
         """This step's commands (the plan's ``args["kv"]``), or None; ``wait``: the workers
@@ -380,7 +381,8 @@ class KVTierIndex(KVConnectorScheduler):
                     f"block {b} is being loaded but is shared or hashed ({block!r})"
                 assert b in block_manager.used_block_ids, f"block {b} is being loaded but is free"
         assert pins == self._pins, f"tier pins {self._pins} differ from the loads in flight {pins}"
-        for name, tier, cap in (("host", self.host, self.host_capacity), ("disk", self.disk, self.disk_capacity)):
+        for name, tier, cap in (("host", self.host, self.host_capacity),
+                                ("disk", self.disk, self.disk_capacity)):
             over = len(tier) - cap
             assert over <= 0 or over <= sum(1 for h in tier if h in pins), \
                 f"{name} tier holds {len(tier)} blocks, capacity {cap}"

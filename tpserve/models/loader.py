@@ -167,7 +167,8 @@ def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]], spec:
                 if key.startswith(old):
                     key = new + key[len(old):]
                     break
-        if spec.fused_checkpoint and tensor is not None and key.endswith((".weight", ".bias", ".weight_scale")):
+        if (spec.fused_checkpoint and tensor is not None
+                and key.endswith((".weight", ".bias", ".weight_scale"))):
             owner, _, leaf = key.rpartition(".")
             if owner.endswith(".self_attn.qkv_proj"):
                 base = owner[:-len("qkv_proj")]
@@ -262,7 +263,8 @@ def _target(key: str, mapping: dict) -> tuple[str, object]:
 
 
 # <block>.experts.{e}.<proj>.<weight|weight_scale>, or the fused <block>.experts.<gate_up|down>_proj
-_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale|bias)"
+_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\."
+                         r"(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale|bias)"
                          r"|(?P<fused>gate_up_proj|down_proj))")
 
 

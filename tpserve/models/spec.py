@@ -21,17 +21,17 @@ and three mixtures of experts, whose layers' MLP is a sparse block of experts (`
 
 and five whose layers differ in how they attend or normalise:
 
-| architecture        | per-layer attention                         | other switches                           |
-|---------------------|---------------------------------------------|------------------------------------------|
-| MistralForCausalLM  | ``sliding_window`` on every layer           | Llama's layer (Mixtral's window too)     |
-| Phi3ForCausalLM     | ``sliding_window`` on every layer           | fused ``qkv_proj`` / ``gate_up_proj``    |
-|                     |                                             | checkpoint weights, LongRoPE, partial    |
-|                     |                                             | rotary (``partial_rotary_factor``)       |
-| SmolLM3ForCausalLM  | ``layer_types`` with ``use_sliding_window`` | no rotary where ``no_rope_layers[i]`` 0  |
-| Gemma2ForCausalLM   | ``layer_types`` (sliding / full)            | Gemma's layer (below), attention logit   |
-|                     |                                             | soft-capping                             |
-| Gemma3ForCausalLM   | ``layer_types`` (sliding / full), rotary    | Gemma's layer, (1 + w) q/k RMSNorm       |
-|                     | base per type (``rope_local_base_freq``)    |                                          |
+| architecture       | per-layer attention                         | other switches                          |
+|--------------------|---------------------------------------------|-----------------------------------------|
+| MistralForCausalLM | ``sliding_window`` on every layer           | Llama's layer (Mixtral's window too)    |
+| Phi3ForCausalLM    | ``sliding_window`` on every layer           | fused ``qkv_proj`` / ``gate_up_proj``   |
+|                    |                                             | checkpoint weights, LongRoPE, partial   |
+|                    |                                             | rotary (``partial_rotary_factor``)      |
+| SmolLM3ForCausalLM | ``layer_types`` with ``use_sliding_window`` | no rotary where ``no_rope_layers[i]`` 0 |
+| Gemma2ForCausalLM  | ``layer_types`` (sliding / full)            | Gemma's layer (below), attention logit  |
+|                    |                                             | soft-capping                            |
+| Gemma3ForCausalLM  | ``layer_types`` (sliding / full), rotary    | Gemma's layer, (1 + w) q/k RMSNorm      |
+|                    | base per type (``rope_local_base_freq``)    |                                         |
 
 Gemma's layer: (1 + w) RMSNorm in float32, a norm on the attention output and around the MLP
 (``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``), embeddings scaled by
@@ -411,8 +411,9 @@ def model_spec(config) -> ModelSpec:
                                               partial_rotary=arch == "Phi3ForCausalLM")
     rotary_dim = int(head_dim * rotary_factor)
     if rotary_dim % 2 or rotary_dim < 2:
-        raise UnsupportedModelError("partial_rotary_factor", f"head_dim {head_dim} x {rotary_factor} must "
-                                                             f"give an even rotary dimension, got {rotary_dim}")
+        raise UnsupportedModelError("partial_rotary_factor",
+                                    f"head_dim {head_dim} x {rotary_factor} must "
+                                    f"give an even rotary dimension, got {rotary_dim}")
     attention_bias = bool(getattr(config, "attention_bias", False))
     num_layers = _positive_int(config, "num_hidden_layers")
     max_pos = _positive_int(config, "max_position_embeddings")

@@ -325,7 +325,8 @@ class Scheduler(Postprocess):
                 self._prefilling = None
         bm, tiers = self.block_manager, self.kv_tiers
         while admit and budget > 0 and (self.waiting or self.ready) and \
-                len(self.running) + len(self.loading) + len(self.ready) - bool(self.ready) < self.max_num_seqs:
+                len(self.running) + len(self.loading) + len(self.ready) - bool(self.ready) \
+                < self.max_num_seqs:
             if self.ready:  # loaded from a KV tier: blocks held, cached tokens known
                 seq = self.ready.pop(0)
             else:

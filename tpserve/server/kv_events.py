@@ -16,7 +16,8 @@ The format is vLLM's (``vllm/distributed/kv_events.py``, msgspec structs with
   each BlockStored and BlockRemoved map also carries the KV-cache group: ``group_idx``,
   ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window`` (blockpool/kv_events.py);
   ``lora_id`` and ``lora_name`` are nil, ``medium`` is ``"GPU"`` (the device KV pool, also on
-  CPU), ``"CPU"`` (the host-RAM KV tier) or ``"STORAGE"`` (the disk tier). ``format="array"`` sends each event as the positional array earlier vLLM releases
+  CPU), ``"CPU"`` (the host-RAM KV tier) or ``"STORAGE"`` (the disk tier). ``format="array"`` sends
+  each event as the positional array earlier vLLM releases
   sent (``["BlockStored", block_hashes, ...]``, fields in the order above) for consumers of
   that layout;
 * replay (optional ROUTER socket, as vLLM's): a client sends ``start_seq`` (8 bytes,

@@ -132,7 +132,8 @@ class _EngineCollector:
              "hits"),
             ("kv_offload_misses", CounterMetricFamily, "Blocks looked up in the tier and not found there, "
              "or that did not arrive.", "misses"),
-            ("kv_offload_loads", CounterMetricFamily, "Blocks loaded from the tier into the KV pool.", "loads"),
+            ("kv_offload_loads", CounterMetricFamily, "Blocks loaded from the tier into the KV pool.",
+             "loads"),
             ("kv_offload_saves", CounterMetricFamily, "Blocks saved to the tier.", "saves"),
             ("kv_offload_corrupt_files", CounterMetricFamily, "Block files rejected (corrupt, truncated, "
              "foreign): each a miss, recomputed.", "corrupt"),

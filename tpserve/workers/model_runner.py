@@ -288,7 +288,8 @@ class ModelRunner:
         """
         if self.model is None:
             raise RuntimeError("ModelRunner.execute: the runner is closed")
-        kv = self.kv_tiers.handle(plan.args["kv"]) if self.kv_tiers is not None and "kv" in plan.args else None
+        kv = (self.kv_tiers.handle(plan.args["kv"]) if self.kv_tiers is not None and "kv" in plan.args
+              else None)
         out = self._execute(plan, sample)
         if kv is not None and out is not None:
             out.kv = kv

@@ -362,7 +362,8 @@ struct Epilogue {
 
   // Row r's sums (the panel's 4 vectors) into out's row r. Not inlined: one copy of the code,
   // so the compiler's contraction of its multiply-adds cannot differ between the kernels.
-  __attribute__((noinline)) void finish(const vfl (&acc)[4], const Rows& rows, int64_t r, T* out, int64_t ldo) const {
+  __attribute__((noinline)) void finish(const vfl (&acc)[4], const Rows& rows, int64_t r, T* out,
+                                        int64_t ldo) const {
     vfl v[4];
     for (int64_t i = 0; i < 4; ++i) {
       v[i] = acc[i];

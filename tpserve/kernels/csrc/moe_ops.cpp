@@ -438,13 +438,14 @@ struct MoeExperts : torch::CustomClassHolder {
   // The biases are of the activations' dtype and stay alive here.
   void set_swiglu_oai(at::Tensor w13_bias, c10::optional<at::Tensor> w2_bias, double alpha, double limit) {
     MoeWeights& m = weights;
-    TORCH_CHECK_VALUE(w13_bias.dim() == 2 && w13_bias.size(0) == m.num_local && w13_bias.size(1) == 2 * m.inter &&
-                          w13_bias.is_contiguous(),
+    TORCH_CHECK_VALUE(w13_bias.dim() == 2 && w13_bias.size(0) == m.num_local &&
+                          w13_bias.size(1) == 2 * m.inter && w13_bias.is_contiguous(),
                       "w13_bias: expected a contiguous [num_local_experts=", m.num_local, ", ", 2 * m.inter,
                       "], got ", w13_bias.sizes());
     if (w2_bias.has_value()) {
-      TORCH_CHECK_VALUE(w2_bias->dim() == 2 && w2_bias->size(0) == m.num_local && w2_bias->size(1) == m.hidden &&
-                            w2_bias->is_contiguous() && w2_bias->scalar_type() == w13_bias.scalar_type(),
+      TORCH_CHECK_VALUE(w2_bias->dim() == 2 && w2_bias->size(0) == m.num_local &&
+                            w2_bias->size(1) == m.hidden && w2_bias->is_contiguous() &&
+                            w2_bias->scalar_type() == w13_bias.scalar_type(),
                         "w2_bias: expected a contiguous [num_local_experts=", m.num_local, ", ", m.hidden,
                         "] of w13_bias's dtype, got ", w2_bias->sizes());
     }
