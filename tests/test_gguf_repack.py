@@ -164,7 +164,7 @@ def write_tiny_llama(path: Path, hidden=256, ffn=512, layers=2, vocab=512, heads
     w.close()
 
 
-@pytest.mark.peers
+@pytest.mark.llamacpp
 @pytest.mark.timeout(300)
 def test_llama_quantize_files_repack_exactly(tmp_path):
     """llama.cpp's own quantizer (scripts/peer_llamacpp.sh builds it): each file type's tensors,
