@@ -31,20 +31,23 @@ Block-medium names are vLLM's KV-event media.
 """
 from __future__ import annotations
 
+import abc
+
 MEDIUM_POOL = "GPU"      # vLLM's name for the engine's KV pool (on CPU too)
 MEDIUM_HOST = "CPU"      # the host-RAM tier
 MEDIUM_DISK = "STORAGE"  # the disk tier
 HOST, DISK = 0, 1  # where a load command's block comes from, as the plan carries it
 
 
-class KVConnectorScheduler:
-    """Scheduler side of the seam (see the module docstring). The default supplies nothing."""
+class KVConnectorScheduler(abc.ABC):
+    """Scheduler side of the seam (see the module docstring). The defaults supply nothing."""
 
     def get_num_new_matched_tokens(self, seq, num_computed_blocks: int) -> int:
         return 0
 
+    @abc.abstractmethod
     def update_state_after_alloc(self, seq, first_block: int, num_blocks: int) -> None:
-        raise NotImplementedError
+        """Load the blocks the connector supplies into the sequence's new blocks."""
 
     def on_evict(self, block_id: int, block_hash: int, parent_hash: int, token_ids: list[int]) -> None:
         pass
@@ -59,14 +62,16 @@ class KVConnectorScheduler:
         return False
 
 
-class KVConnectorWorker:
+class KVConnectorWorker(abc.ABC):
     """Worker side of the seam (see the module docstring)."""
 
+    @abc.abstractmethod
     def register_kv_caches(self, kv_caches: list) -> None:
-        raise NotImplementedError
+        """The rank's KV tensors, once allocated."""
 
+    @abc.abstractmethod
     def handle(self, meta: dict) -> dict | None:
-        raise NotImplementedError
+        """Run one step's commands; rank 0's results (or None)."""
 
     def close(self) -> None:
         pass
