@@ -61,7 +61,7 @@ def test_a_block_file_round_trips_and_every_wrong_field_is_refused():
     flipped = bytearray(data)
     flipped[-1] ^= 1
     assert files.decode_block(bytes(flipped), FP, 7, 5, 1, [3, 4], 64) == (None, "checksum mismatch")
-    assert files.decode_block(b"XXXX" + data[4:], FP, 7, 5, 1, [3, 4], 64)[1] == "not a block file"
+    assert files.decode_block(b"JUNK" + data[4:], FP, 7, 5, 1, [3, 4], 64)[1] == "not a block file"
 
 
 def test_atomic_writes_and_the_scan_in_write_order(tmp_path):

@@ -481,42 +481,23 @@ class BlockManager:
             return self.slide_windows(seq)
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        num_full = seq.num_cached_tokens // bs
-        i = seq.num_hashed_blocks
-        if i >= num_full:
-            return
-        blocks, table, index = self.blocks, seq.block_table, self.hash_to_block_id
-        hashes = block_hashes(seq, num_full, self.compute_hash)
-        events = self.kv_events
-        new = [] if events is not None else None  # block indices whose hash is new to the cache
-        for i in range(i, num_full):
-            h, block_id = hashes[i], table[i]
-            blocks[block_id].update(h, seq.block(i), blocks[table[i - 1]].serial if i else -1,
-                                    hashes[i - 1] if i else -1)
-            old = index.get(h, -1)
-            if old != -1 and old != block_id and self._free.is_cached(old):
-                self._free.uncache(old)
-                blocks[old].hash = -1
-            elif old == -1 and new is not None:
-                new.append(i)
-            index[h] = block_id
-        seq.num_hashed_blocks = num_full
-        if new:
-            self._record_stored(seq, hashes, new)
+        self._hash_tables(seq, [seq.block_table], [self.hash_to_block_id])
 
     def _hash_grouped(self, seq) -> None:
         """``hash_blocks`` in every group's table and index."""
-        bs = self.block_size
-        num_full = seq.num_cached_tokens // bs
+        self._hash_tables(seq, self.tables(seq), self.group_hashes)
+
+    def _hash_tables(self, seq, tables, indexes) -> None:
+        """Hash the sequence's newly full blocks into each table's blocks and index (one table
+        and index per KV-cache group; one without groups), recording what is new to each."""
+        num_full = seq.num_cached_tokens // self.block_size
         first = seq.num_hashed_blocks
         if first >= num_full:
             return
         blocks = self.blocks
         hashes = block_hashes(seq, num_full, self.compute_hash)
-        for g, table in enumerate(self.tables(seq)):
-            index = self.group_hashes[g]
-            new = [] if self.kv_events is not None else None
+        for g, (table, index) in enumerate(zip(tables, indexes)):
+            new = [] if self.kv_events is not None else None  # block indices new to the cache
             for i in range(first, num_full):
                 h, block_id = hashes[i], table[i]
                 assert block_id != -1, f"group {g}: block {i} left the window before it was hashed"

@@ -50,17 +50,11 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
 
-class Fp32ScaleRMSNorm(nn.Module):
+class Fp32ScaleRMSNorm(RMSNorm):
     """gpt-oss's RMSNorm: the weight scales the float32 statistics' result and the product is cast
     to the input dtype once (transformers keeps these weights in float32; a bf16 checkpoint's
-    values are the same). Same ``forward(x, residual=None)`` contract as :class:`RMSNorm`."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = new_param(hidden_size)
-        with torch.no_grad():
-            self.weight.fill_(1.0)
+    values are the same). Same ``forward(x, residual=None)`` contract as :class:`RMSNorm`, in
+    torch only (the C++ operator rounds before scaling)."""
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
