@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from tpserve.kv_groups import kv_cache_groups
 from tpserve.config import EngineConfig
-from tpserve.errors import ConfigError
 from tpserve.sample_plan import kept_rows
 from tpserve.sampling import SamplingParams
 from tpserve.scheduler import Scheduler, Sequence
@@ -105,7 +104,9 @@ def reference(groups, prompt, max_tokens, vocab, max_model_len, ignore_eos=False
 
 def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed", budget=16,
                  max_num_seqs=4, prefix=True, preempt_every=0, vocab=1000, spec=None, ignore_eos=False,
-                 priorities=None, arrive_every=0):
+                 priorities=None, arrive_every=0, tiers=None):
+    """``tiers``: a function of (scheduler, runner) attaching the KV tiers to the scheduler and
+    returning their worker side (``handle(meta)``), or None."""
     groups = kv_cache_groups(layer_windows)
     max_model_len = 200
     cfg = EngineConfig(block_size=bs, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
@@ -115,6 +116,7 @@ def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed",
     s = Scheduler(cfg, groups)
     s.drafted = 0
     runner = WindowedRunner(groups, blocks, bs, vocab)
+    worker = tiers(s, runner) if tiers is not None else None
     seqs = [Sequence(f"r{n}", list(prompt),
                      SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
                      priority=priorities[n] if priorities else 0) for n, prompt in enumerate(prompts)]
@@ -125,12 +127,19 @@ def run_workload(layer_windows, bs, blocks, prompts, max_tokens, policy="mixed",
             s.add(arrivals.pop(0))
         s.check_integrity()
         batch = s.schedule()
+        if not batch and worker is not None and s.kv_has_work():
+            s.kv_results(worker.handle(s.kv_meta(wait=True) or {}))
+            steps += 1
+            continue
         assert batch or not s.has_unfinished(), "nothing scheduled although work is runnable"
         if not batch:
             steps += 1
             continue
         plan = s.build_plan(batch)
+        results = worker.handle(plan.args.get("kv") or {}) if worker is not None else None
         toks = runner.run(plan)
+        if results:
+            s.kv_results(results)
         counts = None
         if batch.drafts:
             sample = s.build_sample_plan(batch, plan)
@@ -194,11 +203,9 @@ def test_random_workloads_match_the_reference(bs, policy, budget, prefix, preemp
                  preempt_every=preempt_every, vocab=11)
 
 
-def test_unsupported_combinations_are_refused():
+def test_a_prompt_longer_than_every_groups_blocks_is_refused():
     groups = kv_cache_groups(GEMMA_LIKE)
     s = Scheduler(EngineConfig(block_size=4, num_kv_blocks=64), groups)
-    with pytest.raises(ConfigError, match="kv_offload"):
-        s.attach_kv_tiers(object())
     with pytest.raises(Exception, match="num_kv_blocks"):  # every group's blocks count
         s.add(Sequence("big", [1] * 80, SamplingParams(max_tokens=10)))
 

@@ -113,10 +113,3 @@ def test_gemma3_speculative_decoding(gemma3):
     got, stats, _, peak = run(path, PROMPTS, block_size=4, num_kv_blocks=256, speculative_config=spec)
     assert got == ref and stats["spec_decode_num_drafts"] > 0
     assert 0 < peak <= 3
-
-
-def test_kv_tiers_with_a_windowed_model_are_refused(gemma3, tmp_path):
-    from tpserve.errors import ConfigError
-    path, _ = gemma3
-    with pytest.raises(ConfigError, match="kv_offload"):
-        LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=64, kv_offload_host_gb=0.01)

@@ -17,6 +17,8 @@ from tpserve.kv_groups import KVCacheGroup, max_window_blocks, window_start
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 from tpserve.blockpool.sliding_hits import sliding_hit_length
 
+LOAD = -2  # a hits entry of tiered_hits: a fresh block the KV tiers load
+
 
 class BlockManager:
     """A fixed pool of ``num_blocks`` blocks of ``block_size`` tokens.
@@ -50,8 +52,9 @@ class BlockManager:
     reported to ``offload.on_evict`` with its hash, parent hash and tokens; the tiers save its
     KV before the step that overwrites it. Blocks a tier is loading into belong to one
     sequence (ref_count 1, no hash until the load is done): they are used, never free, so no
-    allocation can evict them (checked by the tiers' check_integrity). The tiers serve models
-    with one full-attention group only.
+    allocation can evict them (checked by the tiers' check_integrity). With groups, each group's
+    blocks are saved and loaded apart (``on_evict`` names the group), and :meth:`tiered_hits`
+    plans a hit that takes every group's needed blocks from this pool or from the tiers.
 
     KV-cache groups (``groups``, kv_groups.py): the layers of one attention type share one block
     table per sequence; all groups draw on this one pool. Group 0's table is
@@ -161,7 +164,8 @@ class BlockManager:
             if self.kv_events is not None:
                 self.kv_events.add(self._removed([block.hash], block.group))
             if self.offload is not None:
-                self.offload.on_evict(block_id, block.hash, block.parent_hash, block.token_ids)
+                self.offload.on_evict(block_id, block.hash, block.parent_hash, block.token_ids,
+                                      block.group)
         block.reset(self._next_serial, group)
         self._next_serial += 1
         self.used_block_ids.add(block_id)
@@ -208,13 +212,14 @@ class BlockManager:
             return -1
         return len(hits)
 
-    def allocate(self, seq, num_cached_blocks: int) -> None:
+    def allocate(self, seq, num_cached_blocks: int, hits: list[list[int]] | None = None) -> None:
         """Give ``seq`` blocks for all its tokens; the first ``num_cached_blocks`` come from the
-        prefix cache (as reported by :meth:`can_allocate`). Sets ``num_cached_tokens``."""
+        prefix cache (as reported by :meth:`can_allocate`). Sets ``num_cached_tokens``.
+        ``hits``: with groups, :meth:`tiered_hits`' plan (``num_cached_blocks`` its length)."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
         assert seq.block_size == self.block_size, "sequence and pool disagree on the block size"
         if self.grouped:
-            return self._allocate_grouped(seq, num_cached_blocks)
+            return self._allocate_grouped(seq, num_cached_blocks, hits)
         bs = self.block_size
         table = seq.block_table
         parent_serial = -1
@@ -319,35 +324,108 @@ class BlockManager:
                 hits.append(found[g][:k])
         return k, hits
 
+    def tiered_hits(self, seq, loadable) -> tuple[int, list[list[int]]]:
+        """(e, hits): the longest prefix of e full blocks of ``seq`` that every group can hold
+        with blocks of this pool's prefix cache and blocks loaded from the KV tiers
+        (``loadable(g, i)``: block i of group g is in a tier). Per group, the blocks its next
+        query reads (a full group 0 .. e-1, a sliding group ``window_start(W, e * bs)`` .. e-1)
+        are a chain of cached blocks followed by loaded ones: ``hits[g][i]`` is a cached block
+        id, LOAD (a fresh block the tiers fill) or -1 (before the window: none). With no
+        LOAD entry the answer is :meth:`group_hits`'."""
+        groups, bs, blocks = self.groups, self.block_size, self.blocks
+        n = len(seq.token_ids) // bs if self.enable_prefix_caching else 0
+        if n == 0:
+            return 0, [[] for _ in groups]
+        hashes = block_hashes(seq, n, self.compute_hash)
+        found, ends, loads = [], [], []  # per group: cached ids, end of the cached chain, of loadables
+        for g, group in enumerate(groups):
+            index, ids = self.group_hashes[g], []
+            for i in range(n):
+                b = index.get(hashes[i], -1)
+                if b != -1 and (blocks[b].token_ids != seq.block(i)
+                                or blocks[b].parent_hash != (hashes[i - 1] if i else -1)):
+                    b = -1
+                ids.append(b)
+            # ends[g][i]: the end of the chain of cached blocks starting at block i (full groups:
+            # the leading chain, serial by serial, from block 0 only)
+            end = [0] * (n + 1)
+            end[n] = n
+            for i in range(n - 1, -1, -1):
+                b = ids[i]
+                if b == -1:
+                    end[i] = i
+                elif i + 1 < n and ids[i + 1] != -1 and blocks[ids[i + 1]].parent_serial in (
+                        (blocks[b].serial,) if not group.sliding else (-1, blocks[b].serial)):
+                    end[i] = end[i + 1]
+                else:
+                    end[i] = i + 1
+            if not group.sliding and ids[0] != -1 and blocks[ids[0]].parent_serial != -1:
+                end[0] = 0
+            # loads[g][i]: the end of the run of loadable blocks starting at block i
+            run = [n] * (n + 1)
+            for i in range(n - 1, -1, -1):
+                run[i] = run[i + 1] if loadable(g, i) else i
+            found.append(ids)
+            ends.append(end)
+            loads.append(run)
+
+        def split(g: int, e: int) -> int:
+            """Where group g's loaded blocks start for a hit of e blocks, or -1 if it cannot."""
+            group = groups[g]
+            s = window_start(group.window, e * bs, bs) if group.sliding else 0
+            m = min(ends[g][s], e) if s < e else e
+            return m if m == e or loads[g][m] >= e else -1
+
+        for e in range(n, 0, -1):
+            cuts = [split(g, e) for g in range(len(groups))]
+            if -1 in cuts:
+                continue
+            hits = []
+            for g, group in enumerate(groups):
+                s = window_start(group.window, e * bs, bs) if group.sliding else 0
+                hits.append([-1] * s + found[g][s:cuts[g]] + [LOAD] * (e - cuts[g]))
+            return e, hits
+        return 0, [[] for _ in groups]
+
     def grouped_cost(self, seq, k: int, hits: list[list[int]]) -> int:
-        """Free blocks admitting ``seq`` with the hits of :meth:`group_hits` takes."""
+        """Free blocks admitting ``seq`` with the hits of :meth:`group_hits` (or
+        :meth:`tiered_hits`: a LOAD entry takes a fresh block) takes."""
         n, blocks = seq.num_blocks, self.blocks
         need = 0
         for ids in hits:
             nulls = sum(1 for b in ids if b == -1)
-            need += n - nulls - sum(1 for b in ids if b != -1 and blocks[b].ref_count > 0)
+            need += n - nulls - sum(1 for b in ids if b >= 0 and blocks[b].ref_count > 0)
         return need
 
-    def _allocate_grouped(self, seq, num_cached_blocks: int) -> None:
-        k, hits = self.group_hits(seq, True, num_cached_blocks)
-        assert k == num_cached_blocks, f"cached blocks changed between can_allocate and allocate: {k}"
+    def _allocate_grouped(self, seq, num_cached_blocks: int, hits: list[list[int]] | None = None) -> None:
+        if hits is None:
+            k, hits = self.group_hits(seq, True, num_cached_blocks)
+            assert k == num_cached_blocks, f"cached blocks changed between can_allocate and allocate: {k}"
+        k = num_cached_blocks
+        assert all(len(ids) == k for ids in hits), "a group's hits do not cover the cached blocks"
         blocks = self.blocks
         tables: list[list[int]] = [seq.block_table] + [[] for _ in self.groups[1:]]
         for table, ids in zip(tables, hits):  # first take every hit back: none may be evicted
             for block_id in ids:
-                if block_id != -1:
+                if block_id >= 0:
                     if blocks[block_id].ref_count > 0:
                         blocks[block_id].ref_count += 1
                     else:
                         self._take_cached_block(block_id)
                 table.append(block_id)
         for g, table in enumerate(tables):
+            for i, block_id in enumerate(table):
+                if block_id == LOAD:
+                    table[i] = self._allocate_block(g)
             for _ in range(k, seq.num_blocks):
                 table.append(self._allocate_block(g))
         bs = self.block_size
+        # Blocks to load count as written (so the windows hold what the next query reads) but
+        # are hashed only once the load is done (hash_blocks then skips the cached ones).
+        first_load = min((ids.index(LOAD) for ids in hits if LOAD in ids), default=k)
         seq.num_cached_tokens = k * bs
-        seq.num_prefix_hit_tokens = k * bs
-        seq.num_hashed_blocks = k
+        seq.num_prefix_hit_tokens = first_load * bs
+        seq.num_hashed_blocks = first_load
         firsts = [sum(1 for b in ids if b == -1) for ids in hits]
         self._live[seq] = _GroupState(tables[1:], firsts)
 
@@ -496,11 +574,17 @@ class BlockManager:
             return
         blocks = self.blocks
         hashes = block_hashes(seq, num_full, self.compute_hash)
+        state = self._live.get(seq)
         for g, (table, index) in enumerate(zip(tables, indexes)):
             new = [] if self.kv_events is not None else None  # block indices new to the cache
+            held = state.firsts[g] if state is not None else 0  # entries before it: none (sliding)
             for i in range(first, num_full):
                 h, block_id = hashes[i], table[i]
+                if i < held and block_id == -1:
+                    continue  # allocated past a window (a hit loaded from the KV tiers)
                 assert block_id != -1, f"group {g}: block {i} left the window before it was hashed"
+                if blocks[block_id].hash == h:
+                    continue  # a cached block of the hit, after blocks loaded from the tiers
                 prev = table[i - 1] if i else -1
                 blocks[block_id].update(h, seq.block(i), blocks[prev].serial if prev != -1 else -1,
                                         hashes[i - 1] if i else -1)

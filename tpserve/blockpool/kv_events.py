@@ -97,12 +97,13 @@ class KVEventSink:
 def resync_events(cached_blocks: list[tuple[int, int | None, list[int]]], block_size: int,
                   tier_blocks=(), group_blocks=()) -> list[KVEvent]:
     """Events that bring any reader's view to exactly ``cached_blocks`` (BlockManager.cached_blocks,
-    parents first), ``tier_blocks`` ((hash, parent, tokens, medium) of the KV tiers) and
+    parents first), ``tier_blocks`` ((hash, parent, tokens, medium[, group_idx, kind, window])
+    of the KV tiers) and
     ``group_blocks`` ((group_idx, kind, window, cached blocks) of KV-cache groups 1..,
     BlockManager.group_cached_blocks): AllBlocksCleared, then one BlockStored per block."""
     return [AllBlocksCleared(), *(BlockStored([h], parent, list(tokens), block_size)
                                   for h, parent, tokens in cached_blocks),
             *(BlockStored([h], parent, list(tokens), block_size, "GPU", g, kind, window)
               for g, kind, window, blocks in group_blocks for h, parent, tokens in blocks),
-            *(BlockStored([h], parent, list(tokens), block_size, medium)
-              for h, parent, tokens, medium in tier_blocks)]
+            *(BlockStored([h], parent, list(tokens), block_size, medium, *spec)
+              for h, parent, tokens, medium, *spec in tier_blocks)]

@@ -7,8 +7,9 @@ Scheduler side (rank 0, numpy, no torch; :class:`KVConnectorScheduler`):
   prefix-cache hit the connector can supply (whole blocks, in order);
 - ``update_state_after_alloc(seq, first_block, num_blocks)``: the sequence got its blocks; the
   connector loads the ``num_blocks`` blocks from ``first_block`` of its block table;
-- ``on_evict(block_id, hash, parent_hash, token_ids)``: the block manager is about to reuse a
-  full, hashed block: what the connector wants of it must be saved in this step;
+- ``on_evict(block_id, hash, parent_hash, token_ids, group)``: the block manager is about to
+  reuse a full, hashed block (of KV-cache group ``group``): what the connector wants of it must
+  be saved in this step;
 - ``build_connector_meta()``: this step's commands, which travel in the StepPlan's args under
   ``"kv"`` (so every rank sees them; plain msgpack values, no pickle);
 - ``update_connector_output(results)``: rank 0's answer to those commands: the loads done on
@@ -49,7 +50,8 @@ class KVConnectorScheduler(abc.ABC):
     def update_state_after_alloc(self, seq, first_block: int, num_blocks: int) -> None:
         """Load the blocks the connector supplies into the sequence's new blocks."""
 
-    def on_evict(self, block_id: int, block_hash: int, parent_hash: int, token_ids: list[int]) -> None:
+    def on_evict(self, block_id: int, block_hash: int, parent_hash: int, token_ids: list[int],
+                 group: int = 0) -> None:
         pass
 
     def build_connector_meta(self) -> dict | None:

@@ -23,6 +23,15 @@ Invariants (``check_integrity``):
 
 A tier is a cache: a block that does not arrive (a corrupt, truncated or foreign file, a write
 that failed) is a miss, counted, dropped from the index, and recomputed.
+
+KV-cache groups (a model with sliding-window layers, tpserve/kv_groups.py): a pool block holds
+one group's layers, so the tiers keep each group's blocks apart, under the key
+``tier_key(hash, group)`` (the chained hash itself for group 0). A hit is planned over every
+group at once (``match_groups``, with ``BlockManager.tiered_hits``): each group needs the blocks
+its next query reads (a full group every block of the prefix, a sliding group only the
+window's), from the pool's prefix cache or from a tier. Such a load is all or nothing: if a
+block does not arrive, the sequence gives its blocks back and is admitted again (a sliding
+group holds no blocks before the window of the planned hit, so a shorter hit is no use).
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tpserve.blockpool.block_manager import LOAD
 from tpserve.blockpool.kv_events import BlockRemoved, BlockStored
 from tpserve.blockpool.prefix_hash import block_hashes, chain_hash
 from tpserve.kv_tiers import files
@@ -41,10 +51,28 @@ log = logging.getLogger("tpserve.kv_tiers")
 _TIER_NAMES = ("host", "disk")
 
 
+def tier_key(block_hash: int, group: int) -> int:
+    """The tiers' key of KV-cache group ``group``'s block with chained hash ``block_hash``."""
+    return block_hash if group == 0 else chain_hash([group], block_hash)
+
+
 @dataclass
 class _Entry:
     parent: int                   # hash of the block before (-1: a first block)
     tokens: tuple | None          # the block's token ids; None for a file found at start-up
+    group: int = 0                # the KV-cache group whose layers the block holds
+    hash: int | None = None       # the chained hash (None: the key, group 0's)
+
+
+@dataclass
+class GroupPlan:
+    """A hit over KV-cache groups (``match_groups``): ``end`` blocks, per group the pool's
+    cached block ids, -1 (before a window) or LOAD (``BlockManager.tiered_hits``), and the
+    (group, block index) and tier of each block to load."""
+    end: int
+    hits: list
+    loads: list
+    sources: list
 
 
 @dataclass
@@ -56,6 +84,8 @@ class LoadJob:
     started: float
     orphan: bool = False          # the sequence ended while the job ran: free its blocks after
     results: list = field(default_factory=list)
+    where: list | None = None     # with groups: (group, block index) per item, all or nothing
+    end: int = 0                  # with groups: the blocks of the hit
 
 
 class KVTierIndex(KVConnectorScheduler):
@@ -121,13 +151,15 @@ class KVTierIndex(KVConnectorScheduler):
             log.info("KV disk tier: %d block(s) from %s", len(self.disk), self.disk_dir)
 
     # ---- lookups and loads (scheduler side of the seam) ------------------------------------
-    def _find(self, h: int, parent: int, tokens: list[int]) -> int:
-        """The tier holding block ``h`` with this parent and these tokens: HOST, DISK or -1."""
+    def _find(self, h: int, parent: int, tokens: list[int], group: int = 0) -> int:
+        """The tier holding block ``h`` (a tier key) with this parent, these tokens and group:
+        HOST, DISK or -1."""
         e = self.host.get(h)
-        if e is not None and e.parent == parent and e.tokens == tuple(tokens):
+        if e is not None and e.parent == parent and e.tokens == tuple(tokens) and e.group == group:
             return HOST
         e = self.disk.get(h)
-        if e is not None and (e.tokens is None or (e.parent == parent and e.tokens == tuple(tokens))):
+        if e is not None and (e.tokens is None or (e.parent == parent and e.tokens == tuple(tokens)
+                                                   and e.group == group)):
             return DISK
         return -1
 
@@ -154,6 +186,56 @@ class KVTierIndex(KVConnectorScheduler):
             c["disk_hits"] += len(out) - hosts
             c["disk_misses"] += short
         return out
+
+    def match_groups(self, seq, block_manager) -> GroupPlan | None:
+        """With KV-cache groups: the longest hit of ``seq`` that the pool's prefix cache and the
+        tiers serve together in every group, or None when it needs no tier block."""
+        if not (self.host or self.disk):
+            return None
+        bs = self.block_size
+        hashes = block_hashes(seq, len(seq.token_ids) // bs, self.hash_fn)
+        found: dict[tuple[int, int], int] = {}
+
+        def loadable(g: int, i: int) -> bool:
+            src = self._find(tier_key(hashes[i], g), hashes[i - 1] if i else -1, seq.block(i), g)
+            found[g, i] = src
+            return src != -1
+
+        end, hits = block_manager.tiered_hits(seq, loadable)
+        loads = [(g, i) for g, ids in enumerate(hits) for i, b in enumerate(ids) if b == LOAD]
+        if not loads:
+            return None
+        return GroupPlan(end, hits, loads, [found[w] for w in loads])
+
+    def load_groups(self, seq, plan: GroupPlan) -> LoadJob:
+        """Pin ``plan``'s tier entries (before the allocation: see ``reserve``)."""
+        hashes = block_hashes(seq, plan.end, self.hash_fn)
+        items = []
+        for (g, i), src in zip(plan.loads, plan.sources):
+            key = tier_key(hashes[i], g)
+            self._pins[key] = self._pins.get(key, 0) + 1
+            (self.host if src == HOST else self.disk).move_to_end(key)
+            items.append([-1, key, hashes[i - 1] if i else -1, seq.block(i) if src == DISK else None, src])
+        hosts = plan.sources.count(HOST)
+        c = self.counters
+        if self.host_capacity:
+            c["host_hits"] += hosts
+            c["host_misses"] += len(items) - hosts
+        if self.disk_capacity:
+            c["disk_hits"] += len(items) - hosts
+        return LoadJob(0, seq, min(i for _, i in plan.loads), items, self.clock(), where=list(plan.loads),
+                       end=plan.end)
+
+    def start_group_load(self, job: LoadJob, block_manager) -> None:
+        """``seq`` got its blocks (``BlockManager.allocate`` with the plan): queue the load."""
+        tables = block_manager.tables(job.seq)
+        for it, (g, i) in zip(job.items, job.where):
+            it[0] = tables[g][i]
+        job.job_id = self._next_job
+        self._next_job += 1
+        job.started = self.clock()
+        self.jobs[job.job_id] = job
+        self._load.append([job.job_id, job.items])
 
     def get_num_new_matched_tokens(self, seq, num_computed_blocks: int) -> int:
         return len(self.match(seq, num_computed_blocks)) * self.block_size
@@ -231,44 +313,53 @@ class KVTierIndex(KVConnectorScheduler):
         return any(job.seq is seq for job in self.jobs.values())
 
     # ---- saves (block evictions) -----------------------------------------------------------
-    def on_evict(self, block_id: int, block_hash: int, parent_hash: int, token_ids: list[int]) -> None:
-        """Block ``block_id`` (hash ``block_hash``) is about to be reused: keep its KV."""
-        to_host = self.host_capacity > 0 and block_hash not in self.host
-        to_disk = self.disk_capacity > 0 and block_hash not in self.disk
-        if block_hash in self.host:
-            self.host.move_to_end(block_hash)
-        if block_hash in self.disk:
-            self.disk.move_to_end(block_hash)
+    def on_evict(self, block_id: int, block_hash: int, parent_hash: int, token_ids: list[int],
+                 group: int = 0) -> None:
+        """Block ``block_id`` (hash ``block_hash``, of KV-cache group ``group``) is about to be
+        reused: keep its KV."""
+        key = tier_key(block_hash, group)
+        to_host = self.host_capacity > 0 and key not in self.host
+        to_disk = self.disk_capacity > 0 and key not in self.disk
+        if key in self.host:
+            self.host.move_to_end(key)
+        if key in self.disk:
+            self.disk.move_to_end(key)
         if not (to_host or to_disk):
             return
-        self._save.append([block_id, block_hash, parent_hash, list(token_ids), to_host, to_disk])
-        entry = _Entry(parent_hash, tuple(token_ids))
-        if to_host:
-            self._drop_host.pop(block_hash, None)
-            self.host[block_hash] = entry
-            self.counters["host_saves"] += 1
-            self._event(BlockStored([block_hash], None if parent_hash == -1 else parent_hash,
-                                    list(token_ids), self.block_size, MEDIUM_HOST))
-        if to_disk:
-            self._drop_disk.pop(block_hash, None)
-            self.disk[block_hash] = entry
-            self.counters["disk_saves"] += 1
-            self._event(BlockStored([block_hash], None if parent_hash == -1 else parent_hash,
-                                    list(token_ids), self.block_size, MEDIUM_DISK))
+        self._save.append([block_id, key, parent_hash, list(token_ids), to_host, to_disk])
+        entry = _Entry(parent_hash, tuple(token_ids), group, block_hash)
+        for on, tier, drops, name, medium in ((to_host, self.host, self._drop_host, "host", MEDIUM_HOST),
+                                              (to_disk, self.disk, self._drop_disk, "disk", MEDIUM_DISK)):
+            if on:
+                drops.pop(key, None)
+                tier[key] = entry
+                self.counters[f"{name}_saves"] += 1
+                self._event(BlockStored([block_hash], None if parent_hash == -1 else parent_hash,
+                                        list(token_ids), self.block_size, medium, *self._spec(group)))
         self._trim()
+
+    def _spec(self, group: int) -> tuple:
+        """The KV-event fields naming ``group`` (group_idx, kind, window)."""
+        bm = self.block_manager
+        if bm is None or not group:
+            return ()
+        g = bm.groups[group]
+        return group, g.kind, g.window
 
     def flush(self, block_manager) -> None:
         """Before a shutdown: write every cached pool block the disk tier lacks, and ask the
         workers to finish their writes (the next plan's ``flush``)."""
         if self.disk_capacity <= 0:
             return
-        for h, b in list(block_manager.hash_to_block_id.items()):
-            if h not in self.disk:
-                block = block_manager.blocks[b]
-                self._save.append([b, h, block.parent_hash, list(block.token_ids), False, True])
-                self._drop_disk.pop(h, None)
-                self.disk[h] = _Entry(block.parent_hash, tuple(block.token_ids))
-                self.counters["disk_saves"] += 1
+        for g, index in enumerate(block_manager.group_hashes):
+            for h, b in list(index.items()):
+                key = tier_key(h, g)
+                if key not in self.disk:
+                    block = block_manager.blocks[b]
+                    self._save.append([b, key, block.parent_hash, list(block.token_ids), False, True])
+                    self._drop_disk.pop(key, None)
+                    self.disk[key] = _Entry(block.parent_hash, tuple(block.token_ids), g, h)
+                    self.counters["disk_saves"] += 1
         self._trim()
         self._flush = True
 
@@ -313,10 +404,12 @@ class KVTierIndex(KVConnectorScheduler):
 
     def _forget(self, h: int, src: int) -> None:
         tier = self.host if src == HOST else self.disk
-        if tier.pop(h, None) is None:
+        e = tier.pop(h, None)
+        if e is None:
             return
         (self._drop_host if src == HOST else self._drop_disk)[h] = None
-        self._event(BlockRemoved([h], MEDIUM_HOST if src == HOST else MEDIUM_DISK))
+        medium = MEDIUM_HOST if src == HOST else MEDIUM_DISK
+        self._event(BlockRemoved([h if e.hash is None else e.hash], medium, *self._spec(e.group)))
 
     def _trim(self) -> None:
         for src, tier, cap in ((HOST, self.host, self.host_capacity), (DISK, self.disk, self.disk_capacity)):
@@ -337,12 +430,14 @@ class KVTierIndex(KVConnectorScheduler):
             sink.add(event)
 
     # ---- views -----------------------------------------------------------------------------------
-    def tier_blocks(self) -> list[tuple[int, int | None, list[int], str]]:
-        """(hash, parent, token ids, medium) of every tier entry, for a KV-events resync."""
+    def tier_blocks(self) -> list[tuple]:
+        """(hash, parent, token ids, medium) of every tier entry, for a KV-events resync; a
+        block of KV-cache group g > 0 adds (g, kind, window)."""
         out = []
         for tier, medium in ((self.host, MEDIUM_HOST), (self.disk, MEDIUM_DISK)):
             for h, e in tier.items():
-                out.append((h, None if e.parent == -1 else e.parent, list(e.tokens or ()), medium))
+                out.append((h if e.hash is None else e.hash, None if e.parent == -1 else e.parent,
+                            list(e.tokens or ()), medium, *self._spec(e.group)))
         return out
 
     def stats(self) -> dict:
@@ -371,11 +466,13 @@ class KVTierIndex(KVConnectorScheduler):
         ``holders``: sequence -> its block table, for every live sequence."""
         pins: dict[int, int] = {}
         for job in self.jobs.values():
-            table = job.seq.block_table
-            for k, it in enumerate(job.items):
+            tables = block_manager.tables(job.seq)
+            where = job.where or [(0, job.first + k) for k in range(len(job.items))]
+            for (g, i), it in zip(where, job.items):
                 pins[it[1]] = pins.get(it[1], 0) + 1
                 b = it[0]
-                assert table[job.first + k] == b, f"load job {job.job_id}: block {b} left its sequence"
+                assert tables[g][i] == b, f"load job {job.job_id}: block {b} left its sequence"
+                assert block_manager.blocks[b].group == g, f"load job {job.job_id}: block {b} changed group"
                 block = block_manager.blocks[b]
                 assert block.ref_count == 1 and block.hash == -1, \
                     f"block {b} is being loaded but is shared or hashed ({block!r})"

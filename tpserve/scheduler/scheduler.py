@@ -67,7 +67,9 @@ KV-cache groups (``kv_groups``, tpserve/kv_groups.py; a model with sliding-windo
 the seed's rules apply per group (BlockManager), a decode on a block boundary takes one block
 per group (draft tokens: one per group for each block they need), and after each step the
 blocks that left a sliding window are freed (the block manager's ``hash_blocks`` does it, the
-slot rows follow: ``_sync_rows``). The KV tiers are refused with groups (ConfigError).
+slot rows follow: ``_sync_rows``). With the KV tiers, a hit is planned over every group at once
+(pool blocks, then tier blocks, per group: ``KVTierIndex.match_groups``) and loaded all or nothing:
+a sequence whose load missed a block gives its blocks back and waits at the front again.
 
 Admission control (admission.py) replaces the seed's ``assert scheduled_seqs``: ``add()``
 refuses a request that could never run, so whenever work is runnable ``schedule()`` returns a
@@ -202,9 +204,6 @@ class Scheduler(Postprocess):
     def attach_kv_tiers(self, tiers) -> None:
         """Serve prefix misses from ``tiers`` (a KVTierIndex) and save evicted blocks to it."""
         bm = self.block_manager
-        if self.grouped:
-            raise ConfigError("kv_offload", "the KV tiers serve models without sliding-window "
-                                            "layers only (this model's KV cache has several groups)")
         tiers.block_manager = bm
         tiers.hash_fn = bm.compute_hash
         bm.offload = tiers
@@ -230,6 +229,13 @@ class Scheduler(Postprocess):
                 self.block_manager.deallocate(seq)
                 continue
             self.loading.pop(seq, None)
+            if job.where is not None:  # KV-cache groups: all or nothing (kv_tiers/index.py)
+                if good < len(job.items):
+                    seq.status = WAITING
+                    self.block_manager.deallocate(seq)
+                    self.waiting.appendleft(seq)  # admitted again: the blocks missing now miss
+                    continue
+                good = job.end - job.first
             cached = (job.first + good) * bs
             self.kv_tiers.hit_tokens += good * bs
             seq.num_cached_tokens = cached
@@ -336,7 +342,18 @@ class Scheduler(Postprocess):
                 if num_cached_blocks < 0:
                     break
                 self.waiting.popleft()
-                sources = tiers.match(seq, num_cached_blocks) if tiers is not None and use_cache else ()
+                if tiers is not None and use_cache and self.grouped:
+                    plan = tiers.match_groups(seq, bm)
+                    if plan is not None and bm.grouped_cost(seq, plan.end, plan.hits) <= bm.num_free_blocks:
+                        job = tiers.load_groups(seq, plan)  # pins, before allocate() evicts
+                        bm.allocate(seq, plan.end, plan.hits)
+                        tiers.start_group_load(job, bm)
+                        seq.status = LOADING
+                        self.loading[seq] = None
+                        continue
+                    sources = ()
+                else:
+                    sources = tiers.match(seq, num_cached_blocks) if tiers is not None and use_cache else ()
                 if sources:
                     tiers.reserve(seq, num_cached_blocks, sources)  # before allocate() evicts
                 bm.allocate(seq, num_cached_blocks)

@@ -40,13 +40,17 @@ log = logging.getLogger("tpserve.kv_tiers")
 
 
 def kv_layout(config, runner_dtype: torch.dtype, tp_size: int, num_layers: int, kv_heads: int,
-              head_dim: int, kv_dtype: torch.dtype | None = None) -> dict:
-    """What a disk tier's files are made for (files.fingerprint hashes it)."""
+              head_dim: int, kv_dtype: torch.dtype | None = None, groups=None) -> dict:
+    """What a disk tier's files are made for (files.fingerprint hashes it). ``groups``: the
+    KV-cache groups (kv_groups.py) when a block holds one group's layers."""
     kv = str(kv_dtype or runner_dtype).replace("torch.", "")
-    return {**files.model_identity(config.model_path), "dtype": str(runner_dtype).replace("torch.", ""),
-            "kv_cache_dtype": kv,
-            "block_size": config.block_size, "tensor_parallel_size": tp_size, "num_layers": num_layers,
-            "kv_heads_per_rank": kv_heads, "head_dim": head_dim, "quantization": config.quantization}
+    layout = {**files.model_identity(config.model_path), "dtype": str(runner_dtype).replace("torch.", ""),
+              "kv_cache_dtype": kv,
+              "block_size": config.block_size, "tensor_parallel_size": tp_size, "num_layers": num_layers,
+              "kv_heads_per_rank": kv_heads, "head_dim": head_dim, "quantization": config.quantization}
+    if groups:
+        layout["kv_groups"] = [[g.kind, g.window, list(g.layers)] for g in groups]
+    return layout
 
 
 class KVTransfer(KVConnectorWorker):
@@ -75,9 +79,17 @@ class KVTransfer(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list) -> None:
         """Per layer a tuple of tensors indexed by block on dim 0: (K, V), or (K, V, K scales,
-        V scales) for an int8 cache. A block's bytes: each tensor's block slice, layer by layer."""
+        V scales) for an int8 cache. A block's bytes: each tensor's block slice, layer by layer.
+        With KV-cache groups the layers of several groups share a tensor (a slab,
+        workers/kv_group_runner.py): each is stored once, and a block holds its group's layers."""
         self.kv_caches = kv_caches
-        self.tensors = [t for layer in kv_caches for t in layer]
+        seen: set[int] = set()
+        self.tensors = []
+        for layer in kv_caches:
+            for t in layer:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    self.tensors.append(t)
         self.slice_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self.slice_bytes)
 

@@ -161,7 +161,8 @@ class ModelRunner:
         if config.kv_offload_host_gb or config.kv_offload_dir:
             m = self.model
             self.kv_layout = kv_layout(config, self.dtype, tp.size, m.num_layers, m.num_kv_heads_per_rank,
-                                       m.head_dim, self.kv_dtype)
+                                       m.head_dim, self.kv_dtype,
+                                       self.kv_group_layout.groups if self.kv_group_layout.split else None)
             self.kv_tiers = KVTransfer(config, tp.rank, tp.group if tp.size > 1 else None, self.kv_layout)
             self.kv_tiers.register_kv_caches(self.kv_caches)
         if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0" and not self.kv_group_layout.split:
