@@ -27,7 +27,7 @@ from tpserve.errors import InvalidFieldError, TpserveError
 from tpserve.fronts.grpc.front import GrpcOptions, check_grpc_available, check_grpc_host
 from tpserve.fronts.http.front import DEFAULT_REQUEST_TIMEOUT, HttpOptions, check_http_host
 from tpserve.fronts.http.guard import parse_allowed_hosts
-from tpserve.fronts.http.reasoning import PARSERS
+from tpserve.fronts.http.reasoning import CHOICES as PARSERS
 from tpserve.fronts.http.response_store import DEFAULT_CAPACITY as DEFAULT_STORE_SIZE
 from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontError
 from tpserve.limits import check_timeout
@@ -90,7 +90,8 @@ def daemon_options(f):
         click.option("--reasoning-parser", type=click.Choice(PARSERS), default=None, show_envvar=True,
                      envvar="TPSERVE_REASONING_PARSER",
                      help="split chat answers at </think> into message.reasoning_content / reasoning "
-                          "and content (vLLM's parser names) [default: none]"),
+                          "and content (vLLM's parser names); openai_gptoss: gpt-oss's harmony format "
+                          "[default: openai_gptoss for gpt-oss, else none]"),
         click.option("--responses-store-size", type=click.IntRange(0, 1_000_000), default=DEFAULT_STORE_SIZE,
                      show_default=True, show_envvar=True, envvar="TPSERVE_RESPONSES_STORE_SIZE", metavar="N",
                      help="the Responses API keeps the last N stored responses (GET /v1/responses/{id}, "

@@ -3,7 +3,8 @@ API (messages_*.py) are both translators onto the chat path, and do the same few
 it the same way.
 
 * ``render_prompt``: a translated Job's messages through the model's chat template with its
-  tools, whether that prompt opened a ``<think>`` (the reasoning parser's start), its token ids.
+  tools (harmony's rendering for gpt-oss: harmony.py), whether that prompt opened a ``<think>``
+  (the reasoning parser's start), its token ids.
 * ``named_event``: one server-sent event with an ``event:`` line (both specs name their events;
   chat's chunks have only ``data:`` lines, chat_output.py), and ``event_stream``, the streamed
   answer that closes the request's events (aborting it) however the stream ends.
@@ -27,7 +28,6 @@ from starlette.background import BackgroundTask
 from tpserve.client import protocol as P
 from tpserve.client.client import ClientTimeout, RequestError
 from tpserve.fronts.http import openai_api as O
-from tpserve.fronts.http.reasoning import prompt_opens_thinking
 from tpserve.fronts.upstream import UpstreamLost
 
 #: What a daemon round trip raises (app.py's daemon_error maps each to its answer).
@@ -57,10 +57,7 @@ def event_stream(chunks, events) -> StreamingResponse:
 async def render_prompt(front, job: O.Job, field: str) -> list[int]:
     """The prompt's token ids of a translated chat Job (``field``: the body's field that errors
     of the tokenization name); sets ``job.thinking_opened``."""
-    text = await front.chat_text(job.messages, job.chat_options,
-                                 tools=job.tools.tools if job.tools is not None else None)
-    job.thinking_opened = front.reasoning_parser is not None and prompt_opens_thinking(text)
-    return await front.encode(text, False, field=field)
+    return await front.chat_ids(job, False, field=field)
 
 
 async def until_answered(request, work):

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from tpserve.fronts.http import openai_api as O
 from tpserve.client import protocol as P
-from tpserve.fronts.http import structured_api
+from tpserve.fronts.http import harmony, structured_api
 from tpserve.client.client import AsyncClient, ClientTimeout, Delta, GenerateResult, RequestError
 from tpserve.fronts.http.router_api import make_router
 from tpserve.fronts.http.tokenizer_api import make_tokenizer_router
@@ -66,6 +66,10 @@ class Front:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.server_public_key = server_public_key
+        # gpt-oss's harmony format (harmony.py): its encoding renders chats and parses answers
+        self.harmony = harmony.for_model(model_path, reasoning_parser)
+        if reasoning_parser == harmony.NAME:
+            reasoning_parser = None
         self.reasoning_parser = reasoning_parser  # reasoning.py's parser of chat answers, or None
         # Long texts are tokenized by the daemon (its tokenizer process, while the engine lends
         # it a core: server/tokenizing.py): in a thread here they would hold the GIL from the
@@ -182,8 +186,30 @@ class Front:
 
     async def chat_prompt(self, messages: list[dict], options: dict | None = None,
                           add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        if self.harmony is not None:
+            return await self._harmony_prompt(messages, options, tools)
         text = await self.chat_text(messages, options, tools)
         return await self.encode(text, add_special_tokens, field="messages")
+
+    async def chat_ids(self, job: O.Job, add_special_tokens: bool = False,
+                       field: str = "messages") -> list[int]:
+        """The prompt token ids of a chat Job: harmony's rendering (gpt-oss), or the chat
+        template's text tokenized (``job.thinking_opened`` set: the reasoning parser's start)."""
+        tools = job.tools.tools if job.tools is not None else None
+        if self.harmony is not None:
+            return await self._harmony_prompt(job.messages, job.chat_options, tools)
+        text = await self.chat_text(job.messages, job.chat_options, tools=tools)
+        job.thinking_opened = self.reasoning_parser is not None and prompt_opens_thinking(text)
+        return await self.encode(text, add_special_tokens, field=field)
+
+    async def _harmony_prompt(self, messages: list[dict], options: dict | None,
+                              tools: list[dict] | None) -> list[int]:
+        try:
+            return await self._in_pool(harmony.render, self.harmony, messages, options, tools)
+        except O.OpenAIError:
+            raise
+        except Exception as e:  # openai-harmony's own checks (a tool's schema, ...)
+            raise O.bad("messages", f"harmony's rendering rejected them: {e}") from None
 
     @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
@@ -522,11 +548,9 @@ def create_app(front: Front, hosts: HostPolicy | None = None):
     async def chat_completions(request: Request):
         body = await read_json(request)
         job = O.parse_chat(body, front.model_name)
+        job.harmony = front.harmony is not None
         await structured_api.prepare(job, body, O.build_request)  # a constraint: on a thread
-        text = await front.chat_text(job.messages, job.chat_options,
-                                     tools=job.tools.tools if job.tools is not None else None)
-        job.thinking_opened = front.reasoning_parser is not None and prompt_opens_thinking(text)
-        ids = await front.encode(text, job.add_special_tokens, field="messages")
+        ids = await front.chat_ids(job, job.add_special_tokens)
         last = job.messages[-1]
         texts = [last["content"] if job.echo and last["role"] == "assistant" else ""]
         return await run(request, job, [ids], texts)

@@ -8,7 +8,8 @@ logprobs, the prompt tokens' log-probabilities, which completion 0 of each promp
 Chat choices whose tools constrain the answer have their calls read back out (tool_calls.py).
 With a reasoning parser (reasoning.py), a chat choice's thoughts go to ``reasoning_content`` and
 ``reasoning`` (both names, as vLLM used both), and only the answer after them to ``content`` and
-the tool-call parsing.
+the tool-call parsing. A model served in harmony (gpt-oss: harmony.py) has its answer's token
+ids parsed instead: the analysis channel as the reasoning, tool calls, the rest as content.
 Streamed, a choice's last chunk (its ``finish_reason``) goes out as soon as its completion
 ended (the end its last Delta carries when n > 1), not when the whole request is done.
 """
@@ -20,6 +21,7 @@ import uuid
 
 from tpserve.client.client import GenerateResult
 from tpserve.fronts.http import openai_api as O
+from tpserve.fronts.http.harmony import HarmonyStream, parse_whole
 from tpserve.fronts.http.reasoning import REASONING, ReasoningStream, split_reasoning
 from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
 
@@ -58,7 +60,12 @@ class Response:
         self.tool_streams = [ToolCallStream() for _ in range(self.n_choices)] if tools else None
         self.parser = getattr(front, "reasoning_parser", None) if job.chat else None
         self.reasoning_streams = None
-        if self.parser:
+        self.harmony = getattr(front, "harmony", None) if job.chat else None
+        self.harmony_streams = None
+        if self.harmony is not None:  # the token ids are parsed (harmony.py), not the text
+            self.harmony_streams = [HarmonyStream(self.harmony) for _ in range(self.n_choices)]
+            self.tool_streams, self.parser = None, None
+        elif self.parser:
             self.reasoning_streams = [ReasoningStream(self.parser, job.thinking_opened)
                                       for _ in range(self.n_choices)]
 
@@ -151,6 +158,12 @@ class Response:
         an echo not yet sent, tool-call deltas)."""
         out = []
         self.ended[index] = True
+        if self.harmony_streams is not None:
+            hs = self.harmony_streams[index]
+            out += [self._chunk({"index": index, "delta": d, "logprobs": None, "finish_reason": None})
+                    for d in hs.flush()]
+            if hs.num_calls and reason == "stop":
+                reason = "tool_calls"
         if self.reasoning_streams is not None:
             out += self._answer_chunks(index, self.reasoning_streams[index].flush(), None)
         if self.tool_streams is not None:
@@ -177,7 +190,16 @@ class Response:
         out = []
         self.token_ids[index] += item.token_ids
         lp = self._logprobs_obj(index, echo_entries + self._entries(item))
-        if self.reasoning_streams is not None:
+        if self.harmony_streams is not None:
+            deltas = self.harmony_streams[index].feed(item.token_ids)
+            if echo_text:
+                deltas.insert(0, {"content": echo_text})
+            if not deltas and lp is not None:  # held back tokens: their logprobs still go out
+                deltas = [{}]
+            for d in deltas:
+                out.append(self._chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None}))
+                lp = None
+        elif self.reasoning_streams is not None:
             if echo_text:
                 out.append(self._chunk({"index": index, "delta": {"content": echo_text}, "logprobs": None,
                                         "finish_reason": None}))
@@ -241,7 +263,15 @@ class Response:
             echo_text, echo_entries = self._echo(i)
             text, reason = echo_text + "".join(self.text[i]), self.results[i].finish_reason
             lp = self._logprobs_obj(i, echo_entries + self.logprobs[i])
-            if self.job.chat:
+            if self.job.chat and self.harmony is not None:
+                thoughts, answer, calls, _ = parse_whole(self.harmony, self.token_ids[i])
+                message = {"role": "assistant", "content": echo_text + (answer or "") or None,
+                           "reasoning_content": thoughts, "reasoning": thoughts}
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
+            elif self.job.chat:
                 message = {"role": "assistant", "content": text}
                 if self.parser:
                     gen = "".join(self.text[i])

@@ -45,7 +45,7 @@ import sys
 from dataclasses import dataclass
 
 from tpserve.client.addresses import InsecureAddressError, is_loopback_tcp
-from tpserve.fronts.http.reasoning import PARSERS
+from tpserve.fronts.http.reasoning import CHOICES as PARSERS
 from tpserve.fronts.http.response_store import DEFAULT_CAPACITY as DEFAULT_STORE_SIZE
 from tpserve.fronts.http.response_store import ResponseStore
 from tpserve.fronts.process import DEFAULT_UPSTREAM_TIMEOUT, FrontProcess, front_arguments

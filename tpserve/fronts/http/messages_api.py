@@ -120,7 +120,7 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
                             if isinstance(item, GenerateResult):
                                 result = item
                                 break
-                            for chunk in reply.events(item.text):
+                            for chunk in reply.events(item.text, item.token_ids):
                                 yield chunk
                             _, item = await anext(events)
                     except DAEMON_ERRORS as e:  # after the 200: an error event
@@ -133,7 +133,7 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
                         yield chunk
             return event_stream(sse(), events)
 
-        texts, done = [], []
+        texts, ids, done = [], [], []
 
         async def collect():
             async with aclosing(events):
@@ -141,6 +141,7 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
                 while True:
                     if isinstance(item, Delta):
                         texts.append(item.text)
+                        ids.extend(item.token_ids)
                     else:
                         done.append(item)
                         return
@@ -150,7 +151,7 @@ def make_messages_router(front, authorize, read_json, daemon_error) -> APIRouter
             await until_answered(request, collect())
         except DAEMON_ERRORS as e:
             raise anthropic_error(daemon_error(e, job), t.paths) from None
-        return JSONResponse(reply.whole("".join(texts), done[0]))
+        return JSONResponse(reply.whole("".join(texts), done[0], ids))
 
     @router.api_route("/v1/messages/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unknown(rest: str):

@@ -230,6 +230,8 @@ def _tools(body: dict, t: Translation, chat: dict) -> None:
 
 
 def _template_reads(front, name: str) -> bool:
+    if getattr(front, "harmony", None) is not None:  # harmony's rendering takes the effort (harmony.py)
+        return name == "reasoning_effort"
     source = getattr(front.tokenizer, "chat_template", None) if front.tokenizer is not None else None
     return name in str(source or "")
 
@@ -332,6 +334,7 @@ async def prepare(front, body, count_only: bool = False):
     t = translate(body, front, count_only)
     try:
         job = O.parse_chat(t.chat, front.model_name)
+        job.harmony = getattr(front, "harmony", None) is not None
         await structured_api.prepare(job, t.chat, _build)
         for k, thoughts in t.reasoning.items():  # templates that read it put it back
             job.messages[k]["reasoning_content"] = thoughts

@@ -2,7 +2,8 @@
 output back with chat's parsers (reasoning.py's thoughts, tool_calls.py's calls) into content
 blocks (``thinking``, ``text``, ``tool_use``), whole or as Anthropic's server-sent events
 (``message_start``, ``ping``, ``content_block_start`` / ``_delta`` / ``_stop``,
-``message_delta``, ``message_stop``).
+``message_delta``, ``message_stop``). A model served in harmony (gpt-oss) has its answer's
+token ids parsed by harmony.py into the same blocks (stop sequences are then the daemon's alone).
 
 ``stop_reason``: ``end_turn``, ``max_tokens`` (the length limit or the timeout),
 ``stop_sequence`` (the sequence cut from the text and named; streamed, a tail that may begin
@@ -22,6 +23,7 @@ import json
 from tpserve.client.client import Delta, GenerateResult
 from tpserve.fronts.http import openai_api as O
 from tpserve.fronts.http.agent_common import named_event, new_id, tools_not_offered
+from tpserve.fronts.http.harmony import HarmonyStream, parse_whole
 from tpserve.fronts.http.messages_input import Translation
 from tpserve.fronts.http.reasoning import CONTENT, REASONING, ReasoningStream, split_reasoning
 from tpserve.fronts.http.tool_calls import ToolCallStream, split_calls
@@ -93,6 +95,8 @@ class Message:
         self.thought = False       # a thinking block was sent: the answer's leading blanks are dropped
         self.answered = False
         self.num_calls = 0
+        self.harmony = getattr(front, "harmony", None)
+        self.harmony_stream = HarmonyStream(self.harmony) if self.harmony is not None else None
 
     def _head(self) -> dict:
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.front.model_name}
@@ -109,7 +113,9 @@ class Message:
         return _STOP_REASONS.get(finish, "end_turn")
 
     # ---- whole ----
-    def whole(self, text: str, result: GenerateResult) -> dict:
+    def whole(self, text: str, result: GenerateResult, token_ids: list[int] | None = None) -> dict:
+        if self.harmony is not None:
+            return self._harmony_whole(token_ids or [], result)
         text, matched = _cut_stop(text, self.t.stops, result.finish_reason)
         thoughts, answer = (split_reasoning(text, self.parser, self.job.thinking_opened) if self.parser
                             else (None, text))
@@ -131,6 +137,33 @@ class Message:
         return self._tail({**self._head(), "content": content,
                            "stop_reason": self.stop_reason(result.finish_reason, matched),
                            "stop_sequence": matched, "usage": _final_usage(result)})
+
+    def _harmony_whole(self, token_ids: list[int], result: GenerateResult) -> dict:
+        """The whole answer of a model served in harmony (its calls' arguments that are not a JSON
+        object, cut short, stay text)."""
+        thoughts, answer, calls, _ = parse_whole(self.harmony, token_ids)
+        content = []
+        if thoughts:
+            content.append({"type": "thinking", "thinking": thoughts, "signature": ""})
+        texts = [answer] if answer else []
+        uses = []
+        for c in calls:
+            try:
+                args = json.loads(c["function"]["arguments"] or "{}")
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                uses.append({"type": "tool_use", "id": _tool_id(), "name": c["function"]["name"],
+                             "input": args})
+            else:
+                texts.append(c["function"]["arguments"])
+        if texts:
+            content.append({"type": "text", "text": "".join(texts)})
+        content += uses
+        self.num_calls = len(uses)
+        return self._tail({**self._head(), "content": content,
+                           "stop_reason": self.stop_reason(result.finish_reason, None),
+                           "stop_sequence": None, "usage": _final_usage(result)})
 
     # ---- streamed ----
     def start(self, first: Delta | GenerateResult) -> list[str]:
@@ -210,12 +243,24 @@ class Message:
                 out += self._chat_delta(d)
         return out
 
-    def events(self, text: str) -> list[str]:
+    def _harmony_events(self, deltas: list[dict]) -> list[str]:
+        out = []
+        for d in deltas:
+            out += self._thinking(d["reasoning_content"]) if "reasoning_content" in d else self._chat_delta(d)
+        return out
+
+    def events(self, text: str, token_ids: list[int] | None = None) -> list[str]:
+        if self.harmony_stream is not None:
+            return self._harmony_events(self.harmony_stream.feed(token_ids or []))
         return self._route(self.hold.feed(text), final=False) if text else []
 
     def end(self, result: GenerateResult) -> list[str]:
-        rest, matched = self.hold.finish(result.finish_reason)
-        out = self._route(rest, final=True) + self._close()
+        if self.harmony_stream is not None:
+            matched = None
+            out = self._harmony_events(self.harmony_stream.flush()) + self._close()
+        else:
+            rest, matched = self.hold.finish(result.finish_reason)
+            out = self._route(rest, final=True) + self._close()
         usage = _final_usage(result)
         reason = self.stop_reason(result.finish_reason, matched)
         out.append(named_event("message_delta", {"type": "message_delta",

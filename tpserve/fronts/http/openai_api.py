@@ -78,6 +78,7 @@ class Job:
     chat_options: dict = field(default_factory=dict)  # apply_chat_template's options
     tools: object = None           # chat: a tool_calls.ToolPlan (structured_api.apply sets it)
     thinking_opened: bool = False  # chat: the rendered prompt ends inside "<think>" (reasoning.py)
+    harmony: bool = False          # chat: rendered and parsed in gpt-oss's harmony format (harmony.py)
 
     @property
     def params(self) -> SamplingParams:

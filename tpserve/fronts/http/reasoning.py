@@ -13,6 +13,8 @@ The parsers (vLLM's names):
 * ``qwen3``: the output is thoughts only when it starts with ``<think>`` or the prompt opened
   one; otherwise it is all answer (Qwen3 with ``enable_thinking`` false, whose template closes
   the thoughts in the prompt). Thoughts that never close are reasoning with no answer.
+* ``openai_gptoss``: gpt-oss's harmony format; not a split of the text: harmony.py renders the
+  prompt and parses the answer's token ids (the default of a gpt-oss model).
 
 ``ReasoningStream`` does the split incrementally, holding back only a tail that may be the start
 of a tag split across deltas; ``split_reasoning`` runs it over a whole text, so a whole answer
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
+# gpt-oss's harmony format, parsed from the token ids by harmony.py (a gpt-oss model's default)
+HARMONY = "openai_gptoss"
+CHOICES = PARSERS + (HARMONY,)  # --reasoning-parser's values
 
 REASONING, CONTENT = "reasoning", "content"
 

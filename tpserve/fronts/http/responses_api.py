@@ -49,7 +49,9 @@ def make_responses_router(front, authorize, read_json, *, daemon_error, too_long
     store = getattr(front, "responses_store", None)
     if store is None:
         store = front.responses_store = ResponseStore()
-    traits = TemplateTraits.of(front.tokenizer)
+    # harmony (gpt-oss) renders developer messages and reasoning itself (harmony.py)
+    traits = (TemplateTraits(developer=True, reasoning=True) if getattr(front, "harmony", None) is not None
+              else TemplateTraits.of(front.tokenizer))
 
     def not_found(response_id: str) -> O.OpenAIError:
         return O.OpenAIError(404, f"Response with id '{response_id}' not found.", "response_id",

@@ -32,6 +32,7 @@ from tpserve.errors import InvalidFieldError
 from tpserve.fronts.http import openai_api as O
 from tpserve.fronts.http import tool_calls
 from tpserve.fronts.http.agent_common import respelled
+from tpserve.fronts.http.harmony import check_tool_choice
 from tpserve.fronts.http.response_store import ResponseStore
 from tpserve.fronts.http.structured_api import format_constraint
 from tpserve.fronts.http.responses_items import (TemplateTraits, bad, conversation_messages, input_items,
@@ -345,6 +346,7 @@ def translate(body, front, store: ResponseStore, traits: TemplateTraits) -> Tran
         raise bad("chat_template_kwargs", "must be an object")
     job.chat_options = dict(chat_template_kwargs=kwargs or {}, add_generation_prompt=True,
                             continue_final_message=False, chat_template=None, reasoning_effort=effort)
+    job.harmony = getattr(front, "harmony", None) is not None
     job.add_special_tokens = False
     _tools(body, tr)
     return tr
@@ -377,7 +379,9 @@ def _build(tr: Translation) -> None:
     if plan is not None:
         plan.fields = [f"{where}.parameters" for where in tr.origins]  # a strict tool's 400 names it
         job.tools = plan
-        if plan.constrains:
+        if job.harmony:  # harmony's calls are parsed, not constrained (harmony.py)
+            check_tool_choice(plan)
+        elif plan.constrains:
             if so is not None:
                 raise bad(where or "structured_outputs", "cannot be combined with tools when tool_choice "
                                                          f'is {plan.choice!r} (only with "none")')

@@ -3,7 +3,8 @@ its request's Deltas, whole or as the spec's server-sent events.
 
 Output items: ``reasoning`` (a reasoning parser's thoughts, reasoning.py), ``message`` (the
 answer's text, with logprobs when asked), ``function_call`` (constrained tool calls read back by
-tool_calls.py, a namespaced one with its ``namespace``); usage with cached and reasoning tokens;
+tool_calls.py, a namespaced one with its ``namespace``); a model served in harmony (gpt-oss) has
+its answer's token ids parsed by harmony.py into the same items; usage with cached and reasoning tokens;
 status ``completed`` / ``incomplete`` (cut by ``max_output_tokens`` or the timeout) /
 ``failed``; the request's parameters echoed, and the tools not offered. Streamed, the events
 (``event:`` and ``data:`` lines, each with its ``sequence_number``: ``response.created``,
@@ -18,6 +19,7 @@ from tpserve.client.client import GenerateResult
 from tpserve.fronts.http import openai_api as O
 from tpserve.fronts.http import tool_calls
 from tpserve.fronts.http.agent_common import named_event, new_id, tools_not_offered
+from tpserve.fronts.http.harmony import HarmonyStream
 from tpserve.fronts.http.reasoning import CLOSE as THINK_CLOSE
 from tpserve.fronts.http.reasoning import CONTENT, REASONING, ReasoningStream
 from tpserve.fronts.http.responses_input import Translation, text_format
@@ -41,6 +43,10 @@ class Output:
         parser = front.reasoning_parser
         self.thoughts = ReasoningStream(parser, job.thinking_opened) if parser else None
         self.calls = tool_calls.ToolCallStream() if job.tools is not None and job.tools.constrains else None
+        encoding = getattr(front, "harmony", None)
+        self.harmony = HarmonyStream(encoding) if encoding is not None else None
+        if self.harmony is not None:  # the token ids are parsed (harmony.py), not the text
+            self.thoughts = self.calls = None
         self.token_ids: list[int] = []
         self.closed_in: tuple[int, int] | None = None  # token range of the delta that ended the thoughts
         self.lp_all: list = []              # logprobs of the message's tokens
@@ -159,6 +165,9 @@ class Output:
             got = O.chat_logprobs(entries, self.front.token_text)["content"]
             self.lp_all += got
             self.lp_pending += got
+        if self.harmony is not None:
+            self._harmony_deltas(self.harmony.feed(delta.token_ids))
+            return
         if self.thoughts is None:
             self._answer(delta.text)
             return
@@ -169,7 +178,16 @@ class Output:
                 and self.items and self.items[0]["type"] == "reasoning"):
             self.closed_in = (start, len(self.token_ids))  # this delta completed "</think>"
 
+    def _harmony_deltas(self, deltas: list[dict]) -> None:
+        for d in deltas:
+            if "reasoning_content" in d:
+                self._thought(d["reasoning_content"])
+            else:
+                self._chat_delta(d)
+
     def _flush(self) -> None:
+        if self.harmony is not None:
+            self._harmony_deltas(self.harmony.flush())
         if self.thoughts is not None:
             for kind, text in self.thoughts.flush():
                 self._thought(text) if kind == REASONING else self._answer(text)
@@ -181,6 +199,8 @@ class Output:
         """How many of the output's tokens are the thoughts: those up to the one that completed
         ``</think>`` (found by decoding, within the delta that closed them), or all of them
         when the thoughts never closed."""
+        if self.harmony is not None:
+            return self.harmony.reasoning_tokens
         if not self.items or self.items[0]["type"] != "reasoning":
             return 0
         if self.closed_in is None:

@@ -15,6 +15,7 @@ import asyncio
 
 from tpserve.config import DEFAULT_GRAMMAR_TIMEOUT
 from tpserve.fronts.http import tool_calls
+from tpserve.fronts.http.harmony import check_tool_choice
 from tpserve.fronts.http.openai_api import bad
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -118,7 +119,9 @@ def apply(job, body: dict) -> None:
             job.messages[i].update(tool_calls.message_extras(m, f"messages[{i}]"))
         if plan is not None:
             job.tools = plan
-            if plan.constrains:
+            if job.harmony:  # harmony's calls are parsed, not constrained (harmony.py)
+                check_tool_choice(plan)
+            elif plan.constrains:
                 if so is not None:
                     raise bad(given, f"cannot be combined with tools when tool_choice is {plan.choice!r} "
                                      '(only with "none")')
