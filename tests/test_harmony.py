@@ -306,3 +306,73 @@ def test_a_missing_vocabulary_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setenv(harmony.ENV, str(tmp_path))
     with pytest.raises(ConfigError, match="fetch_harmony_vocab"):
         harmony.load_encoding()
+
+
+# ---- a daemon on a tiny random gpt-oss -----------------------------------------------------------
+HARMONY_VOCAB = 201088  # o200k_harmony's size: every harmony token is in the model's vocabulary
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_daemon(tmp_path_factory):
+    """A daemon with its HTTP front on a random-weight gpt-oss of harmony's vocabulary size,
+    without a tokenizer (harmony renders and parses; the daemon's own text is not used)."""
+    import torch
+    import transformers
+
+    from test_http import run_cli
+
+    path = tmp_path_factory.mktemp("gpt-oss-harmony")
+    config = transformers.GptOssConfig(
+        vocab_size=HARMONY_VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, head_dim=8,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+        tie_word_embeddings=False, architectures=["GptOssForCausalLM"], eos_token_id=200002)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    # the released models' ends: <|return|>, <|endoftext|>, <|call|>
+    transformers.GenerationConfig(eos_token_id=[200002, 199999, 200012]).save_pretrained(path)
+    rd = tmp_path_factory.mktemp("rd")
+    env = dict(os.environ, TPSERVE_API_KEY="")
+    out = run_cli("start", "--model", path, "--runtime-dir", rd, "--http-port", 0, "--num-kv-blocks", 64,
+                  "--block-size", 16, "--startup-timeout", 200, env=env)
+    assert out.returncode == 0, out.stderr + out.stdout
+    url = out.stdout.split()[1]
+    yield url, path.name
+    assert run_cli("stop", "--runtime-dir", rd, "--timeout", 60).returncode == 0
+
+
+def test_a_gpt_oss_daemon_renders_and_parses_in_harmony(gpt_oss_daemon):
+    import httpx
+
+    url, name = gpt_oss_daemon
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    body = {"model": name, "messages": messages, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    choice = got["choices"][0]
+    assert choice["prompt_token_ids"] == harmony.render(ENC, messages)
+    assert got["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
+    # the answer's random tokens, parsed as harmony parses them
+    thoughts, answer, calls, _ = harmony.parse_whole(ENC, choice["token_ids"])
+    msg = choice["message"]
+    assert (msg["reasoning_content"], msg["content"], msg.get("tool_calls", [])) == (thoughts, answer, calls)
+    assert thoughts or answer
+
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120)
+    deltas = [c["choices"][0]["delta"] for c in sse(r.text) if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == (answer or "")
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == (thoughts or "")
+
+    r = httpx.post(url + "/v1/messages", headers={"anthropic-version": "2023-06-01"}, timeout=120,
+                   json={"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(harmony.render(ENC, messages[1:]))
+    r = httpx.post(url + "/v1/responses", json={"model": name, "input": "hi", "max_output_tokens": 8},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["status"] == "incomplete", r.text
