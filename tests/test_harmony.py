@@ -290,6 +290,33 @@ def test_messages_thinking_text_and_tool_use(http, front):
     assert [e for e in events if e["type"] == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_agent_apis_tool_round_trips_render_as_harmony_tool_messages(http, front):
+    """A Responses function_call + function_call_output, and a Messages tool_use + tool_result,
+    come back to the model as its call and the tool's answer to it."""
+    front.answer = THINK_ANSWER
+    inp = [{"role": "user", "content": "weather?"},
+           {"type": "function_call", "call_id": "call_9", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'},
+           {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}]
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    r = http.post("/v1/responses", json={"model": "gpt-oss-tiny", "input": inp, "tools": tools})
+    assert r.status_code == 200, r.text
+    tail = ('<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>'
+            '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary'
+            '<|message|>sunny<|end|><|start|>assistant')
+    assert ENC.decode(front.prompts[-1]).endswith(tail)
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": "sunny"}]}]
+    r = http.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
+                  json={"model": "gpt-oss-tiny", "max_tokens": 9, "messages": msgs,
+                        "tools": [{"name": "get_weather", "input_schema": WEATHER}]})
+    assert r.status_code == 200, r.text
+    assert ENC.decode(front.prompts[-1]).endswith(tail)
+
+
 # ---- selection ----------------------------------------------------------------------------------
 def test_gpt_oss_is_served_in_harmony_unless_another_parser_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
