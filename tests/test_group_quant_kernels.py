@@ -2,7 +2,8 @@
 plain-torch reference of their arithmetic (``group_quant.w4a8_reference``: activations
 quantized to int8 per row and group the same way, exact integer dots, fp32/fp64 sums): 4- and
 8-bit codes, groups 16/32/128, fp16 and fp32 scales, odd shapes, 1..64 rows, fp32 and bf16,
-with and without bias;
+with and without bias; symmetric weights (mins = -c * scales, as GGUF's Q4_0 / Q6_K / Q8_0: no
+mins read, the offset subtracted from the integer dots); rows independent of the call's row count;
 on this machine's ISA path and on an AVX2-only build (``TPSERVE_CPU_ARCH=haswell``)."""
 from __future__ import annotations
 
@@ -14,13 +15,47 @@ import pytest
 import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.models.group_quant import (GROUP4, GROUP8, dequantize, pack_group_weight, quantize_groups,
-                                        w4a8_reference)
+from tpserve.models.group_quant import (GROUP4, GROUP8, dequantize, is_symmetric, pack_group_weight,
+                                        packed_rows, quantize_groups, symmetric_offset, w4a8_reference)
 
 CASES = [  # (N, K, group, bits)
     (67, 160, 32, 4), (64, 256, 128, 4), (130, 384, 128, 8), (33, 96, 32, 8), (5, 48, 16, 4),
 ]
 ROWS = (1, 2, 3, 5, 17, 64)
+SYM_CASES = [  # (N, K, group, bits, offset, fp16 scales): Q4_0, Q6_K, Q8_0, Q5_0-like, no mins
+    (67, 160, 32, 4, 8, True), (40, 96, 16, 8, 32, False), (33, 64, 32, 8, 128, True), (70, 64, 32, 8, 16, True),
+    (20, 64, 32, 4, 0, True),
+]
+
+
+def _symmetric_weights(n, k, g, bits, offset, fp16, seed):
+    """Codes of ``bits`` (every value up to 2**bits - 1), scales of either sign (some zero), mins =
+    -offset * scales: GGUF's symmetric blocks."""
+    torch.manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)
+    scales = torch.randn(n, k // g) * 0.02
+    scales[0, 0] = 0.0
+    scales = scales.half().float() if fp16 else scales * 1.0001
+    return codes, scales, -float(offset) * scales
+
+
+def check_symmetric_kernels() -> None:
+    for n, k, g, bits, offset, fp16 in SYM_CASES:
+        codes, scales, mins = _symmetric_weights(n, k, g, bits, offset, fp16, seed=n + k)
+        packed = pack_group_weight(codes, scales, mins)
+        assert packed.kind == (GROUP4 if bits == 4 else GROUP8) and is_symmetric(packed)
+        assert packed.colsum.tolist() == [offset]
+        assert packed.scales.dtype == (torch.float16 if fp16 else torch.float32)
+        for rows in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, k) * 2).to(dtype)
+                x[0, :g] = 0
+                bias = torch.randn(n).to(dtype) if rows % 2 else None
+                got = packed.matmul(x, bias)
+                want = w4a8_reference(x, codes, scales, mins, bias)
+                tol = 1e-4 if dtype == torch.float32 else 1e-2
+                err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                assert err < tol, f"symmetric N={n} K={k} g={g} bits={bits} c={offset} rows={rows} {dtype}: {err}"
 
 
 def _weights(n, k, g, bits, seed):
@@ -57,6 +92,7 @@ def check_kernels() -> None:
         dense = x @ dequantize(codes, scales, mins).T
         err = (w4a8_reference(x, codes, scales, mins) - dense).abs().max() / dense.abs().max()
         assert err.item() < 0.05
+    check_symmetric_kernels()
 
 
 def test_kernels_match_the_reference():
@@ -80,6 +116,57 @@ def test_strided_rows_and_the_linear_op_checks():
     with pytest.raises(ValueError, match="mins"):
         torch.ops.tpserve_cpu.linear(out, x.contiguous(), packed.data, packed.kind, 40, packed.scales,
                                      None, None)
+
+
+def test_symmetric_offsets_are_found_exactly():
+    scales = torch.rand(6, 4).half().float() + 0.01
+    assert symmetric_offset(scales, -8 * scales) == 8
+    assert symmetric_offset(scales, -128 * scales) == 128
+    assert symmetric_offset(scales, torch.zeros_like(scales)) == 0
+    assert symmetric_offset(torch.zeros_like(scales), torch.zeros_like(scales)) == 0
+    mins = -8 * scales
+    mins[5, 3] = mins[5, 3] * 1.5  # one group with a min of its own: asymmetric
+    assert symmetric_offset(scales, mins) is None
+    assert symmetric_offset(scales, -7.5 * scales) is None  # not an integer
+    assert symmetric_offset(scales, -256 * scales) is None  # beyond the kernels' offsets
+    assert symmetric_offset(scales, 8 * scales) is None  # negative
+    assert symmetric_offset(torch.zeros_like(scales), torch.ones_like(scales)) is None
+
+
+def test_symmetric_packs_read_back_and_refuse_bad_offsets():
+    assert cpu_extension.available()
+    codes, scales, mins = _symmetric_weights(70, 96, 32, 4, 8, True, seed=3)
+    packed = pack_group_weight(codes, scales, mins)
+    # q4_0 at group 32: 16 bytes of codes and 2 of scale per group and channel, no mins
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    n_pad = -(-70 // panel) * panel
+    assert packed.data.nbytes + packed.scales.nbytes + packed.colsum.nbytes == n_pad * 3 * 18 + 4
+    ids = torch.tensor([0, 5, 64, 69])
+    got = packed_rows(packed, ids)
+    assert torch.equal(got[0], codes[ids]) and torch.equal(got[1], scales[ids]) and torch.equal(got[2], mins[ids])
+    x = torch.randn(2, 96)
+    out = torch.empty(2, 70)
+    for bad in (-1, 256):
+        with pytest.raises(ValueError, match="offset"):
+            torch.ops.tpserve_cpu.linear(out, x, packed.data, packed.kind, 70, packed.scales,
+                                         torch.tensor([bad], dtype=torch.int32), None)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_rows_do_not_depend_on_the_calls_row_count(symmetric):
+    """Each row of an M-row call equals, bit for bit, that row alone (every tile size, bf16)."""
+    assert cpu_extension.available()
+    if symmetric:
+        codes, scales, mins = _symmetric_weights(130, 256, 32, 4, 8, True, seed=7)
+    else:
+        codes, scales, mins = _weights(130, 256, 32, 4, seed=7)
+    packed = pack_group_weight(codes, scales, mins)
+    assert is_symmetric(packed) == symmetric
+    x = torch.randn(11, 256).bfloat16()
+    full = packed.matmul(x, None)
+    for m in range(11):
+        assert torch.equal(packed.matmul(x[m:m + 1], None), full[m:m + 1]), m
+    assert torch.equal(packed.matmul(x[3:8], None), full[3:8])
 
 
 AVX2_CHECK = r"""

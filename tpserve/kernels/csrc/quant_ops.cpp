@@ -51,8 +51,13 @@ constexpr int64_t kGTile = 2;
 constexpr int64_t kGTile = 2;
 #endif
 constexpr int kPath = TPSERVE_GROUP_PATH;
+// The largest offset of a symmetric weight (mins = -offset * scales): 2^bits - 1 covers every
+// code range, and offset * sum(a_q) stays far inside int32 (256 * 127 * 255 < 2^23).
+constexpr int32_t kMaxOffset = 255;
 
 int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+// A symmetric weight: its colsum slot is one int32, the offset, instead of the mins.
+bool is_symmetric(const PackedLinear& w) { return w.colsum->numel() == 1 && w.colsum->scalar_type() == at::kInt; }
 int64_t bits_of(int64_t kind) { return kind == kGroup4 ? 4 : 8; }
 // Bytes of codes per panel.
 int64_t panel_code_bytes(int64_t kind, int64_t K) { return kind == kGroup4 ? K * kPanel / 2 : K * kPanel; }
@@ -60,15 +65,17 @@ int64_t panel_code_bytes(int64_t kind, int64_t K) { return kind == kGroup4 ? K *
 // ---- activations: int8 per row and group -------------------------------------------------------
 
 struct QRows {
-  const int8_t* q = nullptr;   // [M, K]
-  const float* s = nullptr;    // [M, G]: a_scale
-  const float* ms = nullptr;   // [M, G]: a_scale * sum(a_q)
+  const int8_t* q = nullptr;     // [M, K]
+  const float* s = nullptr;      // [M, G]: a_scale
+  const float* ms = nullptr;     // [M, G]: a_scale * sum(a_q)
+  const int32_t* sum = nullptr;  // [M, G]: sum(a_q)
   int64_t K = 0, G = 0;
 };
 
 struct QBuffers {
   std::vector<int8_t> q;
   std::vector<float> s, ms;
+  std::vector<int32_t> sum;
 };
 thread_local QBuffers t_buf;
 
@@ -79,7 +86,7 @@ typedef int8_t vi8l __attribute__((vector_size(kLanes)));
 // kLanes). Rounding to nearest even by adding and subtracting 1.5 * 2^23 (|x / a_scale| <= 127
 // here), as torch.round rounds the reference's.
 template <typename T>
-void quantize_row(const T* row, int64_t K, int64_t g, int8_t* q, float* s, float* ms) {
+void quantize_row(const T* row, int64_t K, int64_t g, int8_t* q, float* s, float* ms, int32_t* sums) {
   const vfl zero = vfl{} * 0.f;
   for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
     vfl vmax = zero;
@@ -107,6 +114,7 @@ void quantize_row(const T* row, int64_t K, int64_t g, int8_t* q, float* s, float
     for (int64_t l = 0; l < kLanes; ++l) sum += vsum[l];
     s[gi] = sc;
     ms[gi] = sc * static_cast<float>(sum);
+    sums[gi] = sum;
   }
 }
 
@@ -118,13 +126,17 @@ QRows quantize_rows(const at::Tensor& x, int64_t g) {
   b.q.resize(static_cast<size_t>(M * K));
   b.s.resize(static_cast<size_t>(M * G));
   b.ms.resize(static_cast<size_t>(M * G));
+  b.sum.resize(static_cast<size_t>(M * G));
   int8_t* q = b.q.data();
   float* s = b.s.data();
   float* ms = b.ms.data();
+  int32_t* sums = b.sum.data();
   at::parallel_for(0, M, std::max<int64_t>(1, 131072 / std::max<int64_t>(K, 1)), [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) quantize_row(xp + m * xs, K, g, q + m * K, s + m * G, ms + m * G);
+    for (int64_t m = lo; m < hi; ++m) {
+      quantize_row(xp + m * xs, K, g, q + m * K, s + m * G, ms + m * G, sums + m * G);
+    }
   });
-  return QRows{q, s, ms, K, G};
+  return QRows{q, s, ms, sums, K, G};
 }
 
 // ---- the per-ISA integer dot products of one group --------------------------------------------
@@ -148,6 +160,8 @@ inline vi dot_small(vi acc, vi w, vi x) {
 }
 inline vi dot_byte(vi acc, vi w, vi x) { return dot_small(acc, w, x); }
 inline vfl to_fl(vi v) { return (vfl)_mm512_cvtepi32_ps(v); }
+inline vi vsub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi vset1(int32_t v) { return _mm512_set1_epi32(v); }
 #elif TPSERVE_GROUP_PATH == 1
 using vi = __m256i;
 inline vi vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -170,6 +184,8 @@ inline vi dot_byte(vi acc, vi w, vi x) {
   return _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi));
 }
 inline vfl to_fl(vi v) { return (vfl)_mm256_cvtepi32_ps(v); }
+inline vi vsub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+inline vi vset1(int32_t v) { return _mm256_set1_epi32(v); }
 #endif
 
 template <int64_t bytes>
@@ -195,8 +211,10 @@ inline vfl load_scales(const at::Half* p) {
 }
 
 // TM rows (r0..) times one panel over all of K: acc[t][i] = output channels [i*L, (i+1)*L).
-template <int64_t TM, bool FOUR, bool PF, typename S>
-inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int64_t g, const QRows& r,
+// SYM: every min is -off * scale (mn unused): the group's integer dot less off * sum(a_q), exact
+// in int32, times scale * a_scale.
+template <int64_t TM, bool FOUR, bool PF, bool SYM, typename S>
+inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, int64_t g, const QRows& r,
                        int64_t r0, vfl (&acc)[kGTile][4]) {
   const int64_t K = r.K, G = r.G;
   const int8_t* xq = r.q + r0 * K;
@@ -229,14 +247,23 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int64_t g, co
         }
       }
     }
-    vfl s[4], m[4];
-    for (int64_t i = 0; i < 4; ++i) {
-      s[i] = load_scales(sc + gi * kPanel + i * kLanes);
-      m[i] = load_scales(mn + gi * kPanel + i * kLanes);
-    }
-    for (int64_t t = 0; t < TM; ++t) {
-      const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
-      for (int64_t i = 0; i < 4; ++i) acc[t][i] += to_fl(a[t][i]) * (s[i] * as) + m[i] * ams;
+    vfl s[4];
+    for (int64_t i = 0; i < 4; ++i) s[i] = load_scales(sc + gi * kPanel + i * kLanes);
+    if constexpr (SYM) {
+      (void)mn;
+      for (int64_t t = 0; t < TM; ++t) {
+        const float as = r.s[(r0 + t) * G + gi];
+        const vi osum = vset1(off * r.sum[(r0 + t) * G + gi]);
+        for (int64_t i = 0; i < 4; ++i) acc[t][i] += to_fl(vsub(a[t][i], osum)) * (s[i] * as);
+      }
+    } else {
+      (void)off;
+      vfl m[4];
+      for (int64_t i = 0; i < 4; ++i) m[i] = load_scales(mn + gi * kPanel + i * kLanes);
+      for (int64_t t = 0; t < TM; ++t) {
+        const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
+        for (int64_t i = 0; i < 4; ++i) acc[t][i] += to_fl(a[t][i]) * (s[i] * as) + m[i] * ams;
+      }
     }
   }
 #else
@@ -258,9 +285,15 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int64_t g, co
     }
     for (int64_t t = 0; t < TM; ++t) {
       const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
+      const int32_t osum = off * r.sum[(r0 + t) * G + gi];
       for (int64_t j = 0; j < kPanel; ++j) {
-        acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j]) * (static_cast<float>(sc[gi * kPanel + j]) * as) +
-                                          static_cast<float>(mn[gi * kPanel + j]) * ams;
+        const float s = static_cast<float>(sc[gi * kPanel + j]);
+        if constexpr (SYM) {
+          acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j] - osum) * (s * as);
+        } else {
+          acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j]) * (s * as) +
+                                            static_cast<float>(mn[gi * kPanel + j]) * ams;
+        }
       }
     }
   }
@@ -285,16 +318,28 @@ void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) acc[t][i] = vfl{};
   const uint8_t* codes = static_cast<const uint8_t*>(w.data.data_ptr()) + p * panel_code_bytes(w.kind, K);
-  if (w.scales->scalar_type() == at::kHalf) {
+  const bool four = w.kind == kGroup4;
+  if (is_symmetric(w)) {
+    const int32_t off = w.colsum->data_ptr<int32_t>()[0];
+    if (w.scales->scalar_type() == at::kHalf) {
+      const at::Half* sc = w.scales->data_ptr<at::Half>() + p * G * kPanel;
+      four ? group_tile<TM, true, PF, true>(codes, sc, sc, off, g, r, r0, acc)
+           : group_tile<TM, false, PF, true>(codes, sc, sc, off, g, r, r0, acc);
+    } else {
+      const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
+      four ? group_tile<TM, true, PF, true>(codes, sc, sc, off, g, r, r0, acc)
+           : group_tile<TM, false, PF, true>(codes, sc, sc, off, g, r, r0, acc);
+    }
+  } else if (w.scales->scalar_type() == at::kHalf) {
     const at::Half* sc = w.scales->data_ptr<at::Half>() + p * G * kPanel;
     const at::Half* mn = w.colsum->data_ptr<at::Half>() + p * G * kPanel;
-    w.kind == kGroup4 ? group_tile<TM, true, PF>(codes, sc, mn, g, r, r0, acc)
-                      : group_tile<TM, false, PF>(codes, sc, mn, g, r, r0, acc);
+    four ? group_tile<TM, true, PF, false>(codes, sc, mn, 0, g, r, r0, acc)
+         : group_tile<TM, false, PF, false>(codes, sc, mn, 0, g, r, r0, acc);
   } else {
     const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
     const float* mn = w.colsum->data_ptr<float>() + p * G * kPanel;
-    w.kind == kGroup4 ? group_tile<TM, true, PF>(codes, sc, mn, g, r, r0, acc)
-                      : group_tile<TM, false, PF>(codes, sc, mn, g, r, r0, acc);
+    four ? group_tile<TM, true, PF, false>(codes, sc, mn, 0, g, r, r0, acc)
+         : group_tile<TM, false, PF, false>(codes, sc, mn, 0, g, r, r0, acc);
   }
   const int64_t n0 = p * kPanel;
   const int64_t valid = std::min(kPanel, w.n - n0);
@@ -334,7 +379,8 @@ void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
   const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t panel_bytes = panel_code_bytes(w.kind, w.k) + 2 * (w.k / g) * kPanel * 4;
+  const int64_t panel_bytes = panel_code_bytes(w.kind, w.k) + (w.k / g) * kPanel * w.scales->element_size() *
+                                                                   (is_symmetric(w) ? 1 : 2);
   const int64_t grain = M > kGTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -365,8 +411,15 @@ void check_group_packed(const PackedLinear& w, const char* what) {
   const int64_t G = s.numel() / n_pad;
   TORCH_CHECK_VALUE(w.k % G == 0 && (w.k / G) % 16 == 0, what, ": ", G, " groups of K=", w.k,
                     " inputs: the group must divide K and be a multiple of 16");
-  TORCH_CHECK_VALUE(m.is_contiguous() && m.scalar_type() == s.scalar_type() && m.numel() == s.numel(), what,
-                    ": mins must be contiguous, of the scales' dtype and size");
+  if (m.numel() == 1 && m.scalar_type() == at::kInt) {
+    const int32_t off = m.data_ptr<int32_t>()[0];
+    TORCH_CHECK_VALUE(off >= 0 && off <= kMaxOffset, what, ": the offset of a symmetric weight (mins = -offset * "
+                      "scales) must be within 0..", kMaxOffset, ", got ", off);
+  } else {
+    TORCH_CHECK_VALUE(m.is_contiguous() && m.scalar_type() == s.scalar_type() && m.numel() == s.numel(), what,
+                      ": mins must be contiguous, of the scales' dtype and size (or one int32: the offset of "
+                      "a symmetric weight)");
+  }
   const int64_t bytes = panels(w.n) * panel_code_bytes(w.kind, w.k);
   TORCH_CHECK_VALUE(w.data.is_contiguous() && w.data.scalar_type() == at::kByte && w.data.numel() == bytes,
                     what, ": packed codes must be a contiguous uint8 tensor of ", bytes, " bytes (",
