@@ -24,6 +24,7 @@ from tpserve import LLM, SamplingParams
 from tpserve.blockpool.kv_events import BlockStored
 from tpserve.kv_tiers import files
 from tpserve.kv_tiers.connector import DISK
+from tpserve.kv_groups import kv_cache_groups
 from tpserve.kv_tiers.index import KVTierIndex
 
 
@@ -142,10 +143,12 @@ def test_a_load_that_misses_a_block_readmits_the_sequence(tmp_path):
 def test_random_workloads_with_tiers_match_the_reference(layers, bs, host, disk, seed, lose, arrive_every,
                                                          preempt_every, tmp_path_factory):
     rng = random.Random(seed)
-    prompts = shared_prefix_prompts(rng, 3, rng.randrange(5, 25), vocab=6)
+    prompts = shared_prefix_prompts(rng, 4, rng.randrange(5, 25), vocab=6)
     attach, made = with_tiers(host, disk, tmp_path_factory.mktemp("tiers"), seed, lose)
-    run_workload(layers, bs, 160 // bs + 30, prompts, 8, max_num_seqs=2, arrive_every=arrive_every,
-                 preempt_every=preempt_every, vocab=11, tiers=attach)
+    # A pool of one or two sequences: the prompts push each other out of it.
+    need = -(-(max(map(len, prompts)) + 8) // bs) * len(kv_cache_groups(layers))
+    run_workload(layers, bs, need + rng.randrange(need), prompts, 8, max_num_seqs=2,
+                 arrive_every=arrive_every, preempt_every=preempt_every, vocab=11, tiers=attach)
     check_tiers_exact(made)
 
 
@@ -228,3 +231,27 @@ def test_tier_events_name_the_group(tiny_models_root):  # noqa: F811
         tiers = llm.engine.scheduler.kv_tiers
         replay = resync_events([], BS, tiers.tier_blocks())
         assert {e.group_idx for e in replay if isinstance(e, BlockStored)} == set(range(len(bm.groups)))
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_keep_each_groups_blocks(tiny_models_root, tmp_path):  # noqa: F811
+    path = path_of(tiny_models_root, "gemma3")
+    a, others = PROMPTS[0], PROMPTS[1:4]
+    kw = dict(dtype="float32", num_kv_blocks=48, block_size=BS, tensor_parallel_size=2,
+              kv_offload_dir=str(tmp_path))
+    with LLM(str(path), kv_offload_host_gb=0.001, **kw) as llm:
+        first = gen(llm, a)
+        pool = gen(llm, a)
+        for p in others:
+            gen(llm, p)
+        before = tier_stats(llm)
+        got = gen(llm, a)
+        assert tier_stats(llm)["host_loads"] > before["host_loads"]
+        assert got == pool and got[:2] == first[:2]
+        llm.engine.check_integrity()
+        fp = llm.engine.scheduler.kv_tiers.fingerprint
+    for rank in (0, 1):
+        assert len(list(files.rank_dir(tmp_path, fp, rank).glob("*.kv"))) >= 14
+    with LLM(str(path), **kw) as llm:
+        assert gen(llm, a) == pool
+        assert tier_stats(llm)["disk_loads"] == 14  # the full group's 10 blocks, 2 of each window's
