@@ -170,12 +170,14 @@ def tier_stats(llm) -> dict:
     return {k[len("kv_offload_"):]: v for k, v in llm.engine.stats().items() if k.startswith("kv_offload_")}
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
-def test_windowed_model_serves_an_evicted_prefix_from_host_then_disk(arch, tiny_models_root,  # noqa: F811
+@pytest.mark.parametrize("arch, kv", [("gemma3", "auto"), ("mistral", "auto"), ("gemma3", "int8")])
+def test_windowed_model_serves_an_evicted_prefix_from_host_then_disk(arch, kv, tiny_models_root,  # noqa: F811
                                                                      tmp_path):
+    """(An int8 cache's blocks carry their scales: docs/kv_int8.md.)"""
     path = path_of(tiny_models_root, arch)
     a, others = PROMPTS[0], PROMPTS[1:]
-    kw = dict(dtype="float32", num_kv_blocks={"gemma3": 48, "mistral": 16}[arch], block_size=BS)
+    kw = dict(dtype="float32", num_kv_blocks={"gemma3": 48, "mistral": 16}[arch], block_size=BS,
+              kv_cache_dtype=kv, attention_backend="cpu")
     with LLM(str(path), **kw) as ref:  # no tiers, no cache hit: computed from nothing
         want = gen(ref, a)
         bm = ref.engine.scheduler.block_manager
