@@ -110,7 +110,7 @@ def test_int4_configs():
         resolve_quantization("group", {})
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (4, 128)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16), (4, 128), (6, 16), (5, 32)])
 def test_packed_rows_read_back_codes_scales_and_mins(bits, group):
     """An embedding that shares a tied head's codes looks its rows up in the packed layout: for
     any rows (across panels, the padded last one included) the codes, scales and mins come back."""
@@ -120,7 +120,10 @@ def test_packed_rows_read_back_codes_scales_and_mins(bits, group):
     codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)
     scales = torch.rand(n, k // group) + 0.1
     mins = -torch.rand(n, k // group)
-    packed = pack_group_weight(codes, scales, mins, bits)
+    packed = pack_group_weight(codes, scales, mins, 4 if bits == 4 else 8)
+    # codes below 64 are held in 6 bits: 3/4 of a byte each
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    assert packed.data.numel() == -(-n // panel) * panel * k * {4: 4, 5: 6, 6: 6, 8: 8}[bits] // 8
     ids = torch.tensor([0, 149, 63, 64, 17, 17, 100])
     got = packed_rows(packed, ids)
     assert torch.equal(got[0], codes[ids])

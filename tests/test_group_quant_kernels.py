@@ -15,16 +15,18 @@ import pytest
 import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.models.group_quant import (GROUP4, GROUP8, dequantize, is_symmetric, pack_group_weight,
-                                        packed_rows, quantize_groups, symmetric_offset, w4a8_reference)
+from tpserve.models.group_quant import (GROUP4, GROUP8, code_bits, dequantize, is_symmetric,
+                                        pack_group_weight, packed_rows, quantize_groups, symmetric_offset,
+                                        w4a8_reference)
 
-CASES = [  # (N, K, group, bits)
+CASES = [  # (N, K, group, bits): bits 5 and 6 are held in 6 bits (GROUP8)
     (67, 160, 32, 4), (64, 256, 128, 4), (130, 384, 128, 8), (33, 96, 32, 8), (5, 48, 16, 4),
+    (48, 128, 32, 6), (70, 96, 16, 5),
 ]
 ROWS = (1, 2, 3, 5, 17, 64)
 SYM_CASES = [  # (N, K, group, bits, offset, fp16 scales): Q4_0, Q6_K, Q8_0, Q5_0-like, no mins
-    (67, 160, 32, 4, 8, True), (40, 96, 16, 8, 32, False), (33, 64, 32, 8, 128, True), (70, 64, 32, 8, 16, True),
-    (20, 64, 32, 4, 0, True),
+    (67, 160, 32, 4, 8, True), (40, 96, 16, 6, 32, False), (33, 64, 32, 8, 128, True),
+    (70, 64, 32, 5, 16, True), (20, 64, 32, 4, 0, True), (9, 48, 16, 8, 32, False),
 ]
 
 
@@ -44,6 +46,7 @@ def check_symmetric_kernels() -> None:
         codes, scales, mins = _symmetric_weights(n, k, g, bits, offset, fp16, seed=n + k)
         packed = pack_group_weight(codes, scales, mins)
         assert packed.kind == (GROUP4 if bits == 4 else GROUP8) and is_symmetric(packed)
+        assert code_bits(packed) == {4: 4, 5: 6, 6: 6, 8: 8}[bits]
         assert packed.colsum.tolist() == [offset]
         assert packed.scales.dtype == (torch.float16 if fp16 else torch.float32)
         for rows in ROWS:
@@ -55,7 +58,8 @@ def check_symmetric_kernels() -> None:
                 want = w4a8_reference(x, codes, scales, mins, bias)
                 tol = 1e-4 if dtype == torch.float32 else 1e-2
                 err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                assert err < tol, f"symmetric N={n} K={k} g={g} bits={bits} c={offset} rows={rows} {dtype}: {err}"
+                assert err < tol, f"symmetric N={n} K={k} g={g} bits={bits} c={offset} rows={rows} " \
+                                  f"{dtype}: {err}"
 
 
 def _weights(n, k, g, bits, seed):
@@ -75,6 +79,7 @@ def check_kernels() -> None:
             scales = scales * 1.0001
         packed = pack_group_weight(codes, scales, mins)
         assert packed.kind == (GROUP4 if bits == 4 else GROUP8), (packed.kind, bits)
+        assert code_bits(packed) == {4: 4, 5: 6, 6: 6, 8: 8}[bits]
         assert packed.scales.dtype == (torch.float32 if n % 2 else torch.float16)
         for rows in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
@@ -143,7 +148,8 @@ def test_symmetric_packs_read_back_and_refuse_bad_offsets():
     assert packed.data.nbytes + packed.scales.nbytes + packed.colsum.nbytes == n_pad * 3 * 18 + 4
     ids = torch.tensor([0, 5, 64, 69])
     got = packed_rows(packed, ids)
-    assert torch.equal(got[0], codes[ids]) and torch.equal(got[1], scales[ids]) and torch.equal(got[2], mins[ids])
+    for g, ref in zip(got, (codes, scales, mins)):
+        assert torch.equal(g, ref[ids])
     x = torch.randn(2, 96)
     out = torch.empty(2, 70)
     for bad in (-1, 256):

@@ -117,8 +117,8 @@ SCRIPTS = {
                            r"tpserve int4-g32 +dtype=int4-g32 w/ int8 act per group +tok/s +[\d.]+ .*\n"
                            r"ratio int4-g32 / int8: tok/s [\d.]+x .*linear bytes [\d.]+ .*\n"
                            r"load average"),
-    "bench_w4a8_kernels.py": Smoke(("--shape", "tiny", "--repeats", "1", "--threads", "1"),
-                                   r"w4a8-kernels shape=tiny layers=2 rows=1 isa=\S+ path=\S+ .*\n"
+    "bench_w4a8_kernels.py": Smoke(("--shape", "tiny", "--head", "--repeats", "1", "--threads", "1"),
+                                   r"w4a8-kernels shape=tiny layers=2 head=yes rows=1 isa=\S+ path=\S+ .*\n"
                                    r"threads=1 q4_0 ms +[\d.]+ GB/s +[\d.]+ +q4_1 ms +[\d.]+ GB/s +[\d.]+ +"
                                    r"int8 ms +[\d.]+ GB/s +[\d.]+ +ratio int8/q4_0 [\d.]+x"),
     "bench_latency.py": Smoke(("--shape", "tiny", "--runs", "1"),  # tpserve's engines only, no llama-server

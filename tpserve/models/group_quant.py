@@ -37,7 +37,10 @@ Packed layout (built here with torch reshapes; P = ``linear_panel_width()`` outp
 vectors of L = P / 4 int32 lanes): 8-bit ``[N/P][K/4][4][L][4]`` (each lane a quad of inputs,
 what vpdpbusd / vpmaddubsw multiply); 4-bit ``[N/P][K/8][4][L][4]`` bytes, each byte's low
 nibble the code of input ``8j + q``, its high nibble that of ``8j + 4 + q``; scales and mins
-``[N/P][K/g][P]``, fp16 when every value is exactly one, else fp32. A symmetric weight, every
+``[N/P][K/g][P]``, fp16 when every value is exactly one, else fp32. 8-bit codes all below 64
+(GGUF's Q5_0, Q5_1, Q5_K, Q6_K) are held in 6 bits, ``[N/P][K/16]`` blocks of two 4-bit steps
+(the low nibbles, as above) then ``[4][L][4]`` bytes of their 2-bit high parts, field ``f`` of
+byte ``q`` the input ``16b + 4f + q``: 0.75 bytes per weight instead of 1. A symmetric weight, every
 min ``-c * scale`` for one integer ``c`` (GGUF's Q4_0, Q5_0, Q6_K, Q8_0), keeps no mins: the
 kernels subtract ``c * sum(a_q)`` from each group's integer dot (exact in int32) and read 2 or 4
 bytes fewer per group and channel (at group 32 and fp16 scales, 0.5625 bytes per weight instead
@@ -157,11 +160,14 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     """codes / scales / mins in the kernels' layout (module docstring) as a PackedWeight of kind
     GROUP4 or GROUP8. Its ``colsum`` slot holds the mins, or for a symmetric weight (mins = -c *
     scales, :func:`symmetric_offset`) one int32, ``c``: the kernels then read no mins. ``bits``
-    None: 4 when every code is below 16."""
+    None: 4 when every code is below 16, 6 when below 64 (GROUP8 in 6 bits: Q5/Q6 blocks), else
+    8; an explicit 8 is also held in 6 bits when the codes allow it."""
     n, k = codes.shape
     g = group_size_of(codes, scales)
+    top = int(codes.max())
     if bits is None:
-        bits = 4 if int(codes.max()) < 16 else 8
+        bits = 4 if top < 16 else 8
+    six = bits == 8 and top < 64
     panel = torch.ops.tpserve_cpu.linear_panel_width()
     lanes = panel // 4
     n_pad = -(-n // panel) * panel
@@ -170,6 +176,12 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     if bits == 4:
         c = c.view(pn, 4, lanes, k // 8, 2, 4).permute(0, 3, 1, 2, 4, 5)
         data = (c[..., 0, :] | (c[..., 1, :] << 4)).contiguous().view(-1)
+    elif six:  # per 16 inputs: the low nibbles as two 4-bit steps, then the 2-bit high parts
+        lo = (c & 15).view(pn, 4, lanes, k // 8, 2, 4).permute(0, 3, 1, 2, 4, 5)
+        lo = (lo[..., 0, :] | (lo[..., 1, :] << 4)).reshape(pn, k // 16, 2 * panel * 4)
+        hi = (c >> 4).view(pn, 4, lanes, k // 16, 4, 4).permute(0, 3, 1, 2, 5, 4)  # [.., q, field]
+        hi = hi[..., 0] | (hi[..., 1] << 2) | (hi[..., 2] << 4) | (hi[..., 3] << 6)
+        data = torch.cat([lo, hi.reshape(pn, k // 16, panel * 4)], dim=2).contiguous().view(-1)
     else:
         data = c.view(pn, 4, lanes, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
 
@@ -194,10 +206,17 @@ def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, 
     panel = torch.ops.tpserve_cpu.linear_panel_width()
     lanes = panel // 4
     k = packed.k
-    pn = packed.data.numel() // (panel * k // (2 if packed.kind == GROUP4 else 1))
+    bits = code_bits(packed)
+    pn = packed.data.numel() * 8 // (panel * k * bits)
     p, j = ids // panel, ids % panel
     vec, lane = (j // lanes)[:, None], (j % lanes)[:, None]
-    if packed.kind == GROUP4:
+    if bits == 6:
+        data = packed.data.view(pn, k // 16, 3, 4, lanes, 4)
+        b = data[p[:, None], torch.arange(k // 16)[None, :], :, vec, lane]  # [T, K/16, 3, 4]
+        lo = torch.stack([b[:, :, :2] & 15, b[:, :, :2] >> 4], dim=3)  # [T, K/16, half, nibble, q]
+        hi = torch.stack([(b[:, :, 2] >> (2 * f)) & 3 for f in range(4)], dim=2)  # [T, K/16, field, q]
+        codes = lo.reshape(len(ids), k) | (hi.reshape(len(ids), k) << 4)
+    elif bits == 4:
         data = packed.data.view(pn, k // 8, 4, lanes, 4)
         b = data[p[:, None], torch.arange(k // 8)[None, :], vec, lane]  # [T, K/8, 4]
         codes = torch.stack([b & 15, b >> 4], dim=2)  # inputs 8j + q, then 8j + 4 + q
@@ -212,6 +231,16 @@ def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, 
     scales = per_row(packed.scales)
     mins = -float(packed.colsum.item()) * scales if is_symmetric(packed) else per_row(packed.colsum)
     return codes.reshape(len(ids), k), scales, mins
+
+
+def code_bits(packed: PackedWeight) -> int:
+    """The bits a GROUP4 / GROUP8 pack holds per code: 4, 6 or 8 (a GROUP8 in 6 bits is 3/4 the
+    size)."""
+    if packed.kind == GROUP4:
+        return 4
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    full = -(-packed.n // panel) * panel * packed.k
+    return 6 if packed.data.numel() * 4 == full * 3 else 8
 
 
 def is_symmetric(packed: PackedWeight) -> bool:

@@ -17,10 +17,16 @@
 // linear_ops.cpp's, each lane of a vector holding a quad of consecutive inputs of one channel:
 //     8-bit codes [N/P][K/4][4][L][4]
 //     4-bit codes [N/P][K/8][4][L][4]  a byte: low nibble input 8j + q, high nibble 8j + 4 + q
+//     6-bit codes [N/P][K/16]: two 4-bit steps (the low nibbles), then [4][L][4] bytes of the
+//                 2-bit high parts (field f of byte q: input 16b + 4f + q); a kGroup8 weight
+//                 with codes below 64, told apart by its size (3/4 of the 8-bit one's)
 //     scales, mins [N/P][G][P]  (fp32, or fp16 when exact)
-// so a panel is one stream read front to back, 4 bits per weight (plus 8 bytes per group and
-// channel for its scale and min). A decode row reads every weight once; prompt rows stream past
-// a panel while it sits in L2, in blocks of 64 rows, up to kGTile rows per register tile.
+// so a panel is one stream read front to back, 4 bits per weight (plus 4 or 8 bytes per group and
+// channel for its scale and min). A symmetric weight (every min -off * scale, one integer off:
+// GGUF's Q4_0, Q5_0, Q6_K, Q8_0) holds one int32, off, in place of the mins and reads none: its
+// group dots less off * sum(a_q), exact in int32, times scale * a_scale. A decode row reads every
+// weight once; prompt rows stream past a panel while it sits in L2, in blocks of 64 rows, up to
+// kGTile rows per register tile.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,10 +63,16 @@ constexpr int32_t kMaxOffset = 255;
 
 int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 // A symmetric weight: its colsum slot is one int32, the offset, instead of the mins.
-bool is_symmetric(const PackedLinear& w) { return w.colsum->numel() == 1 && w.colsum->scalar_type() == at::kInt; }
-int64_t bits_of(int64_t kind) { return kind == kGroup4 ? 4 : 8; }
-// Bytes of codes per panel.
-int64_t panel_code_bytes(int64_t kind, int64_t K) { return kind == kGroup4 ? K * kPanel / 2 : K * kPanel; }
+bool is_symmetric(const PackedLinear& w) {
+  return w.colsum->numel() == 1 && w.colsum->scalar_type() == at::kInt;
+}
+// Bytes of codes per panel of `bits`-bit codes (6: a 4-bit plane and a 2-bit plane).
+int64_t panel_code_bytes(int64_t bits, int64_t K) { return K * kPanel * bits / 8; }
+// A kGroup8 weight whose codes are all below 64 may hold them in 6 bits: told apart by its size.
+int64_t bits_of(const PackedLinear& w) {
+  if (w.kind == kGroup4) return 4;
+  return w.data.numel() == panels(w.n) * panel_code_bytes(6, w.k) ? 6 : 8;
+}
 
 // ---- activations: int8 per row and group -------------------------------------------------------
 
@@ -162,6 +174,14 @@ inline vi dot_byte(vi acc, vi w, vi x) { return dot_small(acc, w, x); }
 inline vfl to_fl(vi v) { return (vfl)_mm512_cvtepi32_ps(v); }
 inline vi vsub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vi vset1(int32_t v) { return _mm512_set1_epi32(v); }
+// 2-bit field f of each byte, times 16 (bits 4..5; a byte's shifted-in neighbours are masked).
+template <int f>
+inline vi field16(vi v) {
+  const vi m = _mm512_set1_epi8(0x30);
+  if constexpr (f < 2) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * f), m);
+  if constexpr (f == 2) return _mm512_and_si512(v, m);
+  return _mm512_and_si512(_mm512_srli_epi16(v, 2), m);
+}
 #elif TPSERVE_GROUP_PATH == 1
 using vi = __m256i;
 inline vi vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -186,6 +206,13 @@ inline vi dot_byte(vi acc, vi w, vi x) {
 inline vfl to_fl(vi v) { return (vfl)_mm256_cvtepi32_ps(v); }
 inline vi vsub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 inline vi vset1(int32_t v) { return _mm256_set1_epi32(v); }
+template <int f>
+inline vi field16(vi v) {
+  const vi m = _mm256_set1_epi8(0x30);
+  if constexpr (f < 2) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - 2 * f), m);
+  if constexpr (f == 2) return _mm256_and_si256(v, m);
+  return _mm256_and_si256(_mm256_srli_epi16(v, 2), m);
+}
 #endif
 
 template <int64_t bytes>
@@ -213,34 +240,62 @@ inline vfl load_scales(const at::Half* p) {
 // TM rows (r0..) times one panel over all of K: acc[t][i] = output channels [i*L, (i+1)*L).
 // SYM: every min is -off * scale (mn unused): the group's integer dot less off * sum(a_q), exact
 // in int32, times scale * a_scale.
-template <int64_t TM, bool FOUR, bool PF, bool SYM, typename S>
+// BITS 6: blocks of 16 inputs, each two 4-bit steps (as BITS 4) then one vector step of 2-bit
+// fields, the high bits of the codes: field f of a lane's byte q is input 16b + 4f + q; a code
+// (below 64) is lo + 16 * hi, so 16 * hi (below 64) multiplies in place and needs no
+// accumulator of its own.
+template <int64_t TM, int BITS, bool PF, bool SYM, typename S>
 inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, int64_t g, const QRows& r,
                        int64_t r0, vfl (&acc)[kGTile][4]) {
   const int64_t K = r.K, G = r.G;
   const int8_t* xq = r.q + r0 * K;
 #if TPSERVE_GROUP_PATH > 0
-  constexpr int64_t kStep = FOUR ? 8 : 4;  // inputs per step
-  constexpr int64_t kBytes = 4 * kLanes * 4;  // bytes of codes per step (4 vectors)
+  constexpr int64_t kVec = kLanes * 4;   // bytes of a vector
+  constexpr int64_t kBytes = 4 * kVec;  // bytes of codes per step (4 vectors)
+  constexpr int64_t kStep = BITS == 6 ? 16 : BITS == 4 ? 8 : 4;  // inputs per step
+  constexpr int64_t kStepBytes = BITS == 6 ? 3 * kBytes : kBytes;
+  // 8 inputs of 4-bit codes (the low nibbles: inputs k + q, the high: k + 4 + q) from `w`
+  auto nibbles = [&](vi (&a)[TM][4], const uint8_t* p, int64_t k) {
+    vi wv[4], hv[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      wv[i] = vload(p + i * kVec);
+      hv[i] = hi_nib(wv[i]);
+      wv[i] = lo_nib(wv[i]);
+    }
+    for (int64_t t = 0; t < TM; ++t) {
+      const vi xa = bcast4(xq + t * K + k), xb = bcast4(xq + t * K + k + 4);
+      for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_small(dot_small(a[t][i], wv[i], xa), hv[i], xb);
+    }
+  };
   for (int64_t gi = 0; gi < G; ++gi) {
     vi a[TM][4];
     for (int64_t t = 0; t < TM; ++t)
       for (int64_t i = 0; i < 4; ++i) a[t][i] = vzero();
     const int64_t kend = (gi + 1) * g;
-    for (int64_t k = gi * g; k < kend; k += kStep, w += kBytes) {
-      if constexpr (PF) prefetch_ahead<kBytes>(w);
-      vi wv[4];
-      for (int64_t i = 0; i < 4; ++i) wv[i] = vload(w + i * (kBytes / 4));
-      if constexpr (FOUR) {
-        vi hv[4];
-        for (int64_t i = 0; i < 4; ++i) {
-          hv[i] = hi_nib(wv[i]);
-          wv[i] = lo_nib(wv[i]);
-        }
-        for (int64_t t = 0; t < TM; ++t) {
-          const vi xa = bcast4(xq + t * K + k), xb = bcast4(xq + t * K + k + 4);
-          for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_small(dot_small(a[t][i], wv[i], xa), hv[i], xb);
-        }
+    for (int64_t k = gi * g; k < kend; k += kStep, w += kStepBytes) {
+      if constexpr (PF) prefetch_ahead<kStepBytes>(w);
+      if constexpr (BITS == 4) {
+        nibbles(a, w, k);
+      } else if constexpr (BITS == 6) {
+        nibbles(a, w, k);
+        nibbles(a, w + kBytes, k + 8);
+        vi hb[4];
+        for (int64_t i = 0; i < 4; ++i) hb[i] = vload(w + 2 * kBytes + i * kVec);
+        auto field = [&](auto f) {
+          vi v[4];
+          for (int64_t i = 0; i < 4; ++i) v[i] = field16<decltype(f)::value>(hb[i]);
+          for (int64_t t = 0; t < TM; ++t) {
+            const vi x = bcast4(xq + t * K + k + 4 * decltype(f)::value);
+            for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_small(a[t][i], v[i], x);
+          }
+        };
+        field(std::integral_constant<int, 0>{});
+        field(std::integral_constant<int, 1>{});
+        field(std::integral_constant<int, 2>{});
+        field(std::integral_constant<int, 3>{});
       } else {
+        vi wv[4];
+        for (int64_t i = 0; i < 4; ++i) wv[i] = vload(w + i * kVec);
         for (int64_t t = 0; t < TM; ++t) {
           const vi xa = bcast4(xq + t * K + k);
           for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_byte(a[t][i], wv[i], xa);
@@ -274,9 +329,15 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
       for (int64_t j = 0; j < kPanel; ++j) {
         const int64_t i = j / kLanes, l = j % kLanes;
         int32_t code;
-        if constexpr (FOUR) {
-          const uint8_t byte = w[(k / 8) * kPanel * 4 + i * kLanes * 4 + l * 4 + (k % 4)];
+        const int64_t lane = i * kLanes * 4 + l * 4 + (k % 4);
+        if constexpr (BITS == 4) {
+          const uint8_t byte = w[(k / 8) * kPanel * 4 + lane];
           code = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+        } else if constexpr (BITS == 6) {
+          const uint8_t* b = w + (k / 16) * kPanel * 12;
+          const uint8_t byte = b[((k % 16) / 8) * kPanel * 4 + lane];
+          const int32_t hi = (b[2 * kPanel * 4 + lane] >> (2 * ((k % 16) / 4))) & 3;
+          code = ((k % 8) < 4 ? (byte & 0x0F) : (byte >> 4)) | (hi << 4);
         } else {
           code = w[(k / 4) * kPanel * 4 + i * kLanes * 4 + l * 4 + (k % 4)];
         }
@@ -317,29 +378,34 @@ void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
   vfl acc[kGTile][4];
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) acc[t][i] = vfl{};
-  const uint8_t* codes = static_cast<const uint8_t*>(w.data.data_ptr()) + p * panel_code_bytes(w.kind, K);
-  const bool four = w.kind == kGroup4;
+  const int64_t bits = bits_of(w);
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data.data_ptr()) + p * panel_code_bytes(bits, K);
+  auto by_bits = [&](auto sym, const auto* sc, const auto* mn, int32_t off) {
+    constexpr bool kSym = decltype(sym)::value;
+    if (bits == 4) {
+      group_tile<TM, 4, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
+    } else if (bits == 6) {
+      group_tile<TM, 6, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
+    } else {
+      group_tile<TM, 8, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
+    }
+  };
+  const bool half = w.scales->scalar_type() == at::kHalf;
   if (is_symmetric(w)) {
     const int32_t off = w.colsum->data_ptr<int32_t>()[0];
-    if (w.scales->scalar_type() == at::kHalf) {
+    if (half) {
       const at::Half* sc = w.scales->data_ptr<at::Half>() + p * G * kPanel;
-      four ? group_tile<TM, true, PF, true>(codes, sc, sc, off, g, r, r0, acc)
-           : group_tile<TM, false, PF, true>(codes, sc, sc, off, g, r, r0, acc);
+      by_bits(std::true_type{}, sc, sc, off);
     } else {
       const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
-      four ? group_tile<TM, true, PF, true>(codes, sc, sc, off, g, r, r0, acc)
-           : group_tile<TM, false, PF, true>(codes, sc, sc, off, g, r, r0, acc);
+      by_bits(std::true_type{}, sc, sc, off);
     }
-  } else if (w.scales->scalar_type() == at::kHalf) {
-    const at::Half* sc = w.scales->data_ptr<at::Half>() + p * G * kPanel;
-    const at::Half* mn = w.colsum->data_ptr<at::Half>() + p * G * kPanel;
-    four ? group_tile<TM, true, PF, false>(codes, sc, mn, 0, g, r, r0, acc)
-         : group_tile<TM, false, PF, false>(codes, sc, mn, 0, g, r, r0, acc);
+  } else if (half) {
+    by_bits(std::false_type{}, w.scales->data_ptr<at::Half>() + p * G * kPanel,
+            w.colsum->data_ptr<at::Half>() + p * G * kPanel, 0);
   } else {
-    const float* sc = w.scales->data_ptr<float>() + p * G * kPanel;
-    const float* mn = w.colsum->data_ptr<float>() + p * G * kPanel;
-    four ? group_tile<TM, true, PF, false>(codes, sc, mn, 0, g, r, r0, acc)
-         : group_tile<TM, false, PF, false>(codes, sc, mn, 0, g, r, r0, acc);
+    by_bits(std::false_type{}, w.scales->data_ptr<float>() + p * G * kPanel,
+            w.colsum->data_ptr<float>() + p * G * kPanel, 0);
   }
   const int64_t n0 = p * kPanel;
   const int64_t valid = std::min(kPanel, w.n - n0);
@@ -379,8 +445,8 @@ void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
   const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t panel_bytes = panel_code_bytes(w.kind, w.k) + (w.k / g) * kPanel * w.scales->element_size() *
-                                                                   (is_symmetric(w) ? 1 : 2);
+  const int64_t scale_bytes = (w.k / g) * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
+  const int64_t panel_bytes = panel_code_bytes(bits_of(w), w.k) + scale_bytes;
   const int64_t grain = M > kGTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -413,17 +479,21 @@ void check_group_packed(const PackedLinear& w, const char* what) {
                     " inputs: the group must divide K and be a multiple of 16");
   if (m.numel() == 1 && m.scalar_type() == at::kInt) {
     const int32_t off = m.data_ptr<int32_t>()[0];
-    TORCH_CHECK_VALUE(off >= 0 && off <= kMaxOffset, what, ": the offset of a symmetric weight (mins = -offset * "
-                      "scales) must be within 0..", kMaxOffset, ", got ", off);
+    TORCH_CHECK_VALUE(off >= 0 && off <= kMaxOffset, what, ": the offset of a symmetric weight (mins = "
+                      "-offset * scales) must be within 0..", kMaxOffset, ", got ", off);
   } else {
     TORCH_CHECK_VALUE(m.is_contiguous() && m.scalar_type() == s.scalar_type() && m.numel() == s.numel(), what,
                       ": mins must be contiguous, of the scales' dtype and size (or one int32: the offset of "
                       "a symmetric weight)");
   }
-  const int64_t bytes = panels(w.n) * panel_code_bytes(w.kind, w.k);
-  TORCH_CHECK_VALUE(w.data.is_contiguous() && w.data.scalar_type() == at::kByte && w.data.numel() == bytes,
+  const int64_t bits = w.kind == kGroup4 ? 4 : 8;
+  const int64_t bytes = panels(w.n) * panel_code_bytes(bits, w.k);
+  const bool six = w.kind == kGroup8 && w.data.numel() == panels(w.n) * panel_code_bytes(6, w.k);
+  const bool size_ok = w.data.numel() == bytes || six;
+  TORCH_CHECK_VALUE(w.data.is_contiguous() && w.data.scalar_type() == at::kByte && size_ok,
                     what, ": packed codes must be a contiguous uint8 tensor of ", bytes, " bytes (",
-                    bits_of(w.kind), "-bit codes, ", panels(w.n), " panels of ", kPanel, " x ", w.k, ")");
+                    bits, "-bit codes, ", panels(w.n), " panels of ", kPanel, " x ", w.k, ")",
+                    bits == 8 ? ", or of 3/4 of that (codes below 64 in 6 bits)" : "");
   if (w.bias.has_value()) {
     TORCH_CHECK_VALUE(w.bias->is_contiguous() && w.bias->dim() == 1 && w.bias->size(0) == w.n, what,
                       ": bias must be a contiguous [", w.n, "]");

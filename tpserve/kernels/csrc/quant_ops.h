@@ -13,7 +13,8 @@ namespace tpserve {
 inline bool is_group_kind(int64_t kind) { return kind == kGroup4 || kind == kGroup8; }
 
 // Checks a group weight: data uint8 (codes in the layout of quant_ops.cpp), scales and mins
-// (PackedLinear::colsum) float32 [N/P][G][P] with G = K / group; raises ValueError naming `what`.
+// (PackedLinear::colsum) float32 or float16 [N/P][G][P] with G = K / group, or for a symmetric
+// weight one int32 offset in place of the mins; raises ValueError naming `what`.
 void check_group_packed(const PackedLinear& w, const char* what);
 
 // out [M, N] = x [M, K] W^T (+ bias) for a group weight; x fp32 or bf16 with contiguous rows.
