@@ -26,8 +26,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "linear_ops.h"
 #include "moe_ops.h"
+#include "prompt_amx.h"
 #include "vec.h"
 
 namespace {
@@ -46,32 +48,6 @@ constexpr int64_t kKeyTile = 32;     // keys converted to fp32 and scored togeth
 
 struct WorkItem {
   int32_t seq, row_begin, row_end;
-};
-
-// A layer's attention options (tpserve/kernels/attention_options.py), as transformers defines them:
-// a query at position p sees keys p - window + 1 .. p (window 0: every earlier key); each query
-// head h's softmax has one more logit sinks[h] with no value (null: none); scaled scores become
-// softcap * tanh(score / softcap) (0: none). Keys outside a window are never read: the key loops
-// start at first_key, so a window's cost follows the window, not the context, and blocks that left
-// every query's window are not touched (a cache may have freed them).
-struct AttnOpts {
-  int64_t window = 0;
-  const float* sinks = nullptr;
-  float softcap = 0.f;
-  int64_t first_key(int64_t qpos) const {
-    return window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
-  }
-  // The running maximum and sum a query head's softmax starts from: its sink's logit, e^0.
-  float start_max(int64_t head) const {
-    return sinks ? sinks[head] : -std::numeric_limits<float>::infinity();
-  }
-  float start_sum() const { return sinks ? 1.f : 0.f; }
-  void cap(float* s, int64_t n) const {
-    if (softcap > 0.f) {
-      const float inv = 1.f / softcap;
-      for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] * inv);
-    }
-  }
 };
 
 // An int8 KV cache (--kv-cache-dtype int8): int8 codes in the cache's [num_blocks, block_size,
@@ -443,13 +419,6 @@ void paged_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 // Items are handed out largest first from a shared counter, so threads finish together even
 // when prompts differ in length.
 
-constexpr int64_t kPromptRows = 32;
-
-struct PromptItem {
-  int32_t seq, row_begin, row_end, kv_head;
-  int64_t cost;  // scores computed: rows x keys up to the item's last row
-};
-
 // kC: head_dim / kLanes as a constant, or 0 for any multiple of 16. KT: the cache's element type
 // (T, or int8_t with `kvs`' scales applied as a tile is widened).
 template <typename T, typename KT, int64_t kC>
@@ -597,11 +566,14 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
                   const KvScales& kvs = {}) {
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1);
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
+  const bool tiles = kBf16 && prompt_amx_runs(D);  // prompt_amx.cpp
+  const int64_t item_rows = tiles ? prompt_amx_rows(group) : kPromptRows;
   std::vector<PromptItem> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b], offset = ctx[b] - q_len;
-    for (int64_t r = 0; r < q_len; r += kPromptRows) {
-      const int64_t r1 = std::min(q_len, r + kPromptRows);
+    for (int64_t r = 0; r < q_len; r += item_rows) {
+      const int64_t r1 = std::min(q_len, r + item_rows);
       const int64_t keys = offset + r1 - o.first_key(offset + r);
       for (int64_t kh = 0; kh < hkv; ++kh) {
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(r), static_cast<int32_t>(r1),
@@ -623,6 +595,14 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     std::vector<float> scratch;
     for (int64_t i = next++; i < n; i = next++) {
       const PromptItem& w = items[i];
+      if constexpr (kBf16) {
+        if (tiles) {
+          const PagedKv kv{kp, vp, tables + w.seq * width, block_size, hkv};
+          prompt_item_amx(w, qp, q.stride(0), q.stride(1), op, kv, group, D, cu[w.seq],
+                          ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o);
+          continue;
+        }
+      }
       fn(w, qp, q.stride(0), q.stride(1), op, kp, vp, tables + w.seq * width, block_size, hkv,
          group, D, cu[w.seq], ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o, kvs);
     }

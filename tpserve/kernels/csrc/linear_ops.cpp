@@ -36,11 +36,28 @@
 #include <cstdlib>
 #include <string>
 
+#include "amx.h"
 #include "linear_ops.h"
 #include "quant_ops.h"
 #include "vec.h"
 
 namespace tpserve {
+
+bool amx_granted() {
+#if !TPSERVE_AMX
+  return false;
+#else
+  static const bool granted = [] {
+    const char* env = std::getenv("TPSERVE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#endif
+}
+
 namespace {
 
 constexpr int64_t kPanel = 4 * kLanes;
@@ -426,21 +443,11 @@ void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T*
 // 32, int8 64) when the CPU has AMX and the kernel grants the tile state (arch_prctl): bf16 at
 // every row count, int8 from kAmxInt8Rows rows. TPSERVE_AMX=0 keeps the vector kernels (to
 // compare).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
-#define TPSERVE_AMX 1
+#if TPSERVE_AMX
 
 constexpr int64_t kAmxRows = 16;    // rows of x per A tile
 constexpr int64_t kAmxBytes = 64;   // bytes of a tile row: 32 bf16 or 64 int8 input features
 constexpr int64_t kKStep = 256;     // bytes of a panel per pair (bf16) or quad (int8) of features
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles: C 0-3, A 4-5, B 6-7. Shape (a): one A tile of m0 rows times the panel's 4 B tiles into
 // C 0-3. Shape (b): A tiles of m0 and m1 rows times 2 B tiles (half a panel) into C 0-3.
@@ -459,17 +466,6 @@ inline void amx_configure(int64_t m0, int64_t m1) {
   set(4, m0);
   set(6, 16), set(7, 16);
   _tile_loadconfig(&c);
-}
-
-bool amx_granted() {
-  static const bool granted = [] {
-    const char* env = std::getenv("TPSERVE_AMX");
-    if (env != nullptr && std::string(env) == "0") return false;
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
 }
 
 // Input features per tile step of a kind, 0 where the tiles do not run it.
@@ -596,7 +592,6 @@ void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0
   }
 }
 #else
-#define TPSERVE_AMX 0
 inline bool amx_runs(const PackedLinear&, int64_t) { return false; }
 template <typename T>
 void run_rows_amx(const PackedLinear&, const Rows&, int64_t, int64_t, int64_t, T*, int64_t) {}

@@ -1,0 +1,33 @@
+// The AMX tile unit, shared by the kernels that use it (linear_ops.cpp's matmuls, prompt_amx.cpp's
+// prompt attention): whether this build has it, the tile configuration, and the kernel's grant of
+// the tile state.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define TPSERVE_AMX 1
+#include <immintrin.h>
+#else
+#define TPSERVE_AMX 0
+#endif
+
+namespace tpserve {
+
+// Whether the tiles may run here: built with AMX, the kernel granted the tile state (arch_prctl,
+// asked once per process) and TPSERVE_AMX is not 0. Always false in a build without AMX.
+bool amx_granted();
+
+#if TPSERVE_AMX
+// The layout _tile_loadconfig reads (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
+}  // namespace tpserve

@@ -1,0 +1,41 @@
+// Prompt attention on the AMX tile unit (prompt_amx.cpp): the prompt path's work item for bf16
+// queries and a bf16 cache.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "attention.h"
+
+namespace tpserve {
+
+// Whether prompt_item_amx runs a head size here: a multiple of 32 up to 256, and the tile unit
+// granted (amx.h).
+bool prompt_amx_runs(int64_t head_dim);
+
+// Query rows per work item on the tiles: ~256 query vectors (rows x the group's heads), 32 to 128
+// rows, so that each block of keys and values, read and rearranged once per item, serves 16 tiles.
+inline int64_t prompt_amx_rows(int64_t group) {
+  return std::clamp<int64_t>(256 / std::max<int64_t>(group, 1), kPromptRows, 4 * kPromptRows);
+}
+
+// The keys and values of one KV head, read from a paged cache [num_blocks, block_size, Hkv, D].
+struct PagedKv {
+  const at::BFloat16* k;
+  const at::BFloat16* v;
+  const int32_t* table;  // the sequence's block-table row
+  int64_t block_size, num_kv_heads;
+};
+
+// Item w's query rows (every query head of KV head w.kv_head) against their visible keys, as
+// cpu_ops.cpp's prompt_item computes them, into out [T, Hq, D]. q_begin: the sequence's first row
+// in q and out; offset: the absolute position of its first row.
+void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, int64_t q_s1,
+                     at::BFloat16* out, const PagedKv& kv, int64_t group, int64_t head_dim,
+                     int64_t q_begin, int64_t offset, float scale, std::vector<float>& scratch,
+                     const AttnOpts& o);
+
+}  // namespace tpserve
