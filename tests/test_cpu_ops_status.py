@@ -46,6 +46,8 @@ def test_the_env_switch_is_reported_as_disabled(monkeypatch):
 
 
 def test_sources_without_their_headers_report_the_compilers_error(monkeypatch, tmp_path, caplog):
+    headers = [h.name for h in cpu_extension.CSRC.glob("*.h")]
+    assert "vec.h" in headers
     csrc = tmp_path / "csrc"
     csrc.mkdir()
     for f in cpu_extension.SOURCES:  # the translation units, none of the headers they include
@@ -59,7 +61,7 @@ def test_sources_without_their_headers_report_the_compilers_error(monkeypatch, t
     status = cpu_extension.status()
     assert status["cpu_ops"] == "unavailable", status
     reason = status["cpu_ops_reason"]
-    assert ("vec.h" in reason or "linear_ops.h" in reason) and "No such file" in reason, reason
+    assert any(h in reason for h in headers) and "No such file" in reason, reason
     assert "\n" not in reason and len(reason) <= cpu_extension.MAX_REASON_CHARS
     assert any(reason in r.getMessage() for r in caplog.records)
     assert not list((tmp_path / "cache" / "cpu_ops").glob("*.so"))  # nothing published
