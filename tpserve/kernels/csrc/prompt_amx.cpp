@@ -103,6 +103,36 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
+// exp(x) for x <= 0, 16 lanes: vec.h's exp_nonpos (the same reduction and polynomial) in AVX-512.
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                        _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 16 softmax weights rounded to bf16 (nearest even; they are finite and >= 0): their bits into
+// dst, and their sum as rounded.
+inline float round_weights(__m512 e, uint16_t* dst) {
+  const __m512i bits = _mm512_castps_si512(e);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+  const __m512i rounded = _mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  return _mm512_reduce_add_ps(_mm512_castsi512_ps(rounded));
+}
+
 // Bytes carved from one float vector, each piece 64-byte aligned.
 struct Carver {
   char* at;
@@ -228,29 +258,27 @@ void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, i
           continue;
         }
         float* srow = sb + u * kKeys;
-#pragma omp simd
-        for (int64_t j = 0; j < kKeys; ++j) srow[j] *= scale;
-        o.cap(srow, kKeys);
-        // The largest visible score: keys lo..hi-1 of the block.
-        const uint32_t seen = (hi == 32 ? ~0u : (1u << hi) - 1) & ~((1u << lo) - 1);
-        const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        const __m512 m0 = _mm512_mask_loadu_ps(none, static_cast<__mmask16>(seen), srow);
-        const __m512 m1 = _mm512_mask_loadu_ps(none, static_cast<__mmask16>(seen >> 16), srow + 16);
-        const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
-        const float new_max = std::max(mx[v], block_max);
-        alignas(64) float e[kKeys];
-#pragma omp simd
-        for (int64_t j = 0; j < kKeys; ++j) e[j] = j >= lo && j < hi ? exp_nonpos(srow[j] - new_max) : 0.f;
-        // The weights as bf16 (finite and >= 0: rounding to nearest even is a shift of the
-        // rounded bits), and their sum as rounded, so that numerator and denominator agree.
-        float psum = 0.f;
-#pragma omp simd reduction(+ : psum)
-        for (int64_t j = 0; j < kKeys; ++j) {
-          const uint32_t bits = std::bit_cast<uint32_t>(e[j]);
-          const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-          prow[j] = static_cast<uint16_t>(rounded >> 16);
-          psum += std::bit_cast<float>(rounded);
+        const __m512 sc = _mm512_set1_ps(scale);
+        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(srow), sc);
+        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(srow + 16), sc);
+        if (o.softcap > 0.f) {
+          _mm512_store_ps(srow, s0);
+          _mm512_store_ps(srow + 16, s1);
+          o.cap(srow, kKeys);
+          s0 = _mm512_load_ps(srow);
+          s1 = _mm512_load_ps(srow + 16);
         }
+        // Keys lo..hi-1 of the block are visible: the largest of their scores, their weights.
+        const uint32_t seen = (hi == 32 ? ~0u : (1u << hi) - 1) & ~((1u << lo) - 1);
+        const __mmask16 k0 = static_cast<__mmask16>(seen), k1 = static_cast<__mmask16>(seen >> 16);
+        const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        const float block_max = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_mask_mov_ps(none, k0, s0), _mm512_mask_mov_ps(none, k1, s1)));
+        const float new_max = std::max(mx[v], block_max);
+        const __m512 nm = _mm512_set1_ps(new_max);
+        const __m512 e0 = _mm512_maskz_mov_ps(k0, exp_nonpos16(_mm512_sub_ps(s0, nm)));
+        const __m512 e1 = _mm512_maskz_mov_ps(k1, exp_nonpos16(_mm512_sub_ps(s1, nm)));
+        const float psum = round_weights(e0, prow) + round_weights(e1, prow + 16);
         if (new_max == mx[v]) {  // the running maximum stands: nothing to rescale
           sum[v] += psum;
         } else {
