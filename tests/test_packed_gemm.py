@@ -73,6 +73,24 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(kind):
         assert torch.equal(packed.matmul(x[i:], None), together[i:])
 
 
+@pytest.mark.parametrize("kind", [BFLOAT16, INT8_DYNAMIC])
+def test_rows_past_a_chunk_do_not_depend_on_the_chunks(kind):
+    """A call's rows are computed in chunks of 512 (every panel passes one chunk before the next):
+    a row's bits are those it gets alone or in any other call."""
+    torch.manual_seed(4)
+    w = torch.randn(96, 64)
+    if kind == INT8_DYNAMIC:
+        q, scale = packed_gemm.quantize_int8(w)
+        packed = packed_gemm.pack_weight(q, kind, scale)
+    else:
+        packed = packed_gemm.pack_weight(w.bfloat16(), kind)
+    x = torch.randn(1100, 64).bfloat16()
+    together = packed.matmul(x, None)
+    for i in (0, 511, 512, 700, 1023, 1024, 1099):
+        assert torch.equal(packed.matmul(x[i:i + 1], None), together[i:i + 1]), i
+    assert torch.equal(packed.matmul(x[300:900], None), together[300:900])
+
+
 def test_bf16_rows_across_tile_boundaries():
     """bf16 weights with K a multiple of 32 run on the AMX tile unit where the CPU has it (tiles
     of 16 rows, two at a time): every row count around those sizes, rows read in place from a

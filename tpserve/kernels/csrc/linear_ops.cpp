@@ -70,6 +70,8 @@ constexpr int64_t kTile = 2;
 #endif
 // Rows per work item: items are (panel, block of rows), so small panels counts still split.
 constexpr int64_t kRowBlock = 64;
+// Rows a call's panels pass together before the next rows (linear_typed): a multiple of kRowBlock.
+constexpr int64_t kRowChunk = 512;
 
 // The tile loops ask for the weights ~1 KB ahead of the ones they multiply. A panel is one
 // sequential stream, yet the hardware prefetchers alone kept a thread at ~12 GB/s: the bf16 LM head
@@ -654,18 +656,24 @@ void linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
   const Rows rows = prepare_typed<T>(x, w.kind, t_rows);
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
-  const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t P = panels(w.n);
   // At least ~64 KB of weights, or a block of rows, per thread's share: waking the pool for less
   // costs more than it saves.
   const int64_t panel_bytes = w.k * bytes_per_k(w.kind);
   const int64_t grain = M > kTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
-  // Items panel-major: a thread's consecutive items reuse one panel (in L2) across row blocks.
-  at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / blocks, b = item % blocks;
-      run_rows<T>(w, rows, p, b * kRowBlock, std::min(M, (b + 1) * kRowBlock), op, ldo);
-    }
-  });
+  // Rows in chunks of kRowChunk, each passed by every panel before the next: a chunk's rows stay
+  // in L2 while the panels stream past them. All rows at once re-read x from memory for every
+  // panel (8,192 rows x 1,024 -> 6,144 bf16 on two threads: 128 ms at once, 67 ms in chunks).
+  for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+    const int64_t c1 = std::min(M, c0 + kRowChunk), blocks = (c1 - c0 + kRowBlock - 1) / kRowBlock;
+    // Items panel-major: a thread's consecutive items reuse one panel (in L2) across row blocks.
+    at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t p = item / blocks, r0 = c0 + item % blocks * kRowBlock;
+        run_rows<T>(w, rows, p, r0, std::min(c1, r0 + kRowBlock), op, ldo);
+      }
+    });
+  }
 }
 
 void check_x(const at::Tensor& x, const PackedLinear& w) {
