@@ -16,7 +16,7 @@ import transformers
 from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 from test_daemon import ServerThread
 from tpserve.client.client import AsyncClient, Client, RequestError
-from tpserve.config import EngineConfig
+from tpserve.config import OFFLINE_POOLING_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tpserve.engine import Engine
 from tpserve.errors import ConfigError, InvalidFieldError, InvalidRequestError
 from tpserve.llm import LLM
@@ -79,6 +79,8 @@ def test_llm_embed_classify_score_match_transformers(model):
     llm = LLM(str(path), runner="pooling", num_kv_blocks=64, dtype="float32",
               pooler_config={"score_token_ids": [NO, YES]})
     try:
+        # A pooling engine's offline step budget is its own (prompt rows only; config.py).
+        assert llm.engine.scheduler.max_num_batched_tokens == OFFLINE_POOLING_MAX_NUM_BATCHED_TOKENS
         outs = llm.embed(PROMPTS)
         assert [o.prompt_token_ids for o in outs] == PROMPTS
         for ids, o in zip(PROMPTS, outs):

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from tpserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from tpserve.config import (OFFLINE_MAX_NUM_BATCHED_TOKENS, OFFLINE_POOLING_MAX_NUM_BATCHED_TOKENS,
+                            EngineConfig)
 from tpserve.engine import Engine
 from tpserve.errors import ConfigError
 from tpserve.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
@@ -33,7 +34,8 @@ class LLM:
     (``tensor_parallel_size``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``kv_cache_memory_gb``, ``num_kv_blocks``, ``dtype``,
     ``scheduling_policy``, ...). ``max_num_batched_tokens`` defaults to the offline budget
-    (``OFFLINE_MAX_NUM_BATCHED_TOKENS``): throughput matters here, not inter-token latency.
+    (``OFFLINE_MAX_NUM_BATCHED_TOKENS``; ``OFFLINE_POOLING_MAX_NUM_BATCHED_TOKENS`` for
+    ``runner="pooling"``): throughput matters here, not inter-token latency.
     """
 
     def __init__(self, model: str | None = None, **options):
@@ -41,7 +43,9 @@ class LLM:
         if unknown:
             raise ConfigError(sorted(unknown)[0], "is not an engine option; known: "
                               + ", ".join(EngineConfig.option_names()))
-        options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+        pooling = options.get("runner") == "pooling"
+        options.setdefault("max_num_batched_tokens", OFFLINE_POOLING_MAX_NUM_BATCHED_TOKENS if pooling
+                           else OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = Engine(EngineConfig(model=None if model is None else str(model), **options))
         self.engine.logprob_ranks = True  # vLLM's Logprob.rank
         self._ids = itertools.count()
