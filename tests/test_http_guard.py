@@ -584,3 +584,19 @@ def test_rate_limit_writes_one_line_per_condition_and_interval():
     assert [r.getMessage() for r in records] == [
         "accept failed on fd 0", "another condition", "accept failed on fd 5000 [999 more like this in the last 11 s]"]
     assert records[0].exc_info is not None and records[2].exc_info is None  # one traceback per condition
+
+
+def test_accepted_connections_send_without_waiting_for_acks():
+    """An answer goes out in several writes; with Nagle's algorithm each write after the first
+    waits for the ACK a keep-alive client delays (40 ms a request): TCP_NODELAY is set."""
+    server = SmallServer()
+    try:
+        client = server.connect()
+        wait_until(lambda: len(server.server.server_state.connections) == 1, 30, "connection accepted")
+        (conn,) = server.server.server_state.connections
+        sock = conn._raw_transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        client.sendall(_get("/now"))
+        assert _read_all(client).startswith(b"HTTP/1.1 200")
+    finally:
+        server.stop()

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -103,6 +104,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # An answer goes out in several writes (head, body, chunks): without TCP_NODELAY a write
+            # waits for the peer's ACK of the one before, which a keep-alive client delays up to
+            # 40 ms. Every request on a reused connection paid it (/health: 44 ms, 3 ms with).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._raw_transport = transport
         self.transport = _Transport(transport, self)
         self._lingering = None  # the timer that ends a graceful close (LINGER_SECONDS)
