@@ -300,12 +300,7 @@ class BlockManager:
                     parent_serial = blocks[b].serial
                 k = len(ids)
             else:  # every cached block (or -1); runs are checked by sliding_hit_length
-                for i in range(n):
-                    b = index.get(hashes[i], -1)
-                    if b != -1 and (blocks[b].token_ids != seq.block(i)
-                                    or blocks[b].parent_hash != (hashes[i - 1] if i else -1)):
-                        b = -1
-                    ids.append(b)
+                ids = self._cached_ids(index, seq, hashes, n)
             found.append(ids)
         sliding = [g for g, group in enumerate(groups) if group.sliding]
         changed = bool(sliding)
@@ -324,6 +319,18 @@ class BlockManager:
                 hits.append(found[g][:k])
         return k, hits
 
+    def _cached_ids(self, index: dict, seq, hashes: list[int], n: int) -> list[int]:
+        """Per block i < n of ``seq``: the id ``index`` holds for its hash when that block's
+        tokens and parent hash match (a hash collision is no hit), else -1."""
+        blocks, ids = self.blocks, []
+        for i in range(n):
+            b = index.get(hashes[i], -1)
+            if b != -1 and (blocks[b].token_ids != seq.block(i)
+                            or blocks[b].parent_hash != (hashes[i - 1] if i else -1)):
+                b = -1
+            ids.append(b)
+        return ids
+
     def tiered_hits(self, seq, loadable) -> tuple[int, list[list[int]]]:
         """(e, hits): the longest prefix of e full blocks of ``seq`` that every group can hold
         with blocks of this pool's prefix cache and blocks loaded from the KV tiers
@@ -339,13 +346,7 @@ class BlockManager:
         hashes = block_hashes(seq, n, self.compute_hash)
         found, ends, loads = [], [], []  # per group: cached ids, end of the cached chain, of loadables
         for g, group in enumerate(groups):
-            index, ids = self.group_hashes[g], []
-            for i in range(n):
-                b = index.get(hashes[i], -1)
-                if b != -1 and (blocks[b].token_ids != seq.block(i)
-                                or blocks[b].parent_hash != (hashes[i - 1] if i else -1)):
-                    b = -1
-                ids.append(b)
+            ids = self._cached_ids(self.group_hashes[g], seq, hashes, n)
             # ends[g][i]: the end of the chain of cached blocks starting at block i (full groups:
             # the leading chain, serial by serial, from block 0 only)
             end = [0] * (n + 1)
