@@ -15,7 +15,9 @@ pooling, L2-normalised, as Qwen3-Embedding is read. Engines, one after the other
   batches of ``--hf-batch`` texts sorted by length (as sentence-transformers' ``encode`` does,
   which keeps padding low), left-padded, the last position's hidden state, normalised.
 
-Each line names the ISA and the dtype; the summary line gives embeddings per second of each
+Both serving engines run without their prefix cache (the texts are distinct, but a warm-up or a
+repeat of them would be hits), and the warm-up texts share no prefix with the timed ones. Each
+line names the ISA and the dtype; the summary line gives embeddings per second of each
 and tpserve's ratio to each, and the agreement (the least cosine) of tpserve's embeddings with
 the peers'. Precision: bf16 where the CPU has native bf16 (AVX512-BF16 / AMX), else fp32, for
 every engine (``--dtype``).
@@ -65,8 +67,10 @@ WARMUP_TEXTS = 64  # every engine embeds this many texts (one batch) before it i
 
 def timed(fn, texts, repeats: int):
     """(embeddings/s of the median of ``repeats`` timed runs of ``fn(texts)``, the last result),
-    after one untimed run on the first WARMUP_TEXTS texts (first calls, thread pools, shapes)."""
-    fn(texts[:WARMUP_TEXTS])
+    after one untimed run on WARMUP_TEXTS texts (first calls, thread pools, shapes). The warm-up
+    texts start with another token than any timed text (the end-of-text id), so that no block of
+    theirs is a prefix of a timed one: an engine that caches prefixes finds nothing to reuse."""
+    fn([[2] + t[1:] for t in texts[:WARMUP_TEXTS]])
     times, out = [], None
     for _ in range(repeats):
         t = time.perf_counter()
@@ -78,7 +82,9 @@ def timed(fn, texts, repeats: int):
 # ---- tpserve ---------------------------------------------------------------------------------
 def run_tpserve(path, texts, dtype: str, max_len: int, repeats: int):
     from tpserve import LLM
-    llm = LLM(str(path), runner="pooling", dtype=dtype, max_model_len=max_len, kv_cache_memory_gb=2.0)
+    # No prefix cache: with --repeats the timed texts come again, and they would be hits.
+    llm = LLM(str(path), runner="pooling", dtype=dtype, max_model_len=max_len, kv_cache_memory_gb=2.0,
+              enable_prefix_caching=False)
     try:
         eps, outs = timed(llm.embed, texts, repeats)
     finally:
@@ -146,9 +152,10 @@ def vllm_peer_main(work_path: str, result_path: str) -> int:
     texts = w["texts"]
     # last-token pooling (Qwen3-Embedding's), normalised (the embed task's default activation)
     llm = LLM(model=w["model"], tokenizer=w["tokenizer"], runner="pooling", dtype=w["dtype"], seed=0,
-              max_model_len=w["max_len"], pooler_config=PoolerConfig(pooling_type="LAST"))
-    prompts = [{"prompt_token_ids": t} for t in texts]
-    eps, outs = timed(lambda some: llm.embed(some, use_tqdm=False), prompts, w["repeats"])
+              max_model_len=w["max_len"], pooler_config=PoolerConfig(pooling_type="LAST"),
+              enable_prefix_caching=False)
+    eps, outs = timed(lambda some: llm.embed([{"prompt_token_ids": t} for t in some], use_tqdm=False),
+                      texts, w["repeats"])
     vectors = [list(o.outputs.embedding) for o in outs]
     Path(result_path).write_text(json.dumps(dict(eps=eps, embeddings=vectors)))
     return 0
