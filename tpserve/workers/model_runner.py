@@ -59,7 +59,7 @@ from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.loader import load_config, load_model, resolve_dtype
 from tpserve.models.parallel import TPContext
 from tpserve.plan import Command, StepPlan
-from tpserve.procs import release_freed_heap
+from tpserve.procs import keep_step_heap, release_freed_heap
 from tpserve.sample_plan import SamplePlan, StepOutput
 from tpserve.workers.cuda_graph import DecodeGraphs
 from tpserve.workers.kv_group_runner import KVGroupLayout
@@ -71,6 +71,7 @@ from tpserve.workers.sampler import Sampler, compute_logprobs
 from tpserve.workers.staging import PlanStager
 from tpserve.workers.thread_governor import ThreadGovernor, enabled as governor_enabled
 from tpserve.workers.warmup import kernel_warmup_plans, warmup_plan, warmup_sample
+from tpserve.workers.zero_pages import lazy_zeros
 
 log = logging.getLogger("tpserve.runner")
 
@@ -158,6 +159,8 @@ class ModelRunner:
         self.kv_budget_bytes: int | None = None  # set when sized from device memory
         self.num_blocks = self._size_kv_cache()
         self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            keep_step_heap()  # steps reuse their activations' pages (procs.py)
         if config.kv_offload_host_gb or config.kv_offload_dir:
             m = self.model
             self.kv_layout = kv_layout(config, self.dtype, tp.size, m.num_layers, m.num_kv_heads_per_rank,
@@ -253,9 +256,10 @@ class ModelRunner:
         shape = (self.num_blocks, self.config.block_size, m.num_kv_heads_per_rank, m.head_dim)
 
         def layer():
-            caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
+            # CPU: zero pages mapped on first write, so the pool is resident only where used
+            caches = [lazy_zeros(shape, self.kv_dtype, self.device) for _ in range(2)]
             if self.kv_dtype == torch.int8:  # per-slot, per-head scales (kernels/kv_quant.py)
-                caches += [torch.zeros(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
+                caches += [lazy_zeros(shape[:3], torch.float32, self.device) for _ in range(2)]
             return tuple(caches)
 
         self.kv_caches = self.kv_group_layout.layer_caches(layer)
