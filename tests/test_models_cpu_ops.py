@@ -1,5 +1,5 @@
-"""The model layers' C++ CPU paths (RMSNorm + residual, rotary, SiLU-and-mul) against their
-plain-torch code, which is the reference (it matches Hugging Face's numerics)."""
+"""The model layers' C++ CPU paths (RMSNorm + residual, Gemma's RMSNorm, rotary, SiLU- and
+GELU-tanh-and-mul) against their plain-torch code, which is the reference (it matches Hugging Face's numerics)."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.kernels import cpu_extension
-from tpserve.models.activation import SiluAndMul
-from tpserve.models.norm import RMSNorm
+from tpserve.models.activation import GeluTanhAndMul, SiluAndMul
+from tpserve.models.norm import GemmaRMSNorm, RMSNorm
 from tpserve.models.rotary import RotaryEmbedding, _rotate
 
 # The install builds the C++ operators (make install); a machine where that build failed
@@ -62,6 +62,55 @@ def test_silu_and_mul(dtype, monkeypatch):
     assert fused.shape == (6, 40)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(fused, F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 20])  # the vector rows and the scalar ones
+def test_gemma_rms_norm_with_and_without_residual(dtype, hidden, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    norm = GemmaRMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g))  # the offset from 1, of either sign
+    norm = norm.to(dtype)
+    x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
+    res = torch.randn(7, hidden, generator=g).to(dtype)
+    res_before = res.clone()
+    out = norm(x)
+    fused, fused_res = norm(x, res)
+    assert torch.equal(res, res_before)
+    _torch_only(monkeypatch)
+    ref = norm(x)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    ref_fused, ref_res = norm(x, res)
+    assert torch.equal(fused_res, ref_res)
+    torch.testing.assert_close(fused, ref_fused, **TOL[dtype])
+    if dtype == torch.bfloat16:  # fp32 scaling rounded once, unlike RMSNorm's two roundings
+        assert (out.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -7
+
+
+def test_gemma_rms_norm_of_strided_heads(monkeypatch):
+    """Gemma 3's q/k norms run on head views of the fused QKV output."""
+    norm = GemmaRMSNorm(32)
+    with torch.no_grad():
+        norm.weight.normal_()
+    qkv = torch.randn(5, 4 * 32 + 2 * 32)
+    k = qkv[:, 128:160].view(5, 1, 32)
+    q = qkv[:, :128].view(5, 4, 32)
+    fused_q, fused_k = norm(q), norm(k)
+    _torch_only(monkeypatch)
+    torch.testing.assert_close(fused_q, norm(q), **TOL[torch.float32])
+    torch.testing.assert_close(fused_k, norm(k), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    """Gemma's MLP activation over inputs from deep negative to large positive (tanh's tails)."""
+    x = (torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(4)) * 6).to(dtype)
+    x[0, :40] = torch.linspace(-30, 30, 40).to(dtype)
+    fused = GeluTanhAndMul()(x)
+    assert fused.shape == (6, 40)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(fused, F.gelu(gate, approximate="tanh") * up, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
