@@ -71,6 +71,19 @@ def test_decode_path_head_dims_and_dtypes(head_dim, dtype):
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
 
 
+# The decode path sums the values for runs of 4, 2 or 1 query heads of a KV head (by the group's
+# size) over chunks of the head dimension; bf16 scores come from the query's own bf16 pairs.
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1), (6, 2), (12, 4)],
+                         ids=["gqa1", "gqa2", "gqa8", "gqa3", "gqa3x4"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_path_query_groups(heads, head_dim, dtype, block_size):
+    batch, out, ref = run("decode", block_size=block_size, heads=heads, head_dim=head_dim, dtype=dtype)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
 # Prompt rows take the operator's tiled path when head_dim % 16 == 0 and the dtype is fp32/bf16
 # (specialised for 64/128/256, a generic loop for 48), torch's SDPA paths otherwise (40, fp16).
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 48, 40])

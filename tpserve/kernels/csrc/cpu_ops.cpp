@@ -220,6 +220,88 @@ inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t bloc
 // Value sums a decode work item keeps in registers at once (pass 3 below).
 constexpr int64_t kAccVectors = 16;
 
+// Pass 3 of a decode item for NH query heads of KV head kh and CV vectors of the head dimension
+// starting at `off` (kh * D + the chunk's first element): each key's value vectors are widened
+// once for all NH heads, whose sums stay in registers over every key, then are stored to `acc`
+// (the first head's row of the chunk; heads D apart). `w` holds the first head's softmax weights
+// (heads n apart). Each sum is the same sequence of fused multiply-adds in key order whatever NH
+// and CV are, so the chunking does not change a bit.
+template <typename KT, int64_t NH, int64_t CV>
+inline void decode_values(const KT* v_cache, const int32_t* table, int64_t block_size, int64_t row_stride,
+                          int64_t k_begin, int64_t k_len, int64_t off, const float* w, int64_t n,
+                          const float* v_scales, int64_t num_kv_heads, int64_t kh, float* acc, int64_t D) {
+  vfl a[NH][CV];
+  for (int64_t g = 0; g < NH; ++g) {
+    for (int64_t i = 0; i < CV; ++i) a[g][i] = vfl{} * 0.f;
+  }
+  for_each_slot_row(v_cache, table, block_size, row_stride, k_begin, k_len,
+                    [&](const KT* vp, int64_t p, int64_t slot) {
+    vfl row[CV];
+    for (int64_t i = 0; i < CV; ++i) row[i] = loadl(vp + off + i * kLanes);
+    float vs = 1.f;
+    if constexpr (kInt8<KT>) vs = v_scales[slot * num_kv_heads + kh];
+    for (int64_t g = 0; g < NH; ++g) {
+      const float wg = kInt8<KT> ? w[g * n + p] * vs : w[g * n + p];
+      for (int64_t i = 0; i < CV; ++i) a[g][i] += wg * row[i];
+    }
+  });
+  for (int64_t g = 0; g < NH; ++g) {
+    for (int64_t i = 0; i < CV; ++i) storel(acc + g * D + i * kLanes, a[g][i]);
+  }
+}
+
+// The heads of a KV head in runs of NH, the head dimension in chunks of CV vectors (kC of them in
+// all), so that NH * CV sums fit the registers.
+template <typename KT, int64_t kC, int64_t NH>
+inline void decode_values_heads(const KT* v_cache, const int32_t* table, int64_t block_size,
+                                int64_t row_stride, int64_t k_begin, int64_t k_len, const float* s, int64_t n,
+                                const float* v_scales, int64_t num_kv_heads, int64_t kh, int64_t group,
+                                float* acc) {
+  constexpr int64_t kRegs = kLanes == 16 ? kAccVectors : kAccVectors / 2;  // AVX2: 16 registers
+  constexpr int64_t CV = std::max<int64_t>(1, std::min<int64_t>(kC, kRegs / NH));
+  static_assert(kC % CV == 0, "chunks of the head dimension must divide it");
+  constexpr int64_t D = kC * kLanes;
+  for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += NH) {
+    for (int64_t c0 = 0; c0 < kC; c0 += CV) {
+      decode_values<KT, NH, CV>(v_cache, table, block_size, row_stride, k_begin, k_len,
+                                kh * D + c0 * kLanes, s + h0 * n, n, v_scales, num_kv_heads, kh,
+                                acc + h0 * D + c0 * kLanes, D);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Pass 1 of a bf16 decode item on AVX512-BF16: a key row's bf16 pairs times the query heads' own
+// bf16 pairs (vdpbf16ps: exact products, fp32 sums, two chains a head), the scale applied to the
+// sum, so no lane of the key row is widened. kC: the head dimension in 16-float vectors.
+template <int64_t kC>
+inline void decode_scores_bf16(const at::BFloat16* k_cache, const int32_t* table, int64_t block_size,
+                               int64_t row_stride, int64_t k_begin, int64_t k_len, const uint16_t* qb,
+                               int64_t kv_begin, int64_t kv_end, int64_t group, float scale, float* s,
+                               int64_t n) {
+  constexpr int64_t D = kC * 16, kPairs = D / 32;
+  static_assert(kPairs >= 2 && kPairs % 2 == 0, "head_dim: a multiple of 64");
+  for_each_slot_row(k_cache, table, block_size, row_stride, k_begin, k_len,
+                    [&](const at::BFloat16* kp, int64_t p, int64_t) {
+    for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
+      __m512bh kr[kPairs];
+      for (int64_t i = 0; i < kPairs; ++i) {
+        kr[i] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(kp) + kh * D + i * 32);
+      }
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+        const uint16_t* qh = qb + h * D;
+        __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < kPairs; i += 2) {
+          t0 = _mm512_dpbf16_ps(t0, (__m512bh)_mm512_loadu_si512(qh + i * 32), kr[i]);
+          t1 = _mm512_dpbf16_ps(t1, (__m512bh)_mm512_loadu_si512(qh + (i + 1) * 32), kr[i + 1]);
+        }
+        s[h * n + p] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) * scale;
+      }
+    }
+  });
+}
+#endif
+
 // kC: head_dim / kLanes as a constant (registers, unrolled loops), or 0 for any multiple of 16.
 // KT: the cache's element type, T or int8_t (then `kvs` holds the scales: a key's scale multiplies
 // its scores, a value's scale its softmax weights).
@@ -236,7 +318,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   const int64_t h_begin = kv_begin * group, h_end = kv_end * group;
   const int64_t k_begin = o.first_key(k_len - 1);  // the row's window: keys k_begin .. k_len - 1
   const int64_t n = k_len - k_begin;
-  scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * n));
+  scratch.resize(static_cast<size_t>(hq * D * 2 + hq + hq * n + (hq * D + 1) / 2));  // + bf16 queries
   float* qf = scratch.data();
   float* acc = qf + hq * D;
   float* inv = acc + hq * D;
@@ -248,6 +330,19 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   vfl row[kC > 0 ? kC : kMaxHeadDim / kLanes];
 
   // Pass 1: scores.
+#if defined(__AVX512BF16__)
+  constexpr bool kDp = std::is_same_v<T, at::BFloat16> && std::is_same_v<KT, at::BFloat16> && kC >= 4 &&
+                       kC % 4 == 0;
+  if constexpr (kDp) {
+    // The query heads' bf16 rows as they are (the scale multiplies the sums instead).
+    uint16_t* qb = reinterpret_cast<uint16_t*>(s + hq * n);
+    for (int64_t h = h_begin; h < h_end; ++h) {
+      std::memcpy(qb + h * D, q + seq * q_s0 + h * q_s1, D * sizeof(uint16_t));
+    }
+    decode_scores_bf16<kC>(k_cache, table, block_size, row_stride, k_begin, k_len, qb, kv_begin, kv_end,
+                           group, scale, s, n);
+  } else
+#endif
   for_each_slot_row(k_cache, table, block_size, row_stride, k_begin, k_len,
                     [&](const KT* kp, int64_t p, int64_t slot) {
     for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
@@ -281,7 +376,23 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
   }
   // Pass 3: weighted sum of the values, a KV head and a run of its query heads at a time, their
   // sums in registers (kAccVectors of them) over every key, then stored. Each sum is the same
-  // sequence of fused multiply-adds in key order whichever run a head falls in.
+  // sequence of fused multiply-adds in key order whichever run a head falls in. With the head
+  // dimension known (kC), the values are widened once for a run of up to 4 heads
+  // (decode_values_heads); otherwise once per head.
+  if constexpr (kC > 0) {
+    for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
+      if (group % 4 == 0) {
+        decode_values_heads<KT, kC, 4>(v_cache, table, block_size, row_stride, k_begin, k_len, s, n, kvs.v,
+                                       num_kv_heads, kh, group, acc);
+      } else if (group % 2 == 0) {
+        decode_values_heads<KT, kC, 2>(v_cache, table, block_size, row_stride, k_begin, k_len, s, n, kvs.v,
+                                       num_kv_heads, kh, group, acc);
+      } else {
+        decode_values_heads<KT, kC, 1>(v_cache, table, block_size, row_stride, k_begin, k_len, s, n, kvs.v,
+                                       num_kv_heads, kh, group, acc);
+      }
+    }
+  } else
   for (int64_t kh = kv_begin; kh < kv_end; ++kh) {
     const int64_t run = std::max<int64_t>(1, kAccVectors / C);
     for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += run) {
