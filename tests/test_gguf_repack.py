@@ -23,6 +23,7 @@ from tpserve.models.errors import CheckpointError
 from tpserve.models.gguf.repack import (SUPPORTED_TYPES, UnsupportedGGUFType, group_size, repack,
                                         repack_reader_tensor)
 from tpserve.models.gguf.repack import dequantize as group_dequantize
+from tpserve.models.group_quant import sub_scales
 
 TYPES = [T[name] for name in SUPPORTED_TYPES]
 assert {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"} <= set(SUPPORTED_TYPES)
@@ -187,5 +188,8 @@ def test_llama_quantize_files_repack_exactly(tmp_path):
             np.testing.assert_array_equal(group_dequantize(codes, scales, mins),
                                           dequantize(t.data, t.tensor_type),
                                           err_msg=f"{ftype}: {t.name} ({t.tensor_type.name})")
+            if t.tensor_type.name == "Q6_K":  # d * sc: packed as int8 sub-scales of an fp32 d
+                sub = sub_scales(torch.from_numpy(scales.reshape(-1, scales.shape[-1])))
+                assert sub is not None, f"{ftype}: {t.name}: Q6_K scales not int8 multiples of one d"
             seen[t.tensor_type.name] += 1
     assert set(seen) == set(SUPPORTED_TYPES), seen

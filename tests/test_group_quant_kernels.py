@@ -4,7 +4,8 @@ quantized to int8 per row and group the same way, exact integer dots, fp32/fp64 
 8-bit codes, groups 16/32/128, fp16 and fp32 scales, odd shapes, 1..64 rows, fp32 and bf16,
 with and without bias; symmetric weights (mins = -c * scales, as GGUF's Q4_0 / Q6_K / Q8_0: no
 mins read, the offset subtracted from the integer dots); rows independent of the call's row count;
-on this machine's ISA path and on an AVX2-only build (``TPSERVE_CPU_ARCH=haswell``)."""
+int8 sub-scales of an fp32 scale per 16 groups (GGUF's Q6_K: d * sc) bit for bit as their fp32
+products; on this machine's ISA path and on an AVX2-only build (``TPSERVE_CPU_ARCH=haswell``)."""
 from __future__ import annotations
 
 import os
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from tpserve.kernels import cpu_extension
-from tpserve.models.group_quant import (GROUP4, GROUP8, code_bits, dequantize, is_symmetric,
-                                        pack_group_weight, packed_rows, quantize_groups, symmetric_offset,
-                                        w4a8_reference)
+from tpserve.models.group_quant import (GROUP4, GROUP8, PackedWeight, code_bits, dequantize, is_symmetric,
+                                        pack_group_weight, packed_groups, packed_rows, quantize_groups,
+                                        sub_scales, symmetric_offset, w4a8_reference)
 
 CASES = [  # (N, K, group, bits): bits 5 and 6 are held in 6 bits (GROUP8)
     (67, 160, 32, 4), (64, 256, 128, 4), (130, 384, 128, 8), (33, 96, 32, 8), (5, 48, 16, 4),
@@ -62,6 +63,56 @@ def check_symmetric_kernels() -> None:
                                   f"{dtype}: {err}"
 
 
+SUB_CASES = [  # (N, K, group, bits, offset): Q6_K (6-bit codes, group 16), and others of that form
+    (70, 256, 16, 6, 32), (64, 512, 16, 6, 32), (33, 512, 32, 4, 8), (20, 256, 16, 8, 128),
+]
+
+
+def _sub_scale_weights(n, k, g, bits, offset, seed):
+    """Q6_K-like scales: per run of 16 groups an fp16 d of either sign times int8 sub-scales
+    (one of them -128, as llama.cpp's quantizer writes; a run of zeros too)."""
+    torch.manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)
+    runs = k // g // 16
+    d = (torch.randn(n, runs) * 1e-3).half().float()
+    sc = torch.randint(-128, 128, (n, runs, 16)).float()
+    sc[..., 3] = -128
+    sc[0, 0] = 0
+    scales = (d[..., None] * sc).reshape(n, k // g)
+    return codes, scales, -float(offset) * scales
+
+
+def _fp32_scales_pack(packed, scales):
+    """``packed`` with its scales held as plain fp32 ``[N/P][G][P]`` instead."""
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    n, groups = scales.shape
+    n_pad = -(-n // panel) * panel
+    padded = torch.cat([scales, scales.new_zeros(n_pad - n, groups)])
+    flat = padded.view(n_pad // panel, panel, groups).permute(0, 2, 1).contiguous().view(-1)
+    return PackedWeight(data=packed.data, kind=packed.kind, n=packed.n, k=packed.k, scales=flat,
+                        colsum=packed.colsum)
+
+
+def check_sub_scale_kernels() -> None:
+    for n, k, g, bits, offset in SUB_CASES:
+        codes, scales, mins = _sub_scale_weights(n, k, g, bits, offset, seed=n + k)
+        packed = pack_group_weight(codes, scales, mins)
+        assert packed.scales.dtype == torch.int8 and is_symmetric(packed)
+        assert packed_groups(packed) == k // g
+        plain = _fp32_scales_pack(packed, scales)
+        for rows in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, k) * 2).to(dtype)
+                x[0, :g] = 0
+                bias = torch.randn(n).to(dtype) if rows % 2 else None
+                got = packed.matmul(x, bias)
+                assert torch.equal(got, plain.matmul(x, bias)), f"sub-scales N={n} K={k} rows={rows} {dtype}"
+                want = w4a8_reference(x, codes, scales, mins, bias)
+                tol = 1e-4 if dtype == torch.float32 else 1e-2
+                err = ((got.float() - want).abs().max() / want.abs().max()).item()
+                assert err < tol, f"sub-scales N={n} K={k} g={g} rows={rows} {dtype}: {err}"
+
+
 def _weights(n, k, g, bits, seed):
     torch.manual_seed(seed)
     w = torch.randn(n, k)
@@ -98,6 +149,7 @@ def check_kernels() -> None:
         err = (w4a8_reference(x, codes, scales, mins) - dense).abs().max() / dense.abs().max()
         assert err.item() < 0.05
     check_symmetric_kernels()
+    check_sub_scale_kernels()
 
 
 def test_kernels_match_the_reference():
@@ -195,3 +247,37 @@ def test_an_avx2_build_runs_the_kernels():
     check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_sub_scales_factor_exactly_or_not_at_all():
+    _, scales, _ = _sub_scale_weights(9, 512, 16, 6, 32, seed=4)
+    sub, top = sub_scales(scales)
+    assert sub.dtype == torch.int8 and top.dtype == torch.float32 and top.shape == (9, 2)
+    assert torch.equal(sub.float() * top.repeat_interleave(16, dim=1), scales)
+    assert torch.equal(top[0, 0], torch.tensor(0.0)) and not sub[0, :16].any()  # the zero run
+    assert sub_scales(scales[:, :24]) is None  # not a whole number of runs of 16 groups
+    assert sub_scales(scales * 1.0001) is None  # no longer int8 multiples of one value
+    ratio = torch.rand(4, 16) + 0.5  # any 16 fp32 values: not int8 multiples of +-amax/128 or /127
+    assert sub_scales(ratio) is None
+
+
+def test_sub_scale_packs_are_smaller_and_read_back_exactly():
+    """Q6_K's form: 1.25 bytes of scales per group and channel instead of 4; the rows an embedding
+    gathers from a tied head's pack dequantize to the table's rows bit for bit."""
+    assert cpu_extension.available()
+    codes, scales, mins = _sub_scale_weights(70, 256, 16, 6, 32, seed=5)
+    packed = pack_group_weight(codes, scales, mins)
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    n_pad = -(-70 // panel) * panel
+    assert packed.scales.nbytes == n_pad * 16 * 5 // 4
+    assert packed.data.nbytes == n_pad * 256 * 3 // 4  # 6-bit codes
+    ids = torch.tensor([0, 1, 5, 63, 64, 69, 5])
+    got = packed_rows(packed, ids)
+    for g, ref in zip(got, (codes, scales, mins)):
+        assert torch.equal(g, ref[ids])
+    assert torch.equal(dequantize(*got), dequantize(codes, scales, mins)[ids])
+    x = torch.randn(2, 256)
+    out = torch.empty(2, 70)
+    with pytest.raises(ValueError, match="sub-scales"):  # int8 sub-scales with mins of their own
+        torch.ops.tpserve_cpu.linear(out, x, packed.data, packed.kind, 70, packed.scales,
+                                     torch.zeros(n_pad * 16), None)

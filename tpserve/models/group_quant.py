@@ -44,7 +44,11 @@ byte ``q`` the input ``16b + 4f + q``: 0.75 bytes per weight instead of 1. A sym
 min ``-c * scale`` for one integer ``c`` (GGUF's Q4_0, Q5_0, Q6_K, Q8_0), keeps no mins: the
 kernels subtract ``c * sum(a_q)`` from each group's integer dot (exact in int32) and read 2 or 4
 bytes fewer per group and channel (at group 32 and fp16 scales, 0.5625 bytes per weight instead
-of 0.625).
+of 0.625). A symmetric weight whose scales are, run by run of 16 groups, int8 multiples of one
+fp32 value (GGUF's Q6_K: d * sc, an fp16 d per 256 inputs and an int8 sc per 16) keeps them so
+(:func:`sub_scales`): per panel ``[K/g][P]`` int8, then ``[K/(16g)][P]`` fp32, 1.25 bytes per
+group and channel instead of 4 (a Q6_K weight: 0.83 bytes per weight instead of 1.0, as in the
+file); every ``int8 * fp32`` product is the scale exactly.
 """
 from __future__ import annotations
 
@@ -59,6 +63,8 @@ from tpserve.models.packed_gemm import PackedWeight, ops_ready
 GROUP4, GROUP8 = 4, 5
 # The largest offset of a symmetric weight (quant_ops.cpp's kMaxOffset).
 MAX_OFFSET = 255
+# Groups that share one fp32 scale of int8 sub-scales (quant_ops.cpp's kSubGroups).
+SUB_GROUPS = 16
 _CODES, _SCALES, _MINS = "weight_codes", "weight_group_scales", "weight_group_mins"
 
 
@@ -155,6 +161,34 @@ def symmetric_offset(scales: torch.Tensor, mins: torch.Tensor) -> int | None:
     return int(c) if torch.equal(m, -c * s) else None
 
 
+def sub_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``scales [N, G]`` as ``(sub int8 [N, G], top fp32 [N, G / 16])`` with ``sub * top ==
+    scales`` exactly in fp32, each run of 16 groups sharing one ``top``; None where some run is
+    not of that form (or G is not a multiple of 16). A run's top is tried as ``±amax / 128`` and
+    ``±amax / 127`` (amax: the run's largest magnitude): llama.cpp's Q6_K quantizer gives the
+    largest sub-scale of a block -128, so the block's d is ``-extreme / 128``."""
+    n, groups = scales.shape
+    if groups % SUB_GROUPS or n == 0:
+        return None
+    s = scales.detach().float().reshape(n, groups // SUB_GROUPS, SUB_GROUPS)
+    amax = s.abs().amax(-1, keepdim=True)
+    sub = torch.zeros_like(s)
+    top = torch.zeros_like(amax)
+    done = amax == 0  # an all-zero run: top 0, sub-scales 0
+    for m in (-128.0, 128.0, -127.0, 127.0):
+        if bool(done.all()):
+            break
+        t = torch.where(done, torch.ones_like(amax), amax / m)
+        q = torch.round(s / t)
+        ok = ((q >= -128) & (q <= 127) & (q * t == s)).all(-1, keepdim=True) & ~done
+        sub = torch.where(ok, q, sub)
+        top = torch.where(ok, t, top)
+        done = done | ok
+    if not bool(done.all()):
+        return None
+    return sub.reshape(n, groups).to(torch.int8), top.reshape(n, groups // SUB_GROUPS).contiguous()
+
+
 def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                       bits: int | None = None) -> PackedWeight:
     """codes / scales / mins in the kernels' layout (module docstring) as a PackedWeight of kind
@@ -190,12 +224,19 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     exact = (scales,) if offset is not None else (scales, mins)
     dtype = torch.float16 if all(_exact_fp16(t) for t in exact) else torch.float32
 
-    def per_panel(t):
-        t = _pad_rows(t.detach().float(), n_pad).view(pn, panel, k // g)
-        return t.permute(0, 2, 1).contiguous().view(-1).to(dtype)
-    mins_slot = torch.tensor([offset], dtype=torch.int32) if offset is not None else per_panel(mins)
+    def per_panel(t, to=dtype):
+        t = _pad_rows(t.detach(), n_pad).view(pn, panel, t.shape[1])
+        return t.permute(0, 2, 1).contiguous().view(-1).to(to)
+    factored = sub_scales(scales) if offset is not None else None
+    if factored is not None:  # per panel: [G][P] int8, then [G/16][P] fp32 (as bytes)
+        sub, top = factored
+        top_bytes = per_panel(top, torch.float32).view(torch.int8).view(pn, -1)
+        scales_slot = torch.cat([per_panel(sub, torch.int8).view(pn, -1), top_bytes], dim=1).view(-1)
+    else:
+        scales_slot = per_panel(scales.float())
+    mins_slot = torch.tensor([offset], dtype=torch.int32) if offset is not None else per_panel(mins.float())
     return PackedWeight(data=data, kind=GROUP4 if bits == 4 else GROUP8, n=n, k=k,
-                        scales=per_panel(scales), colsum=mins_slot)
+                        scales=scales_slot, colsum=mins_slot)
 
 
 def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,14 +264,31 @@ def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, 
     else:
         data = packed.data.view(pn, k // 4, 4, lanes, 4)
         codes = data[p[:, None], torch.arange(k // 4)[None, :], vec, lane]  # [T, K/4, 4]
-    groups = packed.scales.numel() // (pn * panel)
+    groups = packed_groups(packed)
     cols = torch.arange(groups)[None, :]
 
     def per_row(t):
         return t.view(pn, groups, panel)[p[:, None], cols, j[:, None]].float()
-    scales = per_row(packed.scales)
+    if packed.scales.dtype == torch.int8:  # sub-scales [G][P] then their fp32 tops [G/16][P], per panel
+        per = packed.scales.view(pn, -1)
+        sub = per[:, :groups * panel].reshape(pn, groups, panel)[p[:, None], cols, j[:, None]]
+        tops = per[:, groups * panel:].reshape(pn, groups // SUB_GROUPS, panel, 4)
+        top = tops[p[:, None], torch.arange(groups // SUB_GROUPS)[None, :], j[:, None]]
+        top = top.contiguous().view(torch.float32).reshape(len(ids), groups // SUB_GROUPS)
+        scales = sub.float() * top.repeat_interleave(SUB_GROUPS, dim=1)
+    else:
+        scales = per_row(packed.scales)
     mins = -float(packed.colsum.item()) * scales if is_symmetric(packed) else per_row(packed.colsum)
     return codes.reshape(len(ids), k), scales, mins
+
+
+def packed_groups(packed: PackedWeight) -> int:
+    """Groups per output channel of a GROUP4 / GROUP8 pack (from its scales' size)."""
+    panel = torch.ops.tpserve_cpu.linear_panel_width()
+    n_pad = -(-packed.n // panel) * panel
+    if packed.scales.dtype == torch.int8:  # 1.25 bytes per group and channel
+        return packed.scales.numel() * 4 // (5 * n_pad)
+    return packed.scales.numel() // n_pad
 
 
 def code_bits(packed: PackedWeight) -> int:

@@ -21,6 +21,9 @@
 //                 2-bit high parts (field f of byte q: input 16b + 4f + q); a kGroup8 weight
 //                 with codes below 64, told apart by its size (3/4 of the 8-bit one's)
 //     scales, mins [N/P][G][P]  (fp32, or fp16 when exact)
+//     or, a symmetric weight's scales as int8 multiples of an fp32 scale per 16 groups (GGUF's
+//     Q6_K: d * sc), per panel [G][P] int8 then [G/16][P] fp32: a kChar scales tensor of
+//     1.25 bytes per group and channel instead of 4
 // so a panel is one stream read front to back, 4 bits per weight (plus 4 or 8 bytes per group and
 // channel for its scale and min). A symmetric weight (every min -off * scale, one integer off:
 // GGUF's Q4_0, Q5_0, Q6_K, Q8_0) holds one int32, off, in place of the mins and reads none: its
@@ -65,6 +68,18 @@ int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 // A symmetric weight: its colsum slot is one int32, the offset, instead of the mins.
 bool is_symmetric(const PackedLinear& w) {
   return w.colsum->numel() == 1 && w.colsum->scalar_type() == at::kInt;
+}
+// Groups that share one fp32 scale of int8 sub-scales (kChar scales), and the bytes per group
+// and channel: an int8, and a quarter of the shared fp32 (4 / 16 bytes).
+constexpr int64_t kSubGroups = 16;
+bool has_sub_scales(const PackedLinear& w) { return w.scales->scalar_type() == at::kChar; }
+// Groups of a weight from its scales' size (int8 sub-scales: 5 bytes per 4 groups and channel).
+int64_t groups_of(const PackedLinear& w) {
+  const int64_t n_pad = panels(w.n) * kPanel;
+  if (!w.scales.has_value() || n_pad == 0) return 0;
+  const int64_t numel = w.scales->numel();
+  if (has_sub_scales(w)) return numel % (5 * n_pad) == 0 ? numel / (5 * n_pad) * 4 : 0;
+  return numel / n_pad;
 }
 // Bytes of codes per panel of `bits`-bit codes (6: a 4-bit plane and a 2-bit plane).
 int64_t panel_code_bytes(int64_t bits, int64_t K) { return K * kPanel * bits / 8; }
@@ -237,6 +252,26 @@ inline vfl load_scales(const at::Half* p) {
 #endif
 }
 
+// A panel's int8 sub-scales [G][P] and their fp32 scales [G / 16][P] (a symmetric kChar weight).
+struct SubScales {
+  const int8_t* sub;
+  const float* top;
+};
+// The 4 vectors of group gi's scales of a panel (fp32, fp16 or int8 sub-scales).
+template <typename S>
+inline void group_scales(const S* sc, int64_t gi, vfl (&s)[4]) {
+  for (int64_t i = 0; i < 4; ++i) s[i] = load_scales(sc + gi * kPanel + i * kLanes);
+}
+inline void group_scales(const SubScales* sc, int64_t gi, vfl (&s)[4]) {
+  const float* top = sc->top + (gi / kSubGroups) * kPanel;
+  for (int64_t i = 0; i < 4; ++i) s[i] = loadl(sc->sub + gi * kPanel + i * kLanes) * loadl(top + i * kLanes);
+}
+template <typename S>
+inline float scale_at(const S* sc, int64_t gi, int64_t j) { return static_cast<float>(sc[gi * kPanel + j]); }
+inline float scale_at(const SubScales* sc, int64_t gi, int64_t j) {
+  return static_cast<float>(sc->sub[gi * kPanel + j]) * sc->top[(gi / kSubGroups) * kPanel + j];
+}
+
 // TM rows (r0..) times one panel over all of K: acc[t][i] = output channels [i*L, (i+1)*L).
 // SYM: every min is -off * scale (mn unused): the group's integer dot less off * sum(a_q), exact
 // in int32, times scale * a_scale.
@@ -303,7 +338,7 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
       }
     }
     vfl s[4];
-    for (int64_t i = 0; i < 4; ++i) s[i] = load_scales(sc + gi * kPanel + i * kLanes);
+    group_scales(sc, gi, s);
     if constexpr (SYM) {
       (void)mn;
       for (int64_t t = 0; t < TM; ++t) {
@@ -348,7 +383,7 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
       const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
       const int32_t osum = off * r.sum[(r0 + t) * G + gi];
       for (int64_t j = 0; j < kPanel; ++j) {
-        const float s = static_cast<float>(sc[gi * kPanel + j]);
+        const float s = scale_at(sc, gi, j);
         if constexpr (SYM) {
           acc[t][j / kLanes][j % kLanes] += static_cast<float>(a[t][j] - osum) * (s * as);
         } else {
@@ -391,7 +426,11 @@ void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
     }
   };
   const bool half = w.scales->scalar_type() == at::kHalf;
-  if (is_symmetric(w)) {
+  if (is_symmetric(w) && has_sub_scales(w)) {
+    const int8_t* base = w.scales->data_ptr<int8_t>() + p * G * kPanel * 5 / 4;
+    const SubScales sc{base, reinterpret_cast<const float*>(base + G * kPanel)};
+    by_bits(std::true_type{}, &sc, &sc, w.colsum->data_ptr<int32_t>()[0]);
+  } else if (is_symmetric(w)) {
     const int32_t off = w.colsum->data_ptr<int32_t>()[0];
     if (half) {
       const at::Half* sc = w.scales->data_ptr<at::Half>() + p * G * kPanel;
@@ -445,7 +484,8 @@ void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
   const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t scale_bytes = (w.k / g) * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
+  const int64_t scale_bytes = has_sub_scales(w) ? (w.k / g) * kPanel * 5 / 4
+                                                : (w.k / g) * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
   const int64_t panel_bytes = panel_code_bytes(bits_of(w), w.k) + scale_bytes;
   const int64_t grain = M > kGTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
@@ -457,8 +497,7 @@ void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear
 }
 
 int64_t group_of(const PackedLinear& w) {
-  const int64_t n_pad = panels(w.n) * kPanel;
-  const int64_t G = w.scales.has_value() && n_pad > 0 ? w.scales->numel() / n_pad : 0;
+  const int64_t G = groups_of(w);
   return G > 0 ? w.k / G : 0;
 }
 
@@ -471,10 +510,14 @@ void check_group_packed(const PackedLinear& w, const char* what) {
                     ": a group weight needs its scales and mins");
   const at::Tensor& s = *w.scales;
   const at::Tensor& m = *w.colsum;
-  const bool dtype_ok = s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf;
-  TORCH_CHECK_VALUE(s.is_contiguous() && dtype_ok && s.numel() > 0 && s.numel() % n_pad == 0,
-                    what, ": scales must be a contiguous float32 or float16 [", n_pad, " x groups]");
-  const int64_t G = s.numel() / n_pad;
+  const bool sub = s.scalar_type() == at::kChar;
+  const bool dtype_ok = s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf || sub;
+  TORCH_CHECK_VALUE(s.is_contiguous() && dtype_ok && s.numel() > 0 && s.numel() % (sub ? 5 * n_pad : n_pad) == 0,
+                    what, ": scales must be a contiguous float32 or float16 [", n_pad, " x groups] (or int8: "
+                    "per panel [groups][", kPanel, "] sub-scales, then [groups / 16][", kPanel, "] float32)");
+  const int64_t G = groups_of(w);
+  TORCH_CHECK_VALUE(!sub || (G % kSubGroups == 0 && m.numel() == 1 && m.scalar_type() == at::kInt), what,
+                    ": int8 sub-scales need a symmetric weight and a multiple of 16 groups, got ", G);
   TORCH_CHECK_VALUE(w.k % G == 0 && (w.k / G) % 16 == 0, what, ": ", G, " groups of K=", w.k,
                     " inputs: the group must divide K and be a multiple of 16");
   if (m.numel() == 1 && m.scalar_type() == at::kInt) {
