@@ -8,7 +8,8 @@ channel, activations int8 per row), then times ``torch.ops.tpserve_cpu.linear`` 
 at ``--rows`` bf16 rows (a decode step's matrix-vector products: every weight read once, the
 layers' weights together larger than the caches): the median of ``--repeats`` passes. With
 ``--head`` the tied LM head (vocab x hidden) is in each pass too, as llama-quantize writes it
-beside Q4_0 / Q4_1 layers: Q6_K (6-bit codes, a scale per 16, min = -32 * scale); int8 for int8.
+beside Q4_0 / Q4_1 layers: Q6_K (6-bit codes, a scale per 16 that is an int8 times an fp16 d per
+256, min = -32 * scale); int8 for int8.
 It prints
 one line per thread count with each kind's milliseconds per pass and weight bytes read per
 second, and the ratio int8 ms / Q4_0 ms (comparable within a line only: the machine is shared).
@@ -46,7 +47,13 @@ def packs(shape, layers, head, kind, seed=0):
     for n, k in mats:
         if (n, k) == head and kind != "int8":  # Q6_K
             codes = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
-            scales = torch.rand(n, k // 16, generator=gen) * 0.01 + 1e-3
+            # d * sc: an fp16 d per 256 inputs, int8 sub-scales per 16 (the largest -128, as
+            # llama-quantize writes them), packed as such (1.25 bytes per group and channel)
+            runs = max(1, k // 256)
+            d = (torch.rand(n, runs, 1, generator=gen) * 1e-4 + 1e-5).half().float()
+            sc = torch.randint(-128, 128, (n, runs, k // 16 // runs), generator=gen).float()
+            sc[..., 0] = -128
+            scales = (d * sc).reshape(n, k // 16)
             out.append(pack_group_weight(codes, scales, -32 * scales))
             continue
         if kind == "int8":
