@@ -28,6 +28,12 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// ldtilecfg of the whole configuration. GCC's _tile_loadconfig tells the compiler that it reads
+// only the first 8 bytes of its argument, so the stores of the rows and widths may be dropped as
+// dead (they were, once amx_configure grew a branch: the tiles were left unconfigured). Here the
+// asm operand is the whole struct.
+inline void load_tile_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 #endif
 
 }  // namespace tpserve

@@ -451,9 +451,31 @@ constexpr int64_t kAmxRows = 16;    // rows of x per A tile
 constexpr int64_t kAmxBytes = 64;   // bytes of a tile row: 32 bf16 or 64 int8 input features
 constexpr int64_t kKStep = 256;     // bytes of a panel per pair (bf16) or quad (int8) of features
 
+// The shape this thread's tiles were last configured for (m0 * 32 + m1 + 1), while a
+// TileShapeScope lives on the thread; 0 when unknown. ldtilecfg stalls the tile unit: loaded per
+// block of 32 rows it took a quarter of a K = 256 matmul's time. Within one call's loop nothing
+// else runs on the thread, so the shape is known there; outside it (torch's oneDNN also uses the
+// tiles, and may release them) every block configures again.
+thread_local int64_t t_tile_shape = 0;
+thread_local bool t_tile_scope = false;
+
+struct TileShapeScope {
+  TileShapeScope() {
+    t_tile_shape = 0;
+    t_tile_scope = true;
+  }
+  ~TileShapeScope() {
+    t_tile_shape = 0;
+    t_tile_scope = false;
+  }
+};
+
 // Tiles: C 0-3, A 4-5, B 6-7. Shape (a): one A tile of m0 rows times the panel's 4 B tiles into
 // C 0-3. Shape (b): A tiles of m0 and m1 rows times 2 B tiles (half a panel) into C 0-3.
 inline void amx_configure(int64_t m0, int64_t m1) {
+  const int64_t shape = m0 * 32 + m1 + 1;
+  if (t_tile_scope && shape == t_tile_shape) return;
+  if (t_tile_scope) t_tile_shape = shape;
   TileConfig c;
   const auto set = [&](int t, int64_t rows) {
     c.rows[t] = static_cast<uint8_t>(rows);
@@ -467,7 +489,7 @@ inline void amx_configure(int64_t m0, int64_t m1) {
   }
   set(4, m0);
   set(6, 16), set(7, 16);
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // Input features per tile step of a kind, 0 where the tiles do not run it.
@@ -578,6 +600,20 @@ void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0
     } else {
       amx_block<false>(panel, steps, xr, rows.ld * 2, m, c);
     }
+    if (!i8) {
+      // bf16 sums end with the bias (an add: nothing to contract) and the rounding, the same
+      // operations as Epilogue::finish, here inline: called per row, finish cost a third of the
+      // kernel's time at K = 256.
+      for (int64_t t = 0; t < m; ++t) {
+        vfl v[4];
+        for (int64_t i = 0; i < 4; ++i) {
+          v[i] = loadl(c + t * kPanel + i * kLanes);
+          if (e.has_bias) v[i] += e.bias[i];
+        }
+        store_row(out + (r + t) * ldo + e.n0, v, e.valid);
+      }
+      continue;
+    }
     for (int64_t t = 0; t < m; ++t) {
       vfl acc[4];
       for (int64_t i = 0; i < 4; ++i) {
@@ -594,6 +630,7 @@ void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0
   }
 }
 #else
+struct TileShapeScope {};
 inline bool amx_runs(const PackedLinear&, int64_t) { return false; }
 template <typename T>
 void run_rows_amx(const PackedLinear&, const Rows&, int64_t, int64_t, int64_t, T*, int64_t) {}
@@ -668,6 +705,7 @@ void linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
     const int64_t c1 = std::min(M, c0 + kRowChunk), blocks = (c1 - c0 + kRowBlock - 1) / kRowBlock;
     // Items panel-major: a thread's consecutive items reuse one panel (in L2) across row blocks.
     at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
+      const TileShapeScope tile_scope;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t p = item / blocks, r0 = c0 + item % blocks * kRowBlock;
         run_rows<T>(w, rows, p, r0, std::min(c1, r0 + kRowBlock), op, ldo);

@@ -46,7 +46,7 @@ void configure_tiles() {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // P V into N <= 4 output column tiles: C tiles 0..N-1 are the rows' fp32 outputs (ldc bytes
