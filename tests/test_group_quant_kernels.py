@@ -17,8 +17,8 @@ import torch
 
 from tpserve.kernels import cpu_extension
 from tpserve.models.group_quant import (GROUP4, GROUP8, PackedWeight, code_bits, dequantize, is_symmetric,
-                                        pack_group_weight, packed_groups, packed_rows, quantize_groups,
-                                        sub_scales, symmetric_offset, w4a8_reference)
+                                        pack_group_weight, packed_groups, packed_rows, packed_rows_reference,
+                                        quantize_groups, sub_scales, symmetric_offset, w4a8_reference)
 
 CASES = [  # (N, K, group, bits): bits 5 and 6 are held in 6 bits (GROUP8)
     (67, 160, 32, 4), (64, 256, 128, 4), (130, 384, 128, 8), (33, 96, 32, 8), (5, 48, 16, 4),
@@ -29,6 +29,15 @@ SYM_CASES = [  # (N, K, group, bits, offset, fp16 scales): Q4_0, Q6_K, Q8_0, Q5_
     (67, 160, 32, 4, 8, True), (40, 96, 16, 6, 32, False), (33, 64, 32, 8, 128, True),
     (70, 64, 32, 5, 16, True), (20, 64, 32, 4, 0, True), (9, 48, 16, 8, 32, False),
 ]
+
+
+def check_rows(packed, codes, scales, mins) -> None:
+    """The C++ row read-back (quant_rows.cpp) equals the torch one and the weight's own rows."""
+    n = codes.shape[0]
+    ids = torch.tensor([0, n - 1, n // 2, 0, min(n - 1, 33)])
+    got = packed_rows(packed, ids)
+    for a, b, ref in zip(got, packed_rows_reference(packed, ids), (codes, scales, mins)):
+        assert torch.equal(a, b) and torch.equal(a, ref[ids])
 
 
 def _symmetric_weights(n, k, g, bits, offset, fp16, seed):
@@ -50,6 +59,7 @@ def check_symmetric_kernels() -> None:
         assert code_bits(packed) == {4: 4, 5: 6, 6: 6, 8: 8}[bits]
         assert packed.colsum.tolist() == [offset]
         assert packed.scales.dtype == (torch.float16 if fp16 else torch.float32)
+        check_rows(packed, codes, scales, mins)
         for rows in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(rows, k) * 2).to(dtype)
@@ -99,6 +109,7 @@ def check_sub_scale_kernels() -> None:
         packed = pack_group_weight(codes, scales, mins)
         assert packed.scales.dtype == torch.int8 and is_symmetric(packed)
         assert packed_groups(packed) == k // g
+        check_rows(packed, codes, scales, mins)
         plain = _fp32_scales_pack(packed, scales)
         for rows in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
@@ -132,6 +143,7 @@ def check_kernels() -> None:
         assert packed.kind == (GROUP4 if bits == 4 else GROUP8), (packed.kind, bits)
         assert code_bits(packed) == {4: 4, 5: 6, 6: 6, 8: 8}[bits]
         assert packed.scales.dtype == (torch.float32 if n % 2 else torch.float16)
+        check_rows(packed, codes, scales, mins)
         for rows in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(rows, k) * 2).to(dtype)
@@ -281,3 +293,14 @@ def test_sub_scale_packs_are_smaller_and_read_back_exactly():
     with pytest.raises(ValueError, match="sub-scales"):  # int8 sub-scales with mins of their own
         torch.ops.tpserve_cpu.linear(out, x, packed.data, packed.kind, 70, packed.scales,
                                      torch.zeros(n_pad * 16), None)
+
+
+def test_row_read_back_refuses_bad_ids():
+    assert cpu_extension.available()
+    codes, scales, mins = _weights(40, 64, 32, 4, seed=2)
+    packed = pack_group_weight(codes, scales, mins)
+    for bad in (40, -1):
+        with pytest.raises(ValueError, match="outside"):
+            packed_rows(packed, torch.tensor([0, bad]))
+    empty = packed_rows(packed, torch.tensor([], dtype=torch.int64))
+    assert [tuple(t.shape) for t in empty] == [(0, 64), (0, 2), (0, 2)]

@@ -243,7 +243,17 @@ def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> tuple[torch.Tensor, 
     """Rows ``ids`` (output channels) of a GROUP4 / GROUP8 pack as ``(codes uint8 [T, K], scales
     fp32 [T, K // g], mins fp32 [T, K // g])``: the inverse of :func:`pack_group_weight` for
     those rows, read from the packed layout in place (an embedding that shares a tied LM head's
-    codes looks its rows up here)."""
+    codes looks its rows up here, each step): one C++ call (quant_rows.cpp), or
+    :func:`packed_rows_reference`'s torch indexing where that operator is missing."""
+    if hasattr(torch.ops.tpserve_cpu, "group_rows"):
+        return torch.ops.tpserve_cpu.group_rows(ids.reshape(-1).long(), packed.data, packed.kind, packed.n,
+                                                packed.k, packed.scales, packed.colsum)
+    return packed_rows_reference(packed, ids)
+
+
+def packed_rows_reference(packed: PackedWeight, ids: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`packed_rows` in torch indexing (the layout's definition, read back)."""
     panel = torch.ops.tpserve_cpu.linear_panel_width()
     lanes = panel // 4
     k = packed.k

@@ -503,6 +503,10 @@ int64_t group_of(const PackedLinear& w) {
 
 }  // namespace
 
+int64_t group_panel_width() { return kPanel; }
+int64_t group_count(const PackedLinear& w) { return groups_of(w); }
+int64_t group_code_bits(const PackedLinear& w) { return bits_of(w); }
+
 void check_group_packed(const PackedLinear& w, const char* what) {
   TORCH_CHECK_VALUE(w.n >= 1 && w.k >= 1, what, ": expected N >= 1 and K >= 1, got N=", w.n, " K=", w.k);
   const int64_t n_pad = panels(w.n) * kPanel;

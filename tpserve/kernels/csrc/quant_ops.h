@@ -17,6 +17,12 @@ inline bool is_group_kind(int64_t kind) { return kind == kGroup4 || kind == kGro
 // weight one int32 offset in place of the mins; raises ValueError naming `what`.
 void check_group_packed(const PackedLinear& w, const char* what);
 
+// Of a checked group weight: output channels per panel, groups per channel (K / group), and
+// the bits held per code (4, 6 or 8).
+int64_t group_panel_width();
+int64_t group_count(const PackedLinear& w);
+int64_t group_code_bits(const PackedLinear& w);
+
 // out [M, N] = x [M, K] W^T (+ bias) for a group weight; x fp32 or bf16 with contiguous rows.
 void group_linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w);
 
