@@ -109,6 +109,32 @@ def test_bf16_rows_across_tile_boundaries():
         assert torch.equal(packed.matmul(x[70 - m:], bias), together[70 - m:]), m
 
 
+@pytest.mark.parametrize("kind", [BFLOAT16, INT8_DYNAMIC])
+def test_long_rows_in_ranges_of_input_features(kind):
+    """On the tile unit an item's blocks of rows take the input features in ranges (8 tile steps:
+    256 bf16 or 512 int8 features), their sums kept between ranges: K of 2 ranges and a part,
+    every row count around the blocks, against the dense math and the rows computed together."""
+    torch.manual_seed(5)
+    k = 2 * 8 * (32 if kind == BFLOAT16 else 64) + 3 * 64
+    w = torch.randn(70, k)
+    if kind == INT8_DYNAMIC:
+        q, scale = packed_gemm.quantize_int8(w)
+        packed = packed_gemm.pack_weight(q, kind, scale)
+        w_ref = q.float() * scale.reshape(-1, 1)
+    else:
+        packed = packed_gemm.pack_weight(w.bfloat16(), kind)
+        w_ref = w.bfloat16().float()
+    x = torch.randn(150, k).bfloat16()
+    together = packed.matmul(x, None)
+    for m in (1, 9, 16, 17, 33, 64, 65, 130, 150):
+        out = packed.matmul(x[:m], None)
+        ref = x[:m].double() @ w_ref.double().T
+        tol = 8e-3 if kind == BFLOAT16 else 3e-2  # int8: the activations' quantization
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tol, m
+        assert torch.equal(out, together[:m]), m
+        assert torch.equal(packed.matmul(x[150 - m:], None), together[150 - m:]), m
+
+
 AMX_CHECK = r"""
 import sys
 import torch

@@ -450,6 +450,8 @@ void run_tile(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, T*
 constexpr int64_t kAmxRows = 16;    // rows of x per A tile
 constexpr int64_t kAmxBytes = 64;   // bytes of a tile row: 32 bf16 or 64 int8 input features
 constexpr int64_t kKStep = 256;     // bytes of a panel per pair (bf16) or quad (int8) of features
+constexpr int64_t kAmxChunkSteps = 8;  // tile steps per range of input features (32 KB of a panel)
+static_assert(kRowBlock % (2 * kAmxRows) == 0, "an item's rows are whole blocks of 32 but the last");
 
 // The shape this thread's tiles were last configured for (m0 * 32 + m1 + 1), while a
 // TileShapeScope lives on the thread; 0 when unknown. ldtilecfg stalls the tile unit: loaded per
@@ -520,17 +522,26 @@ inline bool amx_runs(const PackedLinear& w, int64_t rows) {
   } while (0)
 
 // Rows [0, m) (m <= 32) of x (bytes xstride apart) times one panel of `steps` tile steps ->
-// c[m][kPanel]: fp32 sums (bf16) or int32 ones (int8).
+// c[m][kPanel]: fp32 sums (bf16) or int32 ones (int8). With `more`, the sums continue from those
+// in c (a previous range of the input features), stored and reloaded exactly.
 template <bool I8>
-inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstride, int64_t m, void* c) {
+inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstride, int64_t m, void* c,
+                      bool more = false) {
   constexpr int64_t ldc = kPanel * 4;
   char* cb = static_cast<char*>(c);
   if (m <= kAmxRows) {
     amx_configure(m, 0);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (more) {
+      _tile_loadd(0, cb, ldc);
+      _tile_loadd(1, cb + 64, ldc);
+      _tile_loadd(2, cb + 128, ldc);
+      _tile_loadd(3, cb + 192, ldc);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     for (int64_t s = 0; s < steps; ++s, b += 16 * kKStep, x += kAmxBytes) {
       _tile_loadd(4, x, xstride);
       _tile_loadd(6, b, kKStep);
@@ -550,10 +561,18 @@ inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstri
   }
   amx_configure(kAmxRows, m - kAmxRows);
   for (int64_t half = 0; half < 2; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    char* ch = cb + half * 128;
+    if (more) {
+      _tile_loadd(0, ch, ldc);
+      _tile_loadd(1, ch + 64, ldc);
+      _tile_loadd(2, ch + kAmxRows * ldc, ldc);
+      _tile_loadd(3, ch + kAmxRows * ldc + 64, ldc);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     const char* bh = b + half * 128;
     const char* x0 = x;
     for (int64_t s = 0; s < steps; ++s, bh += 16 * kKStep, x0 += kAmxBytes) {
@@ -573,7 +592,6 @@ inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstri
       TPSERVE_AMX_DOT(I8, 2, 5, 6);
       TPSERVE_AMX_DOT(I8, 3, 5, 7);
     }
-    char* ch = cb + half * 128;
     _tile_stored(0, ch, ldc);
     _tile_stored(1, ch + 64, ldc);
     _tile_stored(2, ch + kAmxRows * ldc, ldc);
@@ -585,21 +603,38 @@ inline void amx_block(const char* b, int64_t steps, const char* x, int64_t xstri
 template <typename T>
 void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
                   int64_t ldo) {
+  if (r1 - r0 > kRowBlock) {  // (the grouped experts' pieces may be longer than an item)
+    for (int64_t r = r0; r < r1; r += kRowBlock) run_rows_amx<T>(w, rows, p, r, std::min(r1, r + kRowBlock), out, ldo);
+    return;
+  }
   const bool i8 = w.kind == kInt8Dynamic;
   const int64_t elem = i8 ? 1 : 2;  // bytes per element of x's rows
   const char* panel = static_cast<const char*>(w.data.data_ptr()) + p * w.k * bytes_per_k(w.kind);
   const int64_t steps = w.k / amx_depth(w.kind);
   const Epilogue<T> e(w, p);
-  alignas(64) float c[2 * kAmxRows * kPanel];
   const char* x = static_cast<const char*>(rows.data);
-  for (int64_t r = r0; r < r1; r += 2 * kAmxRows) {
-    const int64_t m = std::min(2 * kAmxRows, r1 - r);
-    const char* xr = x + r * rows.ld * elem;
-    if (i8) {
-      amx_block<true>(panel, steps, xr, rows.ld, m, c);
-    } else {
-      amx_block<false>(panel, steps, xr, rows.ld * 2, m, c);
+  const int64_t xstride = rows.ld * elem;
+  // The item's blocks of 32 rows take the input features kAmxChunkSteps tile steps at a time, each
+  // range for every block before the next, so the range of the panel (32 KB) stays in L1 for all
+  // of them instead of streaming from L2 once per block; the sums wait in cs between ranges
+  // (stored and reloaded exactly, in the same order of k: the bits do not change).
+  alignas(64) float cs[kRowBlock / (2 * kAmxRows)][2 * kAmxRows * kPanel];
+  const int64_t nblocks = (r1 - r0 + 2 * kAmxRows - 1) / (2 * kAmxRows);
+  for (int64_t s0 = 0; s0 < steps; s0 += kAmxChunkSteps) {
+    const int64_t ns = std::min(kAmxChunkSteps, steps - s0);
+    for (int64_t bi = 0; bi < nblocks; ++bi) {
+      const int64_t r = r0 + bi * 2 * kAmxRows, m = std::min(2 * kAmxRows, r1 - r);
+      const char* xr = x + r * xstride + s0 * kAmxBytes;
+      if (i8) {
+        amx_block<true>(panel + s0 * 16 * kKStep, ns, xr, xstride, m, cs[bi], s0 > 0);
+      } else {
+        amx_block<false>(panel + s0 * 16 * kKStep, ns, xr, xstride, m, cs[bi], s0 > 0);
+      }
     }
+  }
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    const int64_t r = r0 + bi * 2 * kAmxRows, m = std::min(2 * kAmxRows, r1 - r);
+    const float* c = cs[bi];
     if (!i8) {
       // bf16 sums end with the bias (an add: nothing to contract) and the rounding, the same
       // operations as Epilogue::finish, here inline: called per row, finish cost a third of the
