@@ -18,7 +18,10 @@ tpserve runs. It prints one line per engine, the ratios (tpserve / llama-server 
 file; the 4-bit file / int8 at one stream; RSS 4-bit / int8), the ISA and the load average.
 
     python scripts/bench_gguf.py [--models smollm2,0.6b] [--llamacpp .peers/llamacpp] [--runs 3]
-                                 [--batches 8,32] [--threads N] [--smoke]
+                                 [--batches 8,32] [--threads N] [--no-peer-run] [--smoke]
+
+``--no-peer-run``: tpserve's engines only, no llama-server rows (the 0.6b file is still made
+with ``--llamacpp``'s tools when missing).
 
 ``--smoke`` (the SmolLM2 file, short outputs, one batch of 2, no peer) is tests/test_scripts.py's
 run of seconds, not a measurement.
@@ -128,6 +131,7 @@ def parse_args(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-peer-run", action="store_true", help="tpserve's engines only, no llama-server")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -151,20 +155,22 @@ def main(argv=None) -> int:
             f, vocab = smollm2_file(), 49152
             rows.append(("tpserve smollm2", "Q4_1 (repacked)",
                          tpserve("tpserve smollm2", f, None, vocab, args, outs)))
-            if peer:
+            if peer and not args.no_peer_run:
                 rows.append(("llama-server smollm2", "Q4_1",
                              llama("llama-server smollm2", peer, f, vocab, args, outs)))
         elif model == "0.6b":
-            if peer is None:
-                raise SystemExit("--models 0.6b needs --llamacpp (its converter writes the GGUF file)")
             path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS['0.6b']}", **SHAPE_OVERRIDES["0.6b"])
             vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-            f = q4_0_file(peer, path, vocab)
+            made = path.parent / f"{path.name}-q4_0.gguf"
+            if peer is None and not (args.no_peer_run and made.exists()):
+                raise SystemExit("--models 0.6b needs --llamacpp (its converter writes the GGUF file)")
+            f = made if peer is None else q4_0_file(peer, path, vocab)
             for name, dtype, model_path, q in (("tpserve 0.6b q4_0", "Q4_0 (repacked)", f, None),
                                                 ("tpserve 0.6b int8", "int8 w/ int8 act", path, "int8")):
                 rows.append((name, dtype, tpserve(name, model_path, q, vocab, args, outs)))
-            rows.append(("llama-server 0.6b q4_0", "Q4_0",
-                         llama("llama-server 0.6b q4_0", peer, f, vocab, args, outs)))
+            if not args.no_peer_run:
+                rows.append(("llama-server 0.6b q4_0", "Q4_0",
+                             llama("llama-server 0.6b q4_0", peer, f, vocab, args, outs)))
         else:
             raise SystemExit(f"--models: unknown model {model!r} (smollm2, 0.6b)")
     print(f"gguf isa={cpu_isa()} threads={args.threads} prompt={PROMPT} single-stream out={outs[0]} "
