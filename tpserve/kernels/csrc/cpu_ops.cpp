@@ -205,13 +205,28 @@ constexpr int64_t kTileVectors = kPromptKeys / kLanes;
 
 // fn(row, i, slot) for the cache's slot row of each position k_begin + i < k_len, in order, walking
 // the block table entry by entry from the block holding k_begin (blocks before it are not read).
+// With pf_bytes, the bytes [pf_offset, pf_offset + pf_bytes) of each row of the next block are
+// requested as a block starts: blocks lie anywhere in the pool, so the hardware prefetchers,
+// which follow one block's rows, stall at every block's start (a decode step's sequences are
+// read at ~11 GB/s a core without this).
 template <typename T, typename Fn>
 inline void for_each_slot_row(const T* cache, const int32_t* table, int64_t block_size,
-                              int64_t row_stride, int64_t k_begin, int64_t k_len, Fn&& fn) {
+                              int64_t row_stride, int64_t k_begin, int64_t k_len, Fn&& fn,
+                              int64_t pf_offset = 0, int64_t pf_bytes = 0) {
   int64_t c = k_begin / block_size, j = k_begin - c * block_size;
+  const int64_t last = (k_len - 1) / block_size;
   for (int64_t p0 = c * block_size; p0 < k_len; p0 += block_size, ++c, j = 0) {
     const int64_t n = std::min(block_size, k_len - p0);
     const int64_t slot0 = static_cast<int64_t>(table[c]) * block_size;
+    if (pf_bytes > 0 && c < last) {
+      const char* next = reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[c + 1]) *
+                                                       block_size * row_stride) + pf_offset;
+      const int64_t rows = std::min(block_size, k_len - p0 - block_size);
+      for (int64_t r = 0; r < rows; ++r) {
+        const char* line = next + r * row_stride * static_cast<int64_t>(sizeof(T));
+        for (int64_t b = 0; b < pf_bytes; b += 64) __builtin_prefetch(line + b, 0, 3);
+      }
+    }
     const T* row = cache + (slot0 + j) * row_stride;
     for (; j < n; ++j, row += row_stride) fn(row, p0 + j - k_begin, slot0 + j);
   }
@@ -244,7 +259,7 @@ inline void decode_values(const KT* v_cache, const int32_t* table, int64_t block
       const float wg = kInt8<KT> ? w[g * n + p] * vs : w[g * n + p];
       for (int64_t i = 0; i < CV; ++i) a[g][i] += wg * row[i];
     }
-  });
+  }, off * static_cast<int64_t>(sizeof(KT)), CV * kLanes * static_cast<int64_t>(sizeof(KT)));
   for (int64_t g = 0; g < NH; ++g) {
     for (int64_t i = 0; i < CV; ++i) storel(acc + g * D + i * kLanes, a[g][i]);
   }
@@ -298,7 +313,7 @@ inline void decode_scores_bf16(const at::BFloat16* k_cache, const int32_t* table
         s[h * n + p] = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) * scale;
       }
     }
-  });
+  }, kv_begin * D * 2, (kv_end - kv_begin) * D * 2);
 }
 #endif
 
@@ -358,7 +373,7 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
         }
       }
     }
-  });
+  }, kv_begin * D * static_cast<int64_t>(sizeof(KT)), (kv_end - kv_begin) * D * static_cast<int64_t>(sizeof(KT)));
   // Pass 2: softmax weights (unnormalised) and their sums; a sink joins the maximum and the sum.
   for (int64_t h = h_begin; h < h_end; ++h) {
     float* sh = s + h * n;
