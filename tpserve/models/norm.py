@@ -16,6 +16,18 @@ from tpserve.kernels import cpu_extension
 from tpserve.models.weights import new_param
 
 
+def _cpu_norm(op, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """A C++ norm operator's call (``rms_norm`` or ``gemma_rms_norm``: the same arguments) with
+    the outputs it writes: ``norm(x)``, or ``(norm(x + residual), x + residual)``."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if residual is None:
+        op(out, x, None, None, weight, eps)
+        return out
+    new_residual = torch.empty(x.shape, dtype=x.dtype)
+    op(out, x, residual.contiguous(), new_residual, weight, eps)
+    return out, new_residual
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (replicated weight)."""
 
@@ -37,13 +49,7 @@ class RMSNorm(nn.Module):
         ops = cpu_extension.ops_for(x)
         if ops is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
             # One pass in C++ (add, statistics, scale) instead of ~8 torch ops.
-            out = torch.empty(x.shape, dtype=x.dtype)
-            if residual is None:
-                ops.rms_norm(out, x, None, None, self.weight, self.eps)
-                return out
-            new_residual = torch.empty(x.shape, dtype=x.dtype)
-            ops.rms_norm(out, x, residual.contiguous(), new_residual, self.weight, self.eps)
-            return out, new_residual
+            return _cpu_norm(ops.rms_norm, x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -91,13 +97,7 @@ class GemmaRMSNorm(nn.Module):
         ops = cpu_extension.ops_for(x)
         if ops is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
             # One pass in C++ (gemma_ops.cpp) instead of ~8 torch ops and their fp32 temporaries.
-            out = torch.empty(x.shape, dtype=x.dtype)
-            if residual is None:
-                ops.gemma_rms_norm(out, x, None, None, self.weight, self.eps)
-                return out
-            new_residual = torch.empty(x.shape, dtype=x.dtype)
-            ops.gemma_rms_norm(out, x, residual.contiguous(), new_residual, self.weight, self.eps)
-            return out, new_residual
+            return _cpu_norm(ops.gemma_rms_norm, x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -30,6 +30,7 @@
 #include "linear_ops.h"
 #include "moe_ops.h"
 #include "prompt_amx.h"
+#include "norm.h"
 #include "vec.h"
 
 namespace {
@@ -997,123 +998,21 @@ inline int64_t grain_rows(int64_t elems_per_row) {
   return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, elems_per_row));
 }
 
-// One row of rms_norm below, a vector at a time (H % 16 == 0, fp32 or bf16): the same roundings,
-// with the sum of squares taken in kLanes partial sums.
-template <typename T>
-void rms_norm_row16(const T* xr, const T* rr, T* ro, T* orow, const T* wp, int64_t H, float eps) {
-  vfl ss = {};
-  if (rr != nullptr) {
-    for (int64_t i = 0; i < H; i += kLanes) {
-      const vfl v = roundl(loadl(xr + i) + loadl(rr + i), static_cast<T*>(nullptr));
-      storel(ro + i, v);
-      ss += v * v;
-    }
-    xr = ro;
-  } else {
-    for (int64_t i = 0; i < H; i += kLanes) {
-      const vfl v = loadl(xr + i);
-      ss += v * v;
-    }
-  }
-  const float inv = 1.f / std::sqrt(hsuml(ss) / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; i += kLanes) {
-    storel(orow + i, loadl(wp + i) * roundl(loadl(xr + i) * inv, static_cast<T*>(nullptr)));
-  }
-}
-
-// out = weight * round(x / rms(x)) over the last dim; x is [N, H] or [N, M, H] with a
-// contiguous last dim and any other strides (the q/k heads sliced out of the fused QKV output).
-// With a residual: residual_out = round(x + residual) is formed first and normalised instead of
-// x (residual_out may be residual itself: each element is read before it is written).
+// rms_norm: out = weight * round(x / rms(x)) over the last dim (norm.h, shared with Gemma's norm of
+// gemma_ops.cpp); x is [N, H] or [N, M, H] with a contiguous last dim and any other strides (the
+// q/k heads sliced out of the fused QKV output). With a residual: residual_out = round(x +
+// residual) is formed first and normalised instead of x (residual_out may be residual itself).
 // Statistics in fp32, as Hugging Face's Llama/Qwen RMSNorm does.
 void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
               c10::optional<at::Tensor> residual_out, const at::Tensor& weight, double eps) {
-  check_dtype(x, "x: expected float32, bfloat16 or float16");
-  check_value((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
-              "x: expected [N, H] or [N, M, H] with a contiguous last dimension");
-  check_value(out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype(),
-              "out: expected a contiguous tensor of x's shape and dtype");
-  const int64_t H = x.size(-1);
-  check_value(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
-                  weight.dtype() == x.dtype(),
-              "weight: expected a contiguous [hidden] tensor of x's dtype");
-  const int64_t M = x.dim() == 3 ? x.size(1) : 1;
-  const int64_t N = x.size(0) * M;
-  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : 0;
-  at::Tensor res2, res_out2;
-  check_value(residual.has_value() == residual_out.has_value(),
-              "residual_out: given exactly when residual is");
-  if (residual.has_value()) {
-    for (const at::Tensor* r : {&residual.value(), static_cast<const at::Tensor*>(&residual_out.value())}) {
-      check_value(r->is_contiguous() && r->sizes() == x.sizes() && r->dtype() == x.dtype(),
-                  "residual/residual_out: expected contiguous tensors of x's shape and dtype");
-    }
-    res2 = residual->view({-1, H});
-    res_out2 = residual_out->view({-1, H});
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* rp = residual.has_value() ? res2.data_ptr<scalar_t>() : nullptr;
-    scalar_t* rop = residual.has_value() ? res_out2.data_ptr<scalar_t>() : nullptr;
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    constexpr bool kVector = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>;
-    at::parallel_for(0, N, grain_rows(H), [&](int64_t begin, int64_t end) {
-      if constexpr (kVector) {
-        if (H % 16 == 0) {
-          for (int64_t n = begin; n < end; ++n) {
-            rms_norm_row16(xp + (n / M) * s0 + (n % M) * s1, rp ? rp + n * H : nullptr,
-                           rop ? rop + n * H : nullptr, op + n * H, wp, H, static_cast<float>(eps));
-          }
-          return;
-        }
-      }
-      std::vector<float> row(H);
-      for (int64_t n = begin; n < end; ++n) {
-        const scalar_t* xr = xp + (n / M) * s0 + (n % M) * s1;
-        float ss = 0.f;
-        if (rp != nullptr) {
-          const scalar_t* rr = rp + n * H;
-          scalar_t* ro = rop + n * H;
-          for (int64_t i = 0; i < H; ++i) {
-            const scalar_t sum = from_f<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
-            ro[i] = sum;
-            row[i] = to_f(sum);
-          }
-        } else {
-          for (int64_t i = 0; i < H; ++i) row[i] = to_f(xr[i]);
-        }
-        ss = sum_squares(row.data(), H);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-        scalar_t* orow = op + n * H;
-        for (int64_t i = 0; i < H; ++i) {
-          orow[i] = from_f<scalar_t>(to_f(wp[i]) * round_to<scalar_t>(row[i] * inv));
-        }
-      }
-    });
-  });
+  rms_norm_rows<false>(out, x, residual, residual_out, weight, eps);
 }
 
 // silu_mul_row (one row of it) is in vec.h, shared with the grouped experts (moe_ops.cpp).
 // out [N, I] = round(silu(gate)) * up for x [N, 2I] laid out [gate | up].
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
-  check_dtype(x, "x: expected float32, bfloat16 or float16");
-  check_value(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "x: expected [N, 2I] with a contiguous last dimension");
-  const int64_t N = x.size(0), I = x.size(1) / 2;
-  check_value(out.is_contiguous() && out.dim() == 2 && out.size(0) == N && out.size(1) == I &&
-                  out.dtype() == x.dtype(),
-              "out: expected a contiguous [N, I] tensor of x's dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t xs = x.stride(0);
-    at::parallel_for(0, N, grain_rows(I), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(I);
-      for (int64_t n = begin; n < end; ++n) {
-        silu_mul_row(xp + n * xs, xp + n * xs + I, op + n * I, I, row);
-      }
-    });
+  gated_and_mul(out, x, [](const auto* g, const auto* u, auto* o, int64_t I, std::vector<float>& row) {
+    silu_mul_row(g, u, o, I, row);
   });
 }
 
@@ -1372,7 +1271,8 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
     const int64_t slot = index_at(slot_mapping, m);
     auto head = [&](const T* in, T* out, const T* w) {
       if (w != nullptr) {
-        rms_norm_row16(in, static_cast<const T*>(nullptr), static_cast<T*>(nullptr), out, w, D, feps);
+        rms_norm_row_vec<T, false>(in, static_cast<const T*>(nullptr), static_cast<T*>(nullptr), out, w, D,
+                                   feps);
       } else {
         std::memcpy(out, in, D * sizeof(T));
       }

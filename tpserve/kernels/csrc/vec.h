@@ -4,6 +4,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -164,26 +166,58 @@ inline float hmaxl(vfl v) {
   return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
 }
 
-// One row of silu_and_mul (cpu_ops.cpp; the grouped experts of moe_ops.cpp too) in three flat
+// One row of a gated activation, out = round(act(gate)) * up for [gate | up] rows, in three flat
 // loops (widen, fp32 math, narrow), each of which the compiler vectorises; `row` is scratch of I
-// floats.
-template <typename T>
-inline void silu_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t I,
-                  std::vector<float>& row) {
+// floats. act(gate) is rounded to T before the product, as the module path's separate ops round it.
+template <typename T, typename Act>
+inline void gated_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t I,
+                          std::vector<float>& row, Act act) {
   float* r = row.data();
   load_row(g, r, I);
 #pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
+  for (int64_t i = 0; i < I; ++i) r[i] = act(r[i]);
+  for (int64_t i = 0; i < I; ++i) o[i] = from_f<T>(round_to<T>(r[i]) * to_f<T>(u[i]));
+}
+
+// One row of silu_and_mul (cpu_ops.cpp; the grouped experts of moe_ops.cpp too).
+template <typename T>
+inline void silu_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t I,
+                         std::vector<float>& row) {
+  gated_mul_row(g, u, o, I, row, [](float x) {
     // sigmoid from exp(-|g|) <= 1: the vectorised exp_nonpos, and no overflow.
-    const float x = r[i];
     const float e = exp_nonpos(std::min(x, -x));
     const float num = x >= 0.f ? 1.f : e;  // a select, not a branch
-    r[i] = x * (num / (1.f + e));
-  }
-  for (int64_t i = 0; i < I; ++i) o[i] = from_f<T>(round_to<T>(r[i]) * to_f<T>(u[i]));
+    return x * (num / (1.f + e));
+  });
 }
 
 // Argument checks: TORCH_CHECK_VALUE raises ValueError in Python.
 inline void check_value(bool ok, const char* what) { TORCH_CHECK_VALUE(ok, what); }
+
+// A gated activation's operator: out [N, I] for x [N, 2I] laid out [gate | up] (rows of any
+// stride, contiguous within), each row by row_fn(gate, up, out, I, scratch) of T's type.
+template <typename RowFn>
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, RowFn row_fn) {
+  const auto st = x.scalar_type();
+  check_value(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+              "x: expected float32, bfloat16 or float16");
+  check_value(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x: expected [N, 2I] with a contiguous last dimension");
+  const int64_t N = x.size(0), I = x.size(1) / 2;
+  check_value(out.is_contiguous() && out.dim() == 2 && out.size(0) == N && out.size(1) == I &&
+                  out.dtype() == x.dtype(),
+              "out: expected a contiguous [N, I] tensor of x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "gated_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0);
+    // Rows per chunk: waking the pool costs more than ~256k elements of this work.
+    const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, I));
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(I);
+      for (int64_t n = begin; n < end; ++n) row_fn(xp + n * xs, xp + n * xs + I, op + n * I, I, row);
+    });
+  });
+}
 
 }  // namespace tpserve
