@@ -1,5 +1,6 @@
 """The model layers' C++ CPU paths (RMSNorm + residual, Gemma's RMSNorm, rotary, SiLU- and
-GELU-tanh-and-mul) against their plain-torch code, which is the reference (it matches Hugging Face's numerics)."""
+GELU-tanh-and-mul) against their plain-torch code, which is the reference (it matches Hugging
+Face's numerics)."""
 from __future__ import annotations
 
 import pytest

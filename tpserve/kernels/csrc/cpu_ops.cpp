@@ -374,7 +374,8 @@ void decode_item(int64_t seq, const T* q, int64_t q_s0, int64_t q_s1, T* out, co
         }
       }
     }
-  }, kv_begin * D * static_cast<int64_t>(sizeof(KT)), (kv_end - kv_begin) * D * static_cast<int64_t>(sizeof(KT)));
+  }, kv_begin * D * static_cast<int64_t>(sizeof(KT)),
+     (kv_end - kv_begin) * D * static_cast<int64_t>(sizeof(KT)));
   // Pass 2: softmax weights (unnormalised) and their sums; a sink joins the maximum and the sum.
   for (int64_t h = h_begin; h < h_end; ++h) {
     float* sh = s + h * n;

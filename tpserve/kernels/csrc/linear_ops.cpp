@@ -604,7 +604,9 @@ template <typename T>
 void run_rows_amx(const PackedLinear& w, const Rows& rows, int64_t p, int64_t r0, int64_t r1, T* out,
                   int64_t ldo) {
   if (r1 - r0 > kRowBlock) {  // (the grouped experts' pieces may be longer than an item)
-    for (int64_t r = r0; r < r1; r += kRowBlock) run_rows_amx<T>(w, rows, p, r, std::min(r1, r + kRowBlock), out, ldo);
+    for (int64_t r = r0; r < r1; r += kRowBlock) {
+      run_rows_amx<T>(w, rows, p, r, std::min(r1, r + kRowBlock), out, ldo);
+    }
     return;
   }
   const bool i8 = w.kind == kInt8Dynamic;

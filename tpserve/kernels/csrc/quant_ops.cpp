@@ -484,8 +484,9 @@ void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
   const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t scale_bytes = has_sub_scales(w) ? (w.k / g) * kPanel * 5 / 4
-                                                : (w.k / g) * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
+  const int64_t scale_bytes =
+      has_sub_scales(w) ? (w.k / g) * kPanel * 5 / 4
+                        : (w.k / g) * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
   const int64_t panel_bytes = panel_code_bytes(bits_of(w), w.k) + scale_bytes;
   const int64_t grain = M > kGTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
@@ -516,7 +517,8 @@ void check_group_packed(const PackedLinear& w, const char* what) {
   const at::Tensor& m = *w.colsum;
   const bool sub = s.scalar_type() == at::kChar;
   const bool dtype_ok = s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf || sub;
-  TORCH_CHECK_VALUE(s.is_contiguous() && dtype_ok && s.numel() > 0 && s.numel() % (sub ? 5 * n_pad : n_pad) == 0,
+  TORCH_CHECK_VALUE(s.is_contiguous() && dtype_ok && s.numel() > 0 &&
+                        s.numel() % (sub ? 5 * n_pad : n_pad) == 0,
                     what, ": scales must be a contiguous float32 or float16 [", n_pad, " x groups] (or int8: "
                     "per panel [groups][", kPanel, "] sub-scales, then [groups / 16][", kPanel, "] float32)");
   const int64_t G = groups_of(w);

@@ -15,7 +15,8 @@ namespace {
 // (codes uint8 [T, K], scales fp32 [T, G], mins fp32 [T, G]) of rows `ids` (int64 [T]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_rows(const at::Tensor& ids, const at::Tensor& data,
                                                           int64_t kind, int64_t n, int64_t k,
-                                                          const at::Tensor& scales, const at::Tensor& colsum) {
+                                                          const at::Tensor& scales,
+                                                          const at::Tensor& colsum) {
   TORCH_CHECK_VALUE(is_group_kind(kind), "group_rows: kind ", kind, " is not a group weight");
   PackedLinear w{data, kind, n, k, scales, colsum, std::nullopt};
   check_group_packed(w, "group_rows");
