@@ -73,20 +73,6 @@ constexpr int64_t kRowBlock = 64;
 // Rows a call's panels pass together before the next rows (linear_typed): a multiple of kRowBlock.
 constexpr int64_t kRowChunk = 512;
 
-// The tile loops ask for the weights ~1 KB ahead of the ones they multiply. A panel is one
-// sequential stream, yet the hardware prefetchers alone kept a thread at ~12 GB/s: the bf16 LM head
-// of Qwen3-30B-A3B (151,936 x 2048, 622 MB) at one row took 27.3 ms on two threads, 19.7 ms
-// with these (512 B ahead: 21.2, 2 KB: 20.5, 4 KB: 21.5; a 2-core Xeon with AVX512-BF16, quiet).
-// Prefetches past the end of the buffer are harmless (they never fault).
-constexpr int64_t kPrefetchBytes = 1024;
-
-// Prefetch the `bytes` (a multiple of 64) that a tile step reads at p, kPrefetchBytes ahead.
-template <int64_t bytes>
-inline void prefetch_ahead(const void* p) {
-  const char* c = static_cast<const char*>(p) + kPrefetchBytes;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-}
-
 #if defined(__AVX512BF16__)
 constexpr bool kNativeBf16 = true;
 #else
