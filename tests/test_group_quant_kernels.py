@@ -228,6 +228,30 @@ def test_symmetric_packs_read_back_and_refuse_bad_offsets():
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits,group", [(4, 16), (4, 32), (4, 128), (8, 32), (8, 64), (6, 16)])
+def test_many_rows_equal_one_row_at_a_time(symmetric, bits, group):
+    """From 16 rows 4- and 8-bit codes run on the AMX tiles where the CPU has them (quant_ops.cpp):
+    the same exact group dots and the same fold, so each row of a 40-row call equals that row
+    alone (the vector path) bit for bit, fp32 and bf16, with a bias; 6-bit codes stay on the
+    vector path."""
+    assert cpu_extension.available()
+    k = 384
+    if symmetric:
+        codes, scales, mins = _symmetric_weights(130, k, group, bits, {4: 8, 6: 32, 8: 128}[bits], True, seed=5)
+    else:
+        codes, scales, mins = _weights(130, k, group, bits, seed=5)
+    packed = pack_group_weight(codes, scales, mins)
+    assert is_symmetric(packed) == symmetric and code_bits(packed) == bits
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(40, k).to(dtype)
+        bias = torch.randn(130).to(dtype)
+        full = packed.matmul(x, bias)
+        assert torch.equal(packed.matmul(x[:17], bias), full[:17])
+        for m in (0, 15, 16, 31, 39):
+            assert torch.equal(packed.matmul(x[m:m + 1], bias), full[m:m + 1]), (m, dtype)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
 def test_rows_do_not_depend_on_the_calls_row_count(symmetric):
     """Each row of an M-row call equals, bit for bit, that row alone (every tile size, bf16)."""
     assert cpu_extension.available()
