@@ -29,7 +29,8 @@
 // GGUF's Q4_0, Q5_0, Q6_K, Q8_0) holds one int32, off, in place of the mins and reads none: its
 // group dots less off * sum(a_q), exact in int32, times scale * a_scale. A decode row reads every
 // weight once; prompt rows stream past a panel while it sits in L2, in blocks of 64 rows, up to
-// kGTile rows per register tile.
+// kGTile rows per register tile, or from 16 rows on the AMX tiles (4- and 8-bit codes: the same
+// exact group dots, so the same bits; below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
