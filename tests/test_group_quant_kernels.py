@@ -237,7 +237,8 @@ def test_many_rows_equal_one_row_at_a_time(symmetric, bits, group):
     assert cpu_extension.available()
     k = 384
     if symmetric:
-        codes, scales, mins = _symmetric_weights(130, k, group, bits, {4: 8, 6: 32, 8: 128}[bits], True, seed=5)
+        offset = {4: 8, 6: 32, 8: 128}[bits]
+        codes, scales, mins = _symmetric_weights(130, k, group, bits, offset, True, seed=5)
     else:
         codes, scales, mins = _weights(130, k, group, bits, seed=5)
     packed = pack_group_weight(codes, scales, mins)

@@ -244,7 +244,9 @@ inline vi field16(vi v) {
 #if TPSERVE_GROUP_PATH > 0
 // A group's dot products of one row, exact in int32, into its fp32 sums: the one expression of
 // each form that every kernel uses, so the compiler contracts its multiply-adds alike.
-inline vfl fold_sym(vfl acc, vi dot, vi osum, vfl s, float as) { return acc + to_fl(vsub(dot, osum)) * (s * as); }
+inline vfl fold_sym(vfl acc, vi dot, vi osum, vfl s, float as) {
+  return acc + to_fl(vsub(dot, osum)) * (s * as);
+}
 inline vfl fold_asym(vfl acc, vi dot, vfl s, float as, vfl m, float ams) {
   return acc + (to_fl(dot) * (s * as) + m * ams);
 }
