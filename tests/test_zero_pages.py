@@ -1,5 +1,7 @@
 """lazy_zeros: zero tensors whose pages are resident only once written (the KV pool's)."""
 import gc
+import mmap
+import os
 
 import torch
 
@@ -43,6 +45,31 @@ def test_lazy_zeros_pages_resident_only_once_written():
     del view
     gc.collect()
     assert _mapping_rss_kib(ptr) is None  # unmapped with the last view
+
+
+def _mapping_flags(ptr: int) -> list[str] | None:
+    """VmFlags of the mapping of this process that holds address ``ptr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+def test_lazy_zeros_asks_for_huge_pages():
+    """The pool's mapping is advised for 2 MB pages (smaps flag ``hg``) where the kernel has
+    transparent huge pages; the values are zeros all the same."""
+    t = lazy_zeros((8, 1 << 20), torch.int8)
+    flags = _mapping_flags(t.data_ptr())
+    assert flags is not None
+    if hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert "hg" in flags, flags
+    assert int(t.abs().sum()) == 0
 
 
 def test_lazy_zeros_empty_and_scalar_shapes():
