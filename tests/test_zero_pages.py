@@ -8,8 +8,9 @@ import torch
 from tpserve.workers.zero_pages import lazy_zeros
 
 
-def _mapping_rss_kib(ptr: int) -> int | None:
-    """Rss (KiB) of the mapping of this process that holds address ``ptr``; None if none does."""
+def _mapping_field(ptr: int, name: str) -> list[str] | None:
+    """The values of field ``name`` (``Rss:``, ``VmFlags:``) of the mapping of this process that
+    holds address ``ptr``; None if no mapping does."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -17,9 +18,15 @@ def _mapping_rss_kib(ptr: int) -> int | None:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= ptr < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
+            elif inside and line.startswith(name):
+                return line.split()[1:]
     return None
+
+
+def _mapping_rss_kib(ptr: int) -> int | None:
+    """Rss (KiB) of the mapping of this process that holds address ``ptr``; None if none does."""
+    rss = _mapping_field(ptr, "Rss:")
+    return None if rss is None else int(rss[0])
 
 
 def test_lazy_zeros_is_zeros_of_the_shape_and_dtype():
@@ -47,25 +54,11 @@ def test_lazy_zeros_pages_resident_only_once_written():
     assert _mapping_rss_kib(ptr) is None  # unmapped with the last view
 
 
-def _mapping_flags(ptr: int) -> list[str] | None:
-    """VmFlags of the mapping of this process that holds address ``ptr``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    return None
-
-
 def test_lazy_zeros_asks_for_huge_pages():
     """The pool's mapping is advised for 2 MB pages (smaps flag ``hg``) where the kernel has
     transparent huge pages; the values are zeros all the same."""
     t = lazy_zeros((8, 1 << 20), torch.int8)
-    flags = _mapping_flags(t.data_ptr())
+    flags = _mapping_field(t.data_ptr(), "VmFlags:")
     assert flags is not None
     if hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
         assert "hg" in flags, flags
