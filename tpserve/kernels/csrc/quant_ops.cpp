@@ -477,21 +477,27 @@ inline void with_panel_scales(const PackedLinear& w, int64_t p, int64_t G, Fn&& 
   }
 }
 
-// Row `row` of the output's panel p: its sums (4 vectors), plus the bias.
+// Rows of the output's panel p from their sums (4 vectors each): the bias, widened once per
+// panel, added, then the store.
 template <typename T>
-inline void store_panel_row(const PackedLinear& w, int64_t p, const vfl (&acc)[4], T* out_row) {
-  const int64_t n0 = p * kPanel;
-  const int64_t valid = std::min(kPanel, w.n - n0);
-  vfl v[4];
-  for (int64_t i = 0; i < 4; ++i) v[i] = acc[i];
-  if (w.bias.has_value()) {
+struct PanelStore {
+  int64_t n0, valid;
+  bool has_bias;
+  vfl bias[4];
+  PanelStore(const PackedLinear& w, int64_t p)
+      : n0(p * kPanel), valid(std::min(kPanel, w.n - p * kPanel)), has_bias(w.bias.has_value()) {
+    if (!has_bias) return;
     float b[kPanel] = {};
     const T* bp = w.bias->data_ptr<T>() + n0;
     for (int64_t j = 0; j < valid; ++j) b[j] = to_f<T>(bp[j]);
-    for (int64_t i = 0; i < 4; ++i) v[i] = acc[i] + loadl(b + i * kLanes);
+    for (int64_t i = 0; i < 4; ++i) bias[i] = loadl(b + i * kLanes);
   }
-  store_row(out_row + n0, v, valid);
-}
+  void store(const vfl (&acc)[4], T* out_row) const {
+    vfl v[4];
+    for (int64_t i = 0; i < 4; ++i) v[i] = has_bias ? acc[i] + bias[i] : acc[i];
+    store_row(out_row + n0, v, valid);
+  }
+};
 
 template <typename T, int64_t TM, bool PF>
 void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64_t r0, T* out, int64_t ldo) {
@@ -511,7 +517,8 @@ void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
       group_tile<TM, 8, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
     }
   });
-  for (int64_t t = 0; t < TM; ++t) store_panel_row(w, p, acc[t], out + (r0 + t) * ldo);
+  const PanelStore<T> st(w, p);
+  for (int64_t t = 0; t < TM; ++t) st.store(acc[t], out + (r0 + t) * ldo);
 }
 
 // ---- 4- and 8-bit codes on AMX ---------------------------------------------------------------
@@ -632,10 +639,11 @@ void run_rows_amx(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, i
   with_panel_scales(w, p, w.k / g, [&](auto sym, const auto* sc, const auto* mn, int32_t off) {
     group_amx_rows<decltype(sym)::value>(codes, bits, sc, mn, off, g, r, r0, r1, &acc[0][0]);
   });
+  const PanelStore<T> st(w, p);
   for (int64_t row = r0; row < r1; ++row) {
     vfl v[4];
     for (int64_t i = 0; i < 4; ++i) v[i] = loadl(&acc[row - r0][i * kLanes]);
-    store_panel_row(w, p, v, out + row * ldo);
+    st.store(v, out + row * ldo);
   }
 }
 #else
