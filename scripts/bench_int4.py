@@ -9,7 +9,9 @@ its resident memory is its own): tpserve's offline engine in bf16 activations wi
 ``--tokens`` tokens, the median of ``--runs`` runs (prefill included, as bench_latency.py), and
 the prefill alone of a 256-token prompt (``prefill_ms``, median). It prints one line per engine
 with its tokens per second, the bytes of its packed linear weights (``linear MB``), the whole
-model's parameter and packed bytes (``model MB``), the process's resident memory after the runs
+model's parameter and packed bytes (``model MB``: the token embedding's 8-bit codes with
+``int4``), what loading the engine added to the process's resident memory (``load MB``: the
+weights as they run, and the few KV blocks a start touches), its resident memory after the runs
 (``rss MB``), then the ratios to int8, the ISA and the integer path of each build, and the load
 average (a loaded machine makes every figure slower and noisier: compare the ratios).
 
@@ -46,17 +48,25 @@ def rss_mb() -> float:
     return 0.0
 
 
+def _pack_bytes(p) -> int:
+    return sum(t.nbytes for t in (p.data, p.scales, p.colsum) if t is not None)
+
+
 def model_bytes(model) -> tuple[int, int]:
-    """(bytes of the packed linear weights, bytes of every parameter and packed weight)."""
+    """(bytes of the packed linear weights, bytes of every parameter and packed weight: the
+    token embedding's codes included when ``--quantization int4`` holds it so)."""
     seen, linear, params = set(), 0, 0
     for m in model.modules():
         p = getattr(m, "packed", None)
         if p is not None and id(p) not in seen:
             seen.add(id(p))
-            linear += sum(t.nbytes for t in (p.data, p.scales, p.colsum) if t is not None)
+            linear += _pack_bytes(p)
     for t in model.parameters():
         params += t.nbytes
-    return linear, linear + params
+    table = model.model.embed_tokens.__dict__.get("rows_of")  # a table of codes, not the lm_head
+    codes = _pack_bytes(table.packed) if table is not None and table.packed is not None \
+        and id(table.packed) not in seen else 0
+    return linear, linear + params + codes
 
 
 def child(args) -> None:
@@ -66,8 +76,10 @@ def child(args) -> None:
 
     from tpserve import LLM, SamplingParams
     torch.set_num_threads(args.threads)
+    before = rss_mb()
     llm = LLM(args.path, dtype="bfloat16", quantization=args.engine, max_num_seqs=1,
               kv_cache_memory_gb=0.25, max_model_len=1024)
+    load_mb = rss_mb() - before
     vocab = json.loads((Path(args.path) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
 
@@ -86,7 +98,7 @@ def child(args) -> None:
     ops = torch.ops.tpserve_cpu
     path = ops.group_linear_path() if hasattr(ops, "group_linear_path") else -1
     print(json.dumps(dict(engine=args.engine, tok_s=tok_s, prefill_ms=prefill_ms, linear_mb=linear / 2**20,
-                          model_mb=total / 2**20, rss_mb=rss_mb(), path=path)))
+                          model_mb=total / 2**20, rss_mb=rss_mb(), load_mb=load_mb, path=path)))
     llm.shutdown()
 
 
@@ -126,7 +138,7 @@ def main() -> int:
         dtype = "int8 w/ int8 act" if name == "int8" else f"{name} w/ int8 act per group"
         print(f"tpserve {name:<9} dtype={dtype:<32} tok/s {r['tok_s']:8.2f}  "
               f"prefill_ms {r['prefill_ms']:8.1f}  linear MB {r['linear_mb']:8.1f}  "
-              f"model MB {r['model_mb']:8.1f}  rss MB {r['rss_mb']:8.1f}")
+              f"model MB {r['model_mb']:8.1f}  load MB {r['load_mb']:8.1f}  rss MB {r['rss_mb']:8.1f}")
     base = res.get("int8")
     if base is not None:
         for name, r in res.items():
@@ -135,6 +147,7 @@ def main() -> int:
                       f"prefill {base['prefill_ms'] / r['prefill_ms']:.2f}x  "
                       f"linear bytes {r['linear_mb'] / base['linear_mb']:.2f}  "
                       f"model bytes {r['model_mb'] / base['model_mb']:.2f}  "
+                      f"load rss {r['load_mb'] / base['load_mb']:.2f}  "
                       f"rss {r['rss_mb'] / base['rss_mb']:.2f}")
     print(f"load average {load:.2f} -> {os.getloadavg()[0]:.2f}")
     return 0

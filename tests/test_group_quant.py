@@ -22,6 +22,7 @@ from tpserve.models.errors import CheckpointError
 from tpserve.models.group_quant import dequantize, quantize_groups
 from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.parallel import TPContext
+from tpserve.models.quantization import EMBEDDING_CODES
 from tpserve.quantization import resolve_quantization
 
 SHAPE = dict(hidden_size=128, head_dim=32, intermediate_size=256)
@@ -46,14 +47,20 @@ def _layout(name: str, default_group: int) -> tuple[int, int] | None:
     return LAYOUT.get(leaf, (default_group, 4)) if default_group == 0 else (default_group, 4)
 
 
-def make_group_checkpoint(src: Path, dst: Path, group: int = 0, dequantized: bool = False) -> Path:
+def make_group_checkpoint(src: Path, dst: Path, group: int = 0, dequantized: bool = False,
+                          embedding_codes: bool = False) -> Path:
     """``src``'s linear weights group-quantized (``group`` 0: LAYOUT's mixed groups and bits)
     into a checkpoint of codes / scales / mins at ``dst`` (quant_method "group"), or with
-    ``dequantized`` a float checkpoint of the dequantized weights."""
+    ``dequantized`` a float checkpoint of the dequantized weights (with ``embedding_codes`` the
+    token embedding's too, as ``--quantization int4`` holds it: EMBEDDING_CODES)."""
     shutil.copytree(src, dst)
     out = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         layout = _layout(name, group)
+        if dequantized and embedding_codes and name.endswith("embed_tokens.weight"):
+            bits, g = EMBEDDING_CODES
+            out[name] = dequantize(*quantize_groups(t, g, bits))
+            continue
         if layout is None:
             out[name] = t
             continue
@@ -201,13 +208,46 @@ def test_bad_group_tensors_are_refused(float_model, tmp_path):
 
 @pytest.mark.parametrize("group", [128, 32])
 def test_int4_at_load_matches_its_dequantized_model(float_model, tmp_path, group):
-    ref = make_group_checkpoint(float_model, tmp_path / "deq", group=group, dequantized=True)
+    ref = make_group_checkpoint(float_model, tmp_path / "deq", group=group, dequantized=True,
+                                embedding_codes=True)
     mode = "int4" if group == 128 else "int4-g32"
     model, got = _logits(float_model, backend="cpu", quantization=mode)
     assert model.lm_head.packed is not None and model.lm_head.packed.kind == 4
     _, want = _logits(ref, backend="cpu")
     agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(got, want)]).mean().item()
     assert agree >= 0.8, agree
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pack", [True, False])
+def test_int4_holds_the_embedding_as_8_bit_codes(tmp_path, monkeypatch, tied, pack):
+    """--quantization int4 keeps no float embedding table: once packed the rows are looked up in
+    8-bit codes per group of 32 (exactly the dequantized codes of round-to-nearest), and a tied
+    LM head still takes its 4-bit codes from the float table, not from those codes."""
+    from tpserve.models.group_quant import w4a8_reference
+    path = make_tiny_model(tmp_path, **SHAPE, tie_word_embeddings=tied)
+    table = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"].float()
+    if not pack:
+        _no_prepack(monkeypatch)
+    model = tpserve_model(path, backend="cpu", quantization="int4", dtype="float32")
+    embed = model.model.embed_tokens
+    ids = torch.tensor([0, 383, 5, 5, 200])
+    assert torch.equal(embed(ids), table[ids])  # the float table until packed
+    prepack_model(model)
+    assert embed.reads_codes and embed.weight.numel() == 0
+    assert (embed.rows_of.packed is not None) == pack
+    if tied:
+        assert model.lm_head.weight.numel() == 0  # the one float table, freed
+    bits, group = EMBEDDING_CODES
+    want = dequantize(*quantize_groups(table, group, bits))
+    assert torch.equal(embed(ids), want[ids])
+    assert not torch.equal(embed(ids), table[ids])
+    hidden = torch.randn(3, SHAPE["hidden_size"])
+    head = table if tied else load_file(str(path / "model.safetensors"))["lm_head.weight"].float()
+    codes = quantize_groups(head, 128, 4)
+    # packed: W4A8 (int8 activations per group); unpacked: the dequantized weight in torch
+    ref = w4a8_reference(hidden, *codes) if pack else hidden @ dequantize(*codes).T
+    torch.testing.assert_close(model.lm_head(hidden), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_row_parallel_groups_must_be_whole_per_rank(float_model):
@@ -245,7 +285,8 @@ def _greedy(path, **options) -> list[list[int]]:
 def test_offline_int4_greedy_at_tp1_and_tp2(float_model, tmp_path):
     """The offline engine with --quantization int4-g32, one process and two TP ranks (gloo),
     greedy-matches the float model of its own dequantized weights on most tokens."""
-    ref = _greedy(make_group_checkpoint(float_model, tmp_path / "deq", group=32, dequantized=True))
+    ref = _greedy(make_group_checkpoint(float_model, tmp_path / "deq", group=32, dequantized=True,
+                                        embedding_codes=True))
     assert _greedy(float_model) != ref  # 4 bits change this random model's tokens: a real test
     for tp in (1, 2):
         got = _greedy(float_model, quantization="int4-g32", tensor_parallel_size=tp)
