@@ -4,10 +4,13 @@
 #
 #   scripts/peer_llamacpp.sh [PEER_DIR]     (default: .peers/llamacpp, or $TPSERVE_LLAMACPP_DIR)
 #   LLAMACPP_NO_AMX=1 scripts/peer_llamacpp.sh .peers/llamacpp-noamx
+#   LLAMACPP_AVX2=1 scripts/peer_llamacpp.sh .peers/llamacpp-avx2
 #
 # LLAMACPP_NO_AMX=1 builds without AMX instructions (-mno-amx-*): on a CPU with AMX, the build
 # with them crashes at start whenever it repacks Q4_0 / Q8_0 weights (its default), so the fair
-# peer there is this build, whose AVX-512 repacked kernels run.
+# peer there is this build, whose AVX-512 repacked kernels run. LLAMACPP_AVX2=1 builds for AVX2
+# CPUs (AVX2, FMA, F16C, BMI2; no AVX-512 or AMX): the peer of tpserve's AVX2 build
+# (TPSERVE_CPU_ARCH=haswell) when the machine at hand has AVX-512.
 # The source is the llama.cpp tree that the `llama-cpp-python` sdist vendors (PyPI is the one
 # source reachable here): `pip download --no-binary :all:` fetches the sdist, cmake builds the two
 # tools with the machine's native instruction set (GGML_NATIVE) on 2 jobs. The converter
@@ -40,12 +43,16 @@ if [ ! -d "$PEER_DIR/src" ]; then
 fi
 
 if [ ! -x "$PEER_DIR/bin/llama-server" ] || [ ! -x "$PEER_DIR/bin/llama-quantize" ]; then
-    EXTRA=()
+    EXTRA=(-DGGML_NATIVE=ON)
     if [ "${LLAMACPP_NO_AMX:-0}" = 1 ]; then
         NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-        EXTRA=(-DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX")
+        EXTRA+=(-DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX")
     fi
-    cmake -S "$PEER_DIR/src" -B "$PEER_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "${EXTRA[@]}" \
+    if [ "${LLAMACPP_AVX2:-0}" = 1 ]; then
+        EXTRA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+               -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
+    fi
+    cmake -S "$PEER_DIR/src" -B "$PEER_DIR/build" -DCMAKE_BUILD_TYPE=Release "${EXTRA[@]}" \
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON > "$PEER_DIR/cmake.log"
     cmake --build "$PEER_DIR/build" -j "$JOBS" --target llama-server llama-quantize \

@@ -182,6 +182,7 @@ inline vi hi_nib(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512
 inline vi hi_nib16(vi v) { return _mm512_andnot_si512(_mm512_set1_epi8(0x0F), v); }
 inline vi high16_sum(vi v) { return _mm512_srai_epi32(v, 4); }
 inline vi vadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
 inline vi bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -194,6 +195,9 @@ inline vi dot_small(vi acc, vi w, vi x) {
   return acc;
 }
 inline vi dot_byte(vi acc, vi w, vi x) { return dot_small(acc, w, x); }
+// (The AVX2 path's int16 sums, defined for the lambda that uses them: vpdpbusd needs none.)
+inline vi dot16(vi acc, vi w, vi x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
+inline vi widen16(vi acc, vi h) { return _mm512_add_epi32(acc, _mm512_madd_epi16(h, _mm512_set1_epi16(1))); }
 inline vfl to_fl(vi v) { return (vfl)_mm512_cvtepi32_ps(v); }
 inline vi vsub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vi vset1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -214,6 +218,7 @@ inline vi hi_nib(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256
 inline vi hi_nib16(vi v) { return _mm256_andnot_si256(_mm256_set1_epi8(0x0F), v); }
 inline vi high16_sum(vi v) { return _mm256_srai_epi32(v, 4); }
 inline vi vadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
 inline vi bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -223,6 +228,12 @@ inline vi bcast4(const int8_t* p) {
 inline vi dot_small(vi acc, vi w, vi x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+// 4-bit codes' pairs summed in int16 lanes (dot16), widened to int32 every 32 inputs (widen16):
+// a lane then holds 16 products of a code below 16 and an activation of at most 127 in
+// magnitude, 16 * 15 * 127 = 30,480 < 2^15, so the sums are exact, and each step costs one
+// vpaddw where dot_small costs a vpmaddwd and a vpaddd.
+inline vi dot16(vi acc, vi w, vi x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+inline vi widen16(vi acc, vi h) { return _mm256_add_epi32(acc, _mm256_madd_epi16(h, _mm256_set1_epi16(1))); }
 // 8-bit codes: 16 * dot(high nibbles) + dot(low nibbles), each exact.
 inline vi dot_byte(vi acc, vi w, vi x) {
   const vi lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo_nib(w), x), _mm256_set1_epi16(1));
@@ -334,6 +345,22 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
       }
     }
   };
+  // 8 inputs of 4-bit codes into int16 sums (AVX2: PAIR16 below)
+  auto nibbles16 = [&](vi (&h)[TM][4], const uint8_t* p, int64_t k) {
+    vi wv[4], hv[4];
+    for (int64_t i = 0; i < 4; ++i) {
+      wv[i] = vload(p + i * kVec);
+      hv[i] = hi_nib(wv[i]);
+      wv[i] = lo_nib(wv[i]);
+    }
+    for (int64_t t = 0; t < TM; ++t) {
+      const vi xa = bcast4(xq + t * K + k), xb = bcast4(xq + t * K + k + 4);
+      for (int64_t i = 0; i < 4; ++i) h[t][i] = dot16(dot16(h[t][i], wv[i], xa), hv[i], xb);
+    }
+  };
+  // PAIR16 (4-bit codes, AVX2): a group's dots in int16 lanes 32 inputs at a time (see dot16):
+  // 0.8x the instructions of dot_small's, the same exact int32 dots.
+  constexpr bool PAIR16 = BITS == 4 && kPath == 1;
   // SPLIT (4-bit codes, one or two rows, AVX512-VNNI): a high nibble stays in place, 16 * code
   // (below 256), and sums into accumulators of its own, shifted down at the group's end (exact:
   // multiples of 16). One mask per vector instead of a shift and a mask, and two chains of
@@ -345,6 +372,19 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
     for (int64_t t = 0; t < TM; ++t)
       for (int64_t i = 0; i < 4; ++i) a[t][i] = b[SPLIT ? t : 0][i] = vzero();
     const int64_t kend = (gi + 1) * g;
+    if constexpr (PAIR16) {
+      for (int64_t k = gi * g; k < kend;) {
+        vi h[TM][4];
+        for (int64_t t = 0; t < TM; ++t)
+          for (int64_t i = 0; i < 4; ++i) h[t][i] = vzero();
+        for (const int64_t cend = std::min(kend, k + 32); k < cend; k += kStep, w += kStepBytes) {
+          if constexpr (PF) prefetch_ahead<kStepBytes>(w);
+          nibbles16(h, w, k);
+        }
+        for (int64_t t = 0; t < TM; ++t)
+          for (int64_t i = 0; i < 4; ++i) a[t][i] = widen16(a[t][i], h[t][i]);
+      }
+    } else
     for (int64_t k = gi * g; k < kend; k += kStep, w += kStepBytes) {
       if constexpr (PF) prefetch_ahead<kStepBytes>(w);
       if constexpr (SPLIT) {
@@ -352,15 +392,21 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
       } else if constexpr (BITS == 4) {
         nibbles(a, w, k);
       } else if constexpr (BITS == 6) {
-        nibbles(a, w, k);
-        nibbles(a, w + kBytes, k + 8);
+        // Whole codes, a nibble | 16 * its 2-bit field, and one dot product per 4 inputs: half
+        // the dot products of a nibble's and a field's each (the same exact sums). Field f holds
+        // inputs k + 4f + q, the low (f even) or high nibbles of step f / 2. A code below 64:
+        // pairs of products (2 * 63 * 127) stay within int16 on AVX2.
         vi hb[4];
         for (int64_t i = 0; i < 4; ++i) hb[i] = vload(w + 2 * kBytes + i * kVec);
         auto field = [&](auto f) {
+          constexpr int F = decltype(f)::value;
           vi v[4];
-          for (int64_t i = 0; i < 4; ++i) v[i] = field16<decltype(f)::value>(hb[i]);
+          for (int64_t i = 0; i < 4; ++i) {
+            const vi b = vload(w + (F / 2) * kBytes + i * kVec);
+            v[i] = vor(F % 2 ? hi_nib(b) : lo_nib(b), field16<F>(hb[i]));
+          }
           for (int64_t t = 0; t < TM; ++t) {
-            const vi x = bcast4(xq + t * K + k + 4 * decltype(f)::value);
+            const vi x = bcast4(xq + t * K + k + 4 * F);
             for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_small(a[t][i], v[i], x);
           }
         };
