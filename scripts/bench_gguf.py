@@ -12,8 +12,8 @@ Measured as scripts/bench_latency.py measures (token-id prompts of 64, greedy, i
 clock from the requests' start to their last token): decode tok/s at one stream (256 tokens,
 median of ``--runs``) and at 8 and 32 streams (128 tokens each). Each tpserve engine runs in a
 child process of its own, one after the other, which also reports what loading the model added
-to its resident memory (the weights as they run, and the few KV blocks a start touches: the
-pool's pages are untouched until used); llama-server is stopped (SIGSTOP) while
+to its resident memory less its KV pool (the weights as they run: the pool, written at start,
+is the same 0.5 GiB for both engines); llama-server is stopped (SIGSTOP) while
 tpserve runs. It prints one line per engine, the ratios (tpserve / llama-server on the same
 file; the 4-bit file / int8 at one stream; RSS 4-bit / int8), the ISA and the load average.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_latency import PROMPT, LlamaServer, gguf_models, prompts_for  # noqa: E402
-from bench_moe import rss_bytes  # noqa: E402
+from bench_moe import resident_pool_bytes, rss_bytes  # noqa: E402
 from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
@@ -74,7 +74,7 @@ def child(spec: dict) -> dict:
     base = rss_bytes()
     llm = LLM(spec["model"], dtype="bfloat16", quantization=spec["quantization"],
               max_num_seqs=max(spec["batches"], default=1), kv_cache_memory_gb=0.5, max_model_len=1024)
-    rss = rss_bytes() - base
+    rss = rss_bytes() - base - resident_pool_bytes(llm)
     single, batched = spec["outs"]
 
     def run(prompts, out: int) -> float:

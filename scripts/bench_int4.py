@@ -10,8 +10,8 @@ its resident memory is its own): tpserve's offline engine in bf16 activations wi
 the prefill alone of a 256-token prompt (``prefill_ms``, median). It prints one line per engine
 with its tokens per second, the bytes of its packed linear weights (``linear MB``), the whole
 model's parameter and packed bytes (``model MB``: the token embedding's 8-bit codes with
-``int4``), what loading the engine added to the process's resident memory (``load MB``: the
-weights as they run, and the few KV blocks a start touches), its resident memory after the runs
+``int4``), what loading the engine added to the process's resident memory less its KV pool (``load
+MB``: the weights as they run), its resident memory after the runs
 (``rss MB``), then the ratios to int8, the ISA and the integer path of each build, and the load
 average (a loaded machine makes every figure slower and noisier: compare the ratios).
 
@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
+from bench_moe import resident_pool_bytes  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
 PROMPT, PREFILL = 64, 256
@@ -79,7 +80,7 @@ def child(args) -> None:
     before = rss_mb()
     llm = LLM(args.path, dtype="bfloat16", quantization=args.engine, max_num_seqs=1,
               kv_cache_memory_gb=0.25, max_model_len=1024)
-    load_mb = rss_mb() - before
+    load_mb = rss_mb() - before - resident_pool_bytes(llm) / 2**20
     vocab = json.loads((Path(args.path) / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
 

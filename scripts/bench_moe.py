@@ -205,6 +205,18 @@ def rss_bytes() -> int:
     return 0
 
 
+def resident_pool_bytes(llm) -> int:
+    """Bytes of an in-process engine's KV pool (each cache tensor once): resident from its start,
+    as tpserve writes the pool's pages then (``kv_cache_prefault``)."""
+    runner = llm.engine.executor.runner
+    storages = {}
+    for caches in runner.kv_caches:
+        for t in caches:
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values()) if runner.config.kv_cache_prefault else 0
+
+
 def kv_pool_bytes(llm, cfg: dict) -> int:
     c = llm.engine.config
     return (c.num_kv_blocks * c.block_size * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"]

@@ -65,7 +65,8 @@ def test_help_of_every_command():
     start_help = runner.invoke(main, ["start", "--help"], terminal_width=200).output
     for opt in ("--model", "--tp, --tensor-parallel-size", "--block-size", "--max-num-seqs",
                 "--max-num-batched-tokens", "--max-model-len", "--kv-cache-memory-gb", "--num-kv-blocks",
-                "--dtype", "--attention-backend", "--enforce-eager", "--no-prefix-caching", "--seed",
+                "--dtype", "--attention-backend", "--enforce-eager", "--no-prefix-caching", "--no-kv-cache-prefault",
+                "--seed",
                 "--address", "--runtime-dir", "--curve-secret-key", "--startup-timeout", "TPSERVE_NUM_KV_BLOCKS"):
         assert opt in start_help, opt
 
@@ -123,10 +124,12 @@ def test_engine_options_come_from_the_environment(tiny_models_root):  # noqa: F8
     kw = dict(model=str(model), tensor_parallel_size=2, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=64, max_model_len=128, kv_cache_memory_gb=0.5,
               gpu_memory_utilization=0.5, num_kv_blocks=9, dtype="float32", attention_backend="torch",
-              enforce_eager=True, no_prefix_caching=True, seed=7, startup_timeout=42.5)
+              enforce_eager=True, no_prefix_caching=True, no_kv_cache_prefault=True, seed=7,
+              startup_timeout=42.5)
     config = config_from_options(dict(kw))
     assert config.startup_timeout == 42.5  # one meaning: the engine's start, also what `start` waits
     assert (config.block_size, config.num_kv_blocks, config.enable_prefix_caching) == (8, 9, False)
+    assert config.kv_cache_prefault is False
     # What `start` passes to its child rebuilds the same configuration.
     seen = {}
 

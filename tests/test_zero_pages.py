@@ -1,10 +1,13 @@
-"""lazy_zeros: zero tensors whose pages are resident only once written (the KV pool's)."""
+"""lazy_zeros: zero tensors whose pages are resident only once written (the KV pool's), or all
+written at once (``prefault``, the engine's default: ``kv_cache_prefault``)."""
 import gc
 import mmap
 import os
 
 import torch
 
+from model_factory import make_tiny_model
+from tpserve.workers import zero_pages
 from tpserve.workers.zero_pages import lazy_zeros
 
 
@@ -68,3 +71,40 @@ def test_lazy_zeros_asks_for_huge_pages():
 def test_lazy_zeros_empty_and_scalar_shapes():
     assert lazy_zeros((0, 4), torch.float32).shape == (0, 4)
     assert float(lazy_zeros((), torch.float32)) == 0.0
+
+
+def test_prefault_makes_every_page_resident(monkeypatch):
+    """``prefault`` populates the whole mapping now (MADV_POPULATE_WRITE; where the kernel lacks
+    it, a zero written to every page): resident in full, and zeros all the same."""
+    for populate in (True, False):
+        if not populate:  # an advice the kernel refuses (EINVAL): the fallback's writes
+            monkeypatch.setattr(zero_pages, "_MADV_POPULATE_WRITE", 9999)
+        t = lazy_zeros((16, 1 << 20), torch.int8, prefault=True)  # 16 MiB
+        assert _mapping_rss_kib(t.data_ptr()) >= 16 << 10, populate
+        assert int(t.abs().sum()) == 0
+        t[3, 7] = 2
+        assert int(t.sum()) == 2
+
+
+def test_the_engine_pool_is_written_at_start_unless_told_not_to(tmp_path):
+    """The model runner's pool: resident from the start by default, untouched with
+    ``kv_cache_prefault=False`` (the blocks one short prompt writes aside)."""
+    from tpserve.config import EngineConfig
+    from tpserve.models.parallel import TPContext
+    from tpserve.workers.model_runner import ModelRunner
+    path = make_tiny_model(tmp_path)
+    for prefault in (False, True):
+        config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16384, block_size=16,
+                              kv_cache_prefault=prefault)
+        runner = ModelRunner(config, TPContext())
+        k = runner.kv_caches[0][0]
+        # KiB of the mapping k lies in (with its neighbours: adjacent mappings merge)
+        size = int(_mapping_field(k.data_ptr(), "Size:")[0])
+        assert size >= k.numel() * k.element_size() >> 10
+        rss = _mapping_rss_kib(k.data_ptr())
+        if prefault:
+            assert rss == size
+        else:
+            assert rss < size // 4
+        del runner, k
+        gc.collect()  # unmapped: the next runner's mappings do not merge with these

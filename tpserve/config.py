@@ -128,6 +128,10 @@ class EngineConfig:
     max_stall_tokens: int = DEFAULT_MAX_STALL_TOKENS
     max_model_len: int | None = None
     kv_cache_memory_gb: float = 1.0
+    # CPU: write the KV pool's pages at start (as vLLM and llama.cpp do), so that no serving step
+    # pays their first-touch faults; False leaves them to the blocks' first writes
+    # (workers/zero_pages.py).
+    kv_cache_prefault: bool = True
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     dtype: str = "auto"
@@ -208,6 +212,8 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_METHODS, NO_QUANTIZATION):
             raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)}, none "
                                               f"(or unset), got {self.quantization!r}")
+        if not isinstance(self.kv_cache_prefault, bool):
+            raise ConfigError("kv_cache_prefault", f"must be true or false, got {self.kv_cache_prefault!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ConfigError("enable_expert_parallel",
                               f"must be true or false, got {self.enable_expert_parallel!r}")

@@ -126,6 +126,9 @@ _OPTIONS = [
     ("enforce_eager", ("--enforce-eager",), dict(is_flag=True, help="disable CUDA graphs")),
     ("enable_prefix_caching", ("--no-prefix-caching",),
      dict(is_flag=True, help="disable the prefix cache (reuse of full KV blocks across requests)")),
+    ("kv_cache_prefault", ("--no-kv-cache-prefault",),
+     dict(is_flag=True, help="CPU: leave the KV pool's pages unwritten until blocks are (resident memory "
+                             "grows with use; the first requests pay the page faults)")),
     ("seed", ("--seed",), dict(type=int, help="engine seed (sampling of requests without their own seed)")),
     ("startup_timeout", ("--startup-timeout",),
      dict(type=float, help="seconds the engine may take to start: workers joining, model loading")),
@@ -177,6 +180,10 @@ def engine_options(f):
 ENGINE_PARAM_NAMES = tuple(_param_name(decls) for _, decls, _ in _OPTIONS)
 
 
+# Fields whose option is a --no-... flag: the field is True unless it is given.
+NEGATED_FLAGS = ("enable_prefix_caching", "kv_cache_prefault")
+
+
 def config_from_options(kwargs: dict, resolve: bool = True) -> EngineConfig:
     """Pop the engine options out of a command's ``kwargs`` and build an EngineConfig.
 
@@ -190,7 +197,7 @@ def config_from_options(kwargs: dict, resolve: bool = True) -> EngineConfig:
         if name not in values:
             continue
         value = values[name]
-        if field_name == "enable_prefix_caching":
+        if field_name in NEGATED_FLAGS:
             value = not value
         if field_name in ("model", "tokenizer") and value is not None:
             value = os.path.abspath(os.path.expanduser(value))
@@ -218,7 +225,7 @@ def options_argv(config: EngineConfig) -> list[str]:
     argv = []
     for field_name, decls, kwargs in _OPTIONS:
         value = getattr(config, field_name)
-        if field_name == "enable_prefix_caching":
+        if field_name in NEGATED_FLAGS:
             if not value:
                 argv.append(decls[0])
         elif kwargs.get("is_flag"):

@@ -256,10 +256,12 @@ class ModelRunner:
         shape = (self.num_blocks, self.config.block_size, m.num_kv_heads_per_rank, m.head_dim)
 
         def layer():
-            # CPU: zero pages mapped on first write, so the pool is resident only where used
-            caches = [lazy_zeros(shape, self.kv_dtype, self.device) for _ in range(2)]
+            # CPU: a mapping of its own in 2 MB pages, written now (kv_cache_prefault) or where
+            # blocks are first written (zero_pages.py)
+            prefault = self.config.kv_cache_prefault
+            caches = [lazy_zeros(shape, self.kv_dtype, self.device, prefault) for _ in range(2)]
             if self.kv_dtype == torch.int8:  # per-slot, per-head scales (kernels/kv_quant.py)
-                caches += [lazy_zeros(shape[:3], torch.float32, self.device) for _ in range(2)]
+                caches += [lazy_zeros(shape[:3], torch.float32, self.device, prefault) for _ in range(2)]
             return tuple(caches)
 
         self.kv_caches = self.kv_group_layout.layer_caches(layer)
