@@ -44,40 +44,12 @@ class VocabParallelEmbedding(nn.Module):
             param[:real].copy_(loaded_weight.narrow(0, self.vocab_start, real))
             param[real:].zero_()
 
-    # (bits, group size) of the codes this table is held in once loaded (``prepack_rows``), or
-    # None: a float table. Set by models/quantization.py for ``--quantization int4``.
-    rows_codes: tuple[int, int] | None = None
-
-    def prepack_rows(self) -> bool:
-        """With ``rows_codes`` set, hold this rank's table as group codes instead of floats:
-        ``bits``-bit, round-to-nearest with a scale and a min per group of inputs
-        (``group_quant.quantize_groups``), packed for the C++ row gather where the operators run,
-        and look rows up there (``read_rows_from``). The float table goes, from every module that
-        holds it: ``prepack_model`` calls this once every linear layer is packed, so a tied LM head
-        has quantized its own codes from the table first. Returns whether it did."""
-        if self.rows_codes is None or self.reads_codes or self.weight.numel() == 0:
-            return False
-        from tpserve.models.group_quant import make_group_quant
-        bits, group = self.rows_codes
-        if self.embedding_dim % group:
-            return False
-        weight = self.weight
-        with torch.device("meta"):  # no table of its own: it takes this one's, then codes
-            table = ParallelLMHead(self.num_embeddings, self.embedding_dim, self.tp)
-        table.weight = weight
-        make_group_quant(table, from_checkpoint=False, group_size=group, bits=bits)
-        table.prepack(shared=True)  # quantizes; packs where the C++ operators run (else rows
-        # are read from the codes as tensors)
-        weight.data = weight.data.new_empty(0)
-        self.read_rows_from(table)
-        return True
-
     def read_rows_from(self, head: nn.Module) -> None:
         """Look rows up in a group-quantized layer (``group_quant.GroupQuantMixin
         .dequantized_rows``) instead of a float table of this layer's own: a tied LM head (a GGUF
         file quantizes the table its head shares, and holding it once, as codes, is what keeps a
-        4-bit model small) or the table's own codes (``prepack_rows``). The rows come back in the
-        dtype the table had."""
+        4-bit model small) or the table's own codes (``group_quant.hold_rows_as_codes``). The rows
+        come back in the dtype the table had."""
         w = self.weight
         del self.weight  # no parameter: the checkpoint's codes load into the head
         # A table of no rows keeps the dtype and device the model reports (decoder.CausalLM).

@@ -462,6 +462,29 @@ class GroupQuantMixin:
         return True
 
 
+def hold_rows_as_codes(embed: nn.Module, bits: int, group_size: int) -> bool:
+    """Hold a token embedding's table (``embedding.VocabParallelEmbedding``, this rank's rows) as
+    group codes instead of floats: ``bits``-bit, round-to-nearest with a scale and a min per group
+    of inputs (:func:`quantize_groups`), packed for the C++ row gather where the operators run,
+    and look rows up there (``read_rows_from``). The float table goes, from every module that
+    holds it: ``packed_gemm.prepack_model`` calls this (as the embedding's ``prepack_rows``, set by
+    ``quantization.prepare_model``) once every linear layer is packed, so a tied LM head has
+    quantized its own codes from the table first. Returns whether it did."""
+    from tpserve.models.embedding import ParallelLMHead
+    weight = embed.weight
+    if embed.reads_codes or weight.numel() == 0 or embed.embedding_dim % group_size:
+        return False
+    with torch.device("meta"):  # no table of its own: it takes the embedding's, then codes
+        table = ParallelLMHead(embed.num_embeddings, embed.embedding_dim, embed.tp)
+    table.weight = weight
+    make_group_quant(table, from_checkpoint=False, group_size=group_size, bits=bits)
+    table.prepack(shared=True)  # quantizes; packs where the C++ operators run (else rows are
+    # read from the codes as tensors)
+    weight.data = weight.data.new_empty(0)
+    embed.read_rows_from(table)
+    return True
+
+
 _CLASSES: dict[type, type] = {}
 
 

@@ -39,13 +39,14 @@ checkpoint gives the head codes (``tied_head_codes``: a GGUF file's quantized ``
 then the head is group-quantized and the embedding looks its rows up in the head's codes, so
 the table is held once, as codes. With ``--quantization int4`` a tied head is quantized from the
 embedding's float table, and the table itself is then held as 8-bit codes with a scale and a
-min per group of 32 (``EMBEDDING_CODES``, ``embedding.prepack_rows``): the float table would be a
+min per group of 32 (``EMBEDDING_CODES``, ``group_quant.hold_rows_as_codes``): the float table would be a
 third of a small model's bytes (the 0.6B shape: 297 of 599 MiB) for rows whose codes lose less
 than the 4-bit layers that read them. A
 checkpoint's ``<module>.weight_bits`` is checked (4 or 8) and dropped here.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -53,7 +54,7 @@ from torch import nn
 
 from tpserve.models.embedding import ParallelLMHead
 from tpserve.models.errors import CheckpointError, UnsupportedModelError
-from tpserve.models.group_quant import make_group_quant
+from tpserve.models.group_quant import hold_rows_as_codes, make_group_quant
 from tpserve.models.linear import RowParallelLinear
 from tpserve.models.moe import FusedMoE
 from tpserve.models.packed_gemm import PackableLinear
@@ -97,7 +98,8 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
     count = 0
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if qc.grouped and not qc.from_checkpoint and embed is not None:
-        embed.rows_codes = EMBEDDING_CODES  # packed with the model (embedding.prepack_rows)
+        # packed with the model, after the linear layers (packed_gemm.prepack_model)
+        embed.prepack_rows = functools.partial(hold_rows_as_codes, embed, *EMBEDDING_CODES)
     for name, layer in model.named_modules():
         if isinstance(layer, FusedMoE):
             if qc.grouped and qc.from_checkpoint:
