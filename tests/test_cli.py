@@ -65,8 +65,8 @@ def test_help_of_every_command():
     start_help = runner.invoke(main, ["start", "--help"], terminal_width=200).output
     for opt in ("--model", "--tp, --tensor-parallel-size", "--block-size", "--max-num-seqs",
                 "--max-num-batched-tokens", "--max-model-len", "--kv-cache-memory-gb", "--num-kv-blocks",
-                "--dtype", "--attention-backend", "--enforce-eager", "--no-prefix-caching", "--no-kv-cache-prefault",
-                "--seed",
+                "--dtype", "--attention-backend", "--enforce-eager", "--no-prefix-caching",
+                "--no-kv-cache-prefault", "--seed",
                 "--address", "--runtime-dir", "--curve-secret-key", "--startup-timeout", "TPSERVE_NUM_KV_BLOCKS"):
         assert opt in start_help, opt
 

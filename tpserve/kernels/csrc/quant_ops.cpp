@@ -316,8 +316,9 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
   constexpr int64_t kBytes = 4 * kVec;  // bytes of codes per step (4 vectors)
   constexpr int64_t kStep = BITS == 6 ? 16 : BITS == 4 ? 8 : 4;  // inputs per step
   constexpr int64_t kStepBytes = BITS == 6 ? 3 * kBytes : kBytes;
-  // 8 inputs of 4-bit codes (the low nibbles: inputs k + q, the high: k + 4 + q) from `w`
-  auto nibbles = [&](vi (&a)[TM][4], const uint8_t* p, int64_t k) {
+  // 8 inputs of 4-bit codes (the low nibbles: inputs k + q, the high: k + 4 + q) from `w`, summed
+  // by `dot` (dot_small into int32, or dot16 into int16: PAIR16 below)
+  auto nibbles_by = [&](auto dot, vi (&a)[TM][4], const uint8_t* p, int64_t k) {
     vi wv[4], hv[4];
     for (int64_t i = 0; i < 4; ++i) {
       wv[i] = vload(p + i * kVec);
@@ -326,8 +327,11 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
     }
     for (int64_t t = 0; t < TM; ++t) {
       const vi xa = bcast4(xq + t * K + k), xb = bcast4(xq + t * K + k + 4);
-      for (int64_t i = 0; i < 4; ++i) a[t][i] = dot_small(dot_small(a[t][i], wv[i], xa), hv[i], xb);
+      for (int64_t i = 0; i < 4; ++i) a[t][i] = dot(dot(a[t][i], wv[i], xa), hv[i], xb);
     }
+  };
+  auto nibbles = [&](vi (&a)[TM][4], const uint8_t* p, int64_t k) {
+    nibbles_by([](vi acc, vi w, vi x) { return dot_small(acc, w, x); }, a, p, k);
   };
   // The same 8 inputs with the high nibbles in place (16 * code) summed into `b` (SPLIT).
   auto nibbles_split = [&](vi (&a)[TM][4], vi (&b)[TM][4], const uint8_t* p, int64_t k) {
@@ -343,19 +347,6 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
         a[t][i] = dot_small(a[t][i], wv[i], xa);
         b[t][i] = dot_small(b[t][i], hv[i], xb);
       }
-    }
-  };
-  // 8 inputs of 4-bit codes into int16 sums (AVX2: PAIR16 below)
-  auto nibbles16 = [&](vi (&h)[TM][4], const uint8_t* p, int64_t k) {
-    vi wv[4], hv[4];
-    for (int64_t i = 0; i < 4; ++i) {
-      wv[i] = vload(p + i * kVec);
-      hv[i] = hi_nib(wv[i]);
-      wv[i] = lo_nib(wv[i]);
-    }
-    for (int64_t t = 0; t < TM; ++t) {
-      const vi xa = bcast4(xq + t * K + k), xb = bcast4(xq + t * K + k + 4);
-      for (int64_t i = 0; i < 4; ++i) h[t][i] = dot16(dot16(h[t][i], wv[i], xa), hv[i], xb);
     }
   };
   // PAIR16 (4-bit codes, AVX2): a group's dots in int16 lanes 32 inputs at a time (see dot16):
@@ -379,7 +370,7 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
           for (int64_t i = 0; i < 4; ++i) h[t][i] = vzero();
         for (const int64_t cend = std::min(kend, k + 32); k < cend; k += kStep, w += kStepBytes) {
           if constexpr (PF) prefetch_ahead<kStepBytes>(w);
-          nibbles16(h, w, k);
+          nibbles_by([](vi acc, vi c, vi x) { return dot16(acc, c, x); }, h, w, k);
         }
         for (int64_t t = 0; t < TM; ++t)
           for (int64_t i = 0; i < 4; ++i) a[t][i] = widen16(a[t][i], h[t][i]);
