@@ -478,8 +478,8 @@ def hold_rows_as_codes(embed: nn.Module, bits: int, group_size: int) -> bool:
         table = ParallelLMHead(embed.num_embeddings, embed.embedding_dim, embed.tp)
     table.weight = weight
     make_group_quant(table, from_checkpoint=False, group_size=group_size, bits=bits)
-    table.prepack(shared=True)  # quantizes; packs where the C++ operators run (else rows are
-    # read from the codes as tensors)
+    # Quantizes, and packs where the C++ operators run (elsewhere rows come from the codes).
+    table.prepack(shared=True)
     weight.data = weight.data.new_empty(0)
     embed.read_rows_from(table)
     return True

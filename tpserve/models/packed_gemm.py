@@ -217,8 +217,8 @@ def prepack_model(model: nn.Module) -> int:
             expert_sets += 1
     if packs:
         _gather_in_huge_pages(packs)
-    for m in model.modules():  # tables held as codes (group_quant.hold_rows_as_codes), once the
-        # tied heads are packed
+    # Tables held as codes (group_quant.hold_rows_as_codes), once the tied heads are packed.
+    for m in model.modules():
         if callable(getattr(m, "prepack_rows", None)):
             m.prepack_rows()
     return len(packs) + expert_sets
