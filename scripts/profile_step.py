@@ -9,7 +9,7 @@ the forward, the LM head and sampling, and postprocessing (per step, over the ti
 ``TPSERVE_FUSED_DECODE=0`` runs the decode steps layer by layer, for comparison.
 
     python scripts/profile_step.py [--shape 40m|0.6b|tiny] [--batch 64] [--steps 5] [--threads 2]
-                                   [--quantization int8]
+                                   [--quantization int8|int4]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--quantization", choices=["int8"], default=None)
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS[args.shape]}", **SHAPE_OVERRIDES[args.shape])
