@@ -2,7 +2,10 @@
 
 For one benchmark shape (scripts/bench_models.py: random weights, token ids, greedy,
 ignore_eos; default the Qwen3-0.6B shape) each engine runs in a process of its own (so that
-its resident memory is its own): tpserve's offline engine in bf16 activations with
+its resident memory is its own), and the engines take turns: run r of every engine, then run
+r + 1 of every engine, so a change in the machine's memory bandwidth during the benchmark (on
+a shared VM the same engine's runs were seen 30% apart minutes apart) lands on all engines
+alike instead of on whichever ran then. The engines: tpserve's offline engine in bf16 activations with
 ``--quantization int8`` (int8 weights per channel, int8 activations) and ``int4`` / ``int4-g32``
 (4-bit codes with a scale and a min per group of 128 / 32, int8 activations per group: W4A8,
 ``tpserve/kernels/csrc/quant_ops.cpp``). Each measures one stream: a 64-token prompt then
@@ -71,7 +74,9 @@ def model_bytes(model) -> tuple[int, int]:
 
 
 def child(args) -> None:
-    """One engine: its figures as one JSON line on stdout."""
+    """One engine, driven over stdin / stdout one JSON line at a time: after loading it prints
+    its load figures, then answers each command (``decode``: seconds of one decode run;
+    ``prefill``: ms of one prefill; ``done``: its final figures, then it exits)."""
     import numpy as np
     import torch
 
@@ -91,16 +96,85 @@ def child(args) -> None:
         llm.generate([ids], params, use_tqdm=False)
         return time.perf_counter() - t
 
+    def reply(**fields) -> None:
+        print(json.dumps(fields), flush=True)
+
     run(PROMPT, 4)  # warm
-    tok_s = statistics.median(args.tokens / run(PROMPT, args.tokens) for _ in range(args.runs))
-    prefill_ms = statistics.median(run(PREFILL, 1) * 1e3 for _ in range(args.runs))
+    reply(load_mb=load_mb)
+    for line in sys.stdin:
+        command = line.strip()
+        # Each timed run follows an untimed one of its kind: after waiting for its turn a
+        # process's first run paid for memory the VM's host had taken back meanwhile (prefill
+        # 0.4 -> 0.8 s with three engines taking turns), which a serving engine does not.
+        if command == "decode":
+            run(PROMPT, 4)
+            reply(tok_s=args.tokens / run(PROMPT, args.tokens))
+        elif command == "prefill":
+            run(PREFILL, 1)
+            reply(prefill_ms=run(PREFILL, 1) * 1e3)
+        elif command == "done":
+            break
+        else:
+            raise SystemExit(f"bench_int4 child: unknown command {command!r}")
     model = llm.engine.executor.runner.model
     linear, total = model_bytes(model)
     ops = torch.ops.tpserve_cpu
     path = ops.group_linear_path() if hasattr(ops, "group_linear_path") else -1
-    print(json.dumps(dict(engine=args.engine, tok_s=tok_s, prefill_ms=prefill_ms, linear_mb=linear / 2**20,
-                          model_mb=total / 2**20, rss_mb=rss_mb(), load_mb=load_mb, path=path)))
+    reply(linear_mb=linear / 2**20, model_mb=total / 2**20, rss_mb=rss_mb(), path=path)
     llm.shutdown()
+
+
+class Child:
+    """The parent's end of one engine's process (child)."""
+
+    def __init__(self, engine: str, path: Path, args) -> None:
+        cmd = [sys.executable, __file__, "--engine", engine, "--path", str(path),
+               "--tokens", str(args.tokens), "--threads", str(args.threads)]
+        self.engine = engine
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.figures = self._read()  # load_mb, once it has loaded
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise SystemExit(f"bench_int4: the {self.engine} engine's process ended (exit {code})")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def measure(engines: list[str], path: Path, args) -> dict[str, dict]:
+    """Every engine's figures, their runs taken in turns (module docstring)."""
+    children: list[Child] = []
+    try:
+        for engine in engines:  # one at a time, so that each load is timed and measured alone
+            children.append(Child(engine, path, args))
+        decode = {c.engine: [] for c in children}
+        prefill = {c.engine: [] for c in children}
+        for _ in range(args.runs):
+            for c in children:
+                decode[c.engine].append(c.ask("decode")["tok_s"])
+        for _ in range(args.runs):
+            for c in children:
+                prefill[c.engine].append(c.ask("prefill")["prefill_ms"])
+        res = {}
+        for c in children:
+            res[c.engine] = dict(c.figures, **c.ask("done"), tok_s=statistics.median(decode[c.engine]),
+                                 prefill_ms=statistics.median(prefill[c.engine]))
+            c.proc.wait()
+        return res
+    finally:
+        for c in children:
+            c.close()
 
 
 PATHS = {0: "scalar", 1: "avx2-maddubs", 2: "avx512-vnni", -1: "n/a"}
@@ -123,15 +197,7 @@ def main() -> int:
                              **SHAPE_OVERRIDES[args.shape])
     engines = (args.engines or DEFAULT_ENGINES.get(args.shape, "int8,int4,int4-g32")).split(",")
     load = os.getloadavg()[0]
-    res = {}
-    for engine in engines:
-        cmd = [sys.executable, __file__, "--engine", engine, "--path", str(path),
-               "--tokens", str(args.tokens), "--runs", str(args.runs), "--threads", str(args.threads)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
-            return 1
-        res[engine] = json.loads(out.stdout.strip().splitlines()[-1])
+    res = measure(engines, path, args)
     paths = sorted({PATHS[r["path"]] for r in res.values()})
     print(f"int4 shape={args.shape} isa={cpu_isa()} path={','.join(paths)} threads={args.threads} "
           f"prompt={PROMPT} tokens={args.tokens} runs={args.runs} activations=bf16")
