@@ -25,7 +25,13 @@ and the decode path reads the int8 codes (the same functions, so the same bits).
 
 A layer's sliding window, attention sinks and logit soft-cap (``SelfAttention``'s options) go to
 its attention half: the C++ decode path reads only the keys of each row's window, as the module
-path's CpuAttention does (the same function, so the same bits).
+path's CpuAttention does (the same function, so the same bits). With several KV-cache groups
+(sliding and full layers: ``workers/kv_group_runner.py``) each layer reads its group's block
+tables and slot mapping (``meta.groups``).
+
+Gemma's layers (Gemma 2 and 3) run in the stack too: its (1 + w) norms, the post-attention and
+post-feedforward norms, GELU-tanh and the embedding scale (applied here, as the module path
+does), the C++ functions of the module path in its order, so the same bits.
 
 Group-quantized layers (``group_quant.py``: 4/8-bit codes) are packed weights of kinds 4 and 5,
 which the C++ ``linear_into`` runs through ``quant_ops.cpp``: the stack takes them unchanged.
@@ -76,15 +82,20 @@ def why_not_fused(model: CausalLM) -> str | None:
     if model.dtype not in (torch.float32, torch.bfloat16) or model.head_dim % 16:
         return "needs fp32/bf16 and head_dim % 16 == 0"
     spec = model.spec
-    if (spec.gemma_norms or spec.hidden_act != "silu" or spec.rope_layers
-            or spec.rotary_dim or spec.embedding_scale):
-        return "needs Llama-shaped layers (no Gemma norms, GELU, partial or skipped rotary)"
+    gemma = spec.gemma_norms and spec.hidden_act == "gelu_tanh"
+    if spec.rope_layers or spec.rotary_dim or not (gemma or (
+            not spec.gemma_norms and spec.hidden_act == "silu" and not spec.embedding_scale)):
+        return "needs Llama- or Gemma-shaped layers (SiLU, or Gemma's norms and GELU; whole rotary)"
+    if gemma and model.tp.size > 1:
+        return "runs Gemma's layers in one process only (no tensor parallelism)"
+    if model.tp.size > 1 and any(_group_of(layer.self_attn) for layer in model.model.layers):
+        return "reads several KV-cache groups in one process only (no tensor parallelism)"
     if spec.router_bias or spec.topk_then_softmax or spec.expert_bias or spec.expert_act != "silu":
         return ("needs softmax-then-top-k routing without a router bias and SiLU experts without "
                 "biases (not gpt-oss's)")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.feed_forward
-        if not isinstance(attn.backend, CpuAttention):
+        if not isinstance(getattr(attn.backend, "inner", attn.backend), CpuAttention):
             return "needs the cpu attention backend"
         if attn.k_cache is None:
             return "needs the KV cache"
@@ -98,6 +109,11 @@ def why_not_fused(model: CausalLM) -> str | None:
         if any(m.packed is None for m in linears):
             return "needs every linear layer packed (prepack_model)"
     return None
+
+
+def _group_of(attn) -> int:
+    """The KV-cache group a layer reads (its GroupBackend's; 0 without groups)."""
+    return getattr(attn.backend, "group", 0)
 
 
 def _attention_options(attn) -> tuple:
@@ -126,8 +142,11 @@ class FusedDecode:
         self.model = model
         self.tp = model.tp
         self.layers = []
+        self.gemma = model.spec.gemma_norms
+        self.groups = [_group_of(layer.self_attn) for layer in model.model.layers]
         windows = [layer.self_attn.sliding_window for layer in model.model.layers]
-        # The window whose blocks every step must hold (0: a layer reads every key).
+        # The window whose blocks every step must hold (0: a layer reads every key; the
+        # layer-by-layer path, which has one KV-cache group).
         self.widest_window = 0 if None in windows else max(windows)
         first = self.tp.rank == 0  # a row-parallel bias is added once, on rank 0
         for layer in model.model.layers:
@@ -137,7 +156,9 @@ class FusedDecode:
                          a.k_norm.weight if a.k_norm is not None else None,
                          a.num_heads, a.num_kv_heads, a.head_dim, a.rotary.cos, a.rotary.sin, a.scale,
                          *_linear_args(a.qkv_proj), *_linear_args(a.o_proj, first), *_attention_options(a))
-            post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            # Gemma: the MLP half's norm (with the residual) is pre_feedforward_layernorm.
+            mlp_norm = layer.pre_feedforward_layernorm if self.gemma else layer.post_attention_layernorm
+            post = (mlp_norm.weight, mlp_norm.eps)
             if _is_moe(mlp):
                 mlp_args = MoeArgs((*post, *_moe_args(mlp, first)))
             else:
@@ -170,25 +191,47 @@ class FusedDecode:
                 stack.set_attention_options(i, window, sinks, softcap)
             if a.k_scale is not None:
                 stack.set_kv_scales(i, a.k_scale, a.v_scale)
+            if self.gemma:
+                layer = self.model.model.layers[i]
+                stack.set_gemma(i, layer.post_attention_layernorm.weight,
+                                layer.post_feedforward_layernorm.weight)
+            if self.groups[i]:
+                stack.set_group(i, self.groups[i])
         norm = self.model.model.norm
-        stack.set_norm(norm.weight, norm.eps)
-        embed = self.model.model.embed_tokens
-        if not embed.reads_codes:  # else `run` takes the rows, embedded here (a tied head's codes)
-            stack.set_embedding(embed.weight)
+        (stack.set_gemma_norm if self.gemma else stack.set_norm)(norm.weight, norm.eps)
+        if not self._embeds_here():  # else `run` takes the rows, embedded here
+            stack.set_embedding(self.model.model.embed_tokens.weight)
         return stack
+
+    def _embeds_here(self) -> bool:
+        """Whether a step's rows are embedded here rather than in the stack: a table of codes (a
+        tied head's), or Gemma's scaled embedding."""
+        return self.model.model.embed_tokens.reads_codes or self.model.model.embedding_scale is not None
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The module path's embedding (DecoderModel.forward), its scale included."""
+        decoder = self.model.model
+        hidden = decoder.embed_tokens(input_ids)
+        if decoder.embedding_scale is not None:
+            hidden = hidden * torch.tensor(decoder.embedding_scale, dtype=torch.float32).to(hidden.dtype)
+        return hidden
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         ops = torch.ops.tpserve_cpu
         if self.stack is not None:
-            embed = self.model.model.embed_tokens
-            ids = embed(input_ids) if embed.reads_codes else input_ids
-            return self.stack.run(ids, positions, meta.slot_mapping, meta.block_tables,
-                                  meta.cu_seqlens_q, meta.context_lens)
+            metas = getattr(meta, "groups", None) or [meta]
+            ids = self._embed(input_ids) if self._embeds_here() else input_ids
+            if len(metas) == 1:
+                return self.stack.run(ids, positions, meta.slot_mapping, meta.block_tables,
+                                      meta.cu_seqlens_q, meta.context_lens)
+            return self.stack.run_groups(ids, positions, [m.slot_mapping for m in metas],
+                                         [m.block_tables for m in metas], meta.cu_seqlens_q,
+                                         meta.context_lens)
         a0 = self.layers[0][0]
         ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                a0.k_cache.shape[0], a0.k_cache.shape[1], self.widest_window)
-        hidden = self.model.model.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         residual = torch.empty_like(hidden)
         other = torch.empty_like(hidden)
         for i, (attn, attn_args, mlp_args) in enumerate(self.layers):

@@ -168,7 +168,7 @@ class ModelRunner:
                                        self.kv_group_layout.groups if self.kv_group_layout.split else None)
             self.kv_tiers = KVTransfer(config, tp.rank, tp.group if tp.size > 1 else None, self.kv_layout)
             self.kv_tiers.register_kv_caches(self.kv_caches)
-        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0" and not self.kv_group_layout.split:
+        if os.environ.get("TPSERVE_FUSED_DECODE", "1") != "0":
             reason = self.model.enable_fused_decode()  # CPU decode steps: 2 C++ calls per layer
             if reason is not None and self.device.type == "cpu":
                 log.info("decode steps run layer by layer: the fused decode %s", reason)

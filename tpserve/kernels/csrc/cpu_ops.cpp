@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "gemma_ops.h"
 #include "linear_ops.h"
 #include "moe_ops.h"
 #include "prompt_amx.h"
@@ -1192,14 +1193,15 @@ PackedLinear packed_linear(const at::Tensor& data, int64_t kind, int64_t n, int6
 }
 
 // residual (in/out) and normed: norm(hidden + residual) with the sum kept as the new residual,
-// or, for the first layer, residual = hidden and norm(hidden).
+// or, for the first layer, residual = hidden and norm(hidden). `gemma`: Gemma's (1 + w) norm.
 void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor& residual,
-                        bool has_residual, const at::Tensor& weight, double eps) {
+                        bool has_residual, const at::Tensor& weight, double eps, bool gemma = false) {
+  const auto norm = gemma ? &gemma_rms_norm : &rms_norm;
   if (has_residual) {
-    rms_norm(normed, hidden, residual, residual, weight, eps);
+    norm(normed, hidden, residual, residual, weight, eps);
   } else {
     std::memcpy(residual.data_ptr(), hidden.data_ptr(), hidden.numel() * hidden.element_size());
-    rms_norm(normed, hidden, c10::nullopt, c10::nullopt, weight, eps);
+    norm(normed, hidden, c10::nullopt, c10::nullopt, weight, eps);
   }
 }
 
@@ -1208,7 +1210,7 @@ void norm_with_residual(at::Tensor& normed, const at::Tensor& hidden, at::Tensor
 // weight stream has just emptied). get() hands back the tensor in slot i if it has these sizes
 // and dtype, else allocates it.
 struct DecodeScratch {
-  at::Tensor slots[13];
+  at::Tensor slots[14];
   MoeScratch moe;  // the grouped experts' (every MoE layer's in turn)
   at::Tensor get(int i, at::IntArrayRef sizes, const at::TensorOptions& opt) {
     at::Tensor& t = slots[i];
@@ -1221,6 +1223,7 @@ struct DecodeScratch {
 enum ScratchSlot {
   kNormed, kQkv, kQuery, kAttn, kGateUp, kAct, kResidual, kOther,
   kRouterLogits, kTopIds, kTopWeights, kShared, kSharedGate,  // mixture-of-experts layers
+  kUnnormed,  // Gemma: a half's output before its post-norm
 };
 
 // Reads entry m of a contiguous int32/int64 [M] tensor.
@@ -1229,17 +1232,18 @@ inline int64_t index_at(const at::Tensor& t, int64_t m) {
 }
 
 // The step from the fused QKV output to attention, for decode rows, in one pass per row: the
-// q/k norms (Qwen3; absent: copies), rotary, the query heads into q_out [M, Hq, D] and the key
-// and value heads straight into their cache slots. The same row functions as rms_norm,
-// rotary_embedding and store_kvcache, in the same order, so the same bits; three ops and their
-// tensors fewer per layer. An int8 cache (KT = int8_t) gets each key and value head quantized
-// as store_kvcache quantizes it (quantize_row), its scale in `kvs`.
+// q/k norms (Qwen3, or Gemma's (1 + w) ones with `gemma`; absent: copies), rotary, the query
+// heads into q_out [M, Hq, D] and the key and value heads straight into their cache slots. The
+// same row functions as rms_norm (gemma_rms_norm), rotary_embedding and store_kvcache, in the
+// same order, so the same bits; three ops and their tensors fewer per layer. An int8 cache
+// (KT = int8_t) gets each key and value head quantized as store_kvcache quantizes it
+// (quantize_row), its scale in `kvs`.
 template <typename T, typename KT = T>
 void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos,
                   const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
                   const c10::optional<at::Tensor>& k_norm, double eps, int64_t Hq, int64_t Hkv, int64_t D,
-                  const KvScales& kvs = {}) {
+                  const KvScales& kvs = {}, bool gemma = false) {
   const int64_t M = qkv_out.size(0), ld = qkv_out.stride(0), half = D / 2;
   check_value(positions.dim() == 1 && positions.is_contiguous() &&
                   (positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong),
@@ -1285,7 +1289,10 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
     const float* sn = sp + index_at(positions, m) * half;
     const int64_t slot = index_at(slot_mapping, m);
     auto head = [&](const T* in, T* out, const T* w) {
-      if (w != nullptr) {
+      if (w != nullptr && gemma) {
+        rms_norm_row_vec<T, true>(in, static_cast<const T*>(nullptr), static_cast<T*>(nullptr), out, w, D,
+                                  feps);
+      } else if (w != nullptr) {
         rms_norm_row_vec<T, false>(in, static_cast<const T*>(nullptr), static_cast<T*>(nullptr), out, w, D,
                                    feps);
       } else {
@@ -1325,6 +1332,11 @@ struct AttentionArgs {
   double softcap = 0;
   // An int8 cache's scales (KvScales; undefined: the cache holds the model's dtype).
   at::Tensor k_scale, v_scale;
+  // Gemma's layers (defined: this one): its post_attention_layernorm's weight. The input and
+  // q/k norms are then Gemma's (1 + w) ones too, and o_proj's output is normalised before it
+  // joins the residual.
+  at::Tensor post_norm;
+  bool gemma() const { return post_norm.defined(); }
   AttnOpts opts() const {
     return AttnOpts{window, sinks.defined() ? sinks.data_ptr<float>() : nullptr, static_cast<float>(softcap)};
   }
@@ -1351,6 +1363,10 @@ struct MlpArgs {
   int64_t intermediate;
   PackedLinear gate_up, down;     // a dense MLP
   std::shared_ptr<MoeArgs> moe;  // or, when set, a mixture of experts
+  // Gemma's layers (defined: this one): its post_feedforward_layernorm's weight. ln_weight is
+  // then its pre_feedforward_layernorm's, the norms are (1 + w) ones, the activation is
+  // GELU-tanh, and down_proj's output is normalised.
+  at::Tensor post_norm;
 };
 
 // out [M, H] = o_proj(attention(rotary(qkv_proj(norm(hidden (+ residual)))))) for M decode
@@ -1362,7 +1378,7 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
   const int64_t M = hidden.size(0), q_size = a.num_heads * a.head_dim;
   const at::TensorOptions opt = hidden.options();
   at::Tensor normed = scratch.get(kNormed, hidden.sizes(), opt);
-  norm_with_residual(normed, hidden, residual, has_residual, a.ln_weight, a.eps);
+  norm_with_residual(normed, hidden, residual, has_residual, a.ln_weight, a.eps, a.gemma());
   at::Tensor qkv_out = scratch.get(kQkv, {M, a.qkv.n}, opt);
   linear_into(qkv_out, normed, a.qkv);
   at::Tensor q = scratch.get(kQuery, {M, a.num_heads, a.head_dim}, opt);
@@ -1376,7 +1392,7 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
     using KT = std::remove_pointer_t<decltype(kv_tag)>;
     const KvScales kvs = a.scales();
     qkv_to_cache<T, KT>(qkv_out, q, k_cache, v_cache, positions, slot_mapping, a.cos, a.sin, a.q_norm,
-                        a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim, kvs);
+                        a.k_norm, a.eps, a.num_heads, a.num_kv_heads, a.head_dim, kvs, a.gemma());
     paged_decode<T, KT>(attn, q, k_cache, v_cache, tables, block_tables.size(1), ctx, M, scale, a.opts(),
                         kvs);
   };
@@ -1388,7 +1404,13 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
     if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
     else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   }
-  linear_into(out, attn.view({M, q_size}), a.o);
+  if (!a.gemma()) {
+    linear_into(out, attn.view({M, q_size}), a.o);
+    return;
+  }
+  at::Tensor unnormed = scratch.get(kUnnormed, out.sizes(), opt);
+  linear_into(unnormed, attn.view({M, q_size}), a.o);
+  gemma_rms_norm(out, unnormed, c10::nullopt, c10::nullopt, a.post_norm, a.eps);
 }
 
 void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
@@ -1475,7 +1497,8 @@ void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hi
   const int64_t M = hidden.size(0);
   const at::TensorOptions opt = hidden.options();
   at::Tensor normed = scratch.get(kNormed, hidden.sizes(), opt);
-  norm_with_residual(normed, hidden, residual, true, m.ln_weight, m.eps);
+  const bool gemma = m.post_norm.defined();
+  norm_with_residual(normed, hidden, residual, true, m.ln_weight, m.eps, gemma);
   if (m.moe) {
     decode_moe_into(out, normed, *m.moe, scratch);
     return;
@@ -1483,8 +1506,15 @@ void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hi
   at::Tensor gate_up = scratch.get(kGateUp, {M, 2 * m.intermediate}, opt);
   linear_into(gate_up, normed, m.gate_up);
   at::Tensor act = scratch.get(kAct, {M, m.intermediate}, opt);
-  silu_and_mul(act, gate_up);
-  linear_into(out, act, m.down);
+  if (!gemma) {
+    silu_and_mul(act, gate_up);
+    linear_into(out, act, m.down);
+    return;
+  }
+  gelu_tanh_and_mul(act, gate_up);
+  at::Tensor unnormed = scratch.get(kUnnormed, out.sizes(), opt);
+  linear_into(unnormed, act, m.down);
+  gemma_rms_norm(out, unnormed, c10::nullopt, c10::nullopt, m.post_norm, m.eps);
 }
 
 void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
@@ -1517,8 +1547,12 @@ void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
 // layers' intermediate tensors are kept from step to step (DecodeScratch).
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<std::pair<AttentionArgs, MlpArgs>> layers;
+  // The KV-cache group of each layer (kv_group_runner.py): group g reads the g-th of run_groups'
+  // block tables and slot mappings. 0 for every layer unless set_group says otherwise.
+  std::vector<int64_t> group_of;
   at::Tensor norm_weight, embedding;
   double norm_eps = 0;
+  bool gemma_norm = false;  // the final norm: Gemma's (1 + w) one
   DecodeScratch scratch;  // the layers' intermediate tensors, reused by every step
 
   // Checked once here, as decode_attention / decode_mlp check theirs on every call.
@@ -1559,6 +1593,7 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.emplace_back(std::move(a), MlpArgs{post_ln_weight, post_eps, intermediate,
                                               packed(gate_up, mlp_kinds[0], 2 * intermediate, H, "gate_up_proj"),
                                               packed(down, mlp_kinds[1], H, intermediate, "down_proj"), nullptr});
+    group_of.push_back(0);
   }
 
   // A mixture-of-experts layer: the attention half as add_layer's; then the router ([data,
@@ -1605,6 +1640,30 @@ struct DecodeStack : torch::CustomClassHolder {
       if (e->has_shared_gate) e->shared_gate = packed(shared_gate, shared_ints[2], 1, H, "shared_expert_gate");
     }
     layers.emplace_back(std::move(a), MlpArgs{post_ln_weight, post_eps, 0, PackedLinear{}, PackedLinear{}, e});
+    group_of.push_back(0);
+  }
+
+  // Layer i is one of Gemma's (dense): its post_attention_layernorm and post_feedforward_layernorm
+  // weights; add_layer's post_ln_weight was its pre_feedforward_layernorm's (AttentionArgs and
+  // MlpArgs say what changes).
+  void set_gemma(int64_t i, at::Tensor post_attention_weight, at::Tensor post_feedforward_weight) {
+    check_value(i >= 0 && i < static_cast<int64_t>(layers.size()), "layer: outside the stack");
+    auto& [a, m] = layers[i];
+    check_value(!m.moe, "set_gemma: a dense layer's (Gemma has no experts)");
+    for (const at::Tensor* w : {&post_attention_weight, &post_feedforward_weight}) {
+      check_value(w->dim() == 1 && w->sizes() == a.ln_weight.sizes() && w->is_contiguous() &&
+                      w->scalar_type() == a.ln_weight.scalar_type(),
+                  "set_gemma: expected contiguous [hidden] weights of the layer's dtype");
+    }
+    a.post_norm = post_attention_weight;
+    m.post_norm = post_feedforward_weight;
+  }
+
+  // Layer i reads KV-cache group g's block tables and slot mapping (run_groups).
+  void set_group(int64_t i, int64_t g) {
+    check_value(i >= 0 && i < static_cast<int64_t>(layers.size()), "layer: outside the stack");
+    check_value(g >= 0, "group: expected >= 0");
+    group_of[i] = g;
   }
 
   // The attention options of layer i (as decode_attention's window / sinks / softcap).
@@ -1642,6 +1701,13 @@ struct DecodeStack : torch::CustomClassHolder {
   void set_norm(at::Tensor weight, double eps) {
     norm_weight = weight;
     norm_eps = eps;
+    gemma_norm = false;
+  }
+
+  // The final norm, Gemma's (1 + w) one.
+  void set_gemma_norm(at::Tensor weight, double eps) {
+    set_norm(weight, eps);
+    gemma_norm = true;
   }
 
   void set_embedding(at::Tensor weight) {
@@ -1673,26 +1739,45 @@ struct DecodeStack : torch::CustomClassHolder {
   at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                  const at::Tensor& context_lens) {
+    return run_groups(input_ids, positions, {slot_mapping}, {block_tables}, cu_seqlens_q, context_lens);
+  }
+
+  // run with one slot mapping and block table per KV-cache group (set_group), every table
+  // checked before the first layer against the widest window of its group's layers.
+  at::Tensor run_groups(const at::Tensor& input_ids, const at::Tensor& positions,
+                        const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
+                        const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens) {
     const bool embedded = input_ids.is_floating_point();
     check_value(!layers.empty() && norm_weight.defined() && (embedded || embedding.defined()),
                 "DecodeStack: no layers, final norm or embedding");
-    // The blocks the widest layer reads (every block when a layer has no window).
-    int64_t widest = layers[0].first.window;
-    for (const auto& l : layers) {
-      widest = l.first.window == 0 || widest == 0 ? 0 : std::max(widest, l.first.window);
-    }
-    check_block_tables(block_tables, cu_seqlens_q, context_lens, layers[0].first.k_cache.size(0),
-                       layers[0].first.k_cache.size(1), widest);
+    const int64_t groups = static_cast<int64_t>(block_tables.size());
+    check_value(groups >= 1 && slot_mappings.size() == block_tables.size(),
+                "block_tables/slot_mappings: expected one of each per KV-cache group");
+    check_value(*std::max_element(group_of.begin(), group_of.end()) < groups,
+                "block_tables: fewer groups than the stack's layers read");
     at::Tensor hidden = embedded ? input_ids : embed(input_ids);
     check_value(hidden.dim() == 2 && hidden.is_contiguous() &&
                     hidden.size(1) == layers[0].first.qkv.k,
                 "input_ids: expected ids [M] or embedded rows [M, hidden]");
     const int64_t M = hidden.size(0);
     check_value(M >= 1, "hidden: a decode step has at least one row");
-    check_value(context_lens.size(0) == M && slot_mapping.size(0) == M && positions.size(0) == M,
-                "context_lens/slot_mapping/positions: one entry per decode row");
-    check_value(block_tables.dim() == 2 && block_tables.size(0) == M,
-                "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
+    check_value(context_lens.size(0) == M && positions.size(0) == M,
+                "context_lens/positions: one entry per decode row");
+    for (int64_t g = 0; g < groups; ++g) {
+      // The blocks the widest of the group's layers reads (every block when one has no window).
+      int64_t widest = -1;
+      for (size_t i = 0; i < layers.size(); ++i) {
+        if (group_of[i] != g) continue;
+        const int64_t w = layers[i].first.window;
+        widest = widest < 0 ? w : (w == 0 || widest == 0 ? 0 : std::max(widest, w));
+      }
+      if (widest < 0) continue;  // no layer reads this group
+      check_value(slot_mappings[g].size(0) == M, "slot_mapping: one entry per decode row");
+      check_value(block_tables[g].dim() == 2 && block_tables[g].size(0) == M,
+                  "block_tables/context_lens: expected contiguous int32 [M, W] / [M]");
+      check_block_tables(block_tables[g], cu_seqlens_q, context_lens, layers[0].first.k_cache.size(0),
+                         layers[0].first.k_cache.size(1), widest);
+    }
     at::Tensor residual = scratch.get(kResidual, hidden.sizes(), hidden.options());
     at::Tensor other = scratch.get(kOther, hidden.sizes(), hidden.options());
     for (const auto& l : layers) {
@@ -1700,12 +1785,13 @@ struct DecodeStack : torch::CustomClassHolder {
                   "DecodeStack: an int8 cache without its scales (set_kv_scales)");
     }
     for (size_t i = 0; i < layers.size(); ++i) {
-      decode_attention_into(other, residual, hidden, i > 0, positions, slot_mapping, block_tables, context_lens,
-                            layers[i].first, scratch);
+      const int64_t g = group_of[i];
+      decode_attention_into(other, residual, hidden, i > 0, positions, slot_mappings[g], block_tables[g],
+                            context_lens, layers[i].first, scratch);
       decode_mlp_into(hidden, residual, other, layers[i].second, scratch);
     }
     at::Tensor out = at::empty_like(hidden);
-    rms_norm(out, hidden, residual, residual, norm_weight, norm_eps);
+    (gemma_norm ? &gemma_rms_norm : &rms_norm)(out, hidden, residual, residual, norm_weight, norm_eps);
     return out;
   }
 };
@@ -1746,6 +1832,10 @@ TORCH_LIBRARY(tpserve_cpu, m) {
       .def("set_attention_options", &DecodeStack::set_attention_options)
       .def("set_kv_scales", &DecodeStack::set_kv_scales)
       .def("set_norm", &DecodeStack::set_norm)
+      .def("set_gemma_norm", &DecodeStack::set_gemma_norm)
+      .def("set_gemma", &DecodeStack::set_gemma)
+      .def("set_group", &DecodeStack::set_group)
+      .def("run_groups", &DecodeStack::run_groups)
       .def("set_embedding", &DecodeStack::set_embedding)
       .def("run", &DecodeStack::run);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");

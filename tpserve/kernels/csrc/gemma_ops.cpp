@@ -16,17 +16,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "gemma_ops.h"
 #include "norm.h"
 #include "vec.h"
 
 namespace tpserve {
 namespace {
-
-// Gemma's RMSNorm: norm.h's rows with the (1 + w) scaling, in fp32, rounded once.
-void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                    c10::optional<at::Tensor> residual_out, const at::Tensor& weight, double eps) {
-  rms_norm_rows<true>(out, x, residual, residual_out, weight, eps);
-}
 
 // gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), tanh from e = exp(-2|z|) <= 1:
 // tanh(|z|) = (1 - e) / (1 + e), the sign put back; no overflow, and the loop vectorises.
@@ -37,6 +32,14 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + (z >= 0.f ? t : -t));
 }
 
+}  // namespace
+
+// Gemma's RMSNorm: norm.h's rows with the (1 + w) scaling, in fp32, rounded once.
+void gemma_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                    c10::optional<at::Tensor> residual_out, const at::Tensor& weight, double eps) {
+  rms_norm_rows<true>(out, x, residual, residual_out, weight, eps);
+}
+
 // out [N, I] for x [N, 2I] laid out [gate | up].
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
   gated_and_mul(out, x, [](const auto* g, const auto* u, auto* o, int64_t I, std::vector<float>& row) {
@@ -44,7 +47,6 @@ void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
   });
 }
 
-}  // namespace
 }  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
