@@ -3,9 +3,9 @@
 For one benchmark shape (scripts/bench_models.py: random weights, token ids, greedy,
 ignore_eos; default the Qwen3-0.6B shape) each engine runs in a process of its own (so that
 its resident memory is its own), and the engines take turns: run r of every engine, then run
-r + 1 of every engine, so a change in the machine's memory bandwidth during the benchmark (on
-a shared VM the same engine's runs were seen 30% apart minutes apart) lands on all engines
-alike instead of on whichever ran then. The engines: tpserve's offline engine in bf16 activations with
+r + 1 of every engine. A change in the machine's memory bandwidth during the benchmark (on a
+shared VM one engine's runs measured 30% apart a minute apart) then lands on every engine
+alike. The engines: tpserve's offline engine in bf16 activations with
 ``--quantization int8`` (int8 weights per channel, int8 activations) and ``int4`` / ``int4-g32``
 (4-bit codes with a scale and a min per group of 128 / 32, int8 activations per group: W4A8,
 ``tpserve/kernels/csrc/quant_ops.cpp``). Each measures one stream: a 64-token prompt then
@@ -135,11 +135,14 @@ class Child:
         self.figures = self._read()  # load_mb, once it has loaded
 
     def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            raise SystemExit(f"bench_int4: the {self.engine} engine's process ended (exit {code})")
-        return json.loads(line)
+        """The child's next reply (lines that are not one, printed by a library, are skipped)."""
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                code = self.proc.wait()
+                raise SystemExit(f"bench_int4: the {self.engine} engine's process ended (exit {code})")
+            if line.startswith("{"):
+                return json.loads(line)
 
     def ask(self, command: str) -> dict:
         self.proc.stdin.write(command + "\n")
