@@ -76,7 +76,7 @@ def test_gemma_stack_checks_its_groups_and_norms(tiny_models_root):  # noqa: F81
     stack = model.fused_decode.stack
     stack.set_group(1, 1)  # layer 1 reads a second group's tables
     ids = torch.tensor([3])
-    rows = model.fused_decode._embed(ids)
+    rows = model.model.embed(ids)
     one = [torch.zeros(1, dtype=torch.int32)]
     tables = [torch.zeros(1, 4, dtype=torch.int32)]
     with pytest.raises(ValueError, match="fewer groups"):

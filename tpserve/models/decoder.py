@@ -155,10 +155,15 @@ class DecoderModel(nn.Module):
                                     for i in range(spec.num_layers))
         self.norm = _norm_class(spec)(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: the embedding rows, times the scale where the model has one."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=torch.float32).to(hidden.dtype)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

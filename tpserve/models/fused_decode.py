@@ -82,9 +82,9 @@ def why_not_fused(model: CausalLM) -> str | None:
     if model.dtype not in (torch.float32, torch.bfloat16) or model.head_dim % 16:
         return "needs fp32/bf16 and head_dim % 16 == 0"
     spec = model.spec
+    llama = not spec.gemma_norms and spec.hidden_act == "silu" and not spec.embedding_scale
     gemma = spec.gemma_norms and spec.hidden_act == "gelu_tanh"
-    if spec.rope_layers or spec.rotary_dim or not (gemma or (
-            not spec.gemma_norms and spec.hidden_act == "silu" and not spec.embedding_scale)):
+    if spec.rope_layers or spec.rotary_dim or not (llama or gemma):
         return "needs Llama- or Gemma-shaped layers (SiLU, or Gemma's norms and GELU; whole rotary)"
     if gemma and model.tp.size > 1:
         return "runs Gemma's layers in one process only (no tensor parallelism)"
@@ -204,24 +204,16 @@ class FusedDecode:
         return stack
 
     def _embeds_here(self) -> bool:
-        """Whether a step's rows are embedded here rather than in the stack: a table of codes (a
-        tied head's), or Gemma's scaled embedding."""
+        """Whether a step's rows are embedded here (``DecoderModel.embed``) rather than in the
+        stack: a table of codes (a tied head's), or Gemma's scaled embedding."""
         return self.model.model.embed_tokens.reads_codes or self.model.model.embedding_scale is not None
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The module path's embedding (DecoderModel.forward), its scale included."""
-        decoder = self.model.model
-        hidden = decoder.embed_tokens(input_ids)
-        if decoder.embedding_scale is not None:
-            hidden = hidden * torch.tensor(decoder.embedding_scale, dtype=torch.float32).to(hidden.dtype)
-        return hidden
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         ops = torch.ops.tpserve_cpu
         if self.stack is not None:
             metas = getattr(meta, "groups", None) or [meta]
-            ids = self._embed(input_ids) if self._embeds_here() else input_ids
+            ids = self.model.model.embed(input_ids) if self._embeds_here() else input_ids
             if len(metas) == 1:
                 return self.stack.run(ids, positions, meta.slot_mapping, meta.block_tables,
                                       meta.cu_seqlens_q, meta.context_lens)
@@ -231,7 +223,7 @@ class FusedDecode:
         a0 = self.layers[0][0]
         ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                a0.k_cache.shape[0], a0.k_cache.shape[1], self.widest_window)
-        hidden = self._embed(input_ids)
+        hidden = self.model.model.embed(input_ids)
         residual = torch.empty_like(hidden)
         other = torch.empty_like(hidden)
         for i, (attn, attn_args, mlp_args) in enumerate(self.layers):

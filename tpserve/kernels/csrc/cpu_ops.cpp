@@ -1369,6 +1369,18 @@ struct MlpArgs {
   at::Tensor post_norm;
 };
 
+// out = x w^T, then Gemma's post-norm of it where the layer has one (post_norm defined).
+void linear_post_norm(at::Tensor& out, const at::Tensor& x, const PackedLinear& w, const at::Tensor& post_norm,
+                      double eps, DecodeScratch& scratch) {
+  if (!post_norm.defined()) {
+    linear_into(out, x, w);
+    return;
+  }
+  at::Tensor unnormed = scratch.get(kUnnormed, out.sizes(), out.options());
+  linear_into(unnormed, x, w);
+  gemma_rms_norm(out, unnormed, c10::nullopt, c10::nullopt, post_norm, eps);
+}
+
 // out [M, H] = o_proj(attention(rotary(qkv_proj(norm(hidden (+ residual)))))) for M decode
 // rows, one per sequence; residual [M, H] is updated in place (see norm_with_residual).
 void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hidden,
@@ -1404,13 +1416,7 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
     if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
     else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   }
-  if (!a.gemma()) {
-    linear_into(out, attn.view({M, q_size}), a.o);
-    return;
-  }
-  at::Tensor unnormed = scratch.get(kUnnormed, out.sizes(), opt);
-  linear_into(unnormed, attn.view({M, q_size}), a.o);
-  gemma_rms_norm(out, unnormed, c10::nullopt, c10::nullopt, a.post_norm, a.eps);
+  linear_post_norm(out, attn.view({M, q_size}), a.o, a.post_norm, a.eps, scratch);
 }
 
 void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
@@ -1506,15 +1512,8 @@ void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hi
   at::Tensor gate_up = scratch.get(kGateUp, {M, 2 * m.intermediate}, opt);
   linear_into(gate_up, normed, m.gate_up);
   at::Tensor act = scratch.get(kAct, {M, m.intermediate}, opt);
-  if (!gemma) {
-    silu_and_mul(act, gate_up);
-    linear_into(out, act, m.down);
-    return;
-  }
-  gelu_tanh_and_mul(act, gate_up);
-  at::Tensor unnormed = scratch.get(kUnnormed, out.sizes(), opt);
-  linear_into(unnormed, act, m.down);
-  gemma_rms_norm(out, unnormed, c10::nullopt, c10::nullopt, m.post_norm, m.eps);
+  (gemma ? gelu_tanh_and_mul : silu_and_mul)(act, gate_up);
+  linear_post_norm(out, act, m.down, m.post_norm, m.eps, scratch);
 }
 
 void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
