@@ -276,15 +276,22 @@ from tpserve.kernels import cpu_extension
 assert cpu_extension.available(), cpu_extension._state.get("error")
 assert torch.ops.tpserve_cpu.group_linear_path() == 1
 sys.path.insert(0, TESTS_DIR)
-from test_group_quant_kernels import check_kernels
+from test_group_quant_kernels import (check_kernels, test_many_rows_equal_one_row_at_a_time,
+                                      test_rows_do_not_depend_on_the_calls_row_count)
 check_kernels()
+for symmetric in (False, True):
+    test_rows_do_not_depend_on_the_calls_row_count(symmetric)
+    for bits, group in ((4, 128), (6, 16), (6, 32)):
+        test_many_rows_equal_one_row_at_a_time(symmetric, bits, group)
 print("ok")
 """
 
 
 def test_an_avx2_build_runs_the_kernels():
     """The AVX2 path (vpmaddubsw; 8-float vectors, panels of 32) on the operators built for an
-    AVX2-only CPU (runs on any x86-64 CPU with AVX2; the build test_kernels_cpu's AVX2 test uses)."""
+    AVX2-only CPU (runs on any x86-64 CPU with AVX2; the build test_kernels_cpu's AVX2 test uses):
+    against the reference, and each row of a call equal to that row alone (tiles of 4, 2 and 1
+    rows of 4- and 6-bit codes)."""
     env = dict(os.environ, TPSERVE_CPU_ARCH="haswell")
     check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900)

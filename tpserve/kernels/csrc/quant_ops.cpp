@@ -29,8 +29,8 @@
 // GGUF's Q4_0, Q5_0, Q6_K, Q8_0) holds one int32, off, in place of the mins and reads none: its
 // group dots less off * sum(a_q), exact in int32, times scale * a_scale. A decode row reads every
 // weight once; prompt rows stream past a panel while it sits in L2, in blocks of 64 rows, up to
-// kGTile rows per register tile, or from 16 rows on the AMX tiles (4- and 8-bit codes: the same
-// exact group dots, so the same bits; below).
+// kGTile rows per register tile (kQTile of 4-bit codes), or from 16 rows on the AMX tiles (4- and
+// 8-bit codes: the same exact group dots, so the same bits; below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -61,6 +61,9 @@ constexpr int64_t kGTile = 2;
 constexpr int64_t kGTile = 2;
 #endif
 constexpr int kPath = TPSERVE_GROUP_PATH;
+// Rows per register tile of 4-bit codes on AVX2, two vectors of a panel at a time (group_tile).
+constexpr int64_t kQTile = kPath == 1 ? 4 : kGTile;
+constexpr int64_t kMaxTile = kQTile > kGTile ? kQTile : kGTile;
 // The largest offset of a symmetric weight (mins = -offset * scales): 2^bits - 1 covers every
 // code range, and offset * sum(a_q) stays far inside int32 (256 * 127 * 255 < 2^23).
 constexpr int32_t kMaxOffset = 255;
@@ -308,7 +311,7 @@ inline float scale_at(const SubScales* sc, int64_t gi, int64_t j) {
 // accumulator of its own.
 template <int64_t TM, int BITS, bool PF, bool SYM, typename S>
 inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, int64_t g, const QRows& r,
-                       int64_t r0, vfl (&acc)[kGTile][4]) {
+                       int64_t r0, vfl (&acc)[kMaxTile][4]) {
   const int64_t K = r.K, G = r.G;
   const int8_t* xq = r.q + r0 * K;
 #if TPSERVE_GROUP_PATH > 0
@@ -357,6 +360,100 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
   // multiples of 16). One mask per vector instead of a shift and a mask, and two chains of
   // dot products per vector instead of one: a panel from L2 at one row went 42 -> 50 GB/s.
   constexpr bool SPLIT = BITS == 4 && TM <= 2 && kPath == 2;
+  // HALVES (AVX2, 4- and 6-bit codes, from 4 rows): two of a step's four vectors at a time,
+  // their codes unpacked once for the TM rows and each row's activations broadcast once for
+  // both. All four at once kept 2 rows' 8 sums, 8 unpacked vectors and 4 broadcasts live: more
+  // than AVX2's 16 registers, so the sums went to the stack and back at every step. 4-bit codes
+  // sum in int16 32 inputs at a time (dot16); a 6-bit code's whole value (below 64) pairs its
+  // products for 8 inputs in int16 (4 * 63 * 127 < 2^15) before widening. At 32 rows (Zen 4 at
+  // AVX2, medians of 3) a Q4_0 / Q4_1 / group-128 set of the 0.6B shape's linears went 28.0 /
+  // 31.2 / 23.1 -> 27.5 / 28.8 / 20.8 ms, and its Q6_K head (151,936 x 1,024) 54-55 -> 43 ms.
+  constexpr bool HALVES = (BITS == 4 || BITS == 6) && kPath == 1 && TM >= 4;
+  if constexpr (HALVES) {
+    constexpr int64_t NV = 2;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const uint8_t* wg = w + gi * (g / kStep) * kStepBytes;
+      const int8_t* xg = xq + gi * g;
+      vfl s[4];
+      group_scales(sc, gi, s);
+      // each row's off * sum(a_q), which each vector's fold broadcasts from memory
+      int32_t osums[TM];
+      if constexpr (SYM)
+        for (int64_t t = 0; t < TM; ++t) osums[t] = off * r.sum[(r0 + t) * G + gi];
+      for (int64_t i0 = 0; i0 < 4; i0 += NV) {
+        vi a[TM][NV];
+        for (int64_t t = 0; t < TM; ++t)
+          for (int64_t j = 0; j < NV; ++j) a[t][j] = vzero();
+        if constexpr (BITS == 4) {
+          for (int64_t c = 0; c < g; c += 32) {
+            vi h[TM][NV];
+            for (int64_t t = 0; t < TM; ++t)
+              for (int64_t j = 0; j < NV; ++j) h[t][j] = vzero();
+            for (int64_t k = c, cend = std::min(g, c + 32); k < cend; k += kStep) {
+              const uint8_t* ws = wg + (k / kStep) * kStepBytes;
+              if constexpr (PF) {
+                if (i0 == 0) prefetch_ahead<kStepBytes>(ws);
+              }
+              vi lo[NV], hi[NV];
+              for (int64_t j = 0; j < NV; ++j) {
+                const vi v = vload(ws + (i0 + j) * kVec);
+                lo[j] = lo_nib(v);
+                hi[j] = hi_nib(v);
+              }
+              for (int64_t t = 0; t < TM; ++t) {
+                const vi xa = bcast4(xg + t * K + k), xb = bcast4(xg + t * K + k + 4);
+                for (int64_t j = 0; j < NV; ++j) h[t][j] = dot16(dot16(h[t][j], lo[j], xa), hi[j], xb);
+              }
+            }
+            for (int64_t t = 0; t < TM; ++t)
+              for (int64_t j = 0; j < NV; ++j) a[t][j] = widen16(a[t][j], h[t][j]);
+          }
+        } else {
+          // fields 2P and 2P + 1 (inputs k + 8P .. k + 8P + 7): the nibbles of step P, each
+          // or'ed with its 2-bit high part
+          for (int64_t k = 0; k < g; k += kStep) {
+            const uint8_t* ws = wg + (k / kStep) * kStepBytes;
+            if constexpr (PF) {
+              if (i0 == 0) prefetch_ahead<kStepBytes>(ws);
+            }
+            auto pair = [&](auto pc) {
+              constexpr int P = decltype(pc)::value;
+              vi c0[NV], c1[NV];
+              for (int64_t j = 0; j < NV; ++j) {
+                const vi nb = vload(ws + P * kBytes + (i0 + j) * kVec);
+                const vi hb = vload(ws + 2 * kBytes + (i0 + j) * kVec);
+                c0[j] = vor(lo_nib(nb), field16<2 * P>(hb));
+                c1[j] = vor(hi_nib(nb), field16<2 * P + 1>(hb));
+              }
+              for (int64_t t = 0; t < TM; ++t) {
+                const vi x0 = bcast4(xg + t * K + k + 8 * P), x1 = bcast4(xg + t * K + k + 8 * P + 4);
+                for (int64_t j = 0; j < NV; ++j) a[t][j] = widen16(a[t][j], dot16(dot16(vzero(), c0[j], x0), c1[j], x1));
+              }
+            };
+            pair(std::integral_constant<int, 0>{});
+            pair(std::integral_constant<int, 1>{});
+          }
+        }
+        for (int64_t j = 0; j < NV; ++j) {
+          const int64_t i = i0 + j;
+          if constexpr (SYM) {
+            (void)mn;
+            for (int64_t t = 0; t < TM; ++t)
+              acc[t][i] = fold_sym(acc[t][i], a[t][j], bcast4(reinterpret_cast<const int8_t*>(osums + t)),
+                                   s[i], r.s[(r0 + t) * G + gi]);
+          } else {
+            (void)off;
+            const vfl m = load_scales(mn + gi * kPanel + i * kLanes);
+            for (int64_t t = 0; t < TM; ++t) {
+              const float as = r.s[(r0 + t) * G + gi], ams = r.ms[(r0 + t) * G + gi];
+              acc[t][i] = fold_asym(acc[t][i], a[t][j], s[i], as, m, ams);
+            }
+          }
+        }
+      }
+    }
+    return;
+  }
   for (int64_t gi = 0; gi < G; ++gi) {
     vi a[TM][4];
     vi b[SPLIT ? TM : 1][4];
@@ -539,7 +636,7 @@ struct PanelStore {
 template <typename T, int64_t TM, bool PF>
 void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64_t r0, T* out, int64_t ldo) {
   const int64_t K = w.k, G = K / g;
-  vfl acc[kGTile][4];
+  vfl acc[kMaxTile][4];
   for (int64_t t = 0; t < TM; ++t)
     for (int64_t i = 0; i < 4; ++i) acc[t][i] = vfl{};
   const int64_t bits = bits_of(w);
@@ -550,7 +647,7 @@ void run_tile(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
       group_tile<TM, 4, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
     } else if (bits == 6) {
       group_tile<TM, 6, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
-    } else {
+    } else if constexpr (TM <= kGTile) {  // (tiles of kQTile rows: 4- and 6-bit codes only)
       group_tile<TM, 8, PF, kSym>(codes, sc, mn, off, g, r, r0, acc);
     }
   });
@@ -696,6 +793,12 @@ void run_rows(const PackedLinear& w, int64_t g, const QRows& r, int64_t p, int64
   // The first tile of a block reads the panel from memory (with prefetches), the others from cache.
   int64_t row = r0;
   bool first = true;
+  if (kQTile != kGTile && bits_of(w) != 8) {
+    for (; row + kQTile <= r1; row += kQTile, first = false) {
+      first ? run_tile<T, kQTile, true>(w, g, r, p, row, out, ldo)
+            : run_tile<T, kQTile, false>(w, g, r, p, row, out, ldo);
+    }
+  }
   for (; row + kGTile <= r1; row += kGTile, first = false) {
     first ? run_tile<T, kGTile, true>(w, g, r, p, row, out, ldo)
           : run_tile<T, kGTile, false>(w, g, r, p, row, out, ldo);
