@@ -13,8 +13,9 @@ clock from the requests' start to their last token): decode tok/s at one stream 
 median of ``--runs``) and at 8 and 32 streams (128 tokens each). Each tpserve engine runs in a
 child process of its own, one after the other, which also reports what loading the model added
 to its resident memory less its KV pool (the weights as they run: the pool, written at start,
-is the same 0.5 GiB for both engines); llama-server is stopped (SIGSTOP) while
-tpserve runs. It prints one line per engine, the ratios (tpserve / llama-server on the same
+is the same for both engines). tpserve's pool holds as many tokens as llama-server's context
+(``-c``: every stream's prompt and output), so neither engine preempts or evicts a stream at 32
+streams. llama-server is stopped (SIGSTOP) while tpserve runs. It prints one line per engine, the ratios (tpserve / llama-server on the same
 file; the 4-bit file / int8 at one stream; RSS 4-bit / int8), the ISA and the load average.
 
     python scripts/bench_gguf.py [--models smollm2,0.6b] [--llamacpp .peers/llamacpp] [--runs 3]
@@ -38,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_latency import PROMPT, LlamaServer, gguf_models, prompts_for  # noqa: E402
+from bench_latency import PROMPT, LlamaServer, context_tokens, gguf_models, prompts_for  # noqa: E402
 from bench_moe import resident_pool_bytes, rss_bytes  # noqa: E402
 from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
@@ -72,8 +73,9 @@ def child(spec: dict) -> dict:
     from tpserve import LLM, SamplingParams
     torch.set_num_threads(spec["threads"])
     base = rss_bytes()
-    llm = LLM(spec["model"], dtype="bfloat16", quantization=spec["quantization"],
-              max_num_seqs=max(spec["batches"], default=1), kv_cache_memory_gb=0.5, max_model_len=1024)
+    slots = max(spec["batches"], default=1)
+    llm = LLM(spec["model"], dtype="bfloat16", quantization=spec["quantization"], max_num_seqs=slots,
+              num_kv_blocks=-(-context_tokens(slots) // 16), block_size=16, max_model_len=1024)
     rss = rss_bytes() - base - resident_pool_bytes(llm)
     single, batched = spec["outs"]
 

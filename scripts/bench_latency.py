@@ -68,6 +68,11 @@ def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, vocab, PROMPT).tolist() for _ in range(n)]
 
 
+def context_tokens(slots: int) -> int:
+    """llama-server's context (``-c``) for ``slots`` streams: every stream's prompt and output."""
+    return slots * (PROMPT + SINGLE_OUT + 32)
+
+
 # ---- tpserve -------------------------------------------------------------------------------
 
 class Tpserve:
@@ -212,7 +217,7 @@ class LlamaServer:
     def _start(self, peer: Path, gguf: Path, slots: int, threads: int, extra: list[str]) -> bool:
         """Start the server; True once it answers /health, False if it exited first."""
         self.port = _free_port()
-        ctx = slots * (PROMPT + SINGLE_OUT + 32)
+        ctx = context_tokens(slots)
         self.proc = subprocess.Popen(
             [str(peer / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
              "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
