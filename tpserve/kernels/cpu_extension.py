@@ -46,7 +46,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # the grouped experts of mixture-of-experts layers; the group-quantized (4/8-bit) linear layers and
 # the rows read back from their packs.
 SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "sampling_ops.cpp", "linear_ops.cpp", "moe_ops.cpp",
-                                         "prompt_amx.cpp", "quant_ops.cpp", "quant_rows.cpp",
+                                         "prompt_bf16.cpp", "quant_ops.cpp", "quant_rows.cpp",
                                          "gemma_ops.cpp"))
 # -march=native: the build is per machine anyway (its directory is keyed by the CPU's flags),
 # and it lets the compiler use AVX-512 / AVX2 and FMA in the attention loops.

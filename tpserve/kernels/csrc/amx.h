@@ -1,4 +1,4 @@
-// The AMX tile unit, shared by the kernels that use it (linear_ops.cpp's matmuls, prompt_amx.cpp's
+// The AMX tile unit, shared by the kernels that use it (linear_ops.cpp's matmuls, prompt_bf16.cpp's
 // prompt attention): whether this build has it, the tile configuration, and the kernel's grant of
 // the tile state.
 #pragma once

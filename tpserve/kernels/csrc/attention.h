@@ -1,4 +1,4 @@
-// What the paged attention kernels share (cpu_ops.cpp and prompt_amx.cpp): a layer's attention
+// What the paged attention kernels share (cpu_ops.cpp and prompt_bf16.cpp): a layer's attention
 // options and the prompt path's work item.
 #pragma once
 
@@ -39,7 +39,7 @@ struct AttnOpts {
 constexpr int64_t kPromptRows = 32;
 
 // One work item of the prompt path: query rows of one sequence (kPromptRows on the vector path,
-// prompt_amx_rows on the tiles), every query head of one KV head.
+// prompt_pairs_rows on key pairs), every query head of one KV head.
 struct PromptItem {
   int32_t seq, row_begin, row_end, kv_head;
   int64_t cost;  // scores computed: rows x keys up to the item's last row

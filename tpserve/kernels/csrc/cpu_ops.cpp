@@ -30,7 +30,7 @@
 #include "gemma_ops.h"
 #include "linear_ops.h"
 #include "moe_ops.h"
-#include "prompt_amx.h"
+#include "prompt_bf16.h"
 #include "norm.h"
 #include "vec.h"
 
@@ -710,8 +710,8 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t hkv = k_cache.size(2), group = q.size(1) / hkv, D = q.size(2);
   const int64_t block_size = k_cache.size(1);
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
-  const bool tiles = kBf16 && prompt_amx_runs(D);  // prompt_amx.cpp
-  const int64_t item_rows = tiles ? prompt_amx_rows(group) : kPromptRows;
+  const bool pairs = kBf16 && prompt_pairs_runs(D), tiles = pairs && prompt_amx_runs(D);  // prompt_bf16.cpp
+  const int64_t item_rows = pairs ? prompt_pairs_rows(group) : kPromptRows;
   std::vector<PromptItem> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b], offset = ctx[b] - q_len;
@@ -739,10 +739,10 @@ void paged_prompt(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     for (int64_t i = next++; i < n; i = next++) {
       const PromptItem& w = items[i];
       if constexpr (kBf16) {
-        if (tiles) {
+        if (pairs) {
           const PagedKv kv{kp, vp, tables + w.seq * width, block_size, hkv};
-          prompt_item_amx(w, qp, q.stride(0), q.stride(1), op, kv, group, D, cu[w.seq],
-                          ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o);
+          prompt_item_bf16(w, qp, q.stride(0), q.stride(1), op, kv, group, D, cu[w.seq],
+                           ctx[w.seq] - (cu[w.seq + 1] - cu[w.seq]), scale, scratch, o, tiles);
           continue;
         }
       }

@@ -1,6 +1,7 @@
-"""The prompt attention on the AMX tile unit (csrc/prompt_amx.cpp): bf16 prompt rows against the
-float64 reference, bit-identical rows whatever part of the prompt came from the cache, and no
-read of a slot a row must not see. On a CPU without AMX the same tests run the vector path."""
+"""The prompt attention on blocks of key pairs (csrc/prompt_bf16.cpp: the AMX tile unit, or
+AVX512-BF16 dot products without it): bf16 prompt rows against the float64 reference,
+bit-identical rows whatever part of the prompt came from the cache, and no read of a slot a row
+must not see. On a CPU with neither the same tests run the vector path."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,16 @@ def test_the_tiles_run_where_the_cpu_has_them():
     assert runs == ops.linear_amx()  # both need the tile unit and its grant
     assert not ops.prompt_attention_amx(80)  # not a multiple of 32: the vector path
     assert not ops.prompt_attention_amx(512)
+
+
+def test_key_pairs_run_where_the_cpu_has_avx512_bf16():
+    """Without the tiles, dot products (vdpbf16ps) run the same blocks where the build has
+    AVX512-BF16 (cpu_extension picks -march=native)."""
+    flags = cpu_extension._cpu_flags()
+    assert ops.prompt_attention_pairs(128) == ("avx512_bf16" in flags and "avx512bw" in flags)
+    assert not ops.prompt_attention_pairs(80) and not ops.prompt_attention_pairs(512)
+    if ops.prompt_attention_amx(128):
+        assert ops.prompt_attention_pairs(128)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])

@@ -1,28 +1,34 @@
-// Prompt attention on the AMX tile unit: bf16 queries against a bf16 paged cache.
+// Prompt attention for bf16 queries against a bf16 paged cache, on blocks of key pairs: on the AMX
+// tile unit, or with AVX512-BF16 dot products (vdpbf16ps) on CPUs without it (AMD Zen 4 and 5,
+// Cooper Lake).
 //
-// The vector prompt path (cpu_ops.cpp, prompt_item) spends two vector FMAs per query element and
-// key, one for the score and one for the value; at a few hundred keys and more that is most of a
-// prompt's attention time. Here both products run on the tiles, 16 x 16 x 32 multiply-adds an
-// instruction, and the vector unit keeps only the softmax:
+// The vector prompt path (cpu_ops.cpp, prompt_item) widens keys and values to fp32 and spends two
+// fp32 FMAs per query element and key, one for the score and one for the value; at a few hundred
+// keys and more that is most of a prompt's attention time. Here both products take bf16 pairs:
+// on the tiles 16 x 16 x 32 multiply-adds an instruction, with vdpbf16ps two products a lane (twice
+// an fp32 FMA's), and the vector unit keeps only the softmax:
 //
-//   * a work item is the same as the vector path's (up to 32 query rows of one sequence with every
-//     query head of one KV head, cpu_ops.cpp): its query vectors, bf16, in tiles of 16;
+//   * a work item is the vector path's (query rows of one sequence with every query head of one KV
+//     head, cpu_ops.cpp) with more rows (prompt_pairs_rows): its query vectors, bf16, in tiles of
+//     16;
 //   * keys come in blocks of 32 at absolute positions 0, 32, 64, ...: the block's keys are
 //     transposed into pairs of features ([D/2][32][2], the B operand of Q K^T) and its values
 //     into pairs of keys ([16][D][2], the B operand of P V), zeros for keys the item never sees;
-//   * per tile of 16 query vectors: the scores S = Q K^T (two C tiles, D/32 steps) go to memory in
+//   * per tile of 16 query vectors: the scores S = Q K^T (on the tiles: two C tiles, D/32 steps;
+//     with dot products: 8 query vectors at a time, a pair of features a step) go to memory in
 //     fp32, each row's softmax runs online in fp32 on the vector unit (scale, soft-cap, window and
 //     causal mask, running maximum and sum), its weights are rounded to bf16 as the A operand of
 //     P V, and P V accumulates into the row's fp32 output, which is first rescaled by exp(old max -
-//     new max) where the maximum moved.
+//     new max) where the maximum moved (with dot products: a row's own visible key pairs only).
 //
-// A query row's bits depend only on its query, its position and its keys: the tile unit computes
+// A query row's bits depend only on its query, its position and its keys: either engine computes
 // each row of a product from that row alone, the blocks are aligned to absolute positions, a row
 // takes no part in a block it sees no key of, and a key it cannot see adds exact zeros. So, as on
 // the vector path, a prompt computes the same bits whether its prefix was computed in this step or
 // read from the prefix cache, whichever rows share its item. The bits differ from the vector
-// path's (bf16 softmax weights, sums in the tile unit's order).
-#include "prompt_amx.h"
+// path's (bf16 softmax weights, the scale applied to the sums, the engine's order of sums), and
+// between the two engines.
+#include "prompt_bf16.h"
 
 #include <torch/library.h>
 
@@ -34,12 +40,14 @@
 
 namespace tpserve {
 
-#if TPSERVE_AMX
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TPSERVE_PROMPT_PAIRS 1
 namespace {
 
 constexpr int64_t kKeys = 32;  // keys per block: two score tiles, one P V step
 constexpr int64_t kVecs = 16;  // query vectors per tile
 
+#if TPSERVE_AMX
 void configure_tiles() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
@@ -73,6 +81,55 @@ inline void pv_columns(float* c, int64_t ldc, const uint16_t* b, int64_t ldb) {
     _tile_stored(2, c + 32, ldc);
     _tile_stored(3, c + 48, ldc);
   }
+}
+#endif
+
+// Scores of query vectors q [8][D] (bf16) against a block's keys kt [D/2][32] (feature pairs) by
+// dot products: sb [8][32] in fp32, a pair of features a step, two products a lane.
+inline void dot_scores8(const uint16_t* q, const uint32_t* kt, int64_t D, float* sb) {
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+  const int64_t pairs = D / 2;
+  __m512 s[8][2];
+  for (int u = 0; u < 8; ++u) s[u][0] = s[u][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + i * kKeys);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + i * kKeys + 16);
+    for (int u = 0; u < 8; ++u) {
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q32[u * pairs + i]));
+      s[u][0] = _mm512_dpbf16_ps(s[u][0], k0, qp);
+      s[u][1] = _mm512_dpbf16_ps(s[u][1], k1, qp);
+    }
+  }
+  for (int u = 0; u < 8; ++u) {
+    _mm512_storeu_ps(sb + u * kKeys, s[u][0]);
+    _mm512_storeu_ps(sb + u * kKeys + 16, s[u][1]);
+  }
+}
+
+// NC vectors of one row's output (av) plus its weights' key pairs j0..j1-1 (bf16, prow) times
+// those columns of the values' key pairs (vv, a pair's row D * 2 apart): the sums stay in
+// registers across the pairs.
+template <int NC>
+inline void dot_value_columns(float* av, const uint32_t* p32, int64_t j0, int64_t j1, const uint16_t* vv,
+                              int64_t D) {
+  __m512 a[NC];
+  for (int c = 0; c < NC; ++c) a[c] = _mm512_loadu_ps(av + c * 16);
+  for (int64_t jp = j0; jp < j1; ++jp) {
+    const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(p32[jp]));
+    const uint16_t* vp = vv + jp * D * 2;
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vp + c * 32), pp);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(av + c * 16, a[c]);
+}
+
+// One row's P V by dot products: its weights' key pairs j0..j1-1 (bf16, prow) times the values'
+// key pairs vv [16][D][2], into the row's fp32 output av [D] (D a multiple of 32).
+inline void dot_values(float* av, const uint16_t* prow, int64_t j0, int64_t j1, const uint16_t* vv,
+                       int64_t D) {
+  const uint32_t* p32 = reinterpret_cast<const uint32_t*>(prow);
+  int64_t c0 = 0;
+  for (; c0 + 128 <= D; c0 += 128) dot_value_columns<8>(av + c0, p32, j0, j1, vv + c0 * 2, D);
+  for (; c0 < D; c0 += 32) dot_value_columns<2>(av + c0, p32, j0, j1, vv + c0 * 2, D);
 }
 
 // Transposes 16 rows of 16 32-bit words in place (r[i] word j -> r[j] word i).
@@ -144,16 +201,12 @@ struct Carver {
   }
 };
 
-}  // namespace
-
-bool prompt_amx_runs(int64_t head_dim) {
-  return head_dim % 32 == 0 && head_dim <= 256 && amx_granted();
-}
-
-void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, int64_t q_s1,
-                     at::BFloat16* out, const PagedKv& kv, int64_t group, int64_t head_dim,
-                     int64_t q_begin, int64_t offset, float scale, std::vector<float>& scratch,
-                     const AttnOpts& o) {
+// Item w on the tiles (kTiles) or by dot products.
+template <bool kTiles>
+void prompt_item_pairs(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, int64_t q_s1,
+                       at::BFloat16* out, const PagedKv& kv, int64_t group, int64_t head_dim,
+                       int64_t q_begin, int64_t offset, float scale, std::vector<float>& scratch,
+                       const AttnOpts& o) {
   const int64_t D = head_dim, rows = w.row_end - w.row_begin, nq = rows * group;
   const int64_t tiles = (nq + kVecs - 1) / kVecs, nqp = tiles * kVecs, pairs = D / 2;
   const int64_t hkv = kv.num_kv_heads, hq = hkv * group, row_stride = hkv * D;
@@ -185,7 +238,9 @@ void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, i
     sum[v] = o.start_sum();
   }
   std::fill(acc, acc + nqp * D, 0.f);
-  configure_tiles();
+#if TPSERVE_AMX
+  if constexpr (kTiles) configure_tiles();
+#endif
 
   const int64_t first_pos = offset + w.row_begin, k_end = offset + w.row_end;
   const int64_t k_lo = o.first_key(first_pos);
@@ -237,17 +292,23 @@ void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, i
         any = p >= p0 && o.first_key(p) < p0 + kKeys;
       }
       if (!any) continue;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t s = 0; s < D / 32; ++s) {
-        _tile_loadd(2, qb + vb * D + s * 32, D * 2);
-        _tile_loadd(3, kt + s * 16 * kKeys, kKeys * 4);
-        _tile_loadd(4, kt + s * 16 * kKeys + 16, kKeys * 4);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
+      if constexpr (kTiles) {
+#if TPSERVE_AMX
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t s = 0; s < D / 32; ++s) {
+          _tile_loadd(2, qb + vb * D + s * 32, D * 2);
+          _tile_loadd(3, kt + s * 16 * kKeys, kKeys * 4);
+          _tile_loadd(4, kt + s * 16 * kKeys + 16, kKeys * 4);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, sb, kKeys * 4);
+        _tile_stored(1, sb + 16, kKeys * 4);
+#endif
+      } else {
+        for (int64_t h = 0; h < kVecs; h += 8) dot_scores8(qb + (vb + h) * D, kt, D, sb + h * kKeys);
       }
-      _tile_stored(0, sb, kKeys * 4);
-      _tile_stored(1, sb + 16, kKeys * 4);
       for (int64_t u = 0; u < kVecs; ++u) {
         const int64_t v = vb + u, p = qpos[v];
         uint16_t* prow = pb + u * kKeys;
@@ -289,12 +350,17 @@ void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, i
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) av[d] *= alpha;
         }
+        if constexpr (!kTiles) dot_values(acc + v * D, prow, lo / 2, (hi + 1) / 2, vv, D);
       }
-      _tile_loadd(4, pb, kKeys * 2);
-      float* ot = acc + vb * D;
-      int64_t c = 0;
-      for (; c + 64 <= D; c += 64) pv_columns<4>(ot + c, D * 4, vv + c * 2, D * 4);
-      if (c < D) pv_columns<2>(ot + c, D * 4, vv + c * 2, D * 4);
+      if constexpr (kTiles) {
+#if TPSERVE_AMX
+        _tile_loadd(4, pb, kKeys * 2);
+        float* ot = acc + vb * D;
+        int64_t c = 0;
+        for (; c + 64 <= D; c += 64) pv_columns<4>(ot + c, D * 4, vv + c * 2, D * 4);
+        if (c < D) pv_columns<2>(ot + c, D * 4, vv + c * 2, D * 4);
+#endif
+      }
     }
   }
   for (int64_t v = 0; v < nq; ++v) {
@@ -306,18 +372,44 @@ void prompt_item_amx(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, i
   }
 }
 
+}  // namespace
+
+bool prompt_amx_runs(int64_t head_dim) {
+  return TPSERVE_AMX && head_dim % 32 == 0 && head_dim <= 256 && amx_granted();
+}
+
+bool prompt_pairs_runs(int64_t head_dim) { return head_dim % 32 == 0 && head_dim <= 256; }
+
+void prompt_item_bf16(const PromptItem& w, const at::BFloat16* q, int64_t q_s0, int64_t q_s1,
+                      at::BFloat16* out, const PagedKv& kv, int64_t group, int64_t head_dim,
+                      int64_t q_begin, int64_t offset, float scale, std::vector<float>& scratch,
+                      const AttnOpts& o, bool tiles) {
+#if TPSERVE_AMX
+  if (tiles) {
+    return prompt_item_pairs<true>(w, q, q_s0, q_s1, out, kv, group, head_dim, q_begin, offset, scale,
+                                   scratch, o);
+  }
+#endif
+  (void)tiles;
+  prompt_item_pairs<false>(w, q, q_s0, q_s1, out, kv, group, head_dim, q_begin, offset, scale, scratch, o);
+}
+
 #else
 
 bool prompt_amx_runs(int64_t) { return false; }
+bool prompt_pairs_runs(int64_t) { return false; }
 
-void prompt_item_amx(const PromptItem&, const at::BFloat16*, int64_t, int64_t, at::BFloat16*, const PagedKv&,
-                     int64_t, int64_t, int64_t, int64_t, float, std::vector<float>&, const AttnOpts&) {}
+void prompt_item_bf16(const PromptItem&, const at::BFloat16*, int64_t, int64_t, at::BFloat16*,
+                      const PagedKv&, int64_t, int64_t, int64_t, int64_t, float, std::vector<float>&,
+                      const AttnOpts&, bool) {}
 
 #endif
 
 }  // namespace tpserve
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
-  // Whether bf16 prompt rows of this head size run on the tile unit (for tests and benchmarks).
+  // Whether bf16 prompt rows of this head size run on the tile unit, or on blocks of key pairs at
+  // all (tiles or AVX512-BF16 dot products), for tests and benchmarks.
   m.def("prompt_attention_amx(int head_dim) -> bool", &tpserve::prompt_amx_runs);
+  m.def("prompt_attention_pairs(int head_dim) -> bool", &tpserve::prompt_pairs_runs);
 }
