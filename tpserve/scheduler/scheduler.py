@@ -330,7 +330,10 @@ class Scheduler(Postprocess):
             if n == remaining:
                 self._prefilling = None
         bm, tiers = self.block_manager, self.kv_tiers
-        while admit and budget > 0 and (self.waiting or self.ready) and \
+        # A sequence loaded from a KV tier holds its blocks already: it is admitted even in a step
+        # that preempted (it is no victim, and the step may have preempted its only runner for the
+        # blocks it holds, which would leave the step empty).
+        while budget > 0 and (self.ready or (admit and self.waiting)) and \
                 len(self.running) + len(self.loading) + len(self.ready) - bool(self.ready) \
                 < self.max_num_seqs:
             if self.ready:  # loaded from a KV tier: blocks held, cached tokens known
