@@ -15,8 +15,9 @@ child process of its own, one after the other, which also reports what loading t
 to its resident memory less its KV pool (the weights as they run: the pool, written at start,
 is the same for both engines). tpserve's pool holds as many tokens as llama-server's context
 (``-c``: every stream's prompt and output), so neither engine preempts or evicts a stream at 32
-streams. llama-server is stopped (SIGSTOP) while tpserve runs. It prints one line per engine, the ratios (tpserve / llama-server on the same
-file; the 4-bit file / int8 at one stream; RSS 4-bit / int8), the ISA and the load average.
+streams. llama-server is stopped (SIGSTOP) while tpserve runs. It prints one line per engine,
+the ratios (tpserve / llama-server on the same file; the 4-bit file / int8 at one stream; RSS
+4-bit / int8), the ISA and the load average.
 
     python scripts/bench_gguf.py [--models smollm2,0.6b] [--llamacpp .peers/llamacpp] [--runs 3]
                                  [--batches 8,32] [--threads N] [--no-peer-run] [--smoke]

@@ -41,7 +41,6 @@
 namespace tpserve {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TPSERVE_PROMPT_PAIRS 1
 namespace {
 
 constexpr int64_t kKeys = 32;  // keys per block: two score tiles, one P V step

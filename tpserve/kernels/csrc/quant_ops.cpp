@@ -29,8 +29,8 @@
 // GGUF's Q4_0, Q5_0, Q6_K, Q8_0) holds one int32, off, in place of the mins and reads none: its
 // group dots less off * sum(a_q), exact in int32, times scale * a_scale. A decode row reads every
 // weight once; prompt rows stream past a panel while it sits in L2, in blocks of 64 rows, up to
-// kGTile rows per register tile (kQTile of 4-bit codes), or from 16 rows on the AMX tiles (4- and
-// 8-bit codes: the same exact group dots, so the same bits; below).
+// kGTile rows per register tile (kQTile of 4- and 6-bit codes), or from 16 rows on the AMX tiles
+// (4- and 8-bit codes: the same exact group dots, so the same bits; below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -61,7 +61,8 @@ constexpr int64_t kGTile = 2;
 constexpr int64_t kGTile = 2;
 #endif
 constexpr int kPath = TPSERVE_GROUP_PATH;
-// Rows per register tile of 4-bit codes on AVX2, two vectors of a panel at a time (group_tile).
+// Rows per register tile of 4- and 6-bit codes on AVX2, two vectors of a panel at a time
+// (group_tile: HALVES).
 constexpr int64_t kQTile = kPath == 1 ? 4 : kGTile;
 constexpr int64_t kMaxTile = kQTile > kGTile ? kQTile : kGTile;
 // The largest offset of a symmetric weight (mins = -offset * scales): 2^bits - 1 covers every
@@ -427,7 +428,8 @@ inline void group_tile(const uint8_t* w, const S* sc, const S* mn, int32_t off, 
               }
               for (int64_t t = 0; t < TM; ++t) {
                 const vi x0 = bcast4(xg + t * K + k + 8 * P), x1 = bcast4(xg + t * K + k + 8 * P + 4);
-                for (int64_t j = 0; j < NV; ++j) a[t][j] = widen16(a[t][j], dot16(dot16(vzero(), c0[j], x0), c1[j], x1));
+                for (int64_t j = 0; j < NV; ++j)
+                  a[t][j] = widen16(a[t][j], dot16(dot16(vzero(), c0[j], x0), c1[j], x1));
               }
             };
             pair(std::integral_constant<int, 0>{});
