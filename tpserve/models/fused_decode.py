@@ -199,7 +199,7 @@ class FusedDecode:
                 stack.set_group(i, self.groups[i])
         norm = self.model.model.norm
         (stack.set_gemma_norm if self.gemma else stack.set_norm)(norm.weight, norm.eps)
-        if not self._embeds_here():  # else `run` takes the rows, embedded here
+        if not self._embeds_here():  # else `run_groups` takes the rows, embedded here
             stack.set_embedding(self.model.model.embed_tokens.weight)
         return stack
 
@@ -214,9 +214,6 @@ class FusedDecode:
         if self.stack is not None:
             metas = getattr(meta, "groups", None) or [meta]
             ids = self.model.model.embed(input_ids) if self._embeds_here() else input_ids
-            if len(metas) == 1:
-                return self.stack.run(ids, positions, meta.slot_mapping, meta.block_tables,
-                                      meta.cu_seqlens_q, meta.context_lens)
             return self.stack.run_groups(ids, positions, [m.slot_mapping for m in metas],
                                          [m.block_tables for m in metas], meta.cu_seqlens_q,
                                          meta.context_lens)

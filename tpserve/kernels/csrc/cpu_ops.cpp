@@ -1733,16 +1733,10 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // input_ids [M], one per decode row (or their embedded rows [M, H], for an embedding that is
-  // not a float table: a tied head's group codes); returns the final norm of the last layer's
-  // output.
-  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                 const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                 const at::Tensor& context_lens) {
-    return run_groups(input_ids, positions, {slot_mapping}, {block_tables}, cu_seqlens_q, context_lens);
-  }
-
-  // run with one slot mapping and block table per KV-cache group (set_group), every table
-  // checked before the first layer against the widest window of its group's layers.
+  // not a float table: a tied head's group codes, Gemma's scaled rows); one slot mapping and
+  // block table per KV-cache group (set_group; one without groups), every table checked before
+  // the first layer against the widest window of its group's layers. Returns the final norm of
+  // the last layer's output.
   at::Tensor run_groups(const at::Tensor& input_ids, const at::Tensor& positions,
                         const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& block_tables,
                         const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens) {
@@ -1834,9 +1828,8 @@ TORCH_LIBRARY(tpserve_cpu, m) {
       .def("set_gemma_norm", &DecodeStack::set_gemma_norm)
       .def("set_gemma", &DecodeStack::set_gemma)
       .def("set_group", &DecodeStack::set_group)
-      .def("run_groups", &DecodeStack::run_groups)
       .def("set_embedding", &DecodeStack::set_embedding)
-      .def("run", &DecodeStack::run);
+      .def("run_groups", &DecodeStack::run_groups);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
 
