@@ -2,9 +2,9 @@
 
 Each script has an entry in SCRIPTS (a script without one fails test_every_script_has_an_entry):
 
-* Smoke: run in a subprocess at its smallest size (the benchmark models' ``tiny`` shape or the
-  bundled model, a few requests, steps or messages, sub-second windows; a ``--smoke`` flag where
-  the sizes are not all options), exit status 0 and its result lines checked, including the
+* Smoke: run in a subprocess, two at a time, at its smallest size (the benchmark models' ``tiny``
+  shape or the bundled model, a few requests, steps or messages, sub-second windows; a ``--smoke``
+  flag where the sizes are not all options), exit status 0 and its result lines checked, including the
   results that must hold whatever the machine (nothing lost, leaked or left open). Scripts that
   compare tpserve with a peer run tpserve's side alone where they have such a mode;
 * Parse: a script that needs a peer that is not installed, a GPU, or a training run (some have
@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,14 +283,36 @@ def test_every_script_imports_and_parses_its_arguments():
 SMOKE = sorted(name for name, entry in SCRIPTS.items() if isinstance(entry, Smoke))
 
 
-@pytest.mark.parametrize("name", SMOKE)
-def test_script_runs_at_its_smallest_size(name):
-    entry = SCRIPTS[name]
+# Smoke runs go two at a time: at their smallest sizes the scripts mostly wait (interpreter and
+# model start-up, daemons and sockets), so on two cores two at a time nearly halve the module's
+# time and slow each run little; more at once only slowed them. Each script's run is its own
+# test, and a test waits for its own script only.
+SMOKE_AT_ONCE = 2
+
+
+def _run_smoke(name: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     env.pop("TPSERVE_ADDRESS", None)
     env.pop("TPSERVE_RUNTIME_DIR", None)
-    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / name), *entry.args], capture_output=True,
+    return subprocess.run([sys.executable, str(SCRIPTS_DIR / name), *SCRIPTS[name].args], capture_output=True,
                           text=True, timeout=240, cwd=SCRIPTS_DIR.parent, env=env)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request):
+    """The selected smoke runs, started together on a pool: name -> Future of its process."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "function", None) is test_script_runs_at_its_smallest_size]
+    pool = ThreadPoolExecutor(SMOKE_AT_ONCE)
+    runs = {name: pool.submit(_run_smoke, name) for name in selected}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name", SMOKE)
+def test_script_runs_at_its_smallest_size(name, smoke_runs):
+    entry = SCRIPTS[name]
+    proc = smoke_runs[name].result()
     output = proc.stdout + proc.stderr
     assert proc.returncode in entry.exit_codes, output[-4000:]
     assert re.search(entry.expect, output), output[-4000:]
