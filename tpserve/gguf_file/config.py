@@ -12,6 +12,16 @@ other (so a GGUF model runs exactly where its safetensors twin runs):
 | qwen3                | Qwen3ForCausalLM                                            |
 | qwen2moe             | Qwen2MoeForCausalLM                                         |
 | qwen3moe             | Qwen3MoeForCausalLM                                         |
+| gemma2               | Gemma2ForCausalLM                                           |
+| gemma3               | Gemma3ForCausalLM (text; a vision tower is a file apart)    |
+
+Gemma's hyperparameters that llama.cpp does not write are set as llama.cpp sets them: every
+sixth layer global in Gemma 3 and every second in Gemma 2 (unless the file has
+``attention.sliding_window_pattern``), a sliding layers' rope base of 10,000 in Gemma 3 (unless
+``rope.freq_base_swa``), and queries scaled by the key length, or by ``embedding_length /
+head_count`` for the 27B models (62 layers in Gemma 3, 46 in Gemma 2), as Gemma's own configs
+have it (``query_pre_attn_scalar``); Gemma 2's soft-caps default to 50 (attention) and 30
+(final logits).
 
 Anything the decoder could not reproduce is refused with the key named: other architectures,
 per-layer head counts, partial rotary (``rope.dimension_count`` below the head size), key and
@@ -28,7 +38,13 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# Gemma: one global layer per this many (llama.cpp's default), and the layer count of the 27B
+# models, which scale queries by embedding_length / head_count instead of the key length.
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 
@@ -150,6 +166,8 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
                 config["qkv_bias"] = has_bias
     else:
         config["intermediate_size"] = ffn
+    if arch in GEMMA_PATTERN:
+        config.update(_gemma_config(meta, arch, config, where))
     generation = {}
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
@@ -161,6 +179,39 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     if isinstance(eot, int) and "eos_token_id" in generation and eot != generation["eos_token_id"]:
         generation["eos_token_id"] = [generation["eos_token_id"], eot]
     return config, generation
+
+
+def _gemma_config(meta: dict, arch: str, config: dict, where: str) -> dict:
+    """The Gemma 2 / Gemma 3 fields of the config (module docstring): the activation, the
+    per-layer attention types, the window, the query scale, the soft-caps and the local rope."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    window = _int(meta, f"{arch}.attention.sliding_window", where=where)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag per layer: true where the layer slides
+        if len(pattern) != layers or not all(isinstance(f, bool) for f in pattern):
+            raise GGUFFileError(f"{where}: metadata key '{arch}.attention.sliding_window_pattern' must list "
+                                f"{layers} booleans (block_count), got {pattern[:8]!r}")
+        sliding = pattern
+    else:
+        period = _int(meta, f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch], where=where)
+        sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
+    scalar = config["hidden_size"] // heads if layers == GEMMA_27B_LAYERS[arch] else config["head_dim"]
+    out = {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+           "sliding_window": window,
+           "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+           "query_pre_attn_scalar": scalar}
+    if arch == "gemma2":  # llama.cpp's defaults when the file has no soft-caps: 50 and 30
+        out["attn_logit_softcapping"] = _float(meta, f"{arch}.attn_logit_softcapping", 50.0, where=where)
+        out["final_logit_softcapping"] = _float(meta, f"{arch}.final_logit_softcapping", 30.0, where=where)
+    else:
+        if meta.get(f"{arch}.attn_logit_softcapping") is not None:
+            raise GGUFFileError(f"{where}: metadata key '{arch}.attn_logit_softcapping': Gemma 3 does not "
+                                "soft-cap attention logits")
+        final = meta.get(f"{arch}.final_logit_softcapping")
+        out["final_logit_softcapping"] = None if final is None else \
+            _float(meta, f"{arch}.final_logit_softcapping", 0.0, where=where)
+        out["rope_local_base_freq"] = _float(meta, f"{arch}.rope.freq_base_swa", 10000.0, where=where)
+    return out
 
 
 def _dtype(tensors: list[TensorEntry]) -> str:

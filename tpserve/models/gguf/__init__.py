@@ -10,7 +10,7 @@ through this package instead of safetensors:
 * llama.cpp's converter permutes the rows of a llama-architecture (and Mixtral) model's q and
   k projections (rotary pairs interleaved, for its rope kernel); the reverse permutation
   restores the Hugging Face order (``names.py``), for float weights and for the rows of
-  group codes, scales and mins alike;
+  group codes, scales and mins alike; Gemma's norm weights, written as 1 + w, become w again;
 * ``--quantization none``: every tensor is dequantized at load (``dequant.py``: numpy, equal to
   the ``gguf`` package's reference dequantizer) and cast to ``--dtype``;
 * default (native): each quantized linear weight is handed to ``repack.py``, which turns its
@@ -147,6 +147,8 @@ def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
             for hf, index in targets:
                 part = full if index is None else full[index]
                 part = _permute(part, hf, names)
+                if shift := names.norm_shift(hf):
+                    part = part + np.float32(shift)
                 if part.ndim == 1 and hf.endswith("shared_expert_gate.weight"):
                     part = part.reshape(1, -1)  # [H] in the file, a [1, H] linear in the model
                 yield hf, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)

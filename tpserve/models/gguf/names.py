@@ -6,9 +6,11 @@ A GGUF tensor maps to one Hugging Face tensor, or (a mixture of experts' stacked
 llama.cpp's converter reorders the rows of a llama-architecture model's q and k projections
 (Mixtral's too: it is written as ``llama``): within each head of ``d`` rows, Hugging Face's
 order (the first halves of the rotary pairs, then the second halves) becomes interleaved pairs,
-row ``h*d + 2*i + j`` holding Hugging Face's row ``h*d + j*d/2 + i``. Qwen models are written
-unpermuted (their rope kernel takes halves). :meth:`TensorNames.row_permutation` gives the
-index array that puts the rows back, for a weight, a bias, or group codes, scales and mins.
+row ``h*d + 2*i + j`` holding Hugging Face's row ``h*d + j*d/2 + i``. Qwen and Gemma models
+are written unpermuted (their rope kernel takes halves). :meth:`TensorNames.row_permutation`
+gives the index array that puts the rows back, for a weight, a bias, or group codes, scales and
+mins. Gemma's (1 + w) norm weights are written as 1 + w; :meth:`TensorNames.norm_shift` takes
+them back.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ _LAYER = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma's layer: ffn_norm is the norm before the MLP, and two more norms follow attention and MLP.
+_GEMMA_LAYER = dict(_LAYER, ffn_norm="pre_feedforward_layernorm",
+                    post_attention_norm="post_attention_layernorm",
+                    post_ffw_norm="post_feedforward_layernorm")
 _EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index into expert_proj_names
 _LAYER_KEY = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>[a-z_]+?)(?:\.(?P<expert>\d+))?"
                         r"\.(?P<leaf>weight|bias)")
@@ -50,6 +56,9 @@ class TensorNames:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.permuted = spec.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+        # llama.cpp writes Gemma's (1 + w) norm weights as 1 + w: taken back to w (norm_shift)
+        self.gemma = spec.gemma_norms
+        self._layer = _GEMMA_LAYER if self.gemma else _LAYER
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     def hf_names(self, t: TensorEntry) -> list[tuple[str, int | None]]:
@@ -72,10 +81,15 @@ class TensorNames:
                 return []
             proj = spec.expert_proj_names[index]
             return [(f"{prefix}.{spec.moe_module}.experts.{m['expert']}.{proj}.{leaf}", None)]
-        hf = _LAYER.get(name)
+        hf = self._layer.get(name)
         if hf is None:
             return []
         return [(f"{prefix}.{hf.format(moe=spec.moe_module)}.{leaf}", None)]
+
+    def norm_shift(self, hf_name: str) -> float:
+        """What to add to the file's values of ``hf_name``: -1 for a Gemma norm weight (llama.cpp's
+        converter stores Gemma's 1 + w), else 0."""
+        return -1.0 if self.gemma and hf_name.endswith("norm.weight") else 0.0
 
     def row_permutation(self, hf_name: str) -> np.ndarray | None:
         """The reverse of llama.cpp's q/k row permutation for ``hf_name``, or None."""
