@@ -14,6 +14,7 @@ other (so a GGUF model runs exactly where its safetensors twin runs):
 | qwen3moe             | Qwen3MoeForCausalLM                                         |
 | gemma2               | Gemma2ForCausalLM                                           |
 | gemma3               | Gemma3ForCausalLM (text; a vision tower is a file apart)    |
+| phi3                 | Phi3ForCausalLM (Phi-3, Phi-4; fused q/k/v and gate/up)     |
 
 Gemma's hyperparameters that llama.cpp does not write are set as llama.cpp sets them: every
 sixth layer global in Gemma 3 and every second in Gemma 2 (unless the file has
@@ -23,10 +24,15 @@ head_count`` for the 27B models (62 layers in Gemma 3, 46 in Gemma 2), as Gemma'
 have it (``query_pre_attn_scalar``); Gemma 2's soft-caps default to 50 (attention) and 30
 (final logits).
 
+Phi-3's file keeps q/k/v and gate/up fused (``attn_qkv``, ``ffn_up``: the names map split
+them), its partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini) and its
+``attention.sliding_window``, which becomes the config's window on every layer, as in the
+model's own config.
+
 Anything the decoder could not reproduce is refused with the key named: other architectures,
-per-layer head counts, partial rotary (``rope.dimension_count`` below the head size), key and
-value sizes that differ, a rope scaling type the rotary embedding lacks, and llama.cpp's
-``rope_freqs`` tensor (Llama 3's scaling stored as per-frequency factors, not parameters).
+per-layer head counts, partial rotary other than Phi-3's, key and value sizes that differ, a
+rope scaling type the rotary embedding lacks, llama.cpp's ``rope_freqs`` tensor (Llama 3's
+scaling stored as per-frequency factors, not parameters) and Phi's LongRoPE factor tensors.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # Gemma: one global layer per this many (llama.cpp's default), and the layer count of the 27B
 # models, which scale queries by embedding_length / head_count instead of the key length.
@@ -99,6 +106,9 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     if "rope_freqs.weight" in by_name:
         raise GGUFFileError(f"{where}: tensor 'rope_freqs.weight' (per-frequency rope factors, Llama 3 "
                             "style scaling) is not supported")
+    if "rope_factors_long.weight" in by_name or "rope_factors_short.weight" in by_name:
+        raise GGUFFileError(f"{where}: tensor 'rope_factors_long.weight' (Phi's LongRoPE factors) is not "
+                            "supported from a GGUF file; serve the model's safetensors checkpoint")
 
     def n(key, default=None):
         return _int(meta, f"{arch}.{key}", default, where=where)
@@ -116,7 +126,7 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
         raise GGUFFileError(f"{where}: metadata key '{arch}.attention.value_length' ({value_dim}) differs "
                             f"from the key length ({head_dim}): not supported")
     rope_dim = n("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise GGUFFileError(f"{where}: metadata key '{arch}.rope.dimension_count': partial rotary "
                             f"({rope_dim} of {head_dim} dimensions) is not supported")
     embd = by_name.get("token_embd.weight")
@@ -168,6 +178,9 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
         config["intermediate_size"] = ffn
     if arch in GEMMA_PATTERN:
         config.update(_gemma_config(meta, arch, config, where))
+    if arch == "phi3":  # partial rotary (Phi-4-mini) and the model's window, as its own config has them
+        config["partial_rotary_factor"] = rope_dim / head_dim
+        config["sliding_window"] = n("attention.sliding_window", 0) or None
     generation = {}
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):

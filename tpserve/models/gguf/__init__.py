@@ -170,12 +170,13 @@ def _native(t: TensorEntry, raw, targets, names: TensorNames) -> Iterator[tuple[
         codes, scales, mins, bits = repack(t.type_name, raw, t.shape)
     except CheckpointError as e:
         raise CheckpointError(f"{t.file}: tensor {t.name!r}: {e}") from None
-    (hf, _), = targets  # dense layers only: one HF tensor per GGUF tensor
-    module = hf.removesuffix(".weight")
-    perm = names.row_permutation(hf)
-    if perm is not None:
-        codes, scales, mins = codes[perm], scales[perm], mins[perm]
-    yield f"{module}.weight_codes", torch.from_numpy(np.ascontiguousarray(codes))
-    yield f"{module}.weight_group_scales", torch.from_numpy(np.ascontiguousarray(scales))
-    yield f"{module}.weight_group_mins", torch.from_numpy(np.ascontiguousarray(mins))
-    yield f"{module}.weight_bits", torch.tensor([bits], dtype=torch.int64)
+    for hf, part in targets:  # dense layers only: the whole tensor, or a fused one's rows
+        module = hf.removesuffix(".weight")
+        c, s, m = (codes, scales, mins) if part is None else (codes[part], scales[part], mins[part])
+        perm = names.row_permutation(hf)
+        if perm is not None:
+            c, s, m = c[perm], s[perm], m[perm]
+        yield f"{module}.weight_codes", torch.from_numpy(np.ascontiguousarray(c))
+        yield f"{module}.weight_group_scales", torch.from_numpy(np.ascontiguousarray(s))
+        yield f"{module}.weight_group_mins", torch.from_numpy(np.ascontiguousarray(m))
+        yield f"{module}.weight_bits", torch.tensor([bits], dtype=torch.int64)

@@ -1,7 +1,9 @@
 """llama.cpp's tensor names as Hugging Face names, and the reverse of its q/k row permutation.
 
-A GGUF tensor maps to one Hugging Face tensor, or (a mixture of experts' stacked
-``ffn_{gate,up,down}_exps`` [E, ...]) to one per expert, each with the index of its slice.
+A GGUF tensor maps to one Hugging Face tensor, or to several, each with the index of its part:
+a mixture of experts' stacked ``ffn_{gate,up,down}_exps`` [E, ...] to one per expert (an
+index into the first dimension), Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate and up) to
+one per projection (a slice of the rows).
 
 llama.cpp's converter reorders the rows of a llama-architecture model's q and k projections
 (Mixtral's too: it is written as ``llama``): within each head of ``d`` rows, Hugging Face's
@@ -59,10 +61,12 @@ class TensorNames:
         # llama.cpp writes Gemma's (1 + w) norm weights as 1 + w: taken back to w (norm_shift)
         self.gemma = spec.gemma_norms
         self._layer = _GEMMA_LAYER if self.gemma else _LAYER
+        self.fused = spec.architecture == "Phi3ForCausalLM"
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
-    def hf_names(self, t: TensorEntry) -> list[tuple[str, int | None]]:
-        """``[(hf name, expert index or None)]`` for the GGUF tensor ``t`` ([] if unknown)."""
+    def hf_names(self, t: TensorEntry) -> list[tuple[str, int | slice | None]]:
+        """``[(hf name, part)]`` for the GGUF tensor ``t`` ([] if unknown): part None (the whole
+        tensor), an expert's index, or a slice of rows (a fused projection's part)."""
         if t.name in _GLOBAL:
             return [(_GLOBAL[t.name], None)]
         m = _LAYER_KEY.fullmatch(t.name)
@@ -81,6 +85,19 @@ class TensorNames:
                 return []
             proj = spec.expert_proj_names[index]
             return [(f"{prefix}.{spec.moe_module}.experts.{m['expert']}.{proj}.{leaf}", None)]
+        if self.fused and name in ("attn_qkv", "ffn_up"):  # Phi-3: q/k/v and gate/up rows in one
+            spec = self.spec
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            ffn = spec.intermediate_size
+            parts = ((("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv))
+                     if name == "attn_qkv" else (("mlp.gate_proj", ffn), ("mlp.up_proj", ffn)))
+            if len(t.shape) < 1 or t.shape[0] != sum(rows for _, rows in parts):
+                return []
+            out, row = [], 0
+            for module, rows in parts:
+                out.append((f"{prefix}.{module}.{leaf}", slice(row, row + rows)))
+                row += rows
+            return out
         hf = self._layer.get(name)
         if hf is None:
             return []
