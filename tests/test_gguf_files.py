@@ -217,6 +217,18 @@ def test_metadata_becomes_the_config(tiny):
     assert config.model_name == "tiny-llama" and config.max_model_len == 512
 
 
+def greedy_dequantized(path: Path, prompts, max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the file's model, every tensor dequantized to float32."""
+    from tpserve import LLM, SamplingParams
+
+    with LLM(str(path), quantization="none", dtype="float32", num_kv_blocks=32, block_size=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                            use_tqdm=False)
+    generated = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(g) == max_tokens for g in generated)
+    return generated
+
+
 def ref_greedy_agrees(path: Path, prompts, generated) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -230,18 +242,11 @@ def ref_greedy_agrees(path: Path, prompts, generated) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_tiny_model_greedy_equals_transformers(tmp_path, arch):
-    from tpserve import LLM, SamplingParams
-
     types = {k: v for k, v in TYPES.items() if v not in ("Q4_K", "Q5_K", "Q6_K")}  # transformers: any
     path = tmp_path / f"tiny-{arch}.gguf"
     write_model(path, arch, types=types, seed=3)
     prompts = [[5, 17, 99, 3], [200, 201, 7], [42]]
-    with LLM(str(path), quantization="none", dtype="float32", num_kv_blocks=32, block_size=16) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                            use_tqdm=False)
-    generated = [list(o.outputs[0].token_ids) for o in outs]
-    assert all(len(g) == 6 for g in generated)
-    ref_greedy_agrees(path, prompts, generated)
+    ref_greedy_agrees(path, prompts, greedy_dequantized(path, prompts, 6))
 
 
 def test_split_files_load_from_any_part(tmp_path):

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_gguf_files import greedy_dequantized
+
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
 from tpserve.gguf_file import gguf_files, materialize
@@ -120,18 +122,27 @@ def write_gemma(path: Path, arch: str, seed: int = 0, quantized: bool = False, l
             expected[hf] = stored - np.float32(1)
             continue
         kind = (QUANTIZED.get(module, "Q8_0" if "embed" in hf else None)) if quantized else None
-        if kind is None:
-            w.add_tensor(gguf_name(hf), array)
-            expected[hf] = array
-        else:
-            data = gguf.quants.quantize(array, Q[kind])
-            w.add_tensor(gguf_name(hf), data, raw_shape=data.shape, raw_dtype=Q[kind])
-            expected[hf] = gguf.quants.dequantize(data, Q[kind])
+        expected[hf] = add_tensor(w, gguf_name(hf), array, kind)
+    finish(w)
+    return expected
+
+
+def add_tensor(w: gguf.GGUFWriter, name: str, array: np.ndarray, kind: str | None) -> np.ndarray:
+    """Add ``array`` to the file as ``kind`` (gguf's quantizer; float when None); return what a
+    reader must get back (gguf's reference dequantization)."""
+    if kind is None:
+        w.add_tensor(name, array)
+        return array
+    data = gguf.quants.quantize(array, Q[kind])
+    w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=Q[kind])
+    return gguf.quants.dequantize(data, Q[kind])
+
+
+def finish(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return expected
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
@@ -182,15 +193,9 @@ GENERATED = 8  # prompt + generation past the window of 8
 def test_greedy_equals_transformers_past_the_window(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    from tpserve import LLM, SamplingParams
-
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gemma(path, arch, seed=3, quantized=True)
-    with LLM(str(path), quantization="none", dtype="float32", num_kv_blocks=32, block_size=16) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True),
-                            use_tqdm=False)
-    generated = [list(o.outputs[0].token_ids) for o in outs]
-    assert all(len(g) == GENERATED for g in generated)
+    generated = greedy_dequantized(path, PROMPTS, GENERATED)
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     ref.eval()
     assert ref.config.sliding_window == WINDOW

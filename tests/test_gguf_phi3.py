@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from test_gguf_files import greedy_dequantized, ref_greedy_agrees
+from test_gguf_gemma import add_tensor, finish
+
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
 from tpserve.gguf_file import gguf_files, materialize
@@ -27,7 +30,6 @@ from tpserve.models.spec import model_spec
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 384, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(autouse=True)
@@ -71,17 +73,8 @@ def write_phi3(path: Path, seed: int = 0, quantized: bool = False, meta: dict | 
             array = (rng.standard_normal(shape) * (0.5 if "embd" in name else 0.08)).astype(np.float32)
         linear = quantized and len(shape) == 2 and "blk" in name
         kind = ("Q8_0" if "ffn" in name else "Q4_0") if linear else None
-        if kind is None:
-            w.add_tensor(name, array)
-            out[name] = array
-        else:
-            data = gguf.quants.quantize(array, Q[kind])
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=Q[kind])
-            out[name] = gguf.quants.dequantize(data, Q[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        out[name] = add_tensor(w, name, array, kind)
+    finish(w)
     return out
 
 
@@ -104,24 +97,10 @@ def test_metadata_becomes_phi3s_config(tmp_path):
 
 
 def test_greedy_equals_transformers(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from tpserve import LLM, SamplingParams
-
     path = tmp_path / "tiny-phi3.gguf"
     write_phi3(path, seed=3, quantized=True)
     prompts = [[5, 17, 99, 3], [200, 201, 7], [42]]
-    with LLM(str(path), quantization="none", dtype="float32", num_kv_blocks=32, block_size=16) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                            use_tqdm=False)
-    generated = [list(o.outputs[0].token_ids) for o in outs]
-    assert all(len(g) == 6 for g in generated)
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    ref.eval()
-    for ids, gen in zip(prompts, generated):
-        with torch.no_grad():
-            logits = ref(torch.tensor([ids + gen])).logits[0]
-        assert logits[len(ids) - 1:-1].argmax(-1).tolist() == gen
+    ref_greedy_agrees(path, prompts, greedy_dequantized(path, prompts, 6))
 
 
 def test_native_fused_rows_become_each_projections_codes(tmp_path):
