@@ -155,7 +155,8 @@ def write_model(path: Path, arch: str = "llama", types: dict | None = None, seed
             continue
         type_name = types.get(hf, "F32")
         heads = HEADS if ".q_proj." in hf else KV_HEADS if ".k_proj." in hf else None
-        stored = llama_cpp_permute(w, heads) if arch == "llama" and heads else w
+        permuted = arch in ("llama", "smollm3") and heads
+        stored = llama_cpp_permute(w, heads) if permuted else w
         data = encode(stored, type_name, rng)
         if type_name in ("F32", "F16"):
             writer.add_tensor(gguf_name(hf), data)
@@ -163,7 +164,7 @@ def write_model(path: Path, arch: str = "llama", types: dict | None = None, seed
         else:
             writer.add_tensor(gguf_name(hf), data, raw_shape=data.shape, raw_dtype=Q[type_name])
             deq = gguf.quants.dequantize(data, Q[type_name])
-        if arch == "llama" and heads:  # undo the permutation with its inverse (argsort)
+        if permuted:  # undo the permutation with its inverse (argsort)
             deq = deq[np.argsort(llama_cpp_permute(np.arange(w.shape[0]), heads))]
         expected[hf] = deq
     writer.write_header_to_file()

@@ -15,6 +15,7 @@ other (so a GGUF model runs exactly where its safetensors twin runs):
 | gemma2               | Gemma2ForCausalLM                                           |
 | gemma3               | Gemma3ForCausalLM (text; a vision tower is a file apart)    |
 | phi3                 | Phi3ForCausalLM (Phi-3, Phi-4; fused q/k/v and gate/up)     |
+| smollm3              | SmolLM3ForCausalLM (no rotary in every fourth layer)        |
 
 Gemma's hyperparameters that llama.cpp does not write are set as llama.cpp sets them: every
 sixth layer global in Gemma 3 and every second in Gemma 2 (unless the file has
@@ -47,7 +48,10 @@ ARCHITECTURES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
+# SmolLM3: one layer in this many without rotary (llama.cpp's default)
+SMOLLM3_NO_ROPE_INTERVAL = 4
 # Gemma: one global layer per this many (llama.cpp's default), and the layer count of the 27B
 # models, which scale queries by embedding_length / head_count instead of the key length.
 GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -153,9 +157,9 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
         "torch_dtype": _dtype(tensors),
     }
     has_bias = "blk.0.attn_q.bias" in by_name
-    if model_type in ("llama", "qwen3", "qwen3_moe", "mixtral"):
+    if model_type in ("llama", "qwen3", "qwen3_moe", "mixtral", "smollm3"):
         config["attention_bias"] = has_bias
-    if model_type == "llama":
+    if model_type in ("llama", "smollm3"):
         config["mlp_bias"] = "blk.0.ffn_up.bias" in by_name
     if model_type in ("qwen2", "qwen2_moe"):
         config["use_sliding_window"] = False
@@ -178,6 +182,10 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
         config["intermediate_size"] = ffn
     if arch in GEMMA_PATTERN:
         config.update(_gemma_config(meta, arch, config, where))
+    if arch == "smollm3":  # every interval-th layer without rotary, unless the file says otherwise
+        interval = n("no_rope_layer_interval", SMOLLM3_NO_ROPE_INTERVAL)
+        config["no_rope_layers"] = [int(interval == 0 or (i + 1) % interval != 0) for i in range(layers)]
+        config["use_sliding_window"] = False
     if arch == "phi3":  # partial rotary (Phi-4-mini) and the model's window, as its own config has them
         config["partial_rotary_factor"] = rope_dim / head_dim
         config["sliding_window"] = n("attention.sliding_window", 0) or None

@@ -6,7 +6,7 @@ index into the first dimension), Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate
 one per projection (a slice of the rows).
 
 llama.cpp's converter reorders the rows of a llama-architecture model's q and k projections
-(Mixtral's too: it is written as ``llama``): within each head of ``d`` rows, Hugging Face's
+(Mixtral's too: it is written as ``llama``; and SmolLM3's): within each head of ``d`` rows, Hugging Face's
 order (the first halves of the rotary pairs, then the second halves) becomes interleaved pairs,
 row ``h*d + 2*i + j`` holding Hugging Face's row ``h*d + j*d/2 + i``. Qwen and Gemma models
 are written unpermuted (their rope kernel takes halves). :meth:`TensorNames.row_permutation`
@@ -57,7 +57,7 @@ class TensorNames:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self.permuted = spec.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+        self.permuted = spec.architecture in ("LlamaForCausalLM", "MixtralForCausalLM", "SmolLM3ForCausalLM")
         # llama.cpp writes Gemma's (1 + w) norm weights as 1 + w: taken back to w (norm_shift)
         self.gemma = spec.gemma_norms
         self._layer = _GEMMA_LAYER if self.gemma else _LAYER
