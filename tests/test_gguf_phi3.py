@@ -3,7 +3,10 @@ gguf's GGUFWriter as llama.cpp's converter writes them, q/k/v fused in `attn_qkv
 `ffn_up`, no q/k permutation.
 
 * the metadata becomes Phi-3's config: the window (every layer), partial rotary (Phi-4-mini's
-  `rope.dimension_count` below the head size); LongRoPE factor tensors are refused by name;
+  `rope.dimension_count` below the head size), LongRoPE from its factor tensors: a tiny Phi-3
+  checkpoint with all three, converted as llama.cpp's converter does, generates from its GGUF
+  file what it generates from its safetensors (whose path equals transformers':
+  test_arch_models.py), past LongRoPE's original length;
 * `--quantization none --dtype float32`: greedy tokens equal transformers' own GGUF loader;
 * the default: the fused tensors' rows become q/k/v and gate/up group codes equal to the
   reference dequantization, and the model generates alike on one and two ranks.
@@ -19,6 +22,7 @@ import torch
 
 from test_gguf_files import greedy_dequantized, ref_greedy_agrees
 from test_gguf_gemma import add_tensor, finish
+from model_factory import make_tiny_model, tiny_models_root  # noqa: F401
 
 from tpserve.config import EngineConfig
 from tpserve.errors import ConfigError
@@ -90,10 +94,73 @@ def test_metadata_becomes_phi3s_config(tmp_path):
     write_phi3(plain)
     hf = EngineConfig(model=str(plain), quantization="none").resolve().hf_config
     assert hf["sliding_window"] is None and hf["partial_rotary_factor"] == 1.0
-    longrope = tmp_path / "longrope.gguf"
-    write_phi3(longrope, extra=("rope_factors_long.weight", "rope_factors_short.weight"))
-    with pytest.raises(ConfigError, match="rope_factors_long.weight"):
-        EngineConfig(model=str(longrope), quantization="none").resolve()
+    half = tmp_path / "half-longrope.gguf"  # one factor tensor without the other
+    write_phi3(half, extra=("rope_factors_long.weight",))
+    with pytest.raises(ConfigError, match="rope_factors_short.weight"):
+        EngineConfig(model=str(half), quantization="none").resolve()
+
+
+def gguf_from_phi3_checkpoint(directory: Path, path: Path) -> None:
+    """Write the Phi-3 checkpoint at ``directory`` as llama.cpp's converter writes it: fused
+    q/k/v and gate/up as they are, LongRoPE's factors as tensors, its lengths and attention
+    factor as metadata."""
+    import json
+    import math
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((directory / "config.json").read_text())
+    tensors = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    scaling = cfg.get("rope_scaling") or cfg["rope_parameters"]  # (transformers 5 writes the latter)
+    original, longest = cfg["original_max_position_embeddings"], cfg["max_position_embeddings"]
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(longest)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(int(head_dim * cfg["partial_rotary_factor"]))
+    w.add_rope_freq_base(cfg.get("rope_theta") or scaling["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(longest / original) / math.log(original)))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    for hf, array in tensors.items():
+        if hf in glob:
+            name = glob[hf]
+        else:
+            _, _, layer, rest = hf.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            name = f"blk.{layer}.{names[module]}.{leaf}"
+        w.add_tensor(name, array.astype(np.float32))
+    for kind in ("long", "short"):
+        w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(scaling[f"{kind}_factor"], dtype=np.float32))
+    finish(w)
+
+
+def test_longrope_window_and_partial_rotary_as_the_checkpoint(tmp_path, tiny_models_root):  # noqa: F811
+    from test_arch_models import CASES, PROMPTS, generate
+
+    arch, overrides, _ = CASES["phi3"]  # window 8, LongRoPE from 24 tokens, half the head rotated
+    directory = make_tiny_model(tiny_models_root, arch, **overrides)
+    path = tmp_path / "phi3-longrope.gguf"
+    gguf_from_phi3_checkpoint(directory, path)
+    hf = EngineConfig(model=str(path), quantization="none").resolve().hf_config
+    assert hf["rope_scaling"]["rope_type"] == "longrope" and hf["original_max_position_embeddings"] == 24
+    assert any(len(p) > 24 for p in PROMPTS)
+    from_file, _ = generate(path, PROMPTS, quantization="none")
+    from_checkpoint, _ = generate(directory, PROMPTS)
+    assert from_file == from_checkpoint
 
 
 def test_greedy_equals_transformers(tmp_path):

@@ -26,16 +26,20 @@ have it (``query_pre_attn_scalar``); Gemma 2's soft-caps default to 50 (attentio
 (final logits).
 
 Phi-3's file keeps q/k/v and gate/up fused (``attn_qkv``, ``ffn_up``: the names map split
-them), its partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini) and its
+them), its partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini), its
 ``attention.sliding_window``, which becomes the config's window on every layer, as in the
-model's own config.
+model's own config, and its LongRoPE (Phi-3.5, Phi-4-mini): the ``rope_factors_long`` /
+``rope_factors_short`` tensors' values, ``rope.scaling.original_context_length`` and
+``rope.scaling.attn_factor``.
 
 Anything the decoder could not reproduce is refused with the key named: other architectures,
 per-layer head counts, partial rotary other than Phi-3's, key and value sizes that differ, a
-rope scaling type the rotary embedding lacks, llama.cpp's ``rope_freqs`` tensor (Llama 3's
-scaling stored as per-frequency factors, not parameters) and Phi's LongRoPE factor tensors.
+rope scaling type the rotary embedding lacks, and llama.cpp's ``rope_freqs`` tensor (Llama 3's
+scaling stored as per-frequency factors, not parameters).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from tpserve.gguf_file.reader import FLOAT_TYPES, GGUFFileError, TensorEntry
 
@@ -110,9 +114,10 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     if "rope_freqs.weight" in by_name:
         raise GGUFFileError(f"{where}: tensor 'rope_freqs.weight' (per-frequency rope factors, Llama 3 "
                             "style scaling) is not supported")
-    if "rope_factors_long.weight" in by_name or "rope_factors_short.weight" in by_name:
-        raise GGUFFileError(f"{where}: tensor 'rope_factors_long.weight' (Phi's LongRoPE factors) is not "
-                            "supported from a GGUF file; serve the model's safetensors checkpoint")
+    longrope = [by_name.get(f"rope_factors_{kind}.weight") for kind in ("long", "short")]
+    if any(longrope) and (arch != "phi3" or not all(longrope)):
+        raise GGUFFileError(f"{where}: tensors 'rope_factors_long.weight' and 'rope_factors_short.weight' "
+                            "(LongRoPE factors) are supported together, in a phi3 file")
 
     def n(key, default=None):
         return _int(meta, f"{arch}.{key}", default, where=where)
@@ -189,6 +194,15 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     if arch == "phi3":  # partial rotary (Phi-4-mini) and the model's window, as its own config has them
         config["partial_rotary_factor"] = rope_dim / head_dim
         config["sliding_window"] = n("attention.sliding_window", 0) or None
+        if all(longrope):
+            original = n("rope.scaling.original_context_length")
+            scaling = {"rope_type": "longrope", "long_factor": _factors(longrope[0], rope_dim, where),
+                       "short_factor": _factors(longrope[1], rope_dim, where),
+                       "original_max_position_embeddings": original}
+            key = f"{arch}.rope.scaling.attn_factor"
+            if meta.get(key) is not None:
+                scaling["attention_factor"] = _float(meta, key, 1.0, where=where)
+            config.update(rope_scaling=scaling, original_max_position_embeddings=original)
     generation = {}
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):
@@ -200,6 +214,18 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     if isinstance(eot, int) and "eos_token_id" in generation and eot != generation["eos_token_id"]:
         generation["eos_token_id"] = [generation["eos_token_id"], eot]
     return config, generation
+
+
+def _factors(t: TensorEntry, rope_dim: int, where: str) -> list[float]:
+    """A LongRoPE factor tensor's values: F32, one per rotary frequency (rope_dim / 2)."""
+    if t.type_name != "F32" or t.shape != (rope_dim // 2,):
+        raise GGUFFileError(f"{where}: tensor {t.name!r}: LongRoPE factors must be F32 of shape "
+                            f"[{rope_dim // 2}] (half the rotary dimensions), got {t.type_name} "
+                            f"{list(t.shape)}")
+    values = np.fromfile(t.file, dtype="<f4", count=rope_dim // 2, offset=t.offset)
+    if values.size != rope_dim // 2 or not np.isfinite(values).all() or (values <= 0).any():
+        raise GGUFFileError(f"{where}: tensor {t.name!r}: LongRoPE factors must be positive and finite")
+    return [float(v) for v in values]
 
 
 def _gemma_config(meta: dict, arch: str, config: dict, where: str) -> dict:

@@ -40,7 +40,7 @@ from tpserve.errors import ConfigError
 from tpserve.gguf_file.reader import FLOAT_TYPES, GGUFFileError, TensorEntry, scan
 from tpserve.models.errors import CheckpointError
 from tpserve.models.gguf.dequant import dequantize, raw_blocks
-from tpserve.models.gguf.names import TensorNames
+from tpserve.models.gguf.names import CONFIG_TENSORS, TensorNames
 from tpserve.models.spec import ModelSpec
 from tpserve.quantization import QuantConfig, resolve_quantization
 
@@ -129,6 +129,8 @@ def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
     maps: dict[Path, np.memmap] = {}
     try:
         for t in tensors:
+            if t.name in CONFIG_TENSORS:
+                continue
             targets = names.hf_names(t)
             if not targets:
                 raise CheckpointError(f"{t.file}: tensor {t.name!r} has no place in a "

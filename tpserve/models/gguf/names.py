@@ -39,6 +39,8 @@ _LAYER = {
 _GEMMA_LAYER = dict(_LAYER, ffn_norm="pre_feedforward_layernorm",
                     post_attention_norm="post_attention_layernorm",
                     post_ffw_norm="post_feedforward_layernorm")
+# Tensors that are the config's, read with the metadata (tpserve/gguf_file/config.py), not weights.
+CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 _EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index into expert_proj_names
 _LAYER_KEY = re.compile(r"blk\.(?P<layer>\d+)\.(?P<name>[a-z_]+?)(?:\.(?P<expert>\d+))?"
                         r"\.(?P<leaf>weight|bias)")
