@@ -16,6 +16,7 @@ other (so a GGUF model runs exactly where its safetensors twin runs):
 | gemma3               | Gemma3ForCausalLM (text; a vision tower is a file apart)    |
 | phi3                 | Phi3ForCausalLM (Phi-3, Phi-4; fused q/k/v and gate/up)     |
 | smollm3              | SmolLM3ForCausalLM (no rotary in every fourth layer)        |
+| gpt-oss              | GptOssForCausalLM (MXFP4 experts, sinks, YaRN)              |
 
 Gemma's hyperparameters that llama.cpp does not write are set as llama.cpp sets them: every
 sixth layer global in Gemma 3 and every second in Gemma 2 (unless the file has
@@ -24,6 +25,11 @@ sixth layer global in Gemma 3 and every second in Gemma 2 (unless the file has
 head_count`` for the 27B models (62 layers in Gemma 3, 46 in Gemma 2), as Gemma's own configs
 have it (``query_pre_attn_scalar``); Gemma 2's soft-caps default to 50 (attention) and 30
 (final logits).
+
+gpt-oss's file holds its experts stacked (``ffn_{gate,up,down}_exps``, MXFP4 in llama.cpp's
+files, with their biases), a sink logit per head (``attn_sinks``) and the router's bias; the
+window is on every other layer from the first, YaRN's betas default to 32 and 1 (not
+truncated, as gpt-oss's own config has it) and the SwiGLU clamp is gpt-oss's 7.
 
 Phi-3's file keeps q/k/v and gate/up fused (``attn_qkv``, ``ffn_up``: the names map split
 them), its partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini), its
@@ -53,6 +59,7 @@ ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # SmolLM3: one layer in this many without rotary (llama.cpp's default)
 SMOLLM3_NO_ROPE_INTERVAL = 4
@@ -157,7 +164,7 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
         "max_position_embeddings": n("context_length", 2048),
         "rms_norm_eps": _float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, where=where),
         "rope_theta": _float(meta, f"{arch}.rope.freq_base", 10000.0, where=where),
-        "rope_scaling": _rope_scaling(meta, arch, where),
+        "rope_scaling": None if arch == "gpt-oss" else _rope_scaling(meta, arch, where),
         "tie_word_embeddings": "output.weight" not in by_name,
         "torch_dtype": _dtype(tensors),
     }
@@ -171,7 +178,9 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     ffn = n("feed_forward_length", 0)
     if experts:
         top_k = n("expert_used_count")
-        if model_type == "mixtral":
+        if model_type == "gpt_oss":
+            config.update(_gpt_oss_config(meta, arch, config, experts, top_k, ffn, where))
+        elif model_type == "mixtral":
             config.update(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=ffn,
                           sliding_window=None)
         else:
@@ -214,6 +223,32 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
     if isinstance(eot, int) and "eos_token_id" in generation and eot != generation["eos_token_id"]:
         generation["eos_token_id"] = [generation["eos_token_id"], eot]
     return config, generation
+
+
+def _gpt_oss_config(meta: dict, arch: str, config: dict, experts: int, top_k: int, ffn: int,
+                    where: str) -> dict:
+    """gpt-oss's fields: experts, the window on every other layer (the first sliding, as
+    llama.cpp has it), q/k/v/o biases, YaRN (beta 32 / 1 unless the file says, not truncated:
+    gpt-oss's own config) and its clamped SwiGLU's limit."""
+    expert_ffn = _int(meta, f"{arch}.expert_feed_forward_length", ffn, where=where)
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "yarn"):
+        raise GGUFFileError(f"{where}: metadata key '{arch}.rope.scaling.type': {kind!r} is not supported "
+                            "(supported: yarn)")
+    rope = None
+    if kind == "yarn":
+        rope = {"rope_type": "yarn",
+                "factor": _float(meta, f"{arch}.rope.scaling.factor", 32.0, where=where),
+                "original_max_position_embeddings": _int(meta, f"{arch}.rope.scaling.original_context_length",
+                                                         4096, where=where),
+                "beta_fast": _float(meta, f"{arch}.rope.scaling.yarn_beta_fast", 32.0, where=where),
+                "beta_slow": _float(meta, f"{arch}.rope.scaling.yarn_beta_slow", 1.0, where=where),
+                "truncate": False}
+    layers = config["num_hidden_layers"]
+    return {"num_local_experts": experts, "num_experts_per_tok": top_k, "intermediate_size": expert_ffn,
+            "sliding_window": _int(meta, f"{arch}.attention.sliding_window", where=where),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "attention_bias": True, "swiglu_limit": 7.0, "rope_scaling": rope}
 
 
 def _factors(t: TensorEntry, rope_dim: int, where: str) -> list[float]:

@@ -9,7 +9,8 @@ the bytes left), and only a file that passes is handed to ``GGUFReader``. Every 
 :class:`GGUFFileError` naming the file, and the key or tensor where it is.
 
 Tensor types tpserve runs (``SUPPORTED_TYPES``): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K. :func:`check_types` refuses any other type with the tensor named.
+Q4_K, Q5_K, Q6_K, and MXFP4 (gpt-oss's experts, dequantized at load). :func:`check_types`
+refuses any other type with the tensor named.
 
 Split files (``name-00001-of-00003.gguf``, llama.cpp's ``gguf-split``): :func:`gguf_parts`
 finds every part from any one of them; each part is a GGUF file of its own (the first holds
@@ -28,7 +29,8 @@ from pathlib import Path
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 # Q5_0 / Q5_1: the fallback llama-quantize writes for rows that are not whole K-quant blocks.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                   "MXFP4")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 MAX_DIMS = 4
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")

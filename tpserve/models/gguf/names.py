@@ -28,6 +28,7 @@ _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight
 # blk.N.<gguf> -> model.layers.N.<hf>; "{moe}" is the spec's sparse block (mlp / block_sparse_moe).
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss's norm before its experts
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -76,8 +77,10 @@ class TensorNames:
             return []
         prefix = f"model.layers.{m['layer']}"
         spec, name, leaf = self.spec, m["name"], m["leaf"]
+        if name == "attn_sinks" and leaf == "weight":  # gpt-oss: a parameter of its own, no leaf
+            return [(f"{prefix}.self_attn.sinks", None)]
         if name in _EXPERTS:
-            if m["expert"] is not None or len(t.shape) != 3:
+            if m["expert"] is not None or len(t.shape) != (3 if leaf == "weight" else 2):
                 return []
             proj = spec.expert_proj_names[_EXPERTS[name]]
             return [(f"{prefix}.{spec.moe_module}.experts.{e}.{proj}.{leaf}", e) for e in range(t.shape[0])]
