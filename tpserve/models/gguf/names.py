@@ -6,9 +6,9 @@ index into the first dimension), Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate
 one per projection (a slice of the rows).
 
 llama.cpp's converter reorders the rows of a llama-architecture model's q and k projections
-(Mixtral's too: it is written as ``llama``; and SmolLM3's): within each head of ``d`` rows, Hugging Face's
-order (the first halves of the rotary pairs, then the second halves) becomes interleaved pairs,
-row ``h*d + 2*i + j`` holding Hugging Face's row ``h*d + j*d/2 + i``. Qwen and Gemma models
+(Mixtral's too: it is written as ``llama``; SmolLM3's as well): within each head of ``d`` rows,
+Hugging Face's order (the first halves of the rotary pairs, then the second halves) becomes
+interleaved pairs, row ``h*d + 2*i + j`` holding Hugging Face's row ``h*d + j*d/2 + i``. Qwen and Gemma models
 are written unpermuted (their rope kernel takes halves). :meth:`TensorNames.row_permutation`
 gives the index array that puts the rows back, for a weight, a bias, or group codes, scales and
 mins. Gemma's (1 + w) norm weights are written as 1 + w; :meth:`TensorNames.norm_shift` takes
@@ -91,7 +91,6 @@ class TensorNames:
             proj = spec.expert_proj_names[index]
             return [(f"{prefix}.{spec.moe_module}.experts.{m['expert']}.{proj}.{leaf}", None)]
         if self.fused and name in ("attn_qkv", "ffn_up"):  # Phi-3: q/k/v and gate/up rows in one
-            spec = self.spec
             q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
             ffn = spec.intermediate_size
             parts = ((("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv))
