@@ -227,6 +227,34 @@ def test_symmetric_packs_read_back_and_refuse_bad_offsets():
                                          torch.tensor([bad], dtype=torch.int32), None)
 
 
+def test_huge_page_gathering_moves_scales_and_mins_too():
+    """prepack_model's arena holds each weight's codes, then its scales and mins (or offset),
+    each 64-byte aligned, and the products do not move."""
+    from tpserve.models.packed_gemm import _gather_in_huge_pages
+
+    assert cpu_extension.available()
+    packs = [pack_group_weight(*quantize_groups(torch.randn(70, 96), 32, 4)),
+             pack_group_weight(*_symmetric_weights(33, 64, 32, 8, 128, True, seed=2))]
+    x = torch.randn(3, 96), torch.randn(3, 64)
+
+    def products():
+        out = []
+        for p, xi in zip(packs, x):
+            o = torch.empty(3, p.n)
+            torch.ops.tpserve_cpu.linear(o, xi, p.data, p.kind, p.n, p.scales, p.colsum, None)
+            out.append(o)
+        return out
+
+    before = products()
+    _gather_in_huge_pages(packs)
+    storage = packs[0].data.untyped_storage().data_ptr()
+    for p in packs:
+        for t in (p.data, p.scales, p.colsum):
+            assert t.untyped_storage().data_ptr() == storage and t.data_ptr() % 64 == 0
+    assert packs[1].colsum.numel() == 1 and int(packs[1].colsum) == 128  # the offset, kept
+    assert all(torch.equal(a, b) for a, b in zip(before, products()))
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("bits,group", [(4, 16), (4, 32), (4, 128), (8, 32), (8, 64), (6, 16)])
 def test_many_rows_equal_one_row_at_a_time(symmetric, bits, group):
