@@ -112,7 +112,12 @@ def write_gemma(path: Path, arch: str, seed: int = 0, quantized: bool = False, l
         w.add_float32("gemma2.attn_logit_softcapping", 50.0)
         w.add_float32("gemma2.final_logit_softcapping", 30.0)
     for key, value in (meta or {}).items():
-        w.add_float32(key, value) if isinstance(value, float) else w.add_uint32(key, value)
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
     expected = {}
     for hf, array in weights.items():
         module = hf.removeprefix("model.").split(".", 2)[-1].rsplit(".", 1)[0]
@@ -175,6 +180,14 @@ def test_gemma_metadata_keys_that_change_the_layout(tmp_path):
     hf = EngineConfig(model=str(path), quantization="none").resolve().hf_config
     assert hf["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"] * 2
     assert hf["rope_local_base_freq"] == 20_000.0
+    flags = tmp_path / "flags.gguf"  # one flag per layer, true where it slides
+    write_gemma(flags, "gemma3", meta={"gemma3.attention.sliding_window_pattern": [True, False] * 3})
+    hf = EngineConfig(model=str(flags), quantization="none").resolve().hf_config
+    assert hf["layer_types"] == ["sliding_attention", "full_attention"] * 3
+    short = tmp_path / "short.gguf"
+    write_gemma(short, "gemma3", meta={"gemma3.attention.sliding_window_pattern": [True, False]})
+    with pytest.raises(ConfigError, match="sliding_window_pattern"):
+        EngineConfig(model=str(short), quantization="none").resolve()
     big = tmp_path / "big.gguf"
     write_gemma(big, "gemma3", layers=62)
     hf = EngineConfig(model=str(big), quantization="none").resolve().hf_config
