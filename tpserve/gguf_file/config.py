@@ -93,7 +93,22 @@ def _float(meta: dict, key: str, default: float, *, where: str) -> float:
 
 
 def _rope_scaling(meta: dict, arch: str, where: str) -> dict | None:
+    """The config's rope_scaling: none, linear, or in a gpt-oss file YaRN (betas 32 / 1 unless the
+    file says, not truncated: gpt-oss's own config)."""
     kind = meta.get(f"{arch}.rope.scaling.type")
+    if arch == "gpt-oss":
+        if kind is None:
+            return None
+        if kind != "yarn":
+            raise GGUFFileError(f"{where}: metadata key '{arch}.rope.scaling.type': {kind!r} is not "
+                                "supported (supported: yarn)")
+        return {"rope_type": "yarn",
+                "factor": _float(meta, f"{arch}.rope.scaling.factor", 32.0, where=where),
+                "original_max_position_embeddings": _int(meta, f"{arch}.rope.scaling.original_context_length",
+                                                         4096, where=where),
+                "beta_fast": _float(meta, f"{arch}.rope.scaling.yarn_beta_fast", 32.0, where=where),
+                "beta_slow": _float(meta, f"{arch}.rope.scaling.yarn_beta_slow", 1.0, where=where),
+                "truncate": False}
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none") and factor in (None, 0, 0.0, 1, 1.0):
         return None
@@ -164,7 +179,7 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
         "max_position_embeddings": n("context_length", 2048),
         "rms_norm_eps": _float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, where=where),
         "rope_theta": _float(meta, f"{arch}.rope.freq_base", 10000.0, where=where),
-        "rope_scaling": None if arch == "gpt-oss" else _rope_scaling(meta, arch, where),
+        "rope_scaling": _rope_scaling(meta, arch, where),
         "tie_word_embeddings": "output.weight" not in by_name,
         "torch_dtype": _dtype(tensors),
     }
@@ -228,27 +243,13 @@ def hf_config(meta: dict, tensors: list[TensorEntry], where: str) -> tuple[dict,
 def _gpt_oss_config(meta: dict, arch: str, config: dict, experts: int, top_k: int, ffn: int,
                     where: str) -> dict:
     """gpt-oss's fields: experts, the window on every other layer (the first sliding, as
-    llama.cpp has it), q/k/v/o biases, YaRN (beta 32 / 1 unless the file says, not truncated:
-    gpt-oss's own config) and its clamped SwiGLU's limit."""
+    llama.cpp has it), q/k/v/o biases and its clamped SwiGLU's limit (YaRN: _rope_scaling)."""
     expert_ffn = _int(meta, f"{arch}.expert_feed_forward_length", ffn, where=where)
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "yarn"):
-        raise GGUFFileError(f"{where}: metadata key '{arch}.rope.scaling.type': {kind!r} is not supported "
-                            "(supported: yarn)")
-    rope = None
-    if kind == "yarn":
-        rope = {"rope_type": "yarn",
-                "factor": _float(meta, f"{arch}.rope.scaling.factor", 32.0, where=where),
-                "original_max_position_embeddings": _int(meta, f"{arch}.rope.scaling.original_context_length",
-                                                         4096, where=where),
-                "beta_fast": _float(meta, f"{arch}.rope.scaling.yarn_beta_fast", 32.0, where=where),
-                "beta_slow": _float(meta, f"{arch}.rope.scaling.yarn_beta_slow", 1.0, where=where),
-                "truncate": False}
     layers = config["num_hidden_layers"]
     return {"num_local_experts": experts, "num_experts_per_tok": top_k, "intermediate_size": expert_ffn,
             "sliding_window": _int(meta, f"{arch}.attention.sliding_window", where=where),
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-            "attention_bias": True, "swiglu_limit": 7.0, "rope_scaling": rope}
+            "attention_bias": True, "swiglu_limit": 7.0}
 
 
 def _factors(t: TensorEntry, rope_dim: int, where: str) -> list[float]:

@@ -36,10 +36,9 @@ _LAYER = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Gemma's layer: ffn_norm is the norm before the MLP, and two more norms follow attention and MLP.
-_GEMMA_LAYER = dict(_LAYER, ffn_norm="pre_feedforward_layernorm",
-                    post_attention_norm="post_attention_layernorm",
-                    post_ffw_norm="post_feedforward_layernorm")
+# Gemma's layer: ffn_norm is the norm before the MLP, and post_attention_norm (as gpt-oss's
+# name) and post_ffw_norm follow attention and MLP.
+_GEMMA_LAYER = dict(_LAYER, ffn_norm="pre_feedforward_layernorm", post_ffw_norm="post_feedforward_layernorm")
 # Tensors that are the config's, read with the metadata (tpserve/gguf_file/config.py), not weights.
 CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 _EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index into expert_proj_names
