@@ -53,7 +53,7 @@ and decode victims are chosen worst priority first. The waiting queue is a ``Wai
 Timeouts (deadlines.py): ``expire(now)``, called by the engine before each ``schedule()``,
 finishes requests past their deadline with "timeout", freeing their blocks in any state.
 
-KV tiers (tpserve/kv_tiers, ``attach_kv_tiers``): at admission, the full blocks past a
+KV tiers (tpserve/kv_tiers, ``attach_kv_tiers``: kv_tier_traffic.py): at admission, the full blocks past a
 sequence's prefix-cache hit that the host or disk tier holds are loaded instead of computed.
 The sequence gets all its blocks as usual, then waits in ``loading`` (status LOADING, outside
 ``running`` and ``waiting``, no slot) while the ranks copy the blocks in on their own threads;
@@ -82,7 +82,8 @@ sequences start a block from the per-slot length array and, when the free blocks
 all, allocates just for those (exactly what the per-sequence loop would do, since no
 ``can_append`` can fail); otherwise it runs the seed loop. Views of ``running`` (its slots,
 token lists) are cached by :class:`RunningQueue` under its version number. ``postprocess``
-(postprocess.py) applies the sampled tokens under one finish rule, vectorized.
+(postprocess.py) applies the sampled tokens under one finish rule, vectorized. Counters and
+invariants (``stats``, ``check_integrity``) are report.py's.
 """
 from __future__ import annotations
 
@@ -102,7 +103,9 @@ from tpserve.scheduler.batch import ScheduledBatch
 from tpserve.scheduler.deadlines import Deadlines
 from tpserve.scheduler.grammar_gate import GrammarGate
 from tpserve.scheduler.plan_builder import SlotTable, build_plan
+from tpserve.scheduler.kv_tier_traffic import KvTierTraffic
 from tpserve.scheduler.postprocess import Postprocess
+from tpserve.scheduler.report import SchedulerReport
 from tpserve.scheduler.sample_inputs import build_sample_plan
 from tpserve.scheduler.spec_decode import Speculator
 from tpserve.scheduler.running import RunningQueue
@@ -118,7 +121,7 @@ FINISHED = SequenceStatus.FINISHED
 FINISH_REASONS = R.FINISH_REASONS
 
 
-class Scheduler(Postprocess):
+class Scheduler(Postprocess, KvTierTraffic, SchedulerReport):
     """Owns the waiting/running queues, the BlockManager and the per-slot arrays."""
 
     def __init__(self, config: EngineConfig, kv_groups=None):
@@ -199,57 +202,6 @@ class Scheduler(Postprocess):
     def has_unfinished(self) -> bool:
         return (bool(self.waiting) or bool(self.running) or bool(self.grammars.compiling)
                 or bool(self.loading) or bool(self.ready) or bool(self._orphans))
-
-    # ---- KV tiers (tpserve/kv_tiers) --------------------------------------------------------
-    def attach_kv_tiers(self, tiers) -> None:
-        """Serve prefix misses from ``tiers`` (a KVTierIndex) and save evicted blocks to it."""
-        bm = self.block_manager
-        tiers.block_manager = bm
-        tiers.hash_fn = bm.compute_hash
-        bm.offload = tiers
-        self.kv_tiers = tiers
-
-    def kv_meta(self, wait: bool = False) -> dict | None:
-        """The KV-tier commands for the next plan (None: none); ``wait``: the ranks wait for
-        the loads in flight (nothing else is runnable)."""
-        return self.kv_tiers.build_connector_meta(wait) if self.kv_tiers is not None else None
-
-    def kv_has_work(self) -> bool:
-        return self.kv_tiers is not None and self.kv_tiers.has_work()
-
-    def kv_results(self, results: dict | None) -> None:
-        """Apply rank 0's answer to a plan's polls: finished loads make their sequences ready."""
-        if self.kv_tiers is None or not results:
-            return
-        bs = self.block_size
-        for job, good in self.kv_tiers.update_connector_output(results):
-            seq = job.seq
-            if job.orphan:
-                self._orphans.pop(seq, None)
-                self.block_manager.deallocate(seq)
-                continue
-            self.loading.pop(seq, None)
-            if job.where is not None:  # KV-cache groups: all or nothing (kv_tiers/index.py)
-                if good < len(job.items):
-                    seq.status = WAITING
-                    self.block_manager.deallocate(seq)
-                    self.waiting.appendleft(seq)  # admitted again: the blocks missing now miss
-                    continue
-                good = job.end - job.first
-            cached = (job.first + good) * bs
-            self.kv_tiers.hit_tokens += good * bs
-            seq.num_cached_tokens = cached
-            self.block_manager.hash_blocks(seq)
-            seq.num_prefix_hit_tokens = cached
-            if cached == len(seq):
-                cached = len(seq) - 1  # recompute the last token for its logits (as admission)
-            seq.num_cached_tokens = cached
-            self.ready.append(seq)
-
-    def kv_flush(self) -> None:
-        """Before a shutdown: queue the writes that put the cached pool blocks on disk."""
-        if self.kv_tiers is not None:
-            self.kv_tiers.flush(self.block_manager)
 
     # ---- grammars (structured output: grammar_gate.py) ------------------------------------
     def take_grammar_failures(self) -> list[Sequence]:
@@ -582,7 +534,7 @@ class Scheduler(Postprocess):
             self.num_timed_out += len(seqs)
         return seqs
 
-    # ---- plans, cache, stats -------------------------------------------------------------
+    # ---- plans, cache ---------------------------------------------------------------------
     def build_plan(self, batch: ScheduledBatch) -> StepPlan:
         """The StepPlan of ``batch``, carrying the KV tiers' commands (args["kv"]) if any."""
         plan = build_plan(batch, self.block_size)
@@ -632,105 +584,3 @@ class Scheduler(Postprocess):
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len)
         return limit
-
-    @property
-    def kv_blocks_used(self) -> int:
-        return self.block_manager.num_used_blocks
-
-    @property
-    def kv_blocks_total(self) -> int:
-        return self.block_manager.num_blocks
-
-    def stats(self) -> dict:
-        """Counters since construction. ``prompt_tokens_computed`` counts prefill tokens run
-        (recomputation after preemption included); ``prefix_cache_hit_tokens`` the prompt
-        tokens whose KV came from the cache at admission."""
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
-            "decode_tokens": self.decode_tokens,
-            "kv_blocks_used": self.kv_blocks_used,
-            "kv_blocks_total": self.kv_blocks_total,
-            "block_size": self.block_size,
-            "max_num_seqs": self.max_num_seqs,
-            **(self.speculator.stats() if self.speculator is not None else {}),
-            "scheduling_order": "priority" if self.by_priority else "fcfs",
-            "num_priority_preemptions": self.num_priority_preemptions,
-            "num_timed_out": self.num_timed_out,
-            "max_waiting_requests": self.max_waiting_requests,
-            "max_waiting_tokens": self.max_waiting_tokens,
-            **({"kv_offload_loading": len(self.loading), **self.kv_tiers.stats()}
-               if self.kv_tiers is not None else {}),
-        }
-
-    def num_waiting_tokens(self) -> int:
-        """Prompt tokens admitted but not yet computed: the waiting queue's (prefix-cache hits
-        not yet known) plus what the partial prefill has left."""
-        left = self.waiting.num_tokens
-        if self._prefilling is not None:
-            left += len(self._prefilling.token_ids) - self._prefilling.num_cached_tokens
-        return left
-
-    def check_integrity(self) -> None:
-        """Block-pool invariants plus queue/slot consistency; raises AssertionError.
-
-        Meant for between steps (after ``postprocess``, before the next ``schedule``)."""
-        bm, t, bs = self.block_manager, self.table, self.block_size
-        bm.check_integrity()
-        assert len(self.running) <= self.max_num_seqs, "more running sequences than max_num_seqs"
-        ids = ([s.request_id for s in self.running] + [s.request_id for s in self.waiting]
-               + [s.request_id for s in self.grammars.compiling]
-               + [s.request_id for s in self.loading] + [s.request_id for s in self.ready])
-        assert len(ids) == len(set(ids)), "a sequence is queued twice"
-        assert set(ids) == set(self._requests), "queues and request index disagree"
-        holders = [*self.running, *self.loading, *self.ready, *self._orphans]
-        assert set(map(id, holders)) == set(map(id, bm.live_sequences())), \
-            "running, loading, ready and orphaned loads != sequences holding blocks"
-        assert len(self.running) + len(self.loading) + len(self.ready) <= self.max_num_seqs, \
-            "more running and loading sequences than max_num_seqs"
-        for s in (*self.loading, *self.ready, *self._orphans):
-            assert s.slot == -1 and len(s.block_table) == s.num_blocks, f"{s!r} loading"
-            assert (s.status is LOADING) != (s in self._orphans), f"{s!r}: status {s.status.name}"
-        if self.kv_tiers is not None:
-            loading = {id(j.seq) for j in self.kv_tiers.jobs.values()}
-            assert loading == set(map(id, self.loading)) | set(map(id, self._orphans)), \
-                "loading sequences differ from the loads in flight"
-            self.kv_tiers.check_integrity(bm, holders)
-        partial = [s for s in self.running if s.is_prefill]
-        assert partial == ([self._prefilling] if self._prefilling is not None else []), \
-            f"unexpected partial prefills {partial}"
-        assert not partial or self.running[-1] is partial[0], "the partial prefill is not the tail"
-        slots = [s.slot for s in self.running]
-        assert len(set(slots)) == len(slots) and all(0 <= x < t.num_slots for x in slots)
-        assert t.num_free_slots + len(slots) == t.num_slots, "slot leak"
-        for s in self.running:
-            assert s.status is RUNNING, f"{s!r} in running"
-            # A decoding sequence gets the block for its last token when scheduled.
-            lo = -(-(len(s) - (0 if s.is_prefill else 1)) // bs)
-            hi = -(-len(s) // bs)
-            assert lo <= len(s.block_table) <= hi, \
-                f"{s!r}: {len(s.block_table)} blocks for {len(s)} tokens"
-            row = t.block_tables[s.slot]
-            n = t.num_blocks[s.slot]
-            assert n == len(s.block_table) and row[:n].tolist() == s.block_table and (row[n:] == -1).all(), \
-                f"{s!r}: slot row {row[:n + 1].tolist()} differs from its block table"
-            for g, table in enumerate(bm.tables(s)[1:]):
-                grow = t.group_tables[g, s.slot]
-                assert grow[:n].tolist() == table and (grow[n:] == -1).all(), \
-                    f"{s!r}: group {g + 1}'s slot row {grow[:n + 1].tolist()} differs from its table"
-            if not s.is_prefill:
-                assert t.seq_lens[s.slot] == len(s) and t.last_tokens[s.slot] == s.last_token, \
-                    f"{s!r}: slot length/last token out of date"
-        for s in self.waiting:
-            assert s.status is WAITING and not s.block_table and s.slot == -1, f"{s!r} in waiting"
-            assert s.num_cached_tokens == 0 and s.is_prefill, f"{s!r} in waiting"
-        w = self.waiting
-        assert w.num_tokens == sum(len(s) for s in w) and len(w) == len(list(w)), "waiting queue counts"
-        if self.by_priority:
-            prios = [s.priority for s in w]
-            assert prios == sorted(prios), f"waiting out of priority order: {prios}"
-        live = sum(s.deadline is not None for s in self._requests.values())
-        assert self._deadlines.live == live, f"{self._deadlines.live} deadlines for {live} requests"
