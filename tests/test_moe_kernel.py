@@ -270,20 +270,26 @@ import sys
 from tpserve.kernels import cpu_extension
 assert cpu_extension.available(), cpu_extension._state.get("error")
 sys.path.insert(0, TESTS_DIR)
-from test_moe_kernel import check_moe_kinds
-check_moe_kinds()
+from MODULE import FUNCTION
+FUNCTION()
 print("ok")
 """
 
 
-def test_an_avx2_build_runs_the_experts():
-    """The experts on the operators built for an AVX2-only CPU (8-float vectors, the AVX2 int8
-    path), against the reference (runs on any x86-64 CPU; the build is the one
-    test_kernels_cpu's AVX2 test uses)."""
+def run_on_an_avx2_build(module: str, function: str) -> None:
+    """``module.function()`` in a process whose operators are built for an AVX2-only CPU (runs on
+    any x86-64 CPU; the build is the one test_kernels_cpu's AVX2 test uses)."""
     env = dict(os.environ, TPSERVE_CPU_ARCH="haswell")
-    check = AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
+    check = (AVX2_CHECK.replace("TESTS_DIR", repr(os.path.dirname(os.path.abspath(__file__))))
+             .replace("MODULE", module).replace("FUNCTION", function))
     proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_an_avx2_build_runs_the_experts():
+    """The experts on the operators built for an AVX2-only CPU (8-float vectors, the AVX2 int8
+    path), against the reference."""
+    run_on_an_avx2_build("test_moe_kernel", "check_moe_kinds")
 
 
 def test_prepack_model_packs_the_experts_in_pages_of_their_own():

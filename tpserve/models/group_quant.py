@@ -52,6 +52,8 @@ file); every ``int8 * fp32`` product is the scale exactly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -189,19 +191,47 @@ def sub_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return sub.reshape(n, groups).to(torch.int8), top.reshape(n, groups // SUB_GROUPS).contiguous()
 
 
-def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                      bits: int | None = None) -> PackedWeight:
-    """codes / scales / mins in the kernels' layout (module docstring) as a PackedWeight of kind
-    GROUP4 or GROUP8. Its ``colsum`` slot holds the mins, or for a symmetric weight (mins = -c *
-    scales, :func:`symmetric_offset`) one int32, ``c``: the kernels then read no mins. ``bits``
-    None: 4 when every code is below 16, 6 when below 64 (GROUP8 in 6 bits: Q5/Q6 blocks), else
-    8; an explicit 8 is also held in 6 bits when the codes allow it."""
-    n, k = codes.shape
-    g = group_size_of(codes, scales)
+@dataclass(frozen=True)
+class GroupLayout:
+    """How :func:`pack_group_weight` holds a weight: ``bits`` per code (4, 6 or 8), the ``offset``
+    of a symmetric weight (None: its mins are held), its scales as int8 ``sub``-scales, and
+    ``fp16`` scales (and mins)."""
+    bits: int
+    offset: int | None
+    sub: bool
+    fp16: bool
+
+
+def group_layout(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 bits: int | None = None) -> GroupLayout:
+    """The most compact layout that holds ``codes [N, K]`` / ``scales`` / ``mins [N, G]``
+    exactly. ``bits`` None: 4 when every code is below 16, 6 when below 64 (GROUP8 in 6 bits:
+    Q5/Q6 blocks), else 8; an explicit 8 is also held in 6 bits when the codes allow it. Rows are
+    independent, so the layout of a stack of weights (a layer's experts, rows of all of them) is
+    one that every weight of it can take."""
     top = int(codes.max())
     if bits is None:
         bits = 4 if top < 16 else 8
-    six = bits == 8 and top < 64
+    if bits == 8 and top < 64:
+        bits = 6
+    offset = symmetric_offset(scales, mins)
+    exact = (scales,) if offset is not None else (scales, mins)
+    return GroupLayout(bits=bits, offset=offset, sub=offset is not None and sub_scales(scales) is not None,
+                       fp16=all(_exact_fp16(t) for t in exact))
+
+
+def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      bits: int | None = None, layout: GroupLayout | None = None) -> PackedWeight:
+    """codes / scales / mins in the kernels' layout (module docstring) as a PackedWeight of kind
+    GROUP4 or GROUP8. Its ``colsum`` slot holds the mins, or for a symmetric weight (mins = -c *
+    scales, :func:`symmetric_offset`) one int32, ``c``: the kernels then read no mins. The layout
+    is :func:`group_layout`'s (of ``bits``), or ``layout`` where given (a stack's, which every
+    weight of the stack takes)."""
+    n, k = codes.shape
+    if layout is None:
+        layout = group_layout(codes, scales, mins, bits)
+    bits = 8 if layout.bits == 6 else layout.bits
+    six = layout.bits == 6
     panel = torch.ops.tpserve_cpu.linear_panel_width()
     lanes = panel // 4
     n_pad = -(-n // panel) * panel
@@ -219,15 +249,14 @@ def pack_group_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     else:
         data = c.view(pn, 4, lanes, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
 
-    offset = symmetric_offset(scales, mins)
+    offset = layout.offset
     # fp16 scales and mins when that loses nothing (quant_ops.cpp reads either)
-    exact = (scales,) if offset is not None else (scales, mins)
-    dtype = torch.float16 if all(_exact_fp16(t) for t in exact) else torch.float32
+    dtype = torch.float16 if layout.fp16 else torch.float32
 
     def per_panel(t, to=dtype):
         t = _pad_rows(t.detach(), n_pad).view(pn, panel, t.shape[1])
         return t.permute(0, 2, 1).contiguous().view(-1).to(to)
-    factored = sub_scales(scales) if offset is not None else None
+    factored = sub_scales(scales) if layout.sub else None
     if factored is not None:  # per panel: [G][P] int8, then [G/16][P] fp32 (as bytes)
         sub, top = factored
         top_bytes = per_panel(top, torch.float32).view(torch.int8).view(pn, -1)

@@ -42,6 +42,7 @@ import torch
 
 from tpserve.kernels import cpu_extension
 from tpserve.models import packed_gemm
+from tpserve.models.group_quant import group_layout, group_packable, pack_group_weight
 from tpserve.models.packed_gemm import BFLOAT16, FLOAT32, INT8, INT8_DYNAMIC
 
 _DTYPE = {FLOAT32: torch.float32, BFLOAT16: torch.bfloat16, INT8: torch.int8, INT8_DYNAMIC: torch.int8}
@@ -57,7 +58,8 @@ def ops_ready() -> bool:
 class PackedStack:
     """One projection of every local expert, packed: ``data [E, panels * P * K]`` (expert e's
     panels in row e), and for the int8 kinds ``scales`` fp32 ``[E, N_pad]`` (and ``colsum``
-    int32 ``[E, N_pad]`` with int8 activations)."""
+    int32 ``[E, N_pad]`` with int8 activations); for the group kinds ``data`` uint8 codes and
+    ``scales`` / ``colsum`` each expert's group scales and mins (:func:`_group_stack`)."""
 
     def __init__(self, data: torch.Tensor, kind: int, n: int, k: int,
                  scales: torch.Tensor | None, colsum: torch.Tensor | None):
@@ -66,7 +68,8 @@ class PackedStack:
 
     @property
     def nbytes_per_expert(self) -> int:
-        return self.data[0].nbytes
+        """Bytes one expert's projection reads: its panels, scales and colsums (or mins)."""
+        return sum(t[0].nbytes for t in (self.data, self.scales, self.colsum) if t is not None)
 
 
 def _pack_stack(weight: torch.Tensor, kind: int, scales: torch.Tensor | None,
@@ -206,6 +209,45 @@ def pack_experts(module) -> PackedExperts | None:
     packed13 = _pack_stack(w13, kind, s13, quantize)
     packed2 = _pack_stack(w2, kind, s2, quantize)
     return PackedExperts(packed13, packed2, int(module.num_experts), int(module.expert_start))
+
+
+def _group_stack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> PackedStack:
+    """One projection of every local expert as group codes (``codes [E, N, K]`` uint8, ``scales``
+    / ``mins [E, N, K // g]``), packed by ``group_quant.pack_group_weight`` an expert at a time
+    in the one layout all of them can take (``group_layout`` of the stack), so the stacked
+    tensors have rows of one size: ``data`` in 2 MB pages, ``scales`` (fp16, fp32 or int8
+    sub-scales) and ``colsum`` (the mins, or ``[E, 1]`` int32 offsets of a symmetric stack)."""
+    E, n, k = codes.shape
+    groups = scales.shape[2]
+    layout = group_layout(codes.reshape(E * n, k), scales.reshape(E * n, groups),
+                          mins.reshape(E * n, groups))
+    data = slot_scales = slot_mins = None
+    for e in range(E):
+        w = pack_group_weight(codes[e], scales[e], mins[e], layout=layout)
+        if data is None:
+            data = packed_gemm.huge_page_buffer(E * w.data.numel()).view(E, -1)
+            slot_scales = w.scales.new_empty(E, w.scales.numel())
+            slot_mins = w.colsum.new_empty(E, w.colsum.numel())
+        data[e].copy_(w.data)
+        slot_scales[e].copy_(w.scales)
+        slot_mins[e].copy_(w.colsum)
+    return PackedStack(data, w.kind, n, k, slot_scales, slot_mins)
+
+
+def pack_group_experts(w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                       w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_experts: int,
+                       expert_start: int) -> PackedExperts | None:
+    """A layer's group-quantized experts (``(codes, scales, mins)`` of ``w13 [E, 2I, H]`` and
+    ``w2 [E, H, I]``, group_quant.py's representation) packed for the C++ kernel, which runs
+    them with int8 activations per group (quant_ops.cpp); None where it cannot take them (no
+    C++ operators, a group that is not a multiple of 16 dividing the inputs)."""
+    if not ops_ready():
+        return None
+    for codes, scales, _ in (w13, w2):
+        k = codes.shape[2]
+        if codes.device.type != "cpu" or not group_packable(k, k // scales.shape[2]):
+            return None
+    return PackedExperts(_group_stack(*w13), _group_stack(*w2), num_experts, expert_start)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -4,8 +4,10 @@
 // once per call (at batch 1 with 8 of 128 experts chosen, 1/16 of the layer's expert weights).
 //
 // The matmuls are the packed linear layers' own kernels (linear_ops.cpp: fp32, bf16, int8
-// weight-only and int8 x int8, AVX-512 or AVX2 as the build's instruction set gives), driven
-// through linear_block over per-expert views of the stacked packed weights. Rather than one
+// weight-only and int8 x int8; quant_ops.cpp: 4-, 6- and 8-bit group codes; AVX-512 or AVX2 as
+// the build's instruction set gives), driven through linear_block (group_block) over per-expert
+// views of the stacked packed weights. A group-quantized projection's rows are quantized once
+// per call, for all its experts. Rather than one
 // linear_into per expert (two parallel regions per expert, each split across the threads on
 // its own: 16 regions at top-8, and 24 panels of a gate/up projection do not divide evenly
 // among 16 threads), all the selected experts' (panel, rows) pieces of the gate/up projections
@@ -40,6 +42,7 @@ namespace tpserve {
 namespace {
 
 at::ScalarType data_dtype(int64_t kind) {
+  if (is_group_kind(kind)) return at::kByte;
   return kind == kFloat32 ? at::kFloat : kind == kBFloat16 ? at::kBFloat16 : at::kChar;
 }
 
@@ -122,22 +125,43 @@ void build_items(std::vector<MoeItem>& items, const MoeScratch& s, const std::ve
   }
 }
 
-// out = x W_e^T for every item's expert, rows and panel, in one parallel loop.
-void grouped_matmul(at::Tensor& out, const LinearRows& rows, const std::vector<PackedLinear>& w,
-                    const std::vector<MoeItem>& items, int64_t max_rows) {
+// out = x W_e^T for every item's expert, rows and panel, in one parallel loop; block(op, ldo,
+// dt, weight, panel, r0, r1) runs one item with the kernels of the weights' kind.
+template <typename Block>
+void grouped_matmul(at::Tensor& out, const std::vector<PackedLinear>& w, const std::vector<MoeItem>& items,
+                    int64_t max_rows, int64_t panel_bytes, const Block& block) {
   if (items.empty()) return;
   void* op = out.data_ptr();
   const int64_t ldo = out.stride(0);
   const at::ScalarType dt = out.scalar_type();
   // As linear_into: with few rows, at least ~64 KB of weights per thread's share.
-  const int64_t panel_bytes = linear_panel_bytes(w[items[0].expert]);
   const int64_t grain = max_rows > 4 ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, static_cast<int64_t>(items.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const MoeItem& it = items[i];
-      linear_block(op, ldo, dt, rows, w[it.expert], it.panel, it.panel + 1, it.r0, it.r1);
+      block(op, ldo, dt, w[it.expert], it.panel, it.r0, it.r1);
     }
   });
+}
+
+// out = x W_e^T for the selected experts of one projection (x: the grouped rows): x prepared
+// once for the weights' kind (group weights: quantized per group, quant_ops.cpp), then the
+// grouped matmul.
+void project(at::Tensor& out, const at::Tensor& x, const std::vector<PackedLinear>& w, MoeScratch& s,
+             RowBuffers& rows_buf, GroupRowBuffers& group_buf, int64_t max_rows) {
+  build_items(s.items, s, w);
+  const PackedLinear& first = w[0];
+  if (is_group_kind(first.kind)) {
+    const GroupRows rows = group_prepare_rows(x, group_size(first), group_buf);
+    grouped_matmul(out, w, s.items, max_rows, group_panel_bytes(first),
+                   [&](void* op, int64_t ldo, at::ScalarType dt, const PackedLinear& we, int64_t p, int64_t r0,
+                       int64_t r1) { group_block(op, ldo, dt, rows, we, p, r0, r1); });
+    return;
+  }
+  const LinearRows rows = prepare_rows(x, first.kind, rows_buf);
+  grouped_matmul(out, w, s.items, max_rows, linear_panel_bytes(first),
+                 [&](void* op, int64_t ldo, at::ScalarType dt, const PackedLinear& we, int64_t p, int64_t r0,
+                     int64_t r1) { linear_block(op, ldo, dt, rows, we, p, p + 1, r0, r1); });
 }
 
 template <typename T>
@@ -334,9 +358,7 @@ void moe_experts_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& to
     } else {
       gather_rows<at::BFloat16>(xg, x, s);
     }
-    const LinearRows r13 = prepare_rows(xg, m.w13[0].kind, s.rows13);
-    build_items(s.items, s, m.w13);
-    grouped_matmul(gate_up, r13, m.w13, s.items, max_rows);
+    project(gate_up, xg, m.w13, s, s.rows13, s.group13, max_rows);
     if (m.swiglu_oai) {
       if (dt == at::kFloat) {
         swiglu_oai_rows<float>(gate_up, act, I, m.swiglu_alpha, m.swiglu_limit);
@@ -348,9 +370,7 @@ void moe_experts_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& to
     } else {
       silu_rows<at::BFloat16>(gate_up, act, I);
     }
-    const LinearRows r2 = prepare_rows(act, m.w2[0].kind, s.rows2);
-    build_items(s.items, s, m.w2);
-    grouped_matmul(y, r2, m.w2, s.items, max_rows);
+    project(y, act, m.w2, s, s.rows2, s.group2, max_rows);
   }
   if (dt == at::kFloat) {
     combine<float>(out, y, topk_weights, s, k, shared, shared_gate);
@@ -360,6 +380,12 @@ void moe_experts_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& to
   for (RowBuffers* b : {&s.rows13, &s.rows2}) {
     trim(b->widened);
     trim(b->quantized);
+  }
+  for (GroupRowBuffers* b : {&s.group13, &s.group2}) {
+    trim(b->q);
+    trim(b->s);
+    trim(b->ms);
+    trim(b->sum);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "linear_ops.h"
+#include "quant_ops.h"
 
 namespace tpserve {
 
@@ -48,6 +49,7 @@ struct MoeScratch {
   std::vector<int32_t> active;
   std::vector<MoeItem> items;
   RowBuffers rows13, rows2;
+  GroupRowBuffers group13, group2;  // group-quantized experts' rows (quant_ops.h)
   at::Tensor xg, gate_up, act, y;  // capacity rows; viewed at the step's row count
 };
 

@@ -96,22 +96,12 @@ int64_t bits_of(const PackedLinear& w) {
 
 // ---- activations: int8 per row and group -------------------------------------------------------
 
-struct QRows {
-  const int8_t* q = nullptr;     // [M, K]
-  const float* s = nullptr;      // [M, G]: a_scale
-  const float* ms = nullptr;     // [M, G]: a_scale * sum(a_q)
-  const int32_t* sum = nullptr;  // [M, G]: sum(a_q)
-  int64_t K = 0, G = 0;
-};
+using QRows = GroupRows;
 
 // The quantized rows' buffer holds a multiple of this many rows (an AMX tile reads 16).
 constexpr int64_t kPadRows = 16;
 
-struct QBuffers {
-  std::vector<int8_t> q;
-  std::vector<float> s, ms;
-  std::vector<int32_t> sum;
-};
+using QBuffers = GroupRowBuffers;
 thread_local QBuffers t_buf;
 
 typedef int32_t vi32l __attribute__((vector_size(kLanes * 4)));
@@ -154,10 +144,9 @@ void quantize_row(const T* row, int64_t K, int64_t g, int8_t* q, float* s, float
 }
 
 template <typename T>
-QRows quantize_rows(const at::Tensor& x, int64_t g) {
+QRows quantize_rows(const at::Tensor& x, int64_t g, QBuffers& b = t_buf) {
   const int64_t M = x.size(0), K = x.size(1), G = K / g, xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
-  QBuffers& b = t_buf;
   b.q.resize(static_cast<size_t>((M + kPadRows - 1) / kPadRows * kPadRows * K));  // tiles read whole 16 rows
   b.s.resize(static_cast<size_t>(M * G));
   b.ms.resize(static_cast<size_t>(M * G));
@@ -817,10 +806,7 @@ void group_linear_typed(at::Tensor& out, const at::Tensor& x, const PackedLinear
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
   const int64_t P = panels(w.n), blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t scale_bytes =
-      has_sub_scales(w) ? (w.k / g) * kPanel * 5 / 4
-                        : (w.k / g) * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
-  const int64_t panel_bytes = panel_code_bytes(bits_of(w), w.k) + scale_bytes;
+  const int64_t panel_bytes = group_panel_bytes(w);
   const int64_t grain = M > kGTile ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, P * blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -882,14 +868,48 @@ void check_group_packed(const PackedLinear& w, const char* what) {
   }
 }
 
-void group_linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
+int64_t group_panel_bytes(const PackedLinear& w) {
+  const int64_t G = groups_of(w);
+  const int64_t scale_bytes = has_sub_scales(w) ? G * kPanel * 5 / 4
+                                                : G * kPanel * w.scales->element_size() * (is_symmetric(w) ? 1 : 2);
+  return panel_code_bytes(bits_of(w), w.k) + scale_bytes;
+}
+
+int64_t group_size(const PackedLinear& w) {
   const int64_t g = group_of(w);
   TORCH_CHECK_VALUE(g > 0 && g <= 256, "group weight: group size ", g, " is not supported (16..256)");
+  return g;
+}
+
+void group_linear_into(at::Tensor& out, const at::Tensor& x, const PackedLinear& w) {
+  const int64_t g = group_size(w);
   if (x.size(0) == 0) return;
   if (x.scalar_type() == at::kFloat) {
     group_linear_typed<float>(out, x, w, g);
   } else {
     group_linear_typed<at::BFloat16>(out, x, w, g);
+  }
+}
+
+GroupRows group_prepare_rows(const at::Tensor& x, int64_t g, GroupRowBuffers& buf) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && (dt == at::kFloat || dt == at::kBFloat16),
+                    "x: expected float32/bfloat16 [M, K] with contiguous rows");
+  TORCH_CHECK_VALUE(g >= 16 && g % 16 == 0 && x.size(1) % g == 0, "x: K=", x.size(1),
+                    " is not a whole number of groups of ", g);
+  return dt == at::kFloat ? quantize_rows<float>(x, g, buf) : quantize_rows<at::BFloat16>(x, g, buf);
+}
+
+void group_block(void* out, int64_t ldo, at::ScalarType dt, const GroupRows& rows, const PackedLinear& w,
+                 int64_t p, int64_t r0, int64_t r1) {
+  const int64_t g = rows.K / rows.G;
+  for (int64_t r = r0; r < r1; r += kRowBlock) {  // run_rows takes up to a row block
+    const int64_t end = std::min(r1, r + kRowBlock);
+    if (dt == at::kFloat) {
+      run_rows<float>(w, g, rows, p, r, end, static_cast<float*>(out), ldo);
+    } else {
+      run_rows<at::BFloat16>(w, g, rows, p, r, end, static_cast<at::BFloat16*>(out), ldo);
+    }
   }
 }
 
