@@ -28,6 +28,8 @@ CASES = {  # name: (make_tiny_model arch and overrides, dtype, --quantization)
                                                 norm_topk_prob=False), "bfloat16", None),
     "qwen2_moe-shared-bf16": ("qwen2_moe", dict(), "bfloat16", None),
     "mixtral-int8": ("mixtral", dict(), "float32", "int8"),
+    # 4-bit group-quantized experts (and dense layers), int8 activations per group
+    "qwen3_moe-int4-bf16": ("qwen3_moe", dict(), "bfloat16", "int4-g32"),
 }
 
 
@@ -39,7 +41,7 @@ def _decode_logits(path, dtype, quant, fused: bool, stack: bool = True, tp=None,
               if isinstance(layer.feed_forward, SparseMoeBlock)]
     assert blocks and all(b.experts.packed is not None for b in blocks)
     for b in blocks:  # weights large enough that the routers spread tokens over the experts
-        b.gate.packed.data.mul_(4)
+        b.gate.packed.data.mul_(4)  # (routers stay float under every --quantization)
     prompts = random_prompts([9, 4, 17], 384, seed=3)
     kv = PagedKV(model, len(prompts), 40)
     if fused:

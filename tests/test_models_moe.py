@@ -296,6 +296,41 @@ def test_int8_at_load_quantizes_the_experts_and_stays_close(tiny_models_root, mo
         assert not torch.equal(g, w)
 
 
+def test_int4_at_load_groups_the_experts(tiny_models_root, monkeypatch):  # noqa: F811
+    """``--quantization int4-g32``: each expert quantized to 4-bit codes with a scale and a min per
+    group (moe_group.py), run by the C++ kernel (int8 activations per group) where built, or
+    dequantized by the torch path (TPSERVE_PREPACK=0): the two agree to what the activations'
+    rounding moves (this tiny random model amplifies 4-bit weights' error to half its float
+    logits, int8's to a third)."""
+    from tpserve.models.group_quant import GROUP4
+    # (the shared expert: 64 features, whole groups of 32)
+    path = make_tiny_model(tiny_models_root, "qwen2_moe", shared_expert_intermediate_size=64)
+    prompts = random_prompts([9, 4], 384, seed=2)
+    decode = [[5, 7], [11, 13]]
+    float_model = tpserve_model(path)
+    pack(float_model)
+    want = run(float_model, prompts, decode)
+    got = {}
+    for prepack in ("1", "0"):
+        monkeypatch.setenv("TPSERVE_PREPACK", prepack)
+        model = tpserve_model(path, quantization="int4-g32")
+        blocks = moe_blocks(model)
+        assert all(b.experts.group is not None and not b.experts.group.from_checkpoint for b in blocks)
+        pack(model)
+        for b in blocks:
+            fm = b.experts
+            assert fm.w13_weight.numel() == 0  # the float experts freed
+            if prepack == "0":
+                w13, w2 = fm.group.stacks
+                assert fm.packed is None and int(w13.codes.max()) < 16 and int(w2.codes.max()) < 16
+            else:
+                assert fm.packed.w13.kind == fm.packed.w2.kind == GROUP4 and fm.group.stacks is None
+        got[prepack] = run(model, prompts, decode)
+    for kernel, torch_path, w in zip(got["1"], got["0"], want):
+        assert (kernel - torch_path).abs().max() < 0.1 * torch_path.abs().max()
+        assert not torch.equal(torch_path, w)
+
+
 def test_compressed_tensors_int8_experts_load(tiny_models_root, tmp_path):  # noqa: F811
     """W8A16 (routers ignored) computes its dequantized float twin; W8A8 with int8 routers too
     loads and stays close to it."""

@@ -3,7 +3,8 @@ pack-quantized group schemes (W4A16 / W4A8), written here in each format's docum
 a tiny random float model (the writers below pack the tensors the way each library saves them),
 decoded by tpserve/models/quant_formats.py into codes/scales/mins exactly, and loaded onto the
 group-quant layer greedy-equal to the same weights dequantized into a float checkpoint (fp32);
-one format at TP=2; unsupported variants refused with the field named."""
+a mixture of experts' experts as group codes too; one format at TP=2; unsupported variants
+refused with the field named."""
 from __future__ import annotations
 
 import json
@@ -129,9 +130,11 @@ def format_tensors(fmt, w, group, kw):
     return ct_tensors(w, group, kw.get("sym", True), kw.get("bits", 4), kw.get("scale_dtype", torch.float16))
 
 
-def write_checkpoint(src: Path, dst: Path, fmt: str, group: int = GROUP, **kw) -> tuple[Path, Path]:
-    """``src``'s linear layers (not the embedding, not the LM head) in ``fmt`` at ``dst``, and the
-    same weights dequantized as a float checkpoint at ``dst``-float; returns both paths."""
+def write_checkpoint(src: Path, dst: Path, fmt: str, group: int = GROUP, keep: tuple = (), **kw
+                     ) -> tuple[Path, Path]:
+    """``src``'s linear layers (not the embedding, not the LM head, none whose name holds one of
+    ``keep``) in ``fmt`` at ``dst``, and the same weights dequantized as a float checkpoint at
+    ``dst``-float; returns both paths."""
     ref = dst.with_name(dst.name + "-float")
     for d in (dst, ref):
         shutil.copytree(src, d)
@@ -140,7 +143,7 @@ def write_checkpoint(src: Path, dst: Path, fmt: str, group: int = GROUP, **kw) -
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
         linear = name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name
-        if not linear or module == "lm_head":
+        if not linear or module == "lm_head" or any(k in name for k in keep):
             quant[name] = deq_all[name] = t
             continue
         parts, deq = format_tensors(fmt, t, group, kw)
@@ -270,6 +273,36 @@ def test_checkpoint_loads_greedy_equal_to_its_dequantized_weights(float_model, t
     assert got == want
     for g, w in zip(got_logits, want_logits):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt, kw", [("gptq", {"sym": True}), ("awq", {})], ids=["gptq", "awq"])
+def test_a_mixture_of_experts_checkpoint_loads_its_experts_as_codes(tmp_path, monkeypatch, fmt, kw):
+    """Qwen3-MoE with its experts (and attention) in 4 bits, its routers float, as GPTQ and AWQ
+    write them: the experts load as group codes (moe_group.py) equal to the format's dequantized
+    weights (the torch path, TPSERVE_PREPACK=0: greedy and logits as the float twin's); packed, the
+    kernels run each layer's experts as the torch path does, but for int8 activations' rounding."""
+    from tpserve.models.moe import FusedMoE
+    monkeypatch.setenv("TPSERVE_PREPACK", "0")
+    src = make_tiny_model(tmp_path / "src", "qwen3_moe", tie_word_embeddings=False)
+    quant, ref = write_checkpoint(src, tmp_path / fmt, fmt, keep=("mlp.gate.",), **kw)
+    assert "model.layers.0.mlp.experts.5.down_proj.scales" in load_file(str(quant / "model.safetensors"))
+    model = tpserve_model(quant)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.group is not None and m.group.from_checkpoint for m in experts)
+    got, got_logits = greedy(model, PROMPTS, 6)
+    want, want_logits = greedy(tpserve_model(ref), PROMPTS, 6)
+    assert got == want
+    for g, w in zip(got_logits, want_logits):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+    monkeypatch.setenv("TPSERVE_PREPACK", "1")
+    packed = [m for m in tpserve_model(quant).modules() if isinstance(m, FusedMoE)]
+    gen = torch.Generator().manual_seed(0)
+    for torch_path, kernel in zip(experts, packed):
+        assert kernel.packed is not None and kernel.packed.kind == GROUP4
+        x = torch.randn(40, 64, generator=gen)
+        ids, weights = torch.randint(0, 8, (40, 2), generator=gen), torch.rand(40, 2, generator=gen)
+        want = torch_path(x, ids, weights)
+        assert (kernel(x, ids, weights) - want).abs().max() < 0.03 * want.abs().max()
 
 
 def test_a_gptq_v2_qwen2_checkpoint_keeps_its_biases(tmp_path_factory, tmp_path):

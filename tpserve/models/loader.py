@@ -262,13 +262,16 @@ def _target(key: str, mapping: dict) -> tuple[str, object]:
     return key, None
 
 
-# <block>.experts.{e}.<proj>.<weight|weight_scale>, or the fused <block>.experts.<gate_up|down>_proj
+# <block>.experts.{e}.<proj>.<leaf>, or the fused <block>.experts.<gate_up|down>_proj; the leaves:
+# a float or int8 weight, its scale, a bias, group codes, scales and mins (moe_group.py)
+_EXPERT_LEAVES = "weight|weight_scale|bias|weight_codes|weight_group_scales|weight_group_mins"
 _EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\."
-                         r"(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>weight|weight_scale|bias)"
+                         rf"(?:(?P<e>\d+)\.(?P<proj>\w+)\.(?P<leaf>{_EXPERT_LEAVES})"
                          r"|(?P<fused>gate_up_proj|down_proj))")
 
 
-_ONE_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?P<e>\d+)\.\w+\.(?:weight|weight_scale|weight_packed)")
+_ONE_EXPERT_KEY = re.compile(r"(?P<moe>.+)\.experts\.(?P<e>\d+)\.\w+\."
+                             rf"(?:{_EXPERT_LEAVES}|weight_packed)")
 
 
 def _other_ranks_experts(model: CausalLM) -> Callable[[str], bool] | None:
@@ -312,8 +315,7 @@ def _expert_target(key: str, model: CausalLM):
     part = module.proj_names.get(m["proj"])
     if part is None or int(m["e"]) >= module.num_experts:
         return None
-    name = ("w2_" if part == DOWN else "w13_") + {"weight": "weight", "weight_scale": "weight_scale",
-                                                   "bias": "bias"}[m["leaf"]]
+    name = ("w2_" if part == DOWN else "w13_") + m["leaf"]
     shard = (int(m["e"]), part)
     return f"{prefix}.{name}", shard, {shard}
 

@@ -55,12 +55,11 @@ from torch import nn
 from tpserve.models.activation import SiluAndMul
 from tpserve.models.errors import CheckpointError
 from tpserve.models.linear import MergedColumnParallelLinear, RowParallelLinear
+from tpserve.models.moe_group import DOWN, GATE, UP, GroupExperts
 from tpserve.models.packed_gemm import PackableLinear, quantize_int8
 from tpserve.models.parallel import TPContext
 from tpserve.models.weights import attach_loader, check_shape, new_param
 
-# The parts of one expert, as FusedMoE's loader names them.
-GATE, UP, DOWN = "gate", "up", "down"
 FUSED_GATE_UP, FUSED_DOWN = "gate_up", "down"
 
 
@@ -94,7 +93,7 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 
 def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     if w.dtype != torch.int8:
-        return w
+        return w.to(dtype)  # float experts, or a GroupStack's dequantized fp32 expert
     return (w.float() * scale.float()[:, None]).to(dtype)
 
 
@@ -108,11 +107,11 @@ def experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
     ``topk_ids [T, k]`` are global expert ids; ``w13 [E_local, 2I, H]`` / ``w2 [E_local, H, I]``
     hold experts ``expert_start ..`` (int8 with ``w13_scale [E_local, 2I]`` and ``w2_scale
-    [E_local, H]``, dequantized per expert used). Tokens routed to experts outside this range
-    contribute nothing. Experts are visited in ascending order and each adds
-    ``weight * down(silu(gate) * up)`` to its tokens' rows, as transformers does. With biases
-    (``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]``) each projection adds its own; ``act``
-    replaces SiLU-and-mul (a function of ``gate_up [n, 2I]``).
+    [E_local, H]``, or group codes as ``moe_group.GroupStack``, dequantized per expert used).
+    Tokens routed to experts outside this range contribute nothing. Experts are visited in
+    ascending order and each adds ``weight * down(silu(gate) * up)`` to its tokens' rows, as
+    transformers does. With biases (``w13_bias [E_local, 2I]``, ``w2_bias [E_local, H]``) each
+    projection adds its own; ``act`` replaces SiLU-and-mul (a function of ``gate_up [n, 2I]``).
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -254,7 +253,9 @@ class FusedMoE(nn.Module):
         self.swiglu_oai = swiglu_oai
         self.quantize_at_load = False
         self.int8_activations = False
+        self.group: GroupExperts | None = None  # group-quantized experts (make_group)
         self.packed = None
+        self.prepacked = False
 
     # ---- int8 ----------------------------------------------------------------------------
     def make_int8(self) -> None:
@@ -266,6 +267,13 @@ class FusedMoE(nn.Module):
             scale = torch.empty(old.shape[:2], dtype=torch.float32, device=old.device)
             setattr(self, f"{name}_scale", attach_loader(nn.Parameter(scale, requires_grad=False),
                                                          self.weight_loader))
+
+    def make_group(self, from_checkpoint: bool, group_size: int = 128, bits: int = 0) -> None:
+        """Group-quantized experts (``moe_group.py``): 4/6/8-bit codes from the checkpoint
+        (parameters ``w13_weight_codes``, ``w13_weight_group_scales`` ... replace the float
+        weights), or the float weights quantized with ``group_size`` and ``bits`` when packed."""
+        self.int8_activations = True
+        self.group = GroupExperts(self, from_checkpoint, group_size, bits, kernel=_moe_kernel())
 
     # ---- loading -------------------------------------------------------------------------
     @property
@@ -283,8 +291,7 @@ class FusedMoE(nn.Module):
         the parameter's name (``w13_weight``, ``w2_weight_scale``, ``w13_bias`` ...)."""
         e, part = shard
         proj = next(name for name, p in self.proj_names.items() if p == part)
-        kind = "weight_scale" if leaf.endswith("_scale") else "bias" if leaf.endswith("_bias") else "weight"
-        return f"{prefix}.{e}.{proj}.{kind}"
+        return f"{prefix}.{e}.{proj}.{leaf.split('_', 1)[1]}"  # w13_weight_scale -> weight_scale
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
         """Copy this rank's share of a checkpoint tensor into ``param``.
@@ -348,7 +355,13 @@ class FusedMoE(nn.Module):
         this rank's partial sum ``[T, H]`` (no all-reduce here)."""
         if self.packed is not None:
             return self.packed.forward(x, topk_ids, topk_weights)
-        if x.device.type == "cuda" and self.w13_weight.dtype != torch.int8 and self.plain_experts:
+        w13, w2 = self.w13_weight, self.w2_weight
+        if self.group is not None:  # codes, dequantized per expert used (at load: quantized first)
+            self.group.quantize()
+            if self.group.stacks is None:
+                raise RuntimeError("FusedMoE: the experts' group codes are not loaded")
+            w13, w2 = self.group.stacks
+        elif x.device.type == "cuda" and w13.dtype != torch.int8 and self.plain_experts:
             from tpserve.kernels.triton_moe import fused_experts  # GPU: grouped Triton GEMMs
             return fused_experts(x, topk_ids, topk_weights, self.w13_weight, self.w2_weight,
                                  self.expert_start)
@@ -359,35 +372,40 @@ class FusedMoE(nn.Module):
         # The down projection's bias joins the partial sums once: on rank 0, or with expert
         # parallelism on the rank that holds the expert.
         w2_bias = self.w2_bias if self.expert_parallel or self.tp.rank == 0 else None
-        return experts_reference(x, topk_ids, topk_weights, self.w13_weight, self.w2_weight,
-                                 self.expert_start, self.w13_weight_scale, self.w2_weight_scale,
-                                 w13_bias=self.w13_bias, w2_bias=w2_bias, act=act)
+        return experts_reference(x, topk_ids, topk_weights, w13, w2, self.expert_start,
+                                 self.w13_weight_scale, self.w2_weight_scale, w13_bias=self.w13_bias,
+                                 w2_bias=w2_bias, act=act)
 
     def prepack_experts(self) -> bool:
         """Hand the weights to the C++ grouped-expert kernel when it is built here (it packs,
-        and quantizes when ``quantize_at_load``); frees the dense weights. Returns whether it
-        did. Without the kernel, ``--quantization int8`` still quantizes the experts of a CPU
-        model (the torch path dequantizes an expert when tokens use it)."""
-        if self.packed is not None:
+        and quantizes when ``quantize_at_load``; group experts: ``moe_group.py``, which may have
+        packed a checkpoint's already); frees the dense weights. Returns whether it did (once).
+        Without the kernel, ``--quantization int8`` still quantizes the experts of a CPU model
+        (the torch path dequantizes an expert when tokens use it), and ``int4`` groups them."""
+        if self.prepacked:
             return False
-        kernel = _moe_kernel()
-        if kernel is not None and kernel.ops_ready():
-            packed = kernel.pack_experts(self)
-            if packed is not None:
-                if self.swiglu_oai is not None:  # gpt-oss: biases and the clamped SwiGLU
-                    w2_bias = self.w2_bias if self.expert_parallel or self.tp.rank == 0 else None
-                    packed.set_swiglu_oai(self.w13_bias.detach(),
-                                          None if w2_bias is None else w2_bias.detach(), *self.swiglu_oai)
-                self.packed = packed
-                for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
-                    p = getattr(self, name)
-                    if p is not None:
-                        p.data = p.data.new_empty(0)
-                return True
-        w = self.w13_weight
-        if self.quantize_at_load and w.dtype != torch.int8 and w.device.type == "cpu":
-            self._quantize_in_place()
-        return False
+        if self.group is not None:
+            if self.packed is None and not self.group.pack():
+                return False
+        else:
+            kernel = _moe_kernel()
+            packed = kernel.pack_experts(self) if kernel is not None and kernel.ops_ready() else None
+            if packed is None:
+                w = self.w13_weight
+                if self.quantize_at_load and w.dtype != torch.int8 and w.device.type == "cpu":
+                    self._quantize_in_place()
+                return False
+            self.packed = packed
+            for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+                p = getattr(self, name)
+                if p is not None:
+                    p.data = p.data.new_empty(0)
+        if self.swiglu_oai is not None:  # gpt-oss: biases and the clamped SwiGLU
+            w2_bias = self.w2_bias if self.expert_parallel or self.tp.rank == 0 else None
+            self.packed.set_swiglu_oai(self.w13_bias.detach(), None if w2_bias is None else w2_bias.detach(),
+                                       *self.swiglu_oai)
+        self.prepacked = True
+        return True
 
     def _quantize_in_place(self) -> None:
         """Per-output-channel symmetric int8, as the packed linear layers quantize."""

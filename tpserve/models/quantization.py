@@ -32,12 +32,12 @@ becomes ``weight``; a ``weight_zero_point`` must be all zeros (symmetric) and is
 Group-quantized layers (method ``"group"``: ``--quantization int4``, or a checkpoint holding
 ``weight_codes`` / ``weight_group_scales`` / ``weight_group_mins``) are made by
 ``group_quant.make_group_quant``, which also gives them their TP loaders (group-aligned row
-sharding). Their routers stay float; a mixture of experts' experts are int8 (quantized at load,
-as under ``--quantization int8``) with ``--quantization int4`` and refused from a group
-checkpoint. A tied LM head stays the float embedding with a group checkpoint, unless the
-checkpoint gives the head codes (``tied_head_codes``: a GGUF file's quantized ``token_embd``):
-then the head is group-quantized and the embedding looks its rows up in the head's codes, so
-the table is held once, as codes. With ``--quantization int4`` a tied head is quantized from the
+sharding). Their routers stay float; a mixture of experts' experts are group codes too
+(``moe.FusedMoE.make_group``, ``moe_group.py``): quantized at load with ``--quantization int4``,
+or a checkpoint's (a GGUF file's quantized experts). A tied LM head stays the float embedding
+with a group checkpoint, unless the checkpoint gives the head codes (``tied_head_codes``: a GGUF
+file's quantized ``token_embd``): then the head is group-quantized and the embedding looks its
+rows up in the head's codes, so the table is held once, as codes. With ``--quantization int4`` a tied head is quantized from the
 embedding's float table, and the table itself is then held as 8-bit codes with a scale and a
 min per group of 32 (``EMBEDDING_CODES``, ``group_quant.hold_rows_as_codes``): the float table would be a
 third of a small model's bytes (the 0.6B shape: 297 of 599 MiB) for rows whose codes lose less
@@ -102,10 +102,6 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
         embed.prepack_rows = functools.partial(hold_rows_as_codes, embed, *EMBEDDING_CODES)
     for name, layer in model.named_modules():
         if isinstance(layer, FusedMoE):
-            if qc.grouped and qc.from_checkpoint:
-                raise UnsupportedModelError(
-                    "quantization", f"{name}: mixture-of-experts layers are not supported in "
-                                    "group-quantized checkpoints")
             count += _prepare_experts(name, layer, qc)
             continue
         if not isinstance(layer, PackableLinear):
@@ -147,7 +143,8 @@ def prepare_model(model: nn.Module, qc: QuantConfig) -> int:
 
 
 def _prepare_experts(name: str, layer: FusedMoE, qc: QuantConfig) -> int:
-    """Mark one layer's experts for int8 (all or none of them); returns 1 if quantized."""
+    """Mark one layer's experts for int8 or group codes (all or none of them); returns 1 if
+    quantized."""
     parts = [f"{name}.{e}.{proj}" for e in range(layer.num_experts) for proj in layer.proj_names]
     flags = {qc.quantizes(p) for p in parts}
     if len(flags) > 1:
@@ -156,6 +153,9 @@ def _prepare_experts(name: str, layer: FusedMoE, qc: QuantConfig) -> int:
                                           "ignore all of their projections or none")
     if not flags.pop():
         return 0
+    if qc.grouped:
+        layer.make_group(qc.from_checkpoint, qc.group_size, qc.bits)
+        return 1
     layer.int8_activations = qc.int8_activations
     if qc.from_checkpoint:
         layer.make_int8()
