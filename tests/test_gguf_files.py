@@ -489,7 +489,7 @@ def test_a_tied_quantized_embedding_is_held_once_as_the_heads_codes(tmp_path):
     assert all(len(t) == 4 for t in tokens[0]) and tokens[0] == tokens[1]
 
 
-def test_moe_default_is_refused_by_name(tmp_path):
+def test_moe_experts_split_per_expert_both_ways(tmp_path):
     path = tmp_path / "moe.gguf"
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 32),
@@ -517,16 +517,22 @@ def test_moe_default_is_refused_by_name(tmp_path):
     assert config.hf_config["architectures"] == ["Qwen3MoeForCausalLM"]
     spec = model_spec(load_config(config.model_path))
     assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (4, 2, 32)
-    with pytest.raises(ConfigError, match="--quantization none"):
-        gguf_quant_config(gguf_files(config.model_path), None, spec, config.hf_config)
-    # Dequantized, every expert's tensor lands under its Hugging Face name.
-    got = dict(gguf_weights(gguf_files(config.model_path), spec, None, torch.float32))
+    # Dequantized, every expert's tensor lands under its Hugging Face name; natively (the default)
+    # its codes, scales and mins do (tests/test_gguf_moe.py runs them).
+    files = gguf_files(config.model_path)
+    got = dict(gguf_weights(files, spec, None, torch.float32))
     assert got["model.layers.0.mlp.experts.3.down_proj.weight"].shape == (32, 32)
+    qc = gguf_quant_config(files, None, spec, config.hf_config)
+    native = dict(gguf_weights(files, spec, qc, torch.float32))
+    assert native["model.layers.0.mlp.experts.3.down_proj.weight_codes"].shape == (32, 32)
+    assert native["model.layers.0.mlp.experts.3.down_proj.weight_group_scales"].shape == (32, 1)
     from tpserve import LLM, SamplingParams
-    with LLM(str(path), quantization="none", dtype="float32", num_kv_blocks=8, block_size=16) as llm:
-        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                           use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 3
+    for quantization in ("none", None):
+        with LLM(str(path), quantization=quantization, dtype="float32", num_kv_blocks=8,
+                 block_size=16) as llm:
+            out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                               use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 3
 
 
 def test_an_unwritable_cache_is_named(tiny, tmp_path, monkeypatch):

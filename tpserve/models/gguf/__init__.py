@@ -24,8 +24,9 @@ through this package instead of safetensors:
   ``lm_head.weight_codes`` ..., and the embedding looks its rows up in them
   (``QuantConfig.tied_head_codes``): the table is held once, at its file's size, and the head
   runs on the 4-bit kernels instead of reading a float table each token. Float tensors stay
-  float. Mixtures of experts run dequantized only
-  (``--quantization none``) for now: the default refuses them, naming the option.
+  float. A mixture of experts' stacked ``ffn_{gate,up,down}_exps`` are split per expert
+  (``experts.{e}.<proj>.weight_codes`` ...) for the group-quantized experts of
+  ``tpserve/models/moe_group.py``; gpt-oss's MXFP4 experts become exact 5-bit codes.
 """
 from __future__ import annotations
 
@@ -103,10 +104,6 @@ def gguf_quant_config(files: list[Path], quantization: str | None, spec: ModelSp
     tied = tied_head_codes(tensors, spec)
     if not native and not tied:
         return None
-    if spec.is_moe:
-        raise ConfigError("quantization", f"{files[0]}: a mixture of experts' quantized GGUF tensors do not "
-                                          "run natively yet; pass --quantization none to dequantize them "
-                                          "at load")
     if importlib.util.find_spec("tpserve.models.gguf.repack") is None:
         raise ConfigError(
             "quantization", f"{files[0]}: running its quantized tensors natively (repacked onto tpserve's "
@@ -172,7 +169,7 @@ def _native(t: TensorEntry, raw, targets, names: TensorNames) -> Iterator[tuple[
         codes, scales, mins, bits = repack(t.type_name, raw, t.shape)
     except CheckpointError as e:
         raise CheckpointError(f"{t.file}: tensor {t.name!r}: {e}") from None
-    for hf, part in targets:  # dense layers only: the whole tensor, or a fused one's rows
+    for hf, part in targets:  # the whole tensor, a fused one's rows, or one expert's
         module = hf.removesuffix(".weight")
         c, s, m = (codes, scales, mins) if part is None else (codes[part], scales[part], mins[part])
         perm = names.row_permutation(hf)
