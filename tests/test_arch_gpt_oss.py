@@ -4,9 +4,10 @@
 correction range, as the released models) and a SwiGLU limit low enough that the clamps bite.
 
 transformers' own tokens change when the window widens and when the sinks change, so the
-equalities depend on both. MXFP4 experts load as their dequantized values (transformers'
-dequantization is the reference); the fused C++ decode and the grouped expert kernel refuse
-these layers rather than run them without their biases and activation.
+equalities depend on both. MXFP4 experts load, with ``--quantization none``, as their
+dequantized values (transformers' dequantization is the reference), and by default as the exact
+group codes the grouped-expert kernel runs with their biases and clamped SwiGLU; the fused C++
+decode refuses these layers rather than run them without their biases and activation.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from tpserve.kernels import cpu_extension
 from tpserve.models import UnsupportedModelError
 from tpserve.models.fused_decode import why_not_fused
 from tpserve.models.loader import load_config
-from tpserve.models.moe import FusedMoE
-from tpserve.models.mxfp4 import dequantize_mxfp4, gpt_oss_names
+from tpserve.models.moe import FusedMoE, swiglu_oai
+from tpserve.models.group_quant import dequantize, quantize_activations
+from tpserve.models.mxfp4 import dequantize_mxfp4, gpt_oss_names, mxfp4_codes
 from tpserve.models.norm import Fp32ScaleRMSNorm, RMSNorm
 from tpserve.models.packed_gemm import prepack_model
 from tpserve.models.rotary import RotaryEmbedding
@@ -177,7 +179,9 @@ def _mxfp4_checkpoint(src, dst):
 def test_mxfp4_experts_load_as_their_dequantized_values(reference, tmp_path):
     path, _ = reference
     mx, ref = _mxfp4_checkpoint(path, tmp_path)
-    got, want = tpserve_model(mx), tpserve_model(ref)
+    got, want = tpserve_model(mx, quantization="none"), tpserve_model(ref)
+    from tpserve.config import EngineConfig
+    assert EngineConfig(model=str(mx), quantization="none").resolve().quantization == "none"  # allowed
     want_params = dict(want.named_parameters())
     for name, p in got.named_parameters():
         assert torch.equal(p, want_params[name]), name
@@ -188,6 +192,51 @@ def test_mxfp4_experts_load_as_their_dequantized_values(reference, tmp_path):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
 
 
+def test_mxfp4_experts_run_as_exact_group_codes(reference, tmp_path, monkeypatch):
+    """The default: each expert's codes, scales and mins dequantize to transformers' values
+    exactly (the torch path, TPSERVE_PREPACK=0: logits as the dequantized checkpoint's); packed,
+    the grouped-expert kernel runs them with their biases and clamped SwiGLU as the dequantized
+    experts compute on activations quantized to int8 per group of 32 (what the kernel reads)."""
+    from tpserve.models.group_quant import GROUP8
+    path, _ = reference
+    mx, ref = _mxfp4_checkpoint(path, tmp_path)
+    want = tpserve_model(ref)
+    monkeypatch.setenv("TPSERVE_PREPACK", "0")
+    got = tpserve_model(mx)
+    want_params = dict(want.named_parameters())
+    for name, p in got.named_parameters():  # the float modules: as stored
+        if ".experts." not in name:
+            assert torch.equal(p, want_params[name]), name
+    for fm, ref_fm in zip(*([m for m in model.modules() if isinstance(m, FusedMoE)] for model in (got, want))):
+        w13, w2 = fm.group.stacks
+        for e in range(fm.num_local_experts):
+            assert torch.equal(w13[e], ref_fm.w13_weight[e]) and torch.equal(w2[e], ref_fm.w2_weight[e])
+    prompts = random_prompts([21, 9], 384, seed=5)
+    expected, decode = reference_prefill_then_decode(ref, prompts, 3)
+    for g, w in zip(run_prefill_then_decode(got, prompts, decode), expected):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+    monkeypatch.setenv("TPSERVE_PREPACK", "1")
+    packed = tpserve_model(mx)
+    prepack_model(packed)
+    layers = [m for m in packed.modules() if isinstance(m, FusedMoE)]
+    assert all(m.packed is not None and m.packed.kind == GROUP8 for m in layers)
+    x = torch.randn(12, layers[0].hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]] * 4)
+    weights = torch.full((12, 2), 0.5)
+    def int8_rows(t):
+        q, s, _ = quantize_activations(t, 32)
+        return (q.float().view(t.shape[0], -1, 32) * s[..., None]).view(t.shape)
+    for fm, ref_fm in zip(layers, (m for m in want.modules() if isinstance(m, FusedMoE))):
+        ref_out = torch.zeros_like(x)
+        for t, (row, chosen) in enumerate(zip(x, ids.tolist())):
+            for e in chosen:
+                gate_up = int8_rows(row[None]) @ ref_fm.w13_weight[e].T + ref_fm.w13_bias[e]
+                act = swiglu_oai(gate_up, *fm.swiglu_oai)
+                ref_out[t] += 0.5 * (int8_rows(act) @ ref_fm.w2_weight[e].T + ref_fm.w2_bias[e])[0]
+        assert (fm(x, ids, weights) - ref_out).abs().max() < 1e-5 * ref_out.abs().max()
+    assert why_not_fused(packed) is not None  # biased experts: the module path
+
+
 def test_mxfp4_codes_and_exponents():
     # byte 0x21: low nibble 1 (0.5), high nibble 2 (1.0); 0xF8: -0.0 then -6.0; scale 127 + k: 2**k.
     blocks = torch.tensor([[[0x21] + [0xF8] * 15]], dtype=torch.uint8)
@@ -196,6 +245,17 @@ def test_mxfp4_codes_and_exponents():
     assert out[0, :4].tolist() == [2.0, 4.0, -0.0, -24.0]
     with pytest.raises(ValueError, match="do not match"):
         dequantize_mxfp4(blocks, torch.tensor([[1, 2]], dtype=torch.uint8))
+    # As group codes: 2 v + 12 with the scale 2^(s - 128) and the min -12 scales, exactly; every
+    # code and exponent (0 and 1: subnormal scales) included.
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (3, 8, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 253, (3, 8), generator=g, dtype=torch.uint8)
+    scales[0, :2] = torch.tensor([0, 1])
+    codes, group_scales, mins = mxfp4_codes(blocks, scales)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 24 and codes.shape == (3, 256)
+    assert torch.equal(dequantize(codes, group_scales, mins), dequantize_mxfp4(blocks, scales))
+    with pytest.raises(ValueError, match="exponent 126"):
+        mxfp4_codes(blocks, torch.full((3, 8), 253, dtype=torch.uint8))
 
 
 def test_other_ranks_mxfp4_experts_are_not_dequantized():

@@ -334,10 +334,12 @@ class EngineConfig:
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
         if not self.eos_token_ids:
             self.eos_token_ids = _eos_ids(path, self.hf_config)
-        if self.quantization == NO_QUANTIZATION and self.hf_config.get("quantization_config") is not None:
+        checkpoint_qc = self.hf_config.get("quantization_config")
+        if (self.quantization == NO_QUANTIZATION and checkpoint_qc is not None
+                and not (isinstance(checkpoint_qc, dict) and checkpoint_qc.get("quant_method") == "mxfp4")):
             raise ConfigError("quantization", "none: this checkpoint is quantized (its config.json has a "
-                                              "quantization_config); none applies to float checkpoints "
-                                              "and GGUF files (dequantized at load)")
+                                              "quantization_config); none applies to float checkpoints, "
+                                              "gpt-oss's MXFP4 experts and GGUF files (dequantized at load)")
         requested = None if self.quantization == NO_QUANTIZATION else self.quantization
         resolve_quantization(requested, self.hf_config)  # refuses what cannot be loaded
         tp = self.tensor_parallel_size

@@ -42,6 +42,8 @@ from tpserve.errors import ConfigError
 QUANTIZATION_METHODS = ("int8", "compressed-tensors", "int4", "int4-g128", "int4-g32", "group")
 # Group sizes of group-quantized weights (a group divides a layer's input size).
 GROUP_SIZES = (16, 32, 64, 128, 256)
+# An MXFP4 checkpoint's float modules: every one but the experts'.
+MXFP4_FLOAT = r"re:(?!.*\.experts\.\d+\.).*"
 _INT4_GROUPS = {"int4": 128, "int4-g128": 128, "int4-g32": 32}
 _FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 
@@ -289,8 +291,9 @@ def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig 
         return group_quant_config(qc.get("group_size") or 0, qc.get("bits") or 0, tuple(ignore))
     if method in ("awq", "gptq"):
         return _gptq_awq(method, qc)
-    if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (models/mxfp4.py)
-        return None
+    if method == "mxfp4":  # gpt-oss's experts, as exact group codes (models/mxfp4.py); the rest float
+        return QuantConfig("group", int8_activations=True, from_checkpoint=True, checkpoint_format="mxfp4",
+                           ignore=(MXFP4_FLOAT,))
     if method != "compressed-tensors":
         _fail("quant_method", f"tpserve loads 'compressed-tensors' int8, 'group', 'awq', 'gptq' and "
                               f"gpt-oss's 'mxfp4' checkpoints, got {method!r}")

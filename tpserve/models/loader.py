@@ -128,6 +128,8 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
         qc = gguf_quant_config(gguf, quantization, spec, hf_config)
     else:
         qc = resolve_quantization(None if quantization == "none" else quantization, hf_config)
+        if quantization == "none" and qc is not None and qc.checkpoint_format == "mxfp4":
+            qc = None  # gpt-oss's MXFP4 experts dequantized at load (mxfp4.py)
     with _default_dtype(torch_dtype), device:
         model = CausalLM(spec, tp, backend, expert_parallel=enable_expert_parallel)
         if qc is not None:
@@ -139,7 +141,8 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
         show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)
         tensors = iter_safetensors(files, show, skip=_other_ranks_experts(model))
         tensors = decoded_tensors(tensors, qc, hf_config)  # AWQ, GPTQ, compressed-tensors 4-bit
-        tensors = architecture_names(tensors, spec, _other_ranks_experts(model))
+        mxfp4_codes = qc is not None and qc.checkpoint_format == "mxfp4"
+        tensors = architecture_names(tensors, spec, _other_ranks_experts(model), mxfp4_codes)
     load_weights(model, checkpoint_tensors(tensors) if qc is not None and qc.from_checkpoint else tensors)
     return model.eval()
 
@@ -151,13 +154,14 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 
 
 def architecture_names(tensors: Iterable[tuple[str, torch.Tensor | None]], spec: ModelSpec,
-                       skip: Callable[[str], bool] | None = None
+                       skip: Callable[[str], bool] | None = None, mxfp4_codes: bool = False
                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Checkpoint tensors under the decoder's names: a multimodal checkpoint's text tower without
     its prefix (vision weights dropped), Phi-3's fused q/k/v and gate/up split per module,
-    gpt-oss's experts per expert (``skip``: the expert weights other ranks hold, not dequantized)."""
+    gpt-oss's experts per expert (``skip``: the expert weights other ranks hold, not dequantized;
+    ``mxfp4_codes``: MXFP4 experts as group codes, not dequantized)."""
     if spec.architecture == "GptOssForCausalLM":
-        tensors = gpt_oss_names(tensors, skip)
+        tensors = gpt_oss_names(tensors, skip, codes=mxfp4_codes)
     q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     for key, tensor in tensors:
         if spec.text_tower:

@@ -17,7 +17,10 @@ cols the input features. Value ``j`` of a group is ``E2M1[code_j] * 2 ** (scale 
 :func:`gpt_oss_names` yields them as one expert's tensors, ``mlp.experts.{e}.gate_proj.weight
 [I, H]``, ``up_proj``, ``down_proj.weight [H, I]`` and the matching ``.bias``, in float32
 (e2m1 times a power of two is exact in bf16 and fp16 alike unless it leaves their range), one
-expert at a time, so that a layer's experts are never all dequantized at once.
+expert at a time, so that a layer's experts are never all dequantized at once; or, with
+``codes`` (the default for an MXFP4 checkpoint: ``tpserve/quantization.py``), as the
+group-quantized experts' codes, scales and mins (:func:`mxfp4_codes`: exact, 5-bit codes that
+the grouped-expert kernel holds in 6 bits, ``tpserve/models/moe_group.py``).
 """
 from __future__ import annotations
 
@@ -52,11 +55,27 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
+def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``blocks [..., G, 16]`` / ``scales [..., G]`` (uint8) as group codes, scales and mins (group
+    32, ``group_quant.py``'s representation) of exactly the values :func:`dequantize_mxfp4`
+    gives: code ``2 v + 12`` (0..24) for the e2m1 value v, scale ``2^(s - 128)``, min ``-12``
+    scales. An exponent above 252 (values beyond 2^125) is refused: its min overflows float32."""
+    values = dequantize_mxfp4(blocks, torch.full_like(scales, 128))  # 2 v: the exponent 1
+    if scales.numel() and int(scales.max()) > 252:
+        raise CheckpointError(f"MXFP4 scale exponent {int(scales.max()) - 127}: beyond what float32 scales "
+                              "and mins hold (up to 125)")
+    codes = (values + 12).to(torch.uint8)
+    group_scales = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 128)
+    return codes, group_scales, -12 * group_scales
+
+
 def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
-                  skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+                  skip: Callable[[str], bool] | None = None, codes: bool = False
+                  ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """gpt-oss checkpoint tensors as the decoder's per-expert names (see the module docstring);
     every other tensor passes unchanged. ``skip``: a test of the per-expert weight names this
-    rank does not hold (expert parallelism); they come as ``(name, None)``, not dequantized."""
+    rank does not hold (expert parallelism); they come as ``(name, None)``, not dequantized.
+    ``codes``: MXFP4 experts as group codes, scales and mins (:func:`mxfp4_codes`)."""
     pending: dict[str, tuple[str, torch.Tensor]] = {}  # MXFP4 halves waiting for their pair
     for key, tensor in tensors:
         if ".mlp.router." in key:
@@ -84,10 +103,14 @@ def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
                     yield from ((name, None) for name in _expert_names(block, proj, e))
                     continue
                 try:
-                    weight = dequantize_mxfp4(blocks[e], scales[e])  # [rows, cols]: out x in
+                    if codes:  # [rows, cols] codes, [rows, cols / 32] scales and mins
+                        parts = dict(zip(_GROUP_LEAVES, mxfp4_codes(blocks[e], scales[e])))
+                    else:  # [rows, cols]: out x in
+                        parts = {"weight": dequantize_mxfp4(blocks[e], scales[e])}
                 except CheckpointError as err:
                     raise CheckpointError(f"{base}_blocks: {err}") from None
-                yield from _expert_weights(block, proj, e, weight, key)
+                for leaf_name, part in parts.items():
+                    yield from _expert_weights(block, proj, e, part, key, leaf_name)
             continue
         if leaf == "_bias":
             if tensor.dim() != 2:
@@ -108,19 +131,23 @@ def gpt_oss_names(tensors: Iterable[tuple[str, torch.Tensor | None]],
         raise CheckpointError(f"MXFP4 tensors without their pair (_blocks needs _scales): {names}")
 
 
+_GROUP_LEAVES = ("weight_codes", "weight_group_scales", "weight_group_mins")
+
+
 def _expert_names(block: str, proj: str, e: int) -> tuple[str, ...]:
     parts = ("down_proj",) if proj == "down_proj" else ("gate_proj", "up_proj")
     return tuple(f"{block}.experts.{e}.{part}.weight" for part in parts)
 
 
-def _expert_weights(block: str, proj: str, e: int, weight: torch.Tensor,
-                    key: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """One expert's ``[out, in]`` weight of ``proj`` under its per-expert names."""
+def _expert_weights(block: str, proj: str, e: int, weight: torch.Tensor, key: str,
+                    leaf: str = "weight") -> Iterator[tuple[str, torch.Tensor]]:
+    """One expert's ``[out, in]`` weight of ``proj`` (or its codes, scales or mins: ``leaf``)
+    under its per-expert names."""
     if proj == "down_proj":
-        yield f"{block}.experts.{e}.down_proj.weight", weight
+        yield f"{block}.experts.{e}.down_proj.{leaf}", weight
         return
     if weight.shape[0] % 2:
         raise CheckpointError(f"{key}: gate_up_proj needs an even number of output features, "
                               f"got {weight.shape[0]}")
-    yield f"{block}.experts.{e}.gate_proj.weight", weight[0::2]
-    yield f"{block}.experts.{e}.up_proj.weight", weight[1::2]
+    yield f"{block}.experts.{e}.gate_proj.{leaf}", weight[0::2]
+    yield f"{block}.experts.{e}.up_proj.{leaf}", weight[1::2]
