@@ -99,8 +99,8 @@ class GroupExperts:
         self.group_size, self.bits = group_size, bits or 4
         self.pieces: dict[tuple[int, str, str], torch.Tensor] = {}
         self.stacks: tuple[GroupStack, GroupStack] | None = None  # unpacked codes (torch path)
+        self.device = device = moe.w13_weight.device
         if from_checkpoint:
-            device = moe.w13_weight.device
             moe.w13_weight = moe.w2_weight = None  # no float experts in the checkpoint
             for proj in ("w13", "w2"):
                 for leaf in LEAVES:
@@ -166,8 +166,9 @@ class GroupExperts:
             w13.append(tuple(torch.cat([a, b]) for a, b in zip(gate, up)))
         w2 = [self._piece(e, DOWN) for e in range(E)]
         self.pieces.clear()
-        self.stacks = (GroupStack(*_stack(w13, "FusedMoE experts' gate/up")),
-                       GroupStack(*_stack(w2, "FusedMoE experts' down")))
+        named = ((w13, "FusedMoE experts' gate/up"), (w2, "FusedMoE experts' down"))
+        self.stacks = tuple(GroupStack(*(t.to(self.device) for t in _stack(parts, what)))
+                            for parts, what in named)
         if self.moe.plain_experts:  # (biased experts wait for their biases: prepack_experts)
             self.pack()
 
@@ -194,7 +195,7 @@ class GroupExperts:
             return False
         w13, w2 = self.stacks
         packed = self.kernel.pack_group_experts(w13.parts(), w2.parts(), int(self.moe.num_experts),
-                                           int(self.moe.expert_start))
+                                                int(self.moe.expert_start))
         if packed is None:
             return False
         self.moe.packed = packed
