@@ -250,6 +250,20 @@ def test_int4_holds_the_embedding_as_8_bit_codes(tmp_path, monkeypatch, tied, pa
     torch.testing.assert_close(model.lm_head(hidden), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_a_checkpoints_group_that_the_split_cuts_becomes_finer_groups(float_model, tmp_path):
+    """o_proj's 128 inputs in one group of 128, over two ranks: each rank's 64 are a group of 64
+    with the cut group's scale and min, exactly the checkpoint's weights (quantized at load, the
+    split must still keep whole groups: below)."""
+    path = make_group_checkpoint(float_model, tmp_path / "g128", group=128)
+    tensors = load_file(str(path / "model.safetensors"))
+    prefix = "model.layers.0.self_attn.o_proj.weight"
+    want = dequantize(*(tensors[f"{prefix}_{k}"] for k in ("codes", "group_scales", "group_mins")))
+    for rank in (0, 1):
+        o_proj = tpserve_model(path, TPContext(rank=rank, size=2)).model.layers[0].self_attn.o_proj
+        assert o_proj.group_size == 64
+        assert torch.equal(dequantize(*o_proj.group_tensors()), want[:, 64 * rank:64 * (rank + 1)])
+
+
 def test_row_parallel_groups_must_be_whole_per_rank(float_model):
     # o_proj: 128 inputs, 64 per rank of two: not a whole group of 128
     with pytest.raises(CheckpointError, match="group size 128"):

@@ -17,8 +17,9 @@ head) into its group-quantized form, in place (its class gains :class:`GroupQuan
 * from a checkpoint: ``weight`` is dropped, ``weight_codes`` / ``weight_group_scales`` /
   ``weight_group_mins`` are registered with loaders that shard them like the weight. Column
   layers take their rows of all three; a row-parallel layer takes its columns of the codes and
-  the matching group columns of scales and mins, which must be whole groups (else a
-  CheckpointError with the sizes). The group size is read from each tensor's shape; parts of a
+  the matching group columns of scales and mins: a group the split cuts becomes finer groups of
+  its scale and min (exact), which must be whole groups of 16 (else a CheckpointError with the
+  sizes). The group size is read from each tensor's shape; parts of a
   packed layer (q/k/v, gate/up) with different groups (a GGUF Q4_K_M file: Q4_K q, Q6_K v)
   share the finest one, coarser scales repeated (exact). 5/6-bit codes come as bits=8.
 * quantized at load (``--quantization int4``): the float weight is loaded as usual, then
@@ -52,6 +53,7 @@ file); every ``int8 * fp32`` product is the scale exactly.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -405,6 +407,13 @@ class GroupQuantMixin:
         if g % 16:
             raise CheckpointError(f"{what}: group size {g} (from shape {tuple(loaded.shape)}) is not a "
                                   f"multiple of 16")
+        if self.group_in_local != self.group_in_full:  # a row-parallel layer's share of the inputs
+            # A group the split cuts becomes finer groups of its scale and min (exact), as long as
+            # those are whole groups of 16; else _set_group names the sizes.
+            fine = math.gcd(g, self.group_in_local, self.tp.rank * self.group_in_local)
+            if fine < g and fine % 16 == 0:
+                loaded = loaded.repeat_interleave(g // fine, dim=1)
+                g = fine
         if self.group_size == 0 or g < self.group_size:
             if self.group_size and self.group_size % g:
                 raise CheckpointError(f"{what}: group size {g} does not divide {self.group_size}, "
