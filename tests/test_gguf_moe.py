@@ -146,6 +146,28 @@ def test_experts_load_as_the_files_codes(tmp_path, monkeypatch, types, prepack):
                 assert torch.equal(w13[e], torch.cat([gate[e], up[e]])) and torch.equal(w2[e], down[e])
 
 
+def test_other_ranks_experts_are_not_read(tmp_path):
+    """Expert parallelism: the experts another rank holds come as names without tensors, neither
+    repacked nor dequantized; the others as without ``skip``."""
+    from tpserve.models.gguf import gguf_weights
+    path = tmp_path / "moe.gguf"
+    write_moe(path, ("Q4_0", "Q8_0", "Q4_0"))
+    directory = materialize(path)
+    spec = model_spec(load_config(directory))
+    files = gguf_files(directory)
+    for qc in (gguf_quant_config(files, None, spec, {}), None):
+        whole = dict(gguf_weights(files, spec, qc, torch.float32))
+        got = dict(gguf_weights(files, spec, qc, torch.float32, skip=lambda name: ".experts.1." in name))
+        assert got.keys() == whole.keys()
+        for name, tensor in got.items():
+            if ".experts.1." in name:
+                assert tensor is None, name
+            else:
+                assert torch.equal(tensor, whole[name]), name
+        leaf = "weight_codes" if qc is not None else "weight"
+        assert whole[f"model.layers.1.mlp.experts.1.down_proj.{leaf}"] is not None
+
+
 def _top1(path: Path, sequences, **options) -> list[list[int]]:
     from tpserve import LLM, SamplingParams
     with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16, **options) as llm:

@@ -135,7 +135,7 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
         if qc is not None:
             prepare_model(model, qc)
     if gguf is not None:
-        tensors = gguf_weights(gguf, spec, qc, torch_dtype)
+        tensors = gguf_weights(gguf, spec, qc, torch_dtype, skip=_other_ranks_experts(model))
     else:
         files = checkpoint_files(path)
         show = progress if progress is not None else (tp.rank == 0 and len(files) > 1)

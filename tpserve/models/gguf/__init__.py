@@ -30,8 +30,9 @@ through this package instead of safetensors:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -115,11 +116,13 @@ def gguf_quant_config(files: list[Path], quantization: str | None, spec: ModelSp
     return group_quant_config(0, 0, ignore, tied_head_codes=tied)
 
 
-def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
-                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None, dtype: torch.dtype,
+                 skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield ``(Hugging Face name, tensor)`` for every tensor of the GGUF model: dequantized to
     ``dtype``, or (``qc`` a group config from the file) quantized linear weights as group
-    codes, scales, mins and bits."""
+    codes, scales, mins and bits. A stacked expert tensor is read one expert at a time, and an
+    expert's weight that ``skip`` names (another expert-parallel rank's) comes as ``(name,
+    None)``, neither dequantized nor repacked."""
     tensors = gguf_tensors(files)
     names = TensorNames(spec)
     native = native_modules(tensors, names) if qc is not None and qc.grouped and qc.from_checkpoint else set()
@@ -136,6 +139,9 @@ def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
             if buf is None:
                 buf = maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
             raw = raw_blocks(buf, t)
+            if isinstance(targets[0][1], int):  # stacked experts
+                yield from _experts(t, raw, targets, native, names, dtype, skip)
+                continue
             if targets[0][0].removesuffix(".weight") in native:
                 yield from _native(t, raw, targets, names)
                 continue
@@ -157,6 +163,22 @@ def gguf_weights(files: list[Path], spec: ModelSpec, qc: QuantConfig | None,
         maps.clear()
 
 
+def _experts(t: TensorEntry, raw, targets, native: set[str], names: TensorNames, dtype: torch.dtype,
+             skip: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """A stacked ``[E, ...]`` expert tensor's per-expert tensors (weights or biases)."""
+    one = dataclasses.replace(t, shape=t.shape[1:])
+    for hf, e in targets:
+        module = hf.removesuffix(".weight")
+        codes = module in native
+        if skip is not None and skip(hf):
+            leaves = ("weight_codes", "weight_group_scales", "weight_group_mins", "weight_bits")
+            yield from ((f"{module}.{leaf}", None) for leaf in leaves) if codes else ((hf, None),)
+        elif codes:
+            yield from _native(one, raw[e], [(hf, None)], names)
+        else:
+            yield hf, torch.from_numpy(np.ascontiguousarray(dequantize(raw[e], one))).to(dtype)
+
+
 def _permute(array, hf: str, names: TensorNames):
     perm = names.row_permutation(hf)
     return array if perm is None else array[perm]
@@ -169,7 +191,7 @@ def _native(t: TensorEntry, raw, targets, names: TensorNames) -> Iterator[tuple[
         codes, scales, mins, bits = repack(t.type_name, raw, t.shape)
     except CheckpointError as e:
         raise CheckpointError(f"{t.file}: tensor {t.name!r}: {e}") from None
-    for hf, part in targets:  # the whole tensor, a fused one's rows, or one expert's
+    for hf, part in targets:  # the whole tensor, or a fused one's rows
         module = hf.removesuffix(".weight")
         c, s, m = (codes, scales, mins) if part is None else (codes[part], scales[part], mins[part])
         perm = names.row_permutation(hf)
