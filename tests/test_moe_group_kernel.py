@@ -147,6 +147,10 @@ def test_what_the_kernel_cannot_take_is_left_to_the_torch_path(monkeypatch):
     w13, w2 = make_stack("int4", 2, 2 * I, H, seed=6), make_stack("int4", 2, H, I, seed=7)
     odd = tuple(t[..., :40] if t.dtype == torch.uint8 else t[..., :5] for t in w13)  # group 8: not packable
     assert moe_kernel.pack_group_experts(odd, w2, 2, 0) is None
+    one = tuple(t if t.dtype == torch.uint8 else t[..., :1] for t in w13)  # a group of 256: the largest
+    assert moe_kernel.pack_group_experts(one, w2, 2, 0) is not None
+    from tpserve.models.group_quant import group_packable
+    assert not group_packable(1024, 512)  # beyond the kernels' groups
     monkeypatch.setenv("TPSERVE_PREPACK", "0")
     assert moe_kernel.pack_group_experts(w13, w2, 2, 0) is None
 

@@ -347,8 +347,14 @@ def is_symmetric(packed: PackedWeight) -> bool:
     return packed.colsum.numel() == 1 and packed.colsum.dtype == torch.int32
 
 
+# The largest group the C++ kernels take (quant_ops.cpp: group_size).
+MAX_GROUP = 256
+
+
 def group_packable(k: int, group_size: int) -> bool:
-    return group_size % 16 == 0 and k % group_size == 0
+    """Whether the C++ kernels take ``k`` inputs in groups of ``group_size`` (else the torch path
+    runs the layer)."""
+    return 0 < group_size <= MAX_GROUP and group_size % 16 == 0 and k % group_size == 0
 
 
 # ---- the layer -----------------------------------------------------------------------------------
