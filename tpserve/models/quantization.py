@@ -37,12 +37,12 @@ sharding). Their routers stay float; a mixture of experts' experts are group cod
 or a checkpoint's (a GGUF file's quantized experts). A tied LM head stays the float embedding
 with a group checkpoint, unless the checkpoint gives the head codes (``tied_head_codes``: a GGUF
 file's quantized ``token_embd``): then the head is group-quantized and the embedding looks its
-rows up in the head's codes, so the table is held once, as codes. With ``--quantization int4`` a tied head is quantized from the
-embedding's float table, and the table itself is then held as 8-bit codes with a scale and a
-min per group of 32 (``EMBEDDING_CODES``, ``group_quant.hold_rows_as_codes``): the float table would be a
-third of a small model's bytes (the 0.6B shape: 297 of 599 MiB) for rows whose codes lose less
-than the 4-bit layers that read them. A
-checkpoint's ``<module>.weight_bits`` is checked (4 or 8) and dropped here.
+rows up in the head's codes, so the table is held once, as codes. With ``--quantization int4`` a
+tied head is quantized from the embedding's float table, and the table itself is then held as
+8-bit codes with a scale and a min per group of 32 (``EMBEDDING_CODES``,
+``group_quant.hold_rows_as_codes``): the float table would be a third of a small model's bytes
+(the 0.6B shape: 297 of 599 MiB) for rows whose codes lose less than the 4-bit layers that read
+them. A checkpoint's ``<module>.weight_bits`` is checked (4 or 8) and dropped here.
 """
 from __future__ import annotations
 
