@@ -207,7 +207,8 @@ def test_mxfp4_experts_run_as_exact_group_codes(reference, tmp_path, monkeypatch
     for name, p in got.named_parameters():  # the float modules: as stored
         if ".experts." not in name:
             assert torch.equal(p, want_params[name]), name
-    for fm, ref_fm in zip(*([m for m in model.modules() if isinstance(m, FusedMoE)] for model in (got, want))):
+    layers = ([m for m in model.modules() if isinstance(m, FusedMoE)] for model in (got, want))
+    for fm, ref_fm in zip(*layers):
         w13, w2 = fm.group.stacks
         for e in range(fm.num_local_experts):
             assert torch.equal(w13[e], ref_fm.w13_weight[e]) and torch.equal(w2[e], ref_fm.w2_weight[e])

@@ -55,7 +55,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
-def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``blocks [..., G, 16]`` / ``scales [..., G]`` (uint8) as group codes, scales and mins (group
     32, ``group_quant.py``'s representation) of exactly the values :func:`dequantize_mxfp4`
     gives: code ``2 v + 12`` (0..24) for the e2m1 value v, scale ``2^(s - 128)``, min ``-12``
