@@ -146,6 +146,23 @@ def test_experts_load_as_the_files_codes(tmp_path, monkeypatch, types, prepack):
                 assert torch.equal(w13[e], torch.cat([gate[e], up[e]])) and torch.equal(w2[e], down[e])
 
 
+def test_experts_with_a_float_projection_are_all_dequantized(tmp_path):
+    """A layer's experts are one fused layer: with their up projections in F16, every projection
+    of every expert is dequantized (exact); the file's other tensors are float, so nothing of it
+    runs as codes."""
+    path = tmp_path / "moe-f16-up.gguf"
+    written = write_moe(path, ("Q4_0", "F16", "Q4_0"))
+    directory = materialize(path)
+    spec = model_spec(load_config(directory))
+    assert gguf_quant_config(gguf_files(directory), None, spec, {}) is None
+    model = load_model(directory, dtype="float32")
+    for i, fm in enumerate(_experts(model)):
+        assert fm.group is None and fm.w13_weight.dtype == torch.float32
+        gate, up, down = (torch.from_numpy(written[f"blk.{i}.ffn_{k}_exps.weight"].astype(np.float32))
+                          for k in ("gate", "up", "down"))
+        assert torch.equal(fm.w13_weight, torch.cat([gate, up], dim=1)) and torch.equal(fm.w2_weight, down)
+
+
 def test_other_ranks_experts_are_not_read(tmp_path):
     """Expert parallelism: the experts another rank holds come as names without tensors, neither
     repacked nor dequantized; the others as without ``skip``."""

@@ -63,7 +63,7 @@ def gguf_tensors(files: list[Path]) -> list[TensorEntry]:
 def native_modules(tensors: list[TensorEntry], names: TensorNames) -> set[str]:
     """The HF linear modules whose weights run as group codes: quantized in the file, and so
     are the other parts of their merged layer (a q/k/v or gate/up layer with a float part is
-    dequantized whole: exact, as float)."""
+    dequantized whole: exact, as float; a layer's experts are all one such layer)."""
     quantized: dict[str, bool] = {}
     merged: dict[str, bool] = {}
     for t in tensors:
@@ -74,7 +74,11 @@ def native_modules(tensors: list[TensorEntry], names: TensorNames) -> set[str]:
             quantized[module] = t.type_name not in FLOAT_TYPES
             packed = names.packed_module(module)
             merged[packed] = merged.get(packed, True) and quantized[module]
-    return {m for m, q in quantized.items() if q and merged[names.packed_module(m)]}
+    # A layer's experts are one fused layer: group codes only where every projection of every
+    # expert is quantized, else all of them dequantized.
+    float_experts = {m.partition(".experts.")[0] for m, q in quantized.items() if ".experts." in m and not q}
+    return {m for m, q in quantized.items() if q and merged[names.packed_module(m)]
+            and m.partition(".experts.")[0] not in float_experts}
 
 
 TIED_HEAD = "lm_head"
