@@ -9,10 +9,14 @@ run as group codes (``tpserve/models/moe_group.py``) by default.
 * the native model follows the dequantized one (``--quantization none``, fp32): teacher-forced
   top-1 agreement of at least 90%; it generates alike on one rank, two tensor-parallel ranks and
   two expert-parallel ranks;
-* a tensor-parallel split that cuts the groups of the down projection is named, with the way out.
+* a tensor-parallel split that cuts the groups of the down projection makes them finer (exact),
+  or, where that leaves no whole groups of 16, is named with the way out;
+* older Mixtral files (one tensor per expert) and a layer's experts with a float projection
+  (all dequantized), and expert parallelism's other ranks' experts left unread.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -183,6 +187,50 @@ def test_other_ranks_experts_are_not_read(tmp_path):
                 assert torch.equal(tensor, whole[name]), name
         leaf = "weight_codes" if qc is not None else "weight"
         assert whole[f"model.layers.1.mlp.experts.1.down_proj.{leaf}"] is not None
+
+
+def test_mixtral_files_with_one_tensor_per_expert(tmp_path):
+    """Older Mixtral files (llama architecture with ``expert_count``) keep each expert's weights
+    apart, ``blk.N.ffn_gate.E.weight`` ...: natively they are that expert's codes, exactly."""
+    path = tmp_path / "mixtral.gguf"
+    rng = np.random.default_rng(5)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("context_length", 256), ("embedding_length", HIDDEN),
+                       ("feed_forward_length", EXPERT_FFN), ("attention.head_count", HEADS),
+                       ("attention.head_count_kv", KV_HEADS), ("expert_count", EXPERTS),
+                       ("expert_used_count", USED)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    head_dim = HIDDEN // HEADS
+    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN),
+              "output_norm.weight": (HIDDEN,), "blk.0.attn_norm.weight": (HIDDEN,),
+              "blk.0.ffn_norm.weight": (HIDDEN,), "blk.0.attn_q.weight": (HEADS * head_dim, HIDDEN),
+              "blk.0.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+              "blk.0.attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+              "blk.0.attn_output.weight": (HIDDEN, HEADS * head_dim),
+              "blk.0.ffn_gate_inp.weight": (EXPERTS, HIDDEN)}
+    for e in range(EXPERTS):
+        for k in ("gate", "up", "down"):
+            shapes[f"blk.0.ffn_{k}.{e}.weight"] = (HIDDEN, EXPERT_FFN) if k == "down" else (EXPERT_FFN, HIDDEN)
+    written = {}
+    for name, shape in shapes.items():
+        data = (rng.standard_normal(shape) * 0.08 + (1.0 if len(shape) == 1 else 0.0)).astype(np.float32)
+        if ".ffn_gate." in name or ".ffn_up." in name or ".ffn_down." in name:
+            raw = gguf.quants.quantize(data, Q.Q8_0)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q.Q8_0)
+            written[name] = gguf.quants.dequantize(raw, Q.Q8_0)
+        else:
+            w.add_tensor(name, data)
+    finish(w)
+    directory = materialize(path)
+    assert json.loads((directory / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    (fm,) = _experts(load_model(directory, dtype="float32"))
+    assert fm.packed is not None and fm.packed.kind == GROUP8
+    for e in range(EXPERTS):
+        gate, up, down = (torch.from_numpy(written[f"blk.0.ffn_{k}.{e}.weight"])
+                          for k in ("gate", "up", "down"))
+        assert torch.equal(_unpacked(fm.packed.w13, e), torch.cat([gate, up]))
+        assert torch.equal(_unpacked(fm.packed.w2, e), down)
 
 
 def _top1(path: Path, sequences, **options) -> list[list[int]]:
