@@ -211,7 +211,8 @@ def test_mixtral_files_with_one_tensor_per_expert(tmp_path):
               "blk.0.ffn_gate_inp.weight": (EXPERTS, HIDDEN)}
     for e in range(EXPERTS):
         for k in ("gate", "up", "down"):
-            shapes[f"blk.0.ffn_{k}.{e}.weight"] = (HIDDEN, EXPERT_FFN) if k == "down" else (EXPERT_FFN, HIDDEN)
+            rows, cols = (HIDDEN, EXPERT_FFN) if k == "down" else (EXPERT_FFN, HIDDEN)
+            shapes[f"blk.0.ffn_{k}.{e}.weight"] = (rows, cols)
     written = {}
     for name, shape in shapes.items():
         data = (rng.standard_normal(shape) * 0.08 + (1.0 if len(shape) == 1 else 0.0)).astype(np.float32)
