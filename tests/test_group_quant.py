@@ -264,10 +264,15 @@ def test_a_checkpoints_group_that_the_split_cuts_becomes_finer_groups(float_mode
         assert torch.equal(dequantize(*o_proj.group_tensors()), want[:, 64 * rank:64 * (rank + 1)])
 
 
-def test_row_parallel_groups_must_be_whole_per_rank(float_model):
-    # o_proj: 128 inputs, 64 per rank of two: not a whole group of 128
-    with pytest.raises(CheckpointError, match="group size 128"):
-        tpserve_model(float_model, TPContext(rank=1, size=2), quantization="int4")
+def test_a_ranks_share_that_is_not_whole_groups_takes_a_finer_group(float_model):
+    """o_proj: 128 inputs, 64 per rank of two: not a whole group of 128, so groups of 64 there;
+    the column layers keep 128. No multiple of 16 dividing the share is named."""
+    from tpserve.models.group_quant import fit_group
+    layer = tpserve_model(float_model, TPContext(rank=1, size=2), quantization="int4").model.layers[0]
+    assert layer.self_attn.o_proj.group_size == 64 and layer.self_attn.qkv_proj.group_size == 128
+    assert (fit_group(2752, 128, "x"), fit_group(384, 128, "x"), fit_group(48, 32, "x")) == (64, 128, 16)
+    with pytest.raises(CheckpointError, match="o_proj: 40 input features on this rank are not a multiple"):
+        fit_group(40, 128, "o_proj")
 
 
 def _tp_worker(rank: int, store: str, path: str, out_dir: str) -> None:

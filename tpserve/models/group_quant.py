@@ -24,7 +24,9 @@ head) into its group-quantized form, in place (its class gains :class:`GroupQuan
   share the finest one, coarser scales repeated (exact). 5/6-bit codes come as bits=8.
 * quantized at load (``--quantization int4``): the float weight is loaded as usual, then
   quantized round-to-nearest, asymmetric (:func:`quantize_groups`: per group scale =
-  (max - min) / 15, min = the group's minimum) when the model is packed or first run.
+  (max - min) / 15, min = the group's minimum) when the model is packed or first run; where
+  this rank's inputs are not whole groups of the configured size (a tensor-parallel split, a
+  narrow model), with the largest multiple of 16 below it that divides them (:func:`fit_group`).
 
 Matmuls: once packed (``prepack``, called by ``prepack_model``) through the C++ kernels of
 ``tpserve/kernels/csrc/quant_ops.cpp`` (the op ``linear`` of linear_ops.cpp with weight kinds
@@ -351,6 +353,17 @@ def is_symmetric(packed: PackedWeight) -> bool:
 MAX_GROUP = 256
 
 
+def fit_group(k: int, group_size: int, what: str) -> int:
+    """The group a weight of ``k`` inputs (on this rank) is quantized with at load: ``group_size``,
+    or the largest multiple of 16 below it that divides ``k``; a CheckpointError naming ``what``
+    where none does."""
+    for g in range(group_size - group_size % 16, 0, -16):
+        if k % g == 0:
+            return g
+    raise CheckpointError(f"{what}: {k} input features on this rank are not a multiple of 16; they cannot "
+                          "be group-quantized")
+
+
 def group_packable(k: int, group_size: int) -> bool:
     """Whether the C++ kernels take ``k`` inputs in groups of ``group_size`` (else the torch path
     runs the layer)."""
@@ -552,10 +565,7 @@ def make_group_quant(layer: nn.Module, from_checkpoint: bool, group_size: int = 
     layer.group_bits = bits
     layer.int8_activations = True
     if not from_checkpoint:
-        if in_local % group_size:
-            raise CheckpointError(f"{type(layer).__name__}: {in_local} input features on this rank are not a "
-                                  f"multiple of the group size {group_size}")
-        layer.group_size = group_size
+        layer.group_size = fit_group(in_local, group_size, type(layer).__name__)
         layer.quantize_groups_at_load = True
         return
     from tpserve.models.weights import attach_loader

@@ -18,7 +18,7 @@ Two sources, as for the dense group layers:
   quantized when packed (``group_quant.quantize_groups``: round-to-nearest, asymmetric), with
   the configured group, or, where a projection's inputs on this rank are not a whole number of
   such groups (a tensor-parallel split of the intermediate size), the largest multiple of 16
-  below it that divides them.
+  below it that divides them (``group_quant.fit_group``, as for the dense layers).
 
 Where the kernel cannot run (no C++ operators, ``TPSERVE_PREPACK=0``, a GPU) the stacked codes
 stay, and the torch path (``moe.experts_reference``) dequantizes each expert its tokens use.
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tpserve.models.errors import CheckpointError
-from tpserve.models.group_quant import dequantize, quantize_groups
+from tpserve.models.group_quant import dequantize, fit_group, quantize_groups
 from tpserve.models.weights import attach_loader, check_shape
 
 # The parts of one expert, as FusedMoE's loader names them.
@@ -54,16 +54,6 @@ class GroupStack:
 
     def parts(self) -> Triple:
         return self.codes, self.scales, self.mins
-
-
-def fit_group(k: int, group_size: int) -> int:
-    """The largest multiple of 16 up to ``group_size`` that divides ``k`` (a projection's inputs
-    on this rank); a CheckpointError where none does."""
-    for g in range(group_size - group_size % 16, 0, -16):
-        if k % g == 0:
-            return g
-    raise CheckpointError(f"FusedMoE: {k} input features on this rank are not a multiple of 16; "
-                          "they cannot be group-quantized")
 
 
 def finest_group(parts: list[Triple], what: str) -> list[Triple]:
@@ -179,7 +169,7 @@ class GroupExperts:
         if self.from_checkpoint or self.stacks is not None or moe.w13_weight.numel() == 0:
             return
         w13, w2 = moe.w13_weight.detach(), moe.w2_weight.detach()
-        g13, g2 = fit_group(w13.shape[2], self.group_size), fit_group(w2.shape[2], self.group_size)
+        g13, g2 = (fit_group(w.shape[2], self.group_size, "FusedMoE") for w in (w13, w2))
         stacks = []
         for w, g in ((w13, g13), (w2, g2)):
             parts = [quantize_groups(w[e], g, self.bits) for e in range(w.shape[0])]
