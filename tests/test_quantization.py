@@ -222,3 +222,16 @@ def test_tp2_shards_int8_weights_and_scales(float_model, tmp_path):
         r = torch.load(tmp_path / f"{name}.pt")
         for got, want in zip(r["sharded"], r["reference"]):
             assert (got - want).abs().max() <= tol * want.abs().max(), name
+
+
+def test_none_means_float_and_refuses_a_quantized_checkpoint():
+    """``--quantization none``: nothing for a float checkpoint, gpt-oss's MXFP4 experts
+    dequantized; any other quantized checkpoint is refused, naming the option."""
+    from tpserve.errors import ConfigError
+    from tpserve.quantization import resolve_quantization
+    assert resolve_quantization("none", {}) is None
+    assert resolve_quantization("none", {"quantization_config": {"quant_method": "mxfp4"}}) is None
+    assert resolve_quantization(None, {"quantization_config": {"quant_method": "mxfp4"}}).grouped
+    with pytest.raises(ConfigError, match="none: this checkpoint is quantized"):
+        resolve_quantization("none", {"quantization_config": {"quant_method": "awq", "bits": 4,
+                                                              "group_size": 128}})

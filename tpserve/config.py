@@ -13,7 +13,7 @@ from pathlib import Path
 from tpserve.errors import ConfigError
 from tpserve.gguf_file import GGUFFileError, is_gguf, materialize, model_dir, model_stem
 from tpserve.pooling import PoolerConfig, check_runner
-from tpserve.quantization import QUANTIZATION_METHODS, resolve_quantization
+from tpserve.quantization import NO_QUANTIZATION, QUANTIZATION_METHODS, resolve_quantization
 from tpserve.spec_config import SpeculativeConfig
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "default-model"
@@ -22,8 +22,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = int8 codes with a
 # float32 scale per token and KV head (docs/kv_int8.md); fp8 is for GPUs, refused on CPU by the runner.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-# --quantization none: no quantization at all; a GGUF file's tensors are dequantized at load.
-NO_QUANTIZATION = "none"
 SCHEDULING_POLICIES = ("mixed", "prefill-first")
 SCHEDULING_ORDERS = ("fcfs", "priority")
 #: max_waiting_requests / max_waiting_tokens: sized from the KV pool when the engine starts.
@@ -334,14 +332,7 @@ class EngineConfig:
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, 1)
         if not self.eos_token_ids:
             self.eos_token_ids = _eos_ids(path, self.hf_config)
-        checkpoint_qc = self.hf_config.get("quantization_config")
-        if (self.quantization == NO_QUANTIZATION and checkpoint_qc is not None
-                and not (isinstance(checkpoint_qc, dict) and checkpoint_qc.get("quant_method") == "mxfp4")):
-            raise ConfigError("quantization", "none: this checkpoint is quantized (its config.json has a "
-                                              "quantization_config); none applies to float checkpoints, "
-                                              "gpt-oss's MXFP4 experts and GGUF files (dequantized at load)")
-        requested = None if self.quantization == NO_QUANTIZATION else self.quantization
-        resolve_quantization(requested, self.hf_config)  # refuses what cannot be loaded
+        resolve_quantization(self.quantization, self.hf_config)  # refuses what cannot be loaded
         tp = self.tensor_parallel_size
         heads = int(self.hf_config.get("num_attention_heads", tp))
         if heads % tp:

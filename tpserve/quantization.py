@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 
 from tpserve.errors import ConfigError
 
+# --quantization none: no quantization at all (a GGUF file's tensors and gpt-oss's MXFP4 experts
+# dequantized at load).
+NO_QUANTIZATION = "none"
 QUANTIZATION_METHODS = ("int8", "compressed-tensors", "int4", "int4-g128", "int4-g32", "group")
 # Group sizes of group-quantized weights (a group divides a layer's input size).
 GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -261,9 +264,17 @@ def _is_ct_group(args, fmt) -> bool:
 
 
 def resolve_quantization(requested: str | None, hf_config: dict) -> QuantConfig | None:
-    """The QuantConfig of ``--quantization`` (None: as the checkpoint says) and config.json.
+    """The QuantConfig of ``--quantization`` (None: as the checkpoint says; ``none``: a float
+    checkpoint, or gpt-oss's MXFP4 experts dequantized) and config.json.
 
     Raises ConfigError("quantization", ...) naming the unsupported or missing field."""
+    if requested == NO_QUANTIZATION:
+        qc = hf_config.get("quantization_config")
+        if qc is None or (isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"):
+            return None
+        raise ConfigError("quantization", "none: this checkpoint is quantized (its config.json has a "
+                                          "quantization_config); none applies to float checkpoints, "
+                                          "gpt-oss's MXFP4 experts and GGUF files (dequantized at load)")
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} "
                                           f"(or unset), got {requested!r}")

@@ -127,9 +127,7 @@ def load_model(path: str | Path, tp: TPContext | None = None, dtype: torch.dtype
     if gguf is not None:
         qc = gguf_quant_config(gguf, quantization, spec, hf_config)
     else:
-        qc = resolve_quantization(None if quantization == "none" else quantization, hf_config)
-        if quantization == "none" and qc is not None and qc.checkpoint_format == "mxfp4":
-            qc = None  # gpt-oss's MXFP4 experts dequantized at load (mxfp4.py)
+        qc = resolve_quantization(quantization, hf_config)
     with _default_dtype(torch_dtype), device:
         model = CausalLM(spec, tp, backend, expert_parallel=enable_expert_parallel)
         if qc is not None:

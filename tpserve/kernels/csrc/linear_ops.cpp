@@ -818,7 +818,10 @@ void linear_block(void* out, int64_t ldo, at::ScalarType dt, const LinearRows& r
   }
 }
 
-int64_t linear_panel_bytes(const PackedLinear& w) { return w.k * bytes_per_k(w.kind); }
+int64_t linear_panel_bytes(const PackedLinear& w) {
+  if (is_group_kind(w.kind)) return group_panel_bytes(w);  // quant_ops.cpp
+  return w.k * bytes_per_k(w.kind);
+}
 
 int64_t linear_row_block() { return kRowBlock; }
 

@@ -68,7 +68,8 @@ LinearRows prepare_rows(const at::Tensor& x, int64_t kind, RowBuffers& buf);
 void linear_block(void* out, int64_t ldo, at::ScalarType dt, const LinearRows& rows, const PackedLinear& w,
                   int64_t p0, int64_t p1, int64_t r0, int64_t r1);
 
-// Bytes of packed data in one panel of w (what a (panel, rows) block reads of the weight).
+// Bytes of packed data in one panel of w (what a (panel, rows) block reads of the weight; a
+// group weight's codes, scales and mins).
 int64_t linear_panel_bytes(const PackedLinear& w);
 
 // Rows of x per block that linear_into schedules (its work items are (panel, block of rows)).

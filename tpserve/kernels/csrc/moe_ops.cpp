@@ -129,12 +129,13 @@ void build_items(std::vector<MoeItem>& items, const MoeScratch& s, const std::ve
 // dt, weight, panel, r0, r1) runs one item with the kernels of the weights' kind.
 template <typename Block>
 void grouped_matmul(at::Tensor& out, const std::vector<PackedLinear>& w, const std::vector<MoeItem>& items,
-                    int64_t max_rows, int64_t panel_bytes, const Block& block) {
+                    int64_t max_rows, const Block& block) {
   if (items.empty()) return;
   void* op = out.data_ptr();
   const int64_t ldo = out.stride(0);
   const at::ScalarType dt = out.scalar_type();
   // As linear_into: with few rows, at least ~64 KB of weights per thread's share.
+  const int64_t panel_bytes = linear_panel_bytes(w[items[0].expert]);
   const int64_t grain = max_rows > 4 ? 1 : std::max<int64_t>(1, 65536 / std::max<int64_t>(panel_bytes, 1));
   at::parallel_for(0, static_cast<int64_t>(items.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -153,13 +154,13 @@ void project(at::Tensor& out, const at::Tensor& x, const std::vector<PackedLinea
   const PackedLinear& first = w[0];
   if (is_group_kind(first.kind)) {
     const GroupRows rows = group_prepare_rows(x, group_size(first), group_buf);
-    grouped_matmul(out, w, s.items, max_rows, group_panel_bytes(first),
+    grouped_matmul(out, w, s.items, max_rows,
                    [&](void* op, int64_t ldo, at::ScalarType dt, const PackedLinear& we, int64_t p, int64_t r0,
                        int64_t r1) { group_block(op, ldo, dt, rows, we, p, r0, r1); });
     return;
   }
   const LinearRows rows = prepare_rows(x, first.kind, rows_buf);
-  grouped_matmul(out, w, s.items, max_rows, linear_panel_bytes(first),
+  grouped_matmul(out, w, s.items, max_rows,
                  [&](void* op, int64_t ldo, at::ScalarType dt, const PackedLinear& we, int64_t p, int64_t r0,
                      int64_t r1) { linear_block(op, ldo, dt, rows, we, p, p + 1, r0, r1); });
 }

@@ -44,9 +44,8 @@ from tpserve.models.errors import CheckpointError
 from tpserve.models.gguf.dequant import dequantize, raw_blocks
 from tpserve.models.gguf.names import CONFIG_TENSORS, TensorNames
 from tpserve.models.spec import ModelSpec
-from tpserve.quantization import QuantConfig, resolve_quantization
+from tpserve.quantization import NO_QUANTIZATION, QuantConfig, resolve_quantization
 
-NO_QUANTIZATION = "none"
 
 
 def gguf_tensors(files: list[Path]) -> list[TensorEntry]:
