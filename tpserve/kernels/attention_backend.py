@@ -54,7 +54,8 @@ class AttentionBackend(abc.ABC):
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
                 sinks: torch.Tensor | None = None, softcap: float | None = None,
-                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                stored: bool = False) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens (already rotary-embedded).
 
         Stores k/v into the cache at meta.slot_mapping, then returns attention output
@@ -65,6 +66,8 @@ class AttentionBackend(abc.ABC):
         soft-cap): see attention_options.py; a backend refuses one it lacks (``options``).
         ``kv_scales`` (k_scale, v_scale): the caches are int8 codes with these scales
         (kv_quant.py); a backend without ``int8_kv`` refuses them.
+        ``stored``: the new tokens' keys and values are already in the cache (``store_qkv`` wrote
+        them); k/v then only give the shapes, and the backend attends without storing.
         Raises ValueError naming an argument whose shape, dtype or device is wrong.
         """
         if kv_scales is not None and not self.int8_kv:
@@ -79,17 +82,37 @@ class AttentionBackend(abc.ABC):
         # Metadata built directly (not via from_arrays) is validated once per step, not per layer.
         meta.derived("validated", lambda: meta.validate() or True)
         if not has_cache(k_cache, v_cache):
+            if stored:
+                raise ValueError("stored: the keys and values were to be in the cache, but there is none")
             return self.attend(q, k, v, None, None, meta, float(scale), opts=opts)
         if k_cache.shape[1] != self.block_size:
             raise ValueError(f"k_cache: block_size {k_cache.shape[1]} differs from the "
                              f"{self.name} backend's block_size {self.block_size}")
         if kv_scales is not None:
-            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
+            if not stored:
+                self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
             return self.attend(q, k, v, k_cache, v_cache, meta, float(scale), opts=opts, kv_scales=kv_scales)
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not stored:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k, v, k_cache, v_cache, meta, float(scale), opts=opts)
 
     __call__ = forward
+
+    def fuses_qkv_store(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether ``store_qkv`` takes a layer of this dtype and head size (then ``forward`` with
+        ``stored=True`` attends over what it stored). Backends without the fused step: False."""
+        return False
+
+    def store_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor], qk_norm=None,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """From the fused QKV projection's output ``qkv [T, (Hq + 2 Hkv) D]`` to the cache in one
+        pass: the q/k norms (``qk_norm``: (q_weight, k_weight, eps, gemma) or None), the rotary
+        embedding of every feature (``rope``: float32 cos/sin tables [max_position, D / 2]) and
+        the keys' and values' store at meta.slot_mapping; returns the rotated queries [T, Hq, D].
+        Only where ``fuses_qkv_store`` says so."""
+        raise NotImplementedError(f"the {self.name} attention backend has no fused QKV store")
 
     @abc.abstractmethod
     def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -92,6 +92,19 @@ class CpuAttention(AttentionBackend):
         self._ops = cpu_extension.ops()
         self._torch = TorchAttention(block_size)  # prompt rows (see the module docstring)
 
+    def fuses_qkv_store(self, dtype: torch.dtype, head_dim: int) -> bool:
+        # Only where attend reads every row from the cache (the operator's tiled paths).
+        return dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim <= 512
+
+    def store_qkv(self, qkv, num_heads, num_kv_heads, k_cache, v_cache, meta, positions, rope,
+                  qk_norm=None, kv_scales=None) -> torch.Tensor:
+        head_dim = k_cache.shape[-1]
+        q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
+        q_w, k_w, eps, gemma = qk_norm if qk_norm is not None else (None, None, 0.0, False)
+        self._ops.qkv_to_cache(qkv, q, k_cache, v_cache, positions, meta.slot_mapping, rope[0], rope[1],
+                               q_w, k_w, eps, num_heads, num_kv_heads, gemma, *(kv_scales or (None, None)))
+        return q
+
     def store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
         if kv_scales is None:
             self._ops.store_kvcache(key, value, k_cache, v_cache, slot_mapping)

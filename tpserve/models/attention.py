@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tpserve.models.linear import QKVParallelLinear, RowParallelLinear
-from tpserve.models.norm import RMSNorm
+from tpserve.models.norm import GemmaRMSNorm, RMSNorm
 from tpserve.models.parallel import TPContext
 from tpserve.models.rotary import RotaryEmbedding
 from tpserve.models.weights import attach_loader, check_shape, new_param
@@ -87,18 +87,52 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale,
+        kv_scales = None if self.k_scale is None else (self.k_scale, self.v_scale)
+        stored = self._fused_store(qkv)
+        if stored:
+            q = self.backend.store_qkv(qkv, self.num_heads, self.num_kv_heads, self.k_cache, self.v_cache,
+                                       meta, positions, (self.rotary.cos, self.rotary.sin),
+                                       self._qk_norm_args(), kv_scales)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+            v = v.contiguous()
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                    window=self.sliding_window, sinks=self.sinks,
-                                   softcap=self.logit_softcap,
-                                   kv_scales=None if self.k_scale is None else (self.k_scale, self.v_scale))
+                                   softcap=self.logit_softcap, kv_scales=kv_scales, stored=stored)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    #: whether a backend that can (``fuses_qkv_store``) takes the q/k norms, rotary and KV store
+    #: in one pass over the QKV output (tests turn it off to compare the two paths)
+    fuse_qkv_store = True
+
+    def _fused_store(self, qkv: torch.Tensor) -> bool:
+        """Whether this call's q/k norms, rotary and store run as the backend's one pass: a cache
+        to store into, a whole rotary of the plain kind, Qwen3's or Gemma's q/k norms or none."""
+        if not self.fuse_qkv_store or self.k_cache is None or self.k_cache.numel() == 0:
+            return False
+        rotary = self.rotary
+        if not (isinstance(rotary, RotaryEmbedding) and rotary.rotary_dim == self.head_dim
+                and rotary.cos.device == qkv.device and qkv.device.type == "cpu"):
+            return False
+        if self.q_norm is not None and not (type(self.q_norm) in (RMSNorm, GemmaRMSNorm)
+                                            and type(self.k_norm) is type(self.q_norm)
+                                            and self.q_norm.eps == self.k_norm.eps
+                                            and self.q_norm.weight.dtype == qkv.dtype):
+            return False
+        fuses = getattr(self.backend, "fuses_qkv_store", None)
+        return fuses is not None and fuses(qkv.dtype, self.head_dim)
+
+    def _qk_norm_args(self):
+        if self.q_norm is None:
+            return None
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, isinstance(self.q_norm, GemmaRMSNorm))
 
     def sinks_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """The checkpoint's sinks for every head; this rank keeps its own query heads' logits."""

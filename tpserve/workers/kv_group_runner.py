@@ -97,5 +97,10 @@ class GroupBackend:
         return self.inner.forward(q, k, v, k_cache, v_cache, groups[self.group] if groups else meta,
                                   *args, **kwargs)
 
+    def store_qkv(self, qkv, num_heads, num_kv_heads, k_cache, v_cache, meta, *args, **kwargs):
+        groups = getattr(meta, "groups", None)
+        return self.inner.store_qkv(qkv, num_heads, num_kv_heads, k_cache, v_cache,
+                                    groups[self.group] if groups else meta, *args, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -1113,13 +1113,25 @@ bool argmax_rows_greedy(at::Tensor out, const at::Tensor& x, const at::Tensor& t
 // In place on x [T, H, D] (head_dim contiguous), "neox" layout: halves (x1, x2) of each head
 // become (x1*c - x2*s, x2*c + x1*s) with c = cos[positions[t]], s = sin[positions[t]] rounded
 // to x's dtype first, and each product and sum rounded as the torch expression does.
+// A vector of lanes at a time, then the scalar tail; the same roundings either way (every
+// caller, rotary_embedding and qkv_to_cache alike, runs this function, so their bits agree).
 template <typename T>
 void rotate_rows(T* xp, int64_t s0, int64_t s1, int64_t H, int64_t half, const float* cs,
                  const float* sn, int64_t t) {
+  T* const tag = nullptr;
   for (int64_t h = 0; h < H; ++h) {
     T* x1 = xp + t * s0 + h * s1;
     T* x2 = x1 + half;
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t v = 0;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+      for (; v + kLanes <= half; v += kLanes) {
+        const vfl c = roundl(loadl(cs + v), tag), s = roundl(loadl(sn + v), tag);
+        const vfl a = loadl(x1 + v), b = loadl(x2 + v);
+        storel(x1 + v, roundl(roundl(a * c, tag) - roundl(b * s, tag), tag));
+        storel(x2 + v, roundl(roundl(b * c, tag) + roundl(a * s, tag), tag));
+      }
+    }
+    for (int64_t i = v; i < half; ++i) {
       const float c = round_to<T>(cs[i]), s = round_to<T>(sn[i]);
       const float a = to_f(x1[i]), b = to_f(x2[i]);
       const float lo = round_to<T>(round_to<T>(a * c) - round_to<T>(b * s));
@@ -1243,7 +1255,7 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
                   const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos,
                   const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
                   const c10::optional<at::Tensor>& k_norm, double eps, int64_t Hq, int64_t Hkv, int64_t D,
-                  const KvScales& kvs = {}, bool gemma = false) {
+                  const KvScales& kvs = {}, bool gemma = false, bool parallel = false) {
   const int64_t M = qkv_out.size(0), ld = qkv_out.stride(0), half = D / 2;
   check_value(positions.dim() == 1 && positions.is_contiguous() &&
                   (positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong),
@@ -1282,8 +1294,11 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float feps = static_cast<float>(eps);
+  // Rows write distinct slots (the scheduler never gives two tokens one slot), so ranges of
+  // rows may run in parallel; each range has its own spare head.
+  auto rows = [&](int64_t begin, int64_t end) {
   T spare[kMaxHeadDim];  // a key head of a row without a slot (padding): computed, not stored
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = begin; m < end; ++m) {
     const T* row = src + m * ld;
     const float* cs = cp + index_at(positions, m) * half;
     const float* sn = sp + index_at(positions, m) * half;
@@ -1315,6 +1330,60 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
         if (slot >= 0) std::memcpy(vc + (slot * Hkv + h) * D, row + (Hq + Hkv + h) * D, D * sizeof(T));
       }
     }
+  }
+  };
+  if (parallel) {
+    at::parallel_for(0, M, grain_rows((Hq + 2 * Hkv) * D), rows);
+  } else {
+    rows(0, M);
+  }
+}
+
+// qkv_to_cache as an operator, for prompt rows (attention.py): qkv [T, (Hq + 2 Hkv) D] (rows
+// contiguous), q_out [T, Hq, D] contiguous; ranges of rows in parallel. The same bits as the
+// q/k norm, rotary_embedding and store_kvcache ops in turn, in one pass over the rows.
+void qkv_to_cache_op(const at::Tensor& qkv, at::Tensor q_out, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos,
+                     const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+                     const c10::optional<at::Tensor>& k_norm, double eps, int64_t num_heads,
+                     int64_t num_kv_heads, bool gemma, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
+  check_value(k_cache.dim() == 4, "k_cache: expected [num_blocks, block_size, Hkv, D]");
+  const int64_t D = k_cache.size(3), T = qkv.dim() == 2 ? qkv.size(0) : -1;
+  check_value(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D &&
+                  (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
+              "qkv: expected float32/bfloat16 [T, (num_heads + 2 num_kv_heads) head_dim] with contiguous rows");
+  check_value(D % 2 == 0 && D <= kMaxHeadDim, "k_cache: head_dim must be even and at most 512");
+  check_value(q_out.dim() == 3 && q_out.is_contiguous() && q_out.size(0) == T && q_out.size(1) == num_heads &&
+                  q_out.size(2) == D && q_out.scalar_type() == qkv.scalar_type(),
+              "q_out: expected a contiguous [T, num_heads, head_dim] tensor of qkv's dtype");
+  check_value(positions.dim() == 1 && positions.size(0) == T && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == T,
+              "positions/slot_mapping: expected [T] each");
+  const bool int8_kv = k_cache.scalar_type() == at::kChar;
+  check_value(int8_kv == k_scale.has_value() && k_scale.has_value() == v_scale.has_value(),
+              "k_scale/v_scale: given together, exactly when the cache is int8");
+  KvScales kvs;
+  if (int8_kv) {
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale}) {
+      check_value(sc->scalar_type() == at::kFloat && sc->is_contiguous() &&
+                      sc->numel() == k_cache.size(0) * k_cache.size(1) * num_kv_heads,
+                  "k_scale/v_scale: expected contiguous float32 [num_blocks, block_size, Hkv]");
+    }
+    kvs = KvScales{k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+  }
+  auto run = [&](auto* tag, auto* kv_tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    using KT = std::remove_pointer_t<decltype(kv_tag)>;
+    qkv_to_cache<T_, KT>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, q_norm, k_norm, eps,
+                         num_heads, num_kv_heads, D, kvs, gemma, /*parallel=*/true);
+  };
+  if (qkv.scalar_type() == at::kFloat) {
+    if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  } else {
+    if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   }
 }
 
@@ -1815,6 +1884,10 @@ TORCH_LIBRARY(tpserve_cpu, m) {
         "int intermediate, Tensor gu_data, int gu_kind, Tensor? gu_scales, Tensor? gu_colsum, "
         "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
         "Tensor? down_colsum, Tensor? down_bias) -> ()");
+  m.def("qkv_to_cache(Tensor qkv, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor positions, Tensor slot_mapping, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, "
+        "float eps, int num_heads, int num_kv_heads, bool gemma=False, Tensor(d!)? k_scale=None, "
+        "Tensor(e!)? v_scale=None) -> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows_greedy(Tensor(a!) out, Tensor x, Tensor temperatures) -> bool");
   m.class_<DecodeStack>("DecodeStack")
@@ -1841,6 +1914,7 @@ TORCH_LIBRARY_IMPL(tpserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_mlp", &decode_mlp);
+  m.impl("qkv_to_cache", &qkv_to_cache_op);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("argmax_rows_greedy", &argmax_rows_greedy);
   m.impl("rotary_embedding", &rotary_embedding);
