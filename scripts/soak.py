@@ -50,7 +50,7 @@ BAD_INPUTS = [
     ({"v": 1, "type": "generate", "id": "ID"}, "missing_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "colour": 1}, "unknown_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"temperature": -1}}, "invalid_field"),
-    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 0}}, "invalid_field"),
+    ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": -1}}, "invalid_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": ""}, "invalid_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": [10 ** 6]}, "invalid_field"),
     ({"v": 1, "type": "generate", "id": "ID", "prompt": "hi", "params": {"max_tokens": 10 ** 6}}, "admission"),

@@ -190,3 +190,25 @@ def test_normal_requests_still_work_after_fuzzing(server, conn):
         assert r.token_ids == FakeEngine.expected_tokens("hello", SamplingParams(max_tokens=4, seed=1), vocab=500)
         stats = c.status()
     assert stats["requests_in_flight"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_the_soaks_bad_inputs_get_the_codes_it_expects(server):
+    """scripts/soak.py counts a bad input the daemon serves as a failure: each frame of its lists
+    must get exactly the error code the soak expects (so the list follows the protocol)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import soak
+    conn = soak.Conn(server.address, 10)
+    try:
+        for i, (frame, code) in enumerate(soak.BAD_INPUTS + soak.EDGE_INPUTS):
+            if frame == "DUPLICATE":
+                reply = soak.duplicate(conn, f"soak-dup-{i}")
+            else:
+                if isinstance(frame, dict):
+                    frame = {k: (f"soak-{i}" if v == "ID" else v) for k, v in frame.items()}
+                conn.send(frame)
+                reply = conn.recv()
+            assert (reply.get("type"), reply.get("code")) == ("error", code), (frame, reply)
+    finally:
+        conn.close()

@@ -151,6 +151,11 @@ def test_long_token_id_prompts_are_checked_without_a_python_loop(monkeypatch):
         if bad in (-1, 1000):  # an int out of range is found by the vector pass too
             assert len(calls) == 0
     assert R.check_token_ids("prompt", ids[:10], 16, 1) == ids[:10]
+    # The message says which range: the vocabulary's, or int32's where the vocabulary is unknown.
+    with pytest.raises(InvalidFieldError, match=r"must be a token id of the vocabulary in \[0, 999\]"):
+        R.check_token_ids("prompt", [1000], 16, 1, vocab_size=1000)
+    with pytest.raises(InvalidFieldError, match=r"must be a token id in \[0, 2147483647\], got 2147483648$"):
+        R.check_token_ids("stop_token_ids", [2**31], 16)
 
 
 def test_packed_token_ids_are_checked_as_a_list_is():

@@ -115,8 +115,8 @@ def check_token_ids(name: str, ids: Any, max_len: int, min_len: int = 0,
 
 
 def _not_a_token_id(name: str, i: int, t: Any, hi: int, vocab_size: int | None) -> InvalidFieldError:
-    where = "the vocabulary " if vocab_size is not None else ""
-    return InvalidFieldError(f"{name}[{i}]", f"must be a token id of {where}in [0, {hi}], got {t!r}"[:512])
+    where = " of the vocabulary" if vocab_size is not None else ""
+    return InvalidFieldError(f"{name}[{i}]", f"must be a token id{where} in [0, {hi}], got {t!r}"[:512])
 
 
 def check_packed_ids(name: str, ids: array.array, max_len: int, min_len: int = 0,
