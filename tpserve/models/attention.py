@@ -3,7 +3,9 @@
 Data flow for flat token rows ``[T, hidden]``:
 QKV projection (column-parallel, this rank's heads) -> optional per-head q/k RMSNorm (Qwen3) ->
 rotary -> ``backend.forward`` (stores this step's k/v at ``meta.slot_mapping`` in the cache and
-attends) -> o_proj (row-parallel, all-reduce).
+attends) -> o_proj (row-parallel, all-reduce). Where the backend fuses them (``fuses_qkv_store``:
+the cpu backend, fp32/bf16), the q/k norms, rotary and the store are one pass over the QKV output
+(``backend.store_qkv``, the same bits), and ``forward`` only attends (``stored=True``).
 
 The KV cache tensors are owned by the runner, which assigns ``k_cache`` / ``v_cache``
 (``[num_blocks, block_size, num_kv_heads_per_rank, head_dim]``) before the first forward; while
