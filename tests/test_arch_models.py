@@ -356,9 +356,9 @@ def test_fused_decode_refuses_layers_it_cannot_run_and_runs_longrope(tiny_models
     assert cpu_extension.available(), cpu_extension._state.get("error")
     for name in CASES:
         model = tpserve_model(model_path(tiny_models_root, name), backend="cpu")
-        if name in ("mistral", "gemma2", "gemma3"):  # only the cache and packing lack
+        if name in ("mistral", "gemma2", "gemma3", "smollm3"):  # only the cache and packing lack
             assert why_not_fused(model) == "needs the KV cache"
-        else:  # phi3's partial rotary, smollm3's layers without rotary
+        else:  # phi3's partial rotary
             assert "shaped layers" in why_not_fused(model), name
     # Phi-3 with full rotary and no window: LongRoPE's long rows reach the fused stack too.
     path = make_tiny_model(tiny_models_root, "phi3", max_position_embeddings=256,

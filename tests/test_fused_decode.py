@@ -19,6 +19,8 @@ CASES = {  # name: (make_tiny_model overrides, dtype, --quantization)
     "qwen3-bf16": (dict(), "bfloat16", None),
     "qwen3-int8": (dict(), "float32", "int8"),
     "llama-bias-bf16": (dict(arch="llama", attention_bias=True, mlp_bias=True), "bfloat16", None),
+    # SmolLM3: layers 1 and 3 without rotary
+    "smollm3-bf16": (dict(arch="smollm3", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0]), "bfloat16", None),
 }
 
 

@@ -77,6 +77,24 @@ def test_qkv_to_cache_gives_the_separate_operators_bits(dtype, norm, int8, D):
     assert kc.flatten(0, 1)[slots[slots >= 0]].abs().sum() > 0  # the stored rows are written
 
 
+@pytest.mark.parametrize("norm", [None, "rms"])
+def test_cos_and_sin_without_rows_leave_q_and_k_unrotated(norm):
+    """A layer without rotary (SmolLM3's no-rope layers) hands over tables with no rows: the heads
+    are normed (or copied) and stored, not rotated, whatever their positions."""
+    qkv, positions, slots, _, _, norms, shape = _inputs(torch.bfloat16)
+    norms = norms if norm else None
+    none = torch.empty(0, 32)
+    identity = (torch.ones(256, 32), torch.zeros(256, 32))  # a rotation by 0: the same bits
+    want = _separate(qkv, positions, slots, *identity, norms, shape, 4, False, False)
+    q = torch.empty(qkv.shape[0], 4, 64, dtype=torch.bfloat16)
+    kc, vc = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    ops.qkv_to_cache(qkv, q, kc, vc, positions + 10**6, slots, none, none, *(norms or (None, None)), 1e-6,
+                     4, 2, False)
+    assert torch.equal(q, want[0]) and torch.equal(kc, want[1]) and torch.equal(vc, want[2])
+    if norm is None:
+        assert torch.equal(q, qkv[:, :256].view(-1, 4, 64))
+
+
 def test_qkv_to_cache_spreads_rows_over_threads_with_the_same_bits():
     """Thousands of rows run in parallel ranges; the bits are those of one row at a time."""
     qkv, positions, slots, cos, sin, norms, shape = _inputs(torch.bfloat16, T=1500, blocks=400, block=4)
@@ -111,7 +129,8 @@ def _generate(path, dtype, fused: bool, monkeypatch, **options):
     monkeypatch.setattr(SelfAttention, "fuse_qkv_store", fused)
     calls = []
     real = CpuAttention.store_qkv
-    monkeypatch.setattr(CpuAttention, "store_qkv", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(CpuAttention, "store_qkv",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
     with LLM(str(path), dtype=dtype, block_size=4, **options) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -36,7 +36,7 @@ from torch import nn
 from tpserve.models.linear import QKVParallelLinear, RowParallelLinear
 from tpserve.models.norm import GemmaRMSNorm, RMSNorm
 from tpserve.models.parallel import TPContext
-from tpserve.models.rotary import RotaryEmbedding
+from tpserve.models.rotary import NoRotary, RotaryEmbedding
 from tpserve.models.weights import attach_loader, check_shape, new_param
 
 if TYPE_CHECKING:
@@ -116,12 +116,13 @@ class SelfAttention(nn.Module):
 
     def _fused_store(self, qkv: torch.Tensor) -> bool:
         """Whether this call's q/k norms, rotary and store run as the backend's one pass: a cache
-        to store into, a whole rotary of the plain kind, Qwen3's or Gemma's q/k norms or none."""
+        to store into, a whole rotary or none, Qwen3's or Gemma's q/k norms or none."""
         if not self.fuse_qkv_store or self.k_cache is None or self.k_cache.numel() == 0:
             return False
-        rotary = self.rotary
-        if not (isinstance(rotary, RotaryEmbedding) and rotary.rotary_dim == self.head_dim
-                and rotary.cos.device == qkv.device and qkv.device.type == "cpu"):
+        rotary = self.rotary  # a whole rotary, or none (cos/sin without rows: NoRotary's)
+        whole = isinstance(rotary, RotaryEmbedding) and rotary.rotary_dim == self.head_dim
+        if not ((whole or isinstance(rotary, NoRotary)) and rotary.cos.device == qkv.device
+                and qkv.device.type == "cpu"):
             return False
         if self.q_norm is not None and not (type(self.q_norm) in (RMSNorm, GemmaRMSNorm)
                                             and type(self.k_norm) is type(self.q_norm)
@@ -134,7 +135,8 @@ class SelfAttention(nn.Module):
     def _qk_norm_args(self):
         if self.q_norm is None:
             return None
-        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, isinstance(self.q_norm, GemmaRMSNorm))
+        gemma = isinstance(self.q_norm, GemmaRMSNorm)
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, gemma
 
     def sinks_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """The checkpoint's sinks for every head; this rank keeps its own query heads' logits."""

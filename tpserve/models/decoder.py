@@ -145,7 +145,7 @@ class DecoderModel(nn.Module):
         if spec.local_rope_theta is not None:
             local = RotaryEmbedding(spec.head_dim, spec.max_position, spec.local_rope_theta,
                                     spec.local_rope_scaling)
-        no_rope = NoRotary()
+        no_rope = NoRotary(spec.head_dim)
 
         def rotary_of(i: int):
             if not spec.uses_rope(i):

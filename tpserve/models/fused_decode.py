@@ -33,6 +33,9 @@ Gemma's layers (Gemma 2 and 3) run in the stack too: its (1 + w) norms, the post
 post-feedforward norms, GELU-tanh and the embedding scale (applied here, as the module path
 does), the C++ functions of the module path in its order, so the same bits.
 
+Layers without rotary (SmolLM3's no-rope layers, ``rotary.NoRotary``) hand the ops cos/sin tables
+without rows, which skip the rotation.
+
 Group-quantized layers (``group_quant.py``: 4/8-bit codes) are packed weights of kinds 4 and 5,
 which the C++ ``linear_into`` runs through ``quant_ops.cpp``: the stack takes them unchanged.
 
@@ -84,8 +87,8 @@ def why_not_fused(model: CausalLM) -> str | None:
     spec = model.spec
     llama = not spec.gemma_norms and spec.hidden_act == "silu" and not spec.embedding_scale
     gemma = spec.gemma_norms and spec.hidden_act == "gelu_tanh"
-    if spec.rope_layers or spec.rotary_dim or not (llama or gemma):
-        return "needs Llama- or Gemma-shaped layers (SiLU, or Gemma's norms and GELU; whole rotary)"
+    if spec.rotary_dim or not (llama or gemma):
+        return "needs Llama- or Gemma-shaped layers (SiLU, or Gemma's norms and GELU; whole rotary or none)"
     if gemma and model.tp.size > 1:
         return "runs Gemma's layers in one process only (no tensor parallelism)"
     if model.tp.size > 1 and any(_group_of(layer.self_attn) for layer in model.model.layers):

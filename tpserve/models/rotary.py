@@ -198,9 +198,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class NoRotary(nn.Module):
-    """A layer without rotary embedding (SmolLM3's ``no_rope_layers``): q and k pass unchanged."""
+    """A layer without rotary embedding (SmolLM3's ``no_rope_layers``): q and k pass unchanged.
+    Its ``cos``/``sin`` tables have no rows, which the C++ operators take as "no rotary"."""
 
     rotary_dim = 0
+
+    def __init__(self, head_dim: int = 0):
+        super().__init__()
+        self.register_buffer("cos", torch.empty(0, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(0, head_dim // 2, dtype=torch.float32), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

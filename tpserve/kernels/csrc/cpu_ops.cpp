@@ -1279,10 +1279,12 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
                   "weight: expected a contiguous [hidden] tensor of x's dtype");
     }
   }
+  // cos/sin without rows: a layer without rotary (SmolLM3's no-rope layers), q and k unrotated.
   const int64_t max_pos = cos.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const bool rotate = max_pos > 0;
   for (int64_t m = 0; m < M; ++m) {
     const int64_t p = index_at(positions, m);
-    check_value(p >= 0 && p < max_pos, "positions: outside [0, max_position)");
+    check_value(p >= 0 && (p < max_pos || !rotate), "positions: outside [0, max_position)");
     check_value(index_at(slot_mapping, m) < num_slots, "slot_mapping: slot past the end of the cache");
   }
   const T* src = qkv_out.data_ptr<T>();
@@ -1300,8 +1302,8 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
   T spare[kMaxHeadDim];  // a key head of a row without a slot (padding): computed, not stored
   for (int64_t m = begin; m < end; ++m) {
     const T* row = src + m * ld;
-    const float* cs = cp + index_at(positions, m) * half;
-    const float* sn = sp + index_at(positions, m) * half;
+    const float* cs = rotate ? cp + index_at(positions, m) * half : nullptr;
+    const float* sn = rotate ? sp + index_at(positions, m) * half : nullptr;
     const int64_t slot = index_at(slot_mapping, m);
     auto head = [&](const T* in, T* out, const T* w) {
       if (w != nullptr && gemma) {
@@ -1313,7 +1315,7 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
       } else {
         std::memcpy(out, in, D * sizeof(T));
       }
-      rotate_rows<T>(out, 0, 0, 1, half, cs, sn, 0);
+      if (rotate) rotate_rows<T>(out, 0, 0, 1, half, cs, sn, 0);
     };
     for (int64_t h = 0; h < Hq; ++h) head(row + h * D, qo + (m * Hq + h) * D, qw);
     for (int64_t h = 0; h < Hkv; ++h) {
@@ -1341,7 +1343,8 @@ void qkv_to_cache(const at::Tensor& qkv_out, at::Tensor& q_out, at::Tensor& k_ca
 
 // qkv_to_cache as an operator, for prompt rows (attention.py): qkv [T, (Hq + 2 Hkv) D] (rows
 // contiguous), q_out [T, Hq, D] contiguous; ranges of rows in parallel. The same bits as the
-// q/k norm, rotary_embedding and store_kvcache ops in turn, in one pass over the rows.
+// q/k norm, rotary_embedding and store_kvcache ops in turn, in one pass over the rows. cos/sin
+// without rows: a layer without rotary.
 void qkv_to_cache_op(const at::Tensor& qkv, at::Tensor q_out, at::Tensor k_cache, at::Tensor v_cache,
                      const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& cos,
                      const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
@@ -1352,7 +1355,7 @@ void qkv_to_cache_op(const at::Tensor& qkv, at::Tensor q_out, at::Tensor k_cache
   const int64_t D = k_cache.size(3), T = qkv.dim() == 2 ? qkv.size(0) : -1;
   check_value(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D &&
                   (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
-              "qkv: expected float32/bfloat16 [T, (num_heads + 2 num_kv_heads) head_dim] with contiguous rows");
+              "qkv: expected float32/bfloat16 [T, (num_heads + 2 num_kv_heads) head_dim], rows contiguous");
   check_value(D % 2 == 0 && D <= kMaxHeadDim, "k_cache: head_dim must be even and at most 512");
   check_value(q_out.dim() == 3 && q_out.is_contiguous() && q_out.size(0) == T && q_out.size(1) == num_heads &&
                   q_out.size(2) == D && q_out.scalar_type() == qkv.scalar_type(),
