@@ -65,6 +65,19 @@ struct KvScales {
 template <typename KT>
 constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
 
+// Calls run(T*, KT*) with null pointers typed as the activations (fp32, else bf16) and the KV
+// cache (the activations' type, or int8 codes): the instantiations the attention paths take.
+template <typename Run>
+void dispatch_kv(bool fp32, bool int8_kv, Run&& run) {
+  if (fp32) {
+    if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  } else {
+    if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  }
+}
+
 // One head's row of n values as int8 codes; returns its scale. The torch store
 // (torch_store.py) computes the same bits: fp32 absmax, 127 / absmax, round half to even.
 template <typename T>
@@ -900,13 +913,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         paged_decode<T, KT>(out, q, k_cache, v_cache, tables, width, ctx, B, sc, o, kvs);
       }
     };
-    if (q.scalar_type() == at::kFloat) {
-      if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
-      else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-    } else {
-      if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
-      else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
-    }
+    dispatch_kv(q.scalar_type() == at::kFloat, int8_kv, run);
     return;
   }
   std::vector<WorkItem> items;  // the general kernel's: chunks of kQueryChunk rows
@@ -1381,13 +1388,7 @@ void qkv_to_cache_op(const at::Tensor& qkv, at::Tensor q_out, at::Tensor k_cache
     qkv_to_cache<T_, KT>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, q_norm, k_norm, eps,
                          num_heads, num_kv_heads, D, kvs, gemma, /*parallel=*/true);
   };
-  if (qkv.scalar_type() == at::kFloat) {
-    if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
-    else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  } else {
-    if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
-    else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
-  }
+  dispatch_kv(qkv.scalar_type() == at::kFloat, int8_kv, run);
 }
 
 // A decoder layer's fixed arguments (weights, norms, sizes, its KV cache), as the per-layer ops
@@ -1481,13 +1482,7 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
                         kvs);
   };
   const bool int8_kv = k_cache.scalar_type() == at::kChar;
-  if (hidden.scalar_type() == at::kFloat) {
-    if (int8_kv) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
-    else run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  } else {
-    if (int8_kv) run(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
-    else run(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
-  }
+  dispatch_kv(hidden.scalar_type() == at::kFloat, int8_kv, run);
   linear_post_norm(out, attn.view({M, q_size}), a.o, a.post_norm, a.eps, scratch);
 }
 
