@@ -36,7 +36,8 @@ def _generate(path, dtype: str, fused: bool, monkeypatch, **options):
         model = runner.model
         calls = []
         if fused:
-            assert model.fused_decode is not None and model.fused_decode.stack is not None
+            one_process = options.get("tensor_parallel_size", 1) == 1  # else the layer ops
+            assert model.fused_decode is not None and (model.fused_decode.stack is not None) == one_process
             real = model.fused_decode
             model.fused_decode = lambda *a: calls.append(1) or real(*a)
         else:
@@ -92,16 +93,18 @@ def test_gemma_stack_checks_its_groups_and_norms(tiny_models_root):  # noqa: F81
         stack.set_gemma(0, hidden[:-1].contiguous(), hidden)
 
 
-def test_gemma_under_tensor_parallelism_runs_layer_by_layer(tiny_models_root):  # noqa: F811
-    model = tpserve_model(_path(tiny_models_root, "gemma2"), backend="cpu")
-    prepack_model(model)
-    PagedKV(model, 1, 16)
-    assert why_not_fused(model) is None
-    model.tp = types.SimpleNamespace(size=2, rank=0)
-    assert "tensor parallelism" in why_not_fused(model)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_fused_decode_under_tensor_parallelism(tiny_models_root, monkeypatch, name):  # noqa: F811
+    """TP=2: each layer's two fused ops per rank, each reading its KV-cache group's tables, and
+    Gemma's post-norms after the all-reduces, give the module path's tokens and logprobs."""
+    path = _path(tiny_models_root, name)
+    module, _ = _generate(path, "float32", False, monkeypatch, num_kv_blocks=512, tensor_parallel_size=2)
+    fused, _ = _generate(path, "float32", True, monkeypatch, num_kv_blocks=512, tensor_parallel_size=2)
+    assert fused == module
 
 
-def test_several_kv_groups_under_tensor_parallelism_run_layer_by_layer(tiny_models_root):  # noqa: F811
+def test_several_kv_groups_under_tensor_parallelism_take_the_layer_ops(tiny_models_root):  # noqa: F811
     from tpserve.workers.kv_group_runner import GroupBackend
     model = tpserve_model(make_tiny_model(tiny_models_root, "llama"), backend="cpu")
     prepack_model(model)
@@ -110,4 +113,4 @@ def test_several_kv_groups_under_tensor_parallelism_run_layer_by_layer(tiny_mode
     attn.backend = GroupBackend(attn.backend, 1)  # layer 1 reads a second group
     assert why_not_fused(model) is None  # one process: the stack takes each group's tables
     model.tp = types.SimpleNamespace(size=2, rank=0)
-    assert "KV-cache groups" in why_not_fused(model)
+    assert why_not_fused(model) is None  # the layer ops take them under tensor parallelism

@@ -31,7 +31,9 @@ tables and slot mapping (``meta.groups``).
 
 Gemma's layers (Gemma 2 and 3) run in the stack too: its (1 + w) norms, the post-attention and
 post-feedforward norms, GELU-tanh and the embedding scale (applied here, as the module path
-does), the C++ functions of the module path in its order, so the same bits.
+does), the C++ functions of the module path in its order, so the same bits. Under tensor
+parallelism the halves' ops leave their outputs unnormalised (``gemma=True``) and the post-norms
+run here after each all-reduce, as the module path orders them.
 
 Layers without rotary (SmolLM3's no-rope layers, ``rotary.NoRotary``) hand the ops cos/sin tables
 without rows, which skip the rotation.
@@ -89,10 +91,6 @@ def why_not_fused(model: CausalLM) -> str | None:
     gemma = spec.gemma_norms and spec.hidden_act == "gelu_tanh"
     if spec.rotary_dim or not (llama or gemma):
         return "needs Llama- or Gemma-shaped layers (SiLU, or Gemma's norms and GELU; whole rotary or none)"
-    if gemma and model.tp.size > 1:
-        return "runs Gemma's layers in one process only (no tensor parallelism)"
-    if model.tp.size > 1 and any(_group_of(layer.self_attn) for layer in model.model.layers):
-        return "reads several KV-cache groups in one process only (no tensor parallelism)"
     if spec.router_bias or spec.topk_then_softmax or spec.expert_bias or spec.expert_act != "silu":
         return ("needs softmax-then-top-k routing without a router bias and SiLU experts without "
                 "biases (not gpt-oss's)")
@@ -147,10 +145,12 @@ class FusedDecode:
         self.layers = []
         self.gemma = model.spec.gemma_norms
         self.groups = [_group_of(layer.self_attn) for layer in model.model.layers]
-        windows = [layer.self_attn.sliding_window for layer in model.model.layers]
-        # The window whose blocks every step must hold (0: a layer reads every key; the
-        # layer-by-layer path, which has one KV-cache group).
-        self.widest_window = 0 if None in windows else max(windows)
+        # Per KV-cache group, the window whose blocks every step must hold (0: a layer of the
+        # group reads every key): the layer-by-layer path checks each group's tables with it.
+        self.group_windows: dict[int, int] = {}
+        for g, layer in zip(self.groups, model.model.layers):
+            w, seen = layer.self_attn.sliding_window or 0, self.group_windows.get(g)
+            self.group_windows[g] = w if seen is None else (0 if 0 in (w, seen) else max(w, seen))
         first = self.tp.rank == 0  # a row-parallel bias is added once, on rank 0
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.feed_forward
@@ -220,22 +220,30 @@ class FusedDecode:
             return self.stack.run_groups(ids, positions, [m.slot_mapping for m in metas],
                                          [m.block_tables for m in metas], meta.cu_seqlens_q,
                                          meta.context_lens)
+        metas = getattr(meta, "groups", None) or [meta]
         a0 = self.layers[0][0]
-        ops.check_block_tables(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                               a0.k_cache.shape[0], a0.k_cache.shape[1], self.widest_window)
+        for g, window in self.group_windows.items():
+            ops.check_block_tables(metas[g].block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                   a0.k_cache.shape[0], a0.k_cache.shape[1], window)
         hidden = self.model.model.embed(input_ids)
         residual = torch.empty_like(hidden)
         other = torch.empty_like(hidden)
+        layers = self.model.model.layers
         for i, (attn, attn_args, mlp_args) in enumerate(self.layers):
+            m = metas[self.groups[i]]
             ops.decode_attention(other, residual, hidden, i > 0, positions, attn.k_cache, attn.v_cache,
-                                 meta.slot_mapping, meta.block_tables, meta.context_lens, *attn_args,
-                                 k_scale=attn.k_scale, v_scale=attn.v_scale)
+                                 m.slot_mapping, m.block_tables, meta.context_lens, *attn_args,
+                                 k_scale=attn.k_scale, v_scale=attn.v_scale, gemma=self.gemma)
             self.tp.all_reduce(other)
+            if self.gemma:  # the post-norms of the summed halves (the ops leave them to us)
+                other = layers[i].post_attention_layernorm(other)
             if isinstance(mlp_args, MoeArgs):
                 self.layer_stack.mlp(i, hidden, residual, other)
             else:
-                ops.decode_mlp(hidden, residual, other, *mlp_args)
+                ops.decode_mlp(hidden, residual, other, *mlp_args, gemma=self.gemma)
             self.tp.all_reduce(hidden)
+            if self.gemma:
+                hidden = layers[i].post_feedforward_layernorm(hidden)
         hidden, _ = self.model.model.norm(hidden, residual)
         return hidden
 

@@ -1409,7 +1409,10 @@ struct AttentionArgs {
   // q/k norms are then Gemma's (1 + w) ones too, and o_proj's output is normalised before it
   // joins the residual.
   at::Tensor post_norm;
-  bool gemma() const { return post_norm.defined(); }
+  // Gemma's norms without the post-norm here (tensor parallelism: o_proj's output is normalised
+  // after its all-reduce, in Python).
+  bool gemma_norms = false;
+  bool gemma() const { return gemma_norms || post_norm.defined(); }
   AttnOpts opts() const {
     return AttnOpts{window, sinks.defined() ? sinks.data_ptr<float>() : nullptr, static_cast<float>(softcap)};
   }
@@ -1440,6 +1443,7 @@ struct MlpArgs {
   // then its pre_feedforward_layernorm's, the norms are (1 + w) ones, the activation is
   // GELU-tanh, and down_proj's output is normalised.
   at::Tensor post_norm;
+  bool gemma_norms = false;  // Gemma's norm and GELU-tanh without the post-norm (as AttentionArgs')
 };
 
 // out = x w^T, then Gemma's post-norm of it where the layer has one (post_norm defined).
@@ -1486,6 +1490,9 @@ void decode_attention_into(at::Tensor& out, at::Tensor& residual, const at::Tens
   linear_post_norm(out, attn.view({M, q_size}), a.o, a.post_norm, a.eps, scratch);
 }
 
+// The attention half as an operator: tensor parallelism's layer-by-layer calls. `gemma`: Gemma's
+// (1 + w) input and q/k norms, o_proj's partial output left unnormalised (the caller normalises
+// the sum after its all-reduce).
 void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
                       bool has_residual, const at::Tensor& positions, const at::Tensor& k_cache_in,
                       const at::Tensor& v_cache_in, const at::Tensor& slot_mapping,
@@ -1498,7 +1505,8 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
                       const at::Tensor& o_data, int64_t o_kind, const c10::optional<at::Tensor>& o_scales,
                       const c10::optional<at::Tensor>& o_colsum, const c10::optional<at::Tensor>& o_bias,
                       int64_t window, const c10::optional<at::Tensor>& sinks, double softcap,
-                      const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+                      const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                      bool gemma) {
   const int64_t M = hidden.size(0), H = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
@@ -1523,6 +1531,7 @@ void decode_attention(at::Tensor out, at::Tensor residual, const at::Tensor& hid
   a.window = window;
   a.sinks = sinks.has_value() ? *sinks : at::Tensor();
   a.softcap = softcap;
+  a.gemma_norms = gemma;
   kv_scales(k_cache_in, k_scale, v_scale);  // checked
   check_value(k_cache_in.scalar_type() == hidden.scalar_type() || k_cache_in.scalar_type() == at::kChar,
               "k_cache: expected the model's dtype or int8");
@@ -1570,7 +1579,7 @@ void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hi
   const int64_t M = hidden.size(0);
   const at::TensorOptions opt = hidden.options();
   at::Tensor normed = scratch.get(kNormed, hidden.sizes(), opt);
-  const bool gemma = m.post_norm.defined();
+  const bool gemma = m.gemma_norms || m.post_norm.defined();
   norm_with_residual(normed, hidden, residual, true, m.ln_weight, m.eps, gemma);
   if (m.moe) {
     decode_moe_into(out, normed, *m.moe, scratch);
@@ -1583,21 +1592,25 @@ void decode_mlp_into(at::Tensor& out, at::Tensor& residual, const at::Tensor& hi
   linear_post_norm(out, act, m.down, m.post_norm, m.eps, scratch);
 }
 
+// The MLP half as an operator (as decode_attention). `gemma`: Gemma's (1 + w) norm and GELU-tanh,
+// down_proj's partial output left unnormalised.
 void decode_mlp(at::Tensor out, at::Tensor residual, const at::Tensor& hidden,
                 const at::Tensor& ln_weight, double eps, int64_t intermediate,
                 const at::Tensor& gu_data, int64_t gu_kind, const c10::optional<at::Tensor>& gu_scales,
                 const c10::optional<at::Tensor>& gu_colsum, const c10::optional<at::Tensor>& gu_bias,
                 const at::Tensor& down_data, int64_t down_kind, const c10::optional<at::Tensor>& down_scales,
-                const c10::optional<at::Tensor>& down_colsum, const c10::optional<at::Tensor>& down_bias) {
+                const c10::optional<at::Tensor>& down_colsum, const c10::optional<at::Tensor>& down_bias,
+                bool gemma) {
   const int64_t H = hidden.size(1);
   check_value(hidden.dim() == 2 && hidden.is_contiguous() && residual.sizes() == hidden.sizes() &&
                   out.sizes() == hidden.sizes(),
               "hidden/residual/out: expected contiguous [M, hidden] tensors");
-  const MlpArgs m{ln_weight, eps, intermediate,
+  MlpArgs m{ln_weight, eps, intermediate,
                   packed_linear(gu_data, gu_kind, 2 * intermediate, H, gu_scales, gu_colsum, gu_bias,
                                 "gate_up_proj"),
                   packed_linear(down_data, down_kind, H, intermediate, down_scales, down_colsum, down_bias,
                                 "down_proj")};
+  m.gemma_norms = gemma;
   DecodeScratch scratch;
   decode_mlp_into(out, residual, hidden, m, scratch);
 }
@@ -1877,11 +1890,11 @@ TORCH_LIBRARY(tpserve_cpu, m) {
         "float scale, Tensor qkv_data, int qkv_kind, Tensor? qkv_scales, Tensor? qkv_colsum, "
         "Tensor? qkv_bias, Tensor o_data, int o_kind, Tensor? o_scales, Tensor? o_colsum, "
         "Tensor? o_bias, int window=0, Tensor? sinks=None, float softcap=0., Tensor(e!)? k_scale=None, "
-        "Tensor(f!)? v_scale=None) -> ()");
+        "Tensor(f!)? v_scale=None, bool gemma=False) -> ()");
   m.def("decode_mlp(Tensor(a!) out, Tensor(b!) residual, Tensor hidden, Tensor ln_weight, float eps, "
         "int intermediate, Tensor gu_data, int gu_kind, Tensor? gu_scales, Tensor? gu_colsum, "
         "Tensor? gu_bias, Tensor down_data, int down_kind, Tensor? down_scales, "
-        "Tensor? down_colsum, Tensor? down_bias) -> ()");
+        "Tensor? down_colsum, Tensor? down_bias, bool gemma=False) -> ()");
   m.def("qkv_to_cache(Tensor qkv, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor positions, Tensor slot_mapping, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, "
         "float eps, int num_heads, int num_kv_heads, bool gemma=False, Tensor(d!)? k_scale=None, "
