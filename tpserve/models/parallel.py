@@ -30,6 +30,9 @@ class TPContext:
     group: Any = None  # a torch.distributed ProcessGroup, or None for the default group
     # The batch-invariant mode: all-reduce sums every element in rank order (see all_reduce).
     fixed_order: bool = False
+    # CPU ranks on one machine: workers/shm_allreduce.py's ShmAllReduce, which sums through shared
+    # memory what fits its slots (in rank order); None: every all-reduce goes to torch.distributed.
+    shm: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
@@ -49,8 +52,11 @@ class TPContext:
         in rank order: a ring all-reduce over three or more ranks cuts the tensor into chunks by
         its size (the step's row count) and starts each chunk's sum at another rank, so an
         element's sum order, hence its last bits, would follow the batch. Two ranks need no
-        care (x0 + x1 == x1 + x0 exactly), and keep the plain all-reduce."""
+        care (x0 + x1 == x1 + x0 exactly), and keep the plain all-reduce. ``shm`` (CPU ranks of one
+        machine) sums what fits its slots in rank order too, through shared memory."""
         if self.size == 1:
+            return x
+        if self.shm is not None and self.shm.all_reduce(x):
             return x
         if self.fixed_order and self.size > 2:
             parts = [torch.empty_like(x) for _ in range(self.size)]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from tpserve.models.parallel import TPContext
 from tpserve.workers import device as devices
+from tpserve.workers.shm_allreduce import ShmAllReduce
 
 
 class StoreListener:
@@ -122,7 +123,19 @@ def init_tp(rank: int, world_size: int, init_method: str | None = None,
         finally:
             if loopback_gloo:
                 del os.environ["GLOO_SOCKET_IFNAME"]
-    return TPContext(rank=rank, size=world_size, group=None)
+    shm = None
+    if not accel.is_accelerator and _one_machine(init_method, world_size) and \
+            os.environ.get("TPSERVE_SHM_ALLREDUCE", "1") != "0":
+        shm = ShmAllReduce.join(rank, world_size, timeout_s=timeout_s)
+    return TPContext(rank=rank, size=world_size, group=None, shm=shm)
+
+
+def _one_machine(init_method: str | None, world_size: int) -> bool:
+    """Whether every rank runs on this machine: tpserve's own spawn (a tcp:// rendezvous), or
+    torchrun with all of its ranks local."""
+    if init_method is not None:
+        return init_method.startswith("tcp://")
+    return os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
 
 
 def _loopback_store(rank: int, world_size: int, init_method: str, timeout: datetime.timedelta,
