@@ -15,7 +15,6 @@ layers, one of its parts plus a ``shard_id``) and copies this rank's slice.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpserve.models.packed_gemm import PackableLinear
