@@ -1,6 +1,6 @@
-"""The shared-memory all-reduce of CPU tensor-parallel ranks on one machine (workers/shm_allreduce.py):
-gloo's sums exactly, every rank the same bits, what it cannot take left to gloo, nothing left in
-/dev/shm, and a dead peer reported instead of waited for."""
+"""The shared-memory all-reduce and gather of CPU tensor-parallel ranks on one machine
+(workers/shm_allreduce.py): gloo's sums and parts exactly, every rank the same bits, what it
+cannot take left to gloo, nothing left in /dev/shm, and a dead peer reported, not waited for."""
 from __future__ import annotations
 
 import os
@@ -30,6 +30,14 @@ def _sums_worker(rank: int, store: str, out_dir: str) -> None:
             assert shm.all_reduce(x)
             assert torch.equal(x, want), (i, dtype, shape)
             results.append(x)
+            for _ in range(i % 3):  # gathers between them, several in a row at times
+                y = torch.randn(*shape, generator=g).to(dtype)
+                parts = [torch.empty_like(y) for _ in range(2)] if rank == 0 else None
+                dist.gather(y, parts, dst=0)
+                taken, got = shm.gather(y)
+                assert taken and (got is None) == (rank != 0)
+                if rank == 0:
+                    assert all(torch.equal(a, b) for a, b in zip(got, parts))
         big = torch.ones(1 << 15)  # 128 KiB: past a 64 KiB slot
         assert not shm.all_reduce(big) and torch.equal(big, torch.ones(1 << 15))
         assert not shm.all_reduce(torch.ones(8, 8).t())  # not contiguous
@@ -37,6 +45,10 @@ def _sums_worker(rank: int, store: str, out_dir: str) -> None:
         x = torch.full((4, 4), float(rank + 1))
         assert torch.equal(tp.all_reduce(x), torch.full((4, 4), 3.0))
         assert torch.equal(tp.all_reduce(big.clone()), torch.full((1 << 15,), 2.0))
+        got = tp.gather_to_rank0(torch.full((2, 3), float(rank)), dim=0)
+        assert got is None if rank else torch.equal(got, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
+        got = tp.gather_to_rank0(big, dim=0)  # past a slot: gloo's
+        assert got is None if rank else torch.equal(got, torch.cat([big, big]))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -85,6 +85,10 @@ class TPContext:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None:
+            taken, parts = self.shm.gather(x)
+            if taken:
+                return torch.cat(parts, dim=dim) if parts is not None else None
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         # ``dst`` is a global rank; ``group_dst`` (a group rank) needs torch >= 2.6.
         dst = 0 if self.group is None else dist.get_global_rank(self.group, 0)

@@ -15,6 +15,9 @@ A tensor larger than a slot (``slot_bytes``), or not a contiguous CPU tensor, is
 caller (``all_reduce`` returns False: ``TPContext`` then calls gloo). The choice depends on
 the shape alone, which every rank shares, so every rank takes the same path.
 
+``gather`` (logits to rank 0) works alike, except that rank 0 publishes only once it has copied
+the slots out, and the other ranks wait for that.
+
 Layout: one 64-byte line per rank (u64 words: the last sequence number it published, its pid),
 then two buffers of ``size`` slots of ``slot_bytes``. Rank 0 creates the segment and removes its
 name as soon as every rank has mapped it: nothing is left in /dev/shm, even after a crash.
@@ -36,7 +39,7 @@ from tpserve.procs import pid_alive
 from tpserve.workers.shm_ring import Segment, make_segment_name, unlink_segment
 
 LINE = 64
-SLOT_BYTES = 1 << 20  # per rank and buffer: 256 rows of 2,048 bf16 values
+SLOT_BYTES = 4 << 20  # per rank and buffer: 1,024 rows of 2,048 bf16 values
 
 
 class ShmAllReduce:
@@ -85,16 +88,43 @@ class ShmAllReduce:
             return self._data[start:start + n].view(x.dtype).view(x.shape)
 
         slot(self.rank).copy_(x)
-        self._words[self.rank * LINE // 8] = seq  # published: x86 keeps the stores in order
-        self._wait(seq)
+        self._publish(seq)
+        self._wait(seq, [r for r in range(self.size) if r != self.rank])
         torch.add(slot(0), slot(1), out=x)
         for r in range(2, self.size):
             x.add_(slot(r))
         return True
 
-    def _wait(self, seq: int) -> None:
+    def gather(self, x: torch.Tensor) -> tuple[bool, list[torch.Tensor] | None]:
+        """(taken, parts): every rank's ``x`` on rank 0 (``parts`` in rank order; None elsewhere).
+        ``taken`` False: nothing done (as ``all_reduce``). Rank 0 publishes only once it has
+        copied the parts out, and the others wait for that: no slot is written while read."""
+        n = x.numel() * x.element_size()
+        if x.device.type != "cpu" or not x.is_contiguous() or n > self.slot_bytes:
+            return False, None
+        self._seq += 1
+        seq = self._seq
+        base = (seq & 1) * self.size * self.slot_bytes
+
+        def slot(r: int) -> torch.Tensor:
+            start = base + r * self.slot_bytes
+            return self._data[start:start + n].view(x.dtype).view(x.shape)
+
+        slot(self.rank).copy_(x)
+        if self.rank != 0:
+            self._publish(seq)
+            self._wait(seq, [0])
+            return True, None
+        self._wait(seq, list(range(1, self.size)))
+        parts = [slot(r).clone() for r in range(self.size)]
+        self._publish(seq)
+        return True, parts
+
+    def _publish(self, seq: int) -> None:
+        self._words[self.rank * LINE // 8] = seq  # x86 keeps the stores in order: the data first
+
+    def _wait(self, seq: int, others: list[int]) -> None:
         words, step = self._words, LINE // 8
-        others = [r for r in range(self.size) if r != self.rank]
         start = time.monotonic()
         spin_until, next_check, nap = start + 0.002, start + 0.1, 20e-6
         while True:
