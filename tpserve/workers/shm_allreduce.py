@@ -81,11 +81,9 @@ class ShmAllReduce:
             return False
         self._seq += 1
         seq = self._seq
-        base = (seq & 1) * self.size * self.slot_bytes
 
         def slot(r: int) -> torch.Tensor:
-            start = base + r * self.slot_bytes
-            return self._data[start:start + n].view(x.dtype).view(x.shape)
+            return self._slot(seq, r, x)
 
         slot(self.rank).copy_(x)
         self._publish(seq)
@@ -104,11 +102,9 @@ class ShmAllReduce:
             return False, None
         self._seq += 1
         seq = self._seq
-        base = (seq & 1) * self.size * self.slot_bytes
 
         def slot(r: int) -> torch.Tensor:
-            start = base + r * self.slot_bytes
-            return self._data[start:start + n].view(x.dtype).view(x.shape)
+            return self._slot(seq, r, x)
 
         slot(self.rank).copy_(x)
         if self.rank != 0:
@@ -119,6 +115,11 @@ class ShmAllReduce:
         parts = [slot(r).clone() for r in range(self.size)]
         self._publish(seq)
         return True, parts
+
+    def _slot(self, seq: int, r: int, x: torch.Tensor) -> torch.Tensor:
+        """Rank r's slot in collective seq's buffer, as a tensor shaped like ``x``."""
+        start = ((seq & 1) * self.size + r) * self.slot_bytes
+        return self._data[start:start + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
 
     def _publish(self, seq: int) -> None:
         self._words[self.rank * LINE // 8] = seq  # x86 keeps the stores in order: the data first
