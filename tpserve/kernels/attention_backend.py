@@ -99,20 +99,12 @@ class AttentionBackend(abc.ABC):
     __call__ = forward
 
     def fuses_qkv_store(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether ``store_qkv`` takes a layer of this dtype and head size (then ``forward`` with
-        ``stored=True`` attends over what it stored). Backends without the fused step: False."""
+        """Whether the backend has a fused QKV store for a layer of this dtype and head size: a
+        method ``store_qkv(qkv, num_heads, num_kv_heads, k_cache, v_cache, meta, positions, rope,
+        qk_norm, kv_scales)`` that takes the QKV projection's output to the cache in one pass
+        (cpu_attention.py's), after which ``forward`` with ``stored=True`` attends over what it
+        stored. Backends without one (this default): False, and nobody calls it."""
         return False
-
-    def store_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor,
-                  rope: tuple[torch.Tensor, torch.Tensor], qk_norm=None,
-                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """From the fused QKV projection's output ``qkv [T, (Hq + 2 Hkv) D]`` to the cache in one
-        pass: the q/k norms (``qk_norm``: (q_weight, k_weight, eps, gemma) or None), the rotary
-        embedding of every feature (``rope``: float32 cos/sin tables [max_position, D / 2]) and
-        the keys' and values' store at meta.slot_mapping; returns the rotated queries [T, Hq, D].
-        Only where ``fuses_qkv_store`` says so."""
-        raise NotImplementedError(f"the {self.name} attention backend has no fused QKV store")
 
     @abc.abstractmethod
     def store(self, key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -96,8 +96,15 @@ class CpuAttention(AttentionBackend):
         # Only where attend reads every row from the cache (the operator's tiled paths).
         return dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim <= 512
 
-    def store_qkv(self, qkv, num_heads, num_kv_heads, k_cache, v_cache, meta, positions, rope,
-                  qk_norm=None, kv_scales=None) -> torch.Tensor:
+    def store_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor], qk_norm=None,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """From the fused QKV projection's output ``qkv [T, (Hq + 2 Hkv) D]`` to the cache in one
+        pass (the operator ``qkv_to_cache``): the q/k norms (``qk_norm``: (q_weight, k_weight,
+        eps, gemma) or None), the rotary embedding (``rope``: float32 cos/sin tables
+        [max_position, D / 2]; tables without rows: none) and the keys' and values' store at
+        meta.slot_mapping. Returns the rotated queries [T, Hq, D]."""
         head_dim = k_cache.shape[-1]
         q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
         q_w, k_w, eps, gemma = qk_norm if qk_norm is not None else (None, None, 0.0, False)

@@ -86,6 +86,7 @@ class SelfAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None  # an int8 cache's scales, else None
         self.v_scale: torch.Tensor | None = None
+        self._fusable: tuple | None = None  # ((dtype, device), whether _can_fuse)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
@@ -116,9 +117,16 @@ class SelfAttention(nn.Module):
 
     def _fused_store(self, qkv: torch.Tensor) -> bool:
         """Whether this call's q/k norms, rotary and store run as the backend's one pass: a cache
-        to store into, a whole rotary or none, Qwen3's or Gemma's q/k norms or none."""
+        to store into, and a layer :meth:`_can_fuse` takes (decided once per dtype and device)."""
         if not self.fuse_qkv_store or self.k_cache is None or self.k_cache.numel() == 0:
             return False
+        key = (qkv.dtype, qkv.device)
+        if self._fusable is None or self._fusable[0] != key:
+            self._fusable = (key, self._can_fuse(qkv))
+        return self._fusable[1]
+
+    def _can_fuse(self, qkv: torch.Tensor) -> bool:
+        """A whole rotary or none, Qwen3's or Gemma's q/k norms or none, a backend that fuses."""
         rotary = self.rotary  # a whole rotary, or none (cos/sin without rows: NoRotary's)
         whole = isinstance(rotary, RotaryEmbedding) and rotary.rotary_dim == self.head_dim
         if not ((whole or isinstance(rotary, NoRotary)) and rotary.cos.device == qkv.device

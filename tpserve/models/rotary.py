@@ -203,7 +203,7 @@ class NoRotary(nn.Module):
 
     rotary_dim = 0
 
-    def __init__(self, head_dim: int = 0):
+    def __init__(self, head_dim: int):
         super().__init__()
         self.register_buffer("cos", torch.empty(0, head_dim // 2, dtype=torch.float32), persistent=False)
         self.register_buffer("sin", torch.empty(0, head_dim // 2, dtype=torch.float32), persistent=False)

@@ -76,45 +76,40 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> bool:
         """Sum ``x`` over the ranks in place; False (nothing done) when it is not for this path."""
-        n = x.numel() * x.element_size()
-        if x.device.type != "cpu" or not x.is_contiguous() or n > self.slot_bytes:
+        seq = self._enter(x)
+        if seq is None:
             return False
-        self._seq += 1
-        seq = self._seq
-
-        def slot(r: int) -> torch.Tensor:
-            return self._slot(seq, r, x)
-
-        slot(self.rank).copy_(x)
         self._publish(seq)
         self._wait(seq, [r for r in range(self.size) if r != self.rank])
-        torch.add(slot(0), slot(1), out=x)
+        torch.add(self._slot(seq, 0, x), self._slot(seq, 1, x), out=x)
         for r in range(2, self.size):
-            x.add_(slot(r))
+            x.add_(self._slot(seq, r, x))
         return True
 
     def gather(self, x: torch.Tensor) -> tuple[bool, list[torch.Tensor] | None]:
         """(taken, parts): every rank's ``x`` on rank 0 (``parts`` in rank order; None elsewhere).
         ``taken`` False: nothing done (as ``all_reduce``). Rank 0 publishes only once it has
         copied the parts out, and the others wait for that: no slot is written while read."""
-        n = x.numel() * x.element_size()
-        if x.device.type != "cpu" or not x.is_contiguous() or n > self.slot_bytes:
+        seq = self._enter(x)
+        if seq is None:
             return False, None
-        self._seq += 1
-        seq = self._seq
-
-        def slot(r: int) -> torch.Tensor:
-            return self._slot(seq, r, x)
-
-        slot(self.rank).copy_(x)
         if self.rank != 0:
             self._publish(seq)
             self._wait(seq, [0])
             return True, None
         self._wait(seq, list(range(1, self.size)))
-        parts = [slot(r).clone() for r in range(self.size)]
+        parts = [self._slot(seq, r, x).clone() for r in range(self.size)]
         self._publish(seq)
         return True, parts
+
+    def _enter(self, x: torch.Tensor) -> int | None:
+        """The next collective's number with ``x`` copied into this rank's slot, or None (nothing
+        done) for a tensor this path does not take: not a contiguous CPU one, or past a slot."""
+        if x.device.type != "cpu" or not x.is_contiguous() or x.numel() * x.element_size() > self.slot_bytes:
+            return None
+        self._seq += 1
+        self._slot(self._seq, self.rank, x).copy_(x)
+        return self._seq
 
     def _slot(self, seq: int, r: int, x: torch.Tensor) -> torch.Tensor:
         """Rank r's slot in collective seq's buffer, as a tensor shaped like ``x``."""
